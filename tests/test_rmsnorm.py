@@ -1,0 +1,311 @@
+"""RMSNorm, AdaLN-modulated RMSNorm and gated-residual + RMSNorm + modulation, against float64 references
+and against the real diffusers / torch modules."""
+
+import pytest
+import torch
+
+import rmsnorm
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
+
+def _module_tol(dtype):
+    """Kernel vs the real module: both round at the same places, so natively they differ by at most
+    the last bit of an fp32 sum (<= 1 ulp of the output: half of TOL). The interpreter truncates
+    each fp32 -> bf16 cast instead of rounding (up to 2 ulps after two casts): full TOL there."""
+    t = TOL[dtype]
+    return t if (INTERPRET and dtype == torch.bfloat16) else {k: v / 2 for k, v in t.items()}
+
+
+SHAPES = [(1, 1), (1, 127), (3, 2049), (2, 5, 64), (2, 3, 7, 96)]
+
+
+@pytest.fixture
+def gen():
+    return make_generator()
+
+
+def _weight(n, dtype, gen):
+    return randn((n,), dtype, gen, scale=0.2, offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_rms_norm_matches_float64(shape, dtype, with_weight, gen):
+    x = randn(shape, dtype, gen, scale=3.0, offset=0.5)
+    w = _weight(shape[-1], dtype, gen) if with_weight else None
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, w, eps=1e-6)
+    ref = rmsnorm.rms_norm_ref(x.double(), None if w is None else w.double(), eps=1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fp32_weight_multiply_and_out_dtype(dtype, gen):
+    """diffusers RMSNorm with an fp32 weight multiplies in fp32 and returns fp32."""
+    x = randn((4, 300), dtype, gen)
+    w = _weight(300, torch.float32, gen)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, w, 1e-6, cast_before_weight=False, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    ref = rmsnorm.rms_norm_ref(x.double(), w.double(), 1e-6, cast_before_weight=False)
+    assert_close(out, ref, torch.float32, rtol=2e-6, atol=2e-6, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("width", [1, 127, 2049])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_path_for_wide_rows(width, dtype, gen, monkeypatch):
+    """Rows wider than one block are processed in chunks; shrink the limits to exercise that path cheaply."""
+    monkeypatch.setattr(rmsnorm, "_MAX_FUSED_N", 64)
+    monkeypatch.setattr(rmsnorm, "_CHUNK_N", 32)
+    x = randn((3, width), dtype, gen)
+    w = _weight(width, dtype, gen)
+    h = randn((3, width), dtype, gen)
+    gate = randn((width,), dtype, gen)
+    sc = randn((3, width), dtype, gen, scale=0.3)
+    sh = randn((width,), dtype, gen, scale=0.3)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, w)
+        h_new, mod = rmsnorm.gated_residual_rms_norm_modulate(h, x, gate, sc, sh, w)
+    assert_close(out, rmsnorm.rms_norm_ref(x.double(), w.double()), dtype, seed=gen.seed_value)
+    h_ref, mod_ref = rmsnorm.gated_residual_rms_norm_modulate_ref(
+        h.double(), x.double(), gate.double(), sc.double(), sh.double(), w.double()
+    )
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    # normalise the kernel's own rounded h (as the model does), so only the norm's error is compared
+    mod_ref2 = rmsnorm.rms_norm_modulate_ref(h_new.double(), sc.double(), sh.double(), w.double())
+    assert_close(mod, mod_ref2, dtype, name="out", seed=gen.seed_value)
+
+
+def test_wide_row_16384_single_pass(gen):
+    x = randn((2, 16384), torch.float32, gen)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x)
+    assert_close(out, rmsnorm.rms_norm_ref(x.double()), torch.float32, seed=gen.seed_value)
+
+
+def test_wide_row_20000_default_chunking(gen):
+    x = randn((1, 20000), torch.float32, gen)
+    w = _weight(20000, torch.float32, gen)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, w)
+    assert_close(out, rmsnorm.rms_norm_ref(x.double(), w.double()), torch.float32, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_without_copy(dtype, gen):
+    """q sliced out of a fused [B, S, 3C] projection: rows are strided, the last dim is contiguous."""
+    big = randn((2, 9, 3 * 96), dtype, gen)
+    x = big[:, :, 96:192]
+    assert not x.is_contiguous()
+    w = _weight(96, dtype, gen)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, w)
+    assert_close(out, rmsnorm.rms_norm_ref(x.double(), w.double()), dtype, seed=gen.seed_value)
+    # a transposed leading layout ([S, B, C] viewed as [B, S, C])
+    y = randn((9, 2, 96), dtype, gen).transpose(0, 1)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(y)
+    assert_close(out, rmsnorm.rms_norm_ref(y.double()), dtype, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mod_shape", ["D", "B1D", "BSD", "11D"])
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_rms_norm_modulate(dtype, mod_shape, with_weight, gen):
+    B, S, D = 3, 5, 129
+    x = randn((B, S, D), dtype, gen, scale=2.0)
+    shape = {"D": (D,), "B1D": (B, 1, D), "BSD": (B, S, D), "11D": (1, 1, D)}[mod_shape]
+    sc = randn(shape, dtype, gen, scale=0.5)
+    sh = randn(shape, dtype, gen, scale=0.5)
+    w = _weight(D, dtype, gen) if with_weight else None
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm_modulate(x, sc, sh, w, eps=1e-6)
+    ref = rmsnorm.rms_norm_modulate_ref(
+        x.double(), sc.double(), sh.double(), None if w is None else w.double(), eps=1e-6
+    )
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+
+
+def test_modulate_with_ltx_views(gen):
+    """scale/shift as LTX makes them: unbind of [B, 1, 6, D], so views with a stride of 6*D."""
+    B, S, D = 2, 7, 64
+    x = randn((B, S, D), torch.bfloat16, gen)
+    ada = randn((B, 1, 6, D), torch.bfloat16, gen, scale=0.3)
+    shift, scale, gate, *_ = ada.unbind(dim=2)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm_modulate(x, scale, shift)
+    ref = rmsnorm.rms_norm_modulate_ref(x.double(), scale.double(), shift.double())
+    assert_close(out, ref, torch.bfloat16, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_shape", [None, "B1D", "BSD", "D"])
+def test_gated_residual_rms_norm_modulate(dtype, gate_shape, gen):
+    B, S, D = 2, 6, 131
+    h = randn((B, S, D), dtype, gen, scale=2.0)
+    y = randn((B, S, D), dtype, gen)
+    gate = None
+    if gate_shape is not None:
+        gate = randn({"B1D": (B, 1, D), "BSD": (B, S, D), "D": (D,)}[gate_shape], dtype, gen)
+    sc = randn((B, 1, D), dtype, gen, scale=0.5)
+    sh = randn((B, 1, D), dtype, gen, scale=0.5)
+    with poisoned_outputs():
+        h_new, out = rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, sc, sh)
+    h_ref, _ = rmsnorm.gated_residual_rms_norm_modulate_ref(
+        h.double(), y.double(), None if gate is None else gate.double(), sc.double(), sh.double()
+    )
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    out_ref = rmsnorm.rms_norm_modulate_ref(h_new.double(), sc.double(), sh.double())
+    assert_close(out, out_ref, dtype, name="out", seed=gen.seed_value)
+
+
+def test_residual_without_modulation(gen):
+    h = randn((4, 100), torch.float16, gen)
+    y = randn((4, 100), torch.float16, gen)
+    w = _weight(100, torch.float16, gen)
+    with poisoned_outputs():
+        h_new, out = rmsnorm.gated_residual_rms_norm_modulate(h, y, None, None, None, w)
+    h_ref, out_ref = rmsnorm.gated_residual_rms_norm_modulate_ref(h.double(), y.double(), None, None, None, w.double())
+    assert_close(h_new, h_ref, torch.float16, seed=gen.seed_value)
+    assert_close(out, rmsnorm.rms_norm_ref(h_new.double(), w.double()), torch.float16, seed=gen.seed_value)
+
+
+# ---- against the real modules ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [False, True])
+def test_matches_diffusers_rmsnorm(dtype, affine, gen):
+    from diffusers.models.normalization import RMSNorm
+
+    D = 200
+    m = RMSNorm(D, eps=1e-6, elementwise_affine=affine)
+    if affine:
+        m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
+    m = m.to(DEVICE, dtype)
+    x = randn((2, 9, D), dtype, gen, scale=2.0)
+    expected = m(x)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, m.weight, m.eps)
+    assert out.dtype == expected.dtype
+    # both round at the same places; the only difference is the order of fp32 summation: <= 1 ulp
+    assert_close(out, expected.double(), dtype, **_module_tol(dtype), seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("eps", [1e-5, None])
+def test_matches_torch_rmsnorm(dtype, eps, gen):
+    D = 150
+    m = torch.nn.RMSNorm(D, eps=eps)
+    m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
+    m = m.to(DEVICE, dtype)
+    x = randn((3, 4, D), dtype, gen)
+    expected = m(x)
+    eff_eps = torch.finfo(dtype).eps if eps is None else eps
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, m.weight, eff_eps)
+    assert_close(out, expected.double(), dtype, **_module_tol(dtype), seed=gen.seed_value)
+
+
+def test_matches_llama_rmsnorm_bf16(gen):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    D = 256
+    m = LlamaRMSNorm(D, eps=1e-5)
+    m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
+    m = m.to(DEVICE, torch.bfloat16)
+    x = randn((5, D), torch.bfloat16, gen, scale=4.0)
+    expected = m(x)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, m.weight, 1e-5)
+    # Natively the results agree to one bf16 ulp (only the fp32 summation order differs); the
+    # interpreter truncates its two fp32 -> bf16 casts, which can cost two ulps.
+    diff = (out.float() - expected.float()).abs()
+    ulps = 2 if INTERPRET else 1
+    ulp = expected.float().abs().clamp_min(2.0**-126) * 2.0**-7
+    assert bool((diff <= ulps * ulp).all()), f"max diff {diff.max().item()} exceeds {ulps} bf16 ulp"
+
+
+# ---- empty and bad input --------------------------------------------------------------------
+def test_empty_inputs():
+    x = torch.empty((0, 64), device=DEVICE)
+    assert rmsnorm.rms_norm(x).shape == (0, 64)
+    x3 = torch.empty((2, 0, 64), device=DEVICE)
+    sc = torch.ones((2, 1, 64), device=DEVICE)
+    assert rmsnorm.rms_norm_modulate(x3, sc, sc).shape == (2, 0, 64)
+    h_new, out = rmsnorm.gated_residual_rms_norm_modulate(x3, x3, None, sc, sc)
+    assert h_new.shape == out.shape == (2, 0, 64)
+
+
+def test_errors(gen):
+    x = randn((2, 4, 64), torch.float32, gen)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rmsnorm.rms_norm([1.0, 2.0])
+    with pytest.raises(TypeError, match="x has dtype int32"):
+        rmsnorm.rms_norm(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="x has dtype float64"):
+        rmsnorm.rms_norm(x.double())
+    with pytest.raises(ValueError, match=r"weight must have shape \[64\]"):
+        rmsnorm.rms_norm(x, torch.ones(63, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        rmsnorm.rms_norm(x.transpose(1, 2))
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        rmsnorm.rms_norm(x, eps=-1.0)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        rmsnorm.rms_norm(torch.tensor(1.0, device=DEVICE))
+    with pytest.raises(ValueError, match=r"scale of shape \(3, 1, 64\) does not broadcast"):
+        rmsnorm.rms_norm_modulate(x, torch.ones(3, 1, 64, device=DEVICE), torch.ones(2, 1, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"shift of shape \(2, 1, 32\) does not broadcast"):
+        rmsnorm.rms_norm_modulate(x, torch.ones(2, 1, 64, device=DEVICE), torch.ones(2, 1, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="scale and shift are required"):
+        rmsnorm.rms_norm_modulate(x, None, None)
+    with pytest.raises(ValueError, match="scale and shift must be given together"):
+        rmsnorm.gated_residual_rms_norm_modulate(x, x, None, torch.ones(64, device=DEVICE), None)
+    with pytest.raises(ValueError, match=r"y has shape \(2, 4, 63\)"):
+        rmsnorm.gated_residual_rms_norm_modulate(x, x[..., :63], None, None, None)
+    with pytest.raises(TypeError, match="y has dtype"):
+        rmsnorm.gated_residual_rms_norm_modulate(x, x.half(), None, None, None)
+    with pytest.raises(ValueError, match="y is required"):
+        rmsnorm.gated_residual_rms_norm_modulate(x, None, None, None, None)
+    with pytest.raises(TypeError, match="scale has dtype int64"):
+        rmsnorm.rms_norm_modulate(x, torch.ones(64, dtype=torch.int64, device=DEVICE), torch.ones(64, device=DEVICE))
+    with pytest.raises(TypeError, match="out_dtype"):
+        rmsnorm.rms_norm(x, out_dtype=torch.int8)
+    # rows that need more than two strides to address
+    odd = randn((4, 3, 5, 64), torch.float32, gen).permute(1, 0, 2, 3)[:, :, ::2]
+    with pytest.raises(ValueError, match="cannot be addressed with two strides"):
+        rmsnorm.rms_norm(odd)
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+def test_device_mismatch(gen):
+    x = randn((2, 64), torch.float32, gen)
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        rmsnorm.rms_norm(x, torch.ones(64))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CPU tensor"):
+        rmsnorm.rms_norm(torch.ones(2, 8))
+
+
+def test_custom_op_under_torch_compile(gen):
+    """torch.compile traces through the registered op (aot_eager keeps it cheap on the CPU)."""
+    x = randn((2, 3, 64), torch.float32, gen)
+    sc = randn((2, 1, 64), torch.float32, gen, scale=0.2)
+    sh = randn((2, 1, 64), torch.float32, gen, scale=0.2)
+
+    def f(x, sc, sh):
+        h, out = rmsnorm.gated_residual_rms_norm_modulate(x, x * 2, None, sc, sh)
+        return rmsnorm.rms_norm(out + h) * 3
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = compiled(x, sc, sh)
+    assert_close(got, f(x, sc, sh).double(), torch.float32, seed=gen.seed_value)
+    torch.library.opcheck(
+        torch.ops.rocm_triton_kernels.rms_norm_fused.default,
+        (x, x * 2, None, None, sc, sh, 1e-6, True, None),
+        test_utils=("test_schema", "test_faketensor"),
+    )
