@@ -8,7 +8,8 @@ One Triton kernel implements every variant; constexpr flags remove the parts a c
 Public functions:
 
 * ``rms_norm(x, weight=None, eps=1e-6, cast_before_weight=True, out_dtype=None)``:
-  diffusers ``RMSNorm``, ``torch.nn.RMSNorm`` and Llama's ``LlamaRMSNorm`` (see ``cast_before_weight``).
+  diffusers ``RMSNorm`` and Llama's ``LlamaRMSNorm`` (cast_before_weight=True), ``torch.nn.RMSNorm``
+  (cast_before_weight=False); see the function's docstring.
 * ``rms_norm_modulate(x, scale, shift, weight=None, eps=1e-6)``: ``rms_norm(x) * (1 + scale) + shift``,
   scale/shift broadcastable to x ([D], [B, 1, D] as in LTX-Video/DiT, or [B, S, D]).
 * ``gated_residual_rms_norm_modulate(h, y, gate, scale, shift, ...)``: ``h = h + y * gate`` (gate may be
@@ -20,6 +21,7 @@ torch and triton only; copy it into another project as is. Run ``python rmsnorm.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Sequence
 
@@ -161,7 +163,13 @@ def _device_target(device: torch.device):
     """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
-    target = triton.runtime.driver.active.get_current_target()
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int):
+    with torch.cuda.device(index):
+        target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
 
 
@@ -180,6 +188,28 @@ def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_S
         )
 
 
+def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
+    """Strides of t broadcast to shape (0 along broadcast dims), without materialising anything."""
+    nd, td = len(shape), t.dim()
+    if td > nd:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} has more dimensions than the input {tuple(shape)}")
+    tshape, tstride = (1,) * (nd - td) + tuple(t.shape), (0,) * (nd - td) + tuple(t.stride())
+    out = []
+    for size, st, want in zip(tshape, tstride, shape):
+        if size == want:
+            out.append(st if want != 1 else 0)
+        elif size == 1:
+            out.append(0)
+        else:
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; "
+                "expected [D], [B, 1, D] or [B, S, D]"
+            )
+    if shape[-1] > 1 and out[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {out[-1]})")
+    return tuple(out)
+
+
 def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """True if these dims can be addressed as one flat index with a single stride."""
     dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
@@ -191,19 +221,25 @@ def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     return dims[-1] if dims else 0
 
 
-def _row_layout(tensors, lead_shape):
-    """Express the leading dims of every tensor (already expanded to lead_shape + [N]) as two levels.
+def _row_layout(stride_sets, lead_shape):
+    """Express the leading dims of every operand as two levels of rows.
 
+    stride_sets holds each operand's strides (broadcast to the input's shape, last dim excluded).
     Row r of the flattened [M, N] problem lives at (r // inner) * stride_o + (r % inner) * stride_i.
-    Finds a split point k of the leading dims such that, in every tensor, dims [:k] and dims [k:]
-    each collapse to one stride. No copy is ever made; a layout that needs more than two levels is
-    rejected with a clear error.
+    Up to two leading dims map directly (the common [B, S, D] and [M, D] cases cost nothing); more
+    are collapsed where every operand allows it. No copy is ever made; a layout that needs more
+    than two levels is rejected with a clear error.
     """
     nlead = len(lead_shape)
+    if nlead <= 2:
+        if nlead == 0:
+            return 1, [(0, 0) for _ in stride_sets]
+        if nlead == 1:
+            return lead_shape[0], [(0, st[0]) for st in stride_sets]
+        return lead_shape[1], [(st[0], st[1]) for st in stride_sets]
     for k in range(nlead, -1, -1):
         layouts = []
-        for t in tensors:
-            st = t.stride()[:-1]
+        for st in stride_sets:
             if not (_mergeable(lead_shape[:k], st[:k]) and _mergeable(lead_shape[k:], st[k:])):
                 break
             layouts.append((_flat_stride(lead_shape[:k], st[:k]), _flat_stride(lead_shape[k:], st[k:])))
@@ -214,22 +250,17 @@ def _row_layout(tensors, lead_shape):
             return max(inner, 1), layouts
     raise ValueError(
         "the leading dimensions of the inputs cannot be addressed with two strides "
-        f"(shape {tuple(lead_shape)}, strides {[tuple(t.stride()) for t in tensors]}); "
+        f"(shape {tuple(lead_shape)}, strides {[tuple(st) for st in stride_sets]}); "
         "call .contiguous() on the input first"
     )
 
 
-def _broadcast_to(name: str, t: torch.Tensor, shape) -> torch.Tensor:
-    try:
-        return t.expand(shape)
-    except RuntimeError:
-        raise ValueError(
-            f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; "
-            "expected [D], [B, 1, D] or [B, S, D]"
-        ) from None
-
-
 def _launch_config(n_cols: int, n_rows: int, warp_size: int):
+    return _launch_config_cached(n_cols, n_rows, warp_size, _MAX_FUSED_N, _CHUNK_N)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: int, chunk: int):
     """Block shape and warps.
 
     Reasons: each lane should issue 16-byte vector loads and hold a handful of them, so a program
@@ -237,8 +268,8 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int):
     so that one program still moves a few KiB (small programs leave bandwidth unused and pay
     scheduling overhead per row); rows wider than _MAX_FUSED_N loop over _CHUNK_N-wide chunks.
     """
-    single = n_cols <= _MAX_FUSED_N
-    block_n = triton.next_power_of_2(n_cols) if single else _CHUNK_N
+    single = n_cols <= max_fused
+    block_n = triton.next_power_of_2(n_cols) if single else chunk
     # Aim for about 4096 elements per program: ~8 KiB of bf16 in and out per program.
     block_m = max(1, min(16, 4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
     elems = block_m * block_n
@@ -270,9 +301,7 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
             raise ValueError("y must be contiguous in its last dimension; call .contiguous()")
     if gate is not None:
         _check_tensor("gate", gate, device)
-        gate = _broadcast_to("gate", gate, shape)
-        if gate.numel() > 0 and gate.stride(-1) != 1 and n > 1:
-            raise ValueError("gate must be contiguous in its last dimension")
+        g_strides = _bcast_strides("gate", gate, shape)
     if weight is not None:
         _check_tensor("weight", weight, device)
         if weight.dim() != 1 or weight.shape[0] != n:
@@ -285,11 +314,8 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
             raise ValueError("scale and shift must be given together")
         _check_tensor("scale", scale, device)
         _check_tensor("shift", shift, device)
-        scale = _broadcast_to("scale", scale, shape)
-        shift = _broadcast_to("shift", shift, shape)
-        for nm, t in (("scale", scale), ("shift", shift)):
-            if t.numel() > 0 and t.stride(-1) != 1 and n > 1:
-                raise ValueError(f"{nm} must be contiguous in its last dimension")
+        s_strides = _bcast_strides("scale", scale, shape)
+        t_strides = _bcast_strides("shift", shift, shape)
     if out_dtype is None:
         out_dtype = x.dtype
     elif out_dtype not in _SUPPORTED_DTYPES:
@@ -301,8 +327,14 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
         return h_out, out
     lead = list(shape[:-1])
     m = x.numel() // n
-    tensors = [x] + ([y] if has_residual else []) + ([gate] if gate is not None else []) + ([scale, shift] if has_mod else [])
-    inner, layouts = _row_layout(tensors, lead)
+    stride_sets = [x.stride()[:-1]]
+    if has_residual:
+        stride_sets.append(y.stride()[:-1])
+    if gate is not None:
+        stride_sets.append(g_strides[:-1])
+    if has_mod:
+        stride_sets += [s_strides[:-1], t_strides[:-1]]
+    inner, layouts = _row_layout(stride_sets, lead)
     it = iter(layouts)
     xs = next(it)
     ys = next(it) if has_residual else (0, 0)
@@ -312,7 +344,7 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
 
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, num_warps = _launch_config(n, m, warp_size)
-    grid = (triton.cdiv(m, block_m),)
+    grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv is a jit function, slow on the host
     _rms_norm_kernel[grid](
         x, xs[0], xs[1],
         y, ys[0], ys[1],
@@ -391,9 +423,11 @@ def rms_norm(
     """RMSNorm over the last dim of x (any leading shape, rows may be strided).
 
     cast_before_weight=True rounds x * rsqrt(mean(x^2) + eps) to x's dtype before multiplying by the
-    weight: this is torch.nn.RMSNorm / LlamaRMSNorm, and diffusers RMSNorm when its weight is fp16 or
-    bf16. False multiplies the weight in fp32 and rounds once (diffusers RMSNorm with an fp32 weight,
-    which then also returns fp32: pass out_dtype=torch.float32). The output dtype defaults to x's.
+    weight: LlamaRMSNorm, and diffusers RMSNorm when its weight is fp16 or bf16.
+    cast_before_weight=False multiplies the weight in fp32 and rounds once: torch.nn.RMSNorm /
+    F.rms_norm (whose eps=None means torch.finfo(torch.float32).eps for fp16/bf16/fp32 input), and
+    diffusers RMSNorm with an fp32 weight (which then returns fp32: pass out_dtype=torch.float32).
+    The output dtype defaults to x's.
     """
     return _dispatch(x, None, None, weight, None, None, eps, cast_before_weight, out_dtype)[1]
 

@@ -200,9 +200,10 @@ def test_matches_torch_rmsnorm(dtype, eps, gen):
     m = m.to(DEVICE, dtype)
     x = randn((3, 4, D), dtype, gen)
     expected = m(x)
-    eff_eps = torch.finfo(dtype).eps if eps is None else eps
+    # torch.nn.RMSNorm multiplies the weight in fp32 and rounds once; eps=None means fp32's epsilon
+    eff_eps = torch.finfo(torch.float32).eps if eps is None else eps
     with poisoned_outputs():
-        out = rmsnorm.rms_norm(x, m.weight, eff_eps)
+        out = rmsnorm.rms_norm(x, m.weight, eff_eps, cast_before_weight=False)
     assert_close(out, expected.double(), dtype, **_module_tol(dtype), seed=gen.seed_value)
 
 

@@ -1,0 +1,478 @@
+#!/usr/bin/env python3
+"""Micro-benchmarks: every kernel of the bundle against its peers, at LTX-Video's real shapes.
+
+For each kernel and shape: a correctness check against a float64 reference first (any failure of
+this bundle's kernel makes the script exit 1), then timings of every provider on the same inputs in
+the same process: this bundle's Triton kernel ("triton"), PyTorch eager as the model writes it
+("eager"), torch.nn.functional.rms_norm where it applies ("F.rms_norm"), torch.compile of the eager
+code ("compile") and Liger-Kernel when it is installed ("liger").
+
+Timing: triton.testing.do_bench (CUDA/HIP events, L2 flushed before every call, median with 20th and
+80th percentiles), repeated in --rounds interleaved rounds (median of the rounds' medians, spread
+reported); plus CUDA-graph replay timing (do_bench_cudagraph) for the launch-bound small shapes.
+Bandwidth: bytes each kernel must move (every input read once, every output written once, counted
+explicitly per kernel) over the median time, and that as a percentage of the device's copy
+bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes).
+
+JSON on stdout (or --output-json), a table on stderr, a PNG chart with --png when matplotlib is
+installed. Works unchanged on ROCm (the device's gfx arch is recorded instead of sm_XY).
+
+    python scripts/benchmark_kernels.py --output-json examples/benchmark_kernels_h200.json --png examples/benchmark_kernels_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+LTX_SHAPES = {"1320": (2, 1320), "6144": (2, 6144)}  # (batch with CFG, tokens): 25f 480x704, 121f 512x768
+HIDDEN = 2048
+FF = 8192
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+def device_info():
+    props = torch.cuda.get_device_properties(0)
+    if torch.version.hip:
+        arch = getattr(props, "gcnArchName", "unknown").split(":")[0]
+    else:
+        arch = f"sm_{props.major}{props.minor}"
+    import triton
+
+    info = {
+        "gpu": torch.cuda.get_device_name(0),
+        "arch": arch,
+        "backend": "rocm" if torch.version.hip else "cuda",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    for mod in ("diffusers", "liger_kernel"):
+        try:
+            info[mod] = __import__(mod).__version__ if mod != "liger_kernel" else _liger_version()
+        except Exception:
+            info[mod] = None
+    return info
+
+
+def _liger_version():
+    from importlib.metadata import version
+
+    return version("liger-kernel")
+
+
+def measure_copy_bandwidth():
+    from triton.testing import do_bench
+
+    n = 512 * 1024 * 1024 // 2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases: each builds inputs, its float64 reference and its providers
+# ---------------------------------------------------------------------------------------------
+def _nbytes(*ts):
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _rand(shape, dtype, scale=1.0, offset=0.0):
+    return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale + offset).to(dtype)
+
+
+def _liger():
+    try:
+        import liger_kernel.ops as lo  # noqa: F401
+
+        return lo
+    except Exception:
+        return None
+
+
+def case_rmsnorm(B, S, dtype, weighted):
+    import rmsnorm
+
+    x = _rand((B, S, HIDDEN), dtype, 2.0)
+    w = _rand((HIDDEN,), dtype, 0.1, 1.0) if weighted else None
+    eps = 1e-5 if weighted else 1e-6
+
+    def eager(x=x):  # as diffusers' RMSNorm.forward writes it
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        h = x * torch.rsqrt(var + eps)
+        if w is not None:
+            return h.to(w.dtype) * w
+        return h.to(x.dtype)
+
+    providers = {
+        "triton": lambda: rmsnorm.rms_norm(x, w, eps),
+        "eager": eager,
+        "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (HIDDEN,), w, eps),
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    lo = _liger()
+    if lo is not None:
+        providers["liger"] = lambda: lo.LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+    ref = rmsnorm.rms_norm_ref(x.double(), None if w is None else w.double(), eps)
+    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, w))
+
+
+def case_adaln(B, S, dtype):
+    import rmsnorm
+
+    x = _rand((B, S, HIDDEN), dtype, 2.0)
+    scale = _rand((B, 1, HIDDEN), dtype, 0.3)
+    shift = _rand((B, 1, HIDDEN), dtype, 0.3)
+    eps = 1e-6
+
+    def eager():  # LTX block: norm1(h) * (1 + scale_msa) + shift_msa
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        n = (x * torch.rsqrt(var + eps)).to(x.dtype)
+        return n * (1 + scale) + shift
+
+    providers = {
+        "triton": lambda: rmsnorm.rms_norm_modulate(x, scale, shift, None, eps),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    lo = _liger()
+    if lo is not None and hasattr(lo, "LigerModulatedRMSNormFunction"):
+        providers["liger"] = lambda: lo.LigerModulatedRMSNormFunction.apply(x, None, scale, shift, eps, 0.0, "llama", False)
+    ref = rmsnorm.rms_norm_modulate_ref(x.double(), scale.double(), shift.double(), None, eps)
+    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, scale, shift))
+
+
+def case_residual_adaln(B, S, dtype):
+    import rmsnorm
+
+    h = _rand((B, S, HIDDEN), dtype, 2.0)
+    y = _rand((B, S, HIDDEN), dtype)
+    scale = _rand((B, 1, HIDDEN), dtype, 0.3)
+    shift = _rand((B, 1, HIDDEN), dtype, 0.3)
+    eps = 1e-6
+
+    def eager():  # LTX block: h = h + attn2; norm2(h) * (1 + scale_mlp) + shift_mlp
+        hn = h + y
+        var = hn.float().pow(2).mean(-1, keepdim=True)
+        n = (hn * torch.rsqrt(var + eps)).to(hn.dtype)
+        return hn, n * (1 + scale) + shift
+
+    providers = {
+        "triton": lambda: rmsnorm.gated_residual_rms_norm_modulate(h, y, None, scale, shift, None, eps),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    h_ref = (h.double() + y.double()).to(dtype)
+    ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
+    return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, h, h, scale, shift))
+
+
+def _ltx_rope_inputs(B, S, dtype):
+    import rope
+
+    # coords as LTXVideoRotaryPosEmbed builds them for a 121-frame 512x768 latent grid (16 x 16 x 24)
+    t = torch.arange(S, device="cuda")
+    gw, gh = 24, 16
+    f, hh, ww = t // (gh * gw), (t // gw) % gh, t % gw
+    scale = (8 / 25, 32, 32)
+    coords = torch.stack([f * scale[0] / 20, hh * scale[1] / 2048, ww * scale[2] / 2048], -1).float()
+    coords = coords[None].expand(B, S, 3).contiguous()
+    freqs = rope.ltx_rope_freqs(HIDDEN, device="cuda")
+    cos, sin = rope.ltx_cos_sin_from_coords(coords, freqs, HIDDEN)
+    return coords, freqs, cos, sin
+
+
+def _apply_rotary_emb(x, cos, sin):  # diffusers' LTX apply_rotary_emb
+    x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def case_ltx_rope(B, S, dtype):
+    import rope
+
+    x = _rand((B, S, HIDDEN), dtype)
+    coords, freqs, cos, sin = _ltx_rope_inputs(B, S, dtype)
+    eager = lambda: _apply_rotary_emb(x, cos, sin)  # noqa: E731
+    providers = {
+        "triton": lambda: rope.ltx_rope(x, cos, sin),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    if hasattr(rope, "ltx_rope_coords"):
+        providers["triton(in-kernel cos/sin)"] = lambda: rope.ltx_rope_coords(x, coords, freqs)
+    ref = rope.ltx_rope_ref(x.double(), cos.double(), sin.double())
+    # bytes as the eager op must move them: x in, x out, fp32 cos and sin
+    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, cos, sin))
+
+
+def case_ltx_qk_norm_rope(B, S, dtype):
+    import rope
+
+    q = _rand((B, S, HIDDEN), dtype, 2.0)
+    k = _rand((B, S, HIDDEN), dtype, 2.0)
+    wq = _rand((HIDDEN,), dtype, 0.1, 1.0)
+    wk = _rand((HIDDEN,), dtype, 0.1, 1.0)
+    eps = 1e-5
+    coords, freqs, cos, sin = _ltx_rope_inputs(B, S, dtype)
+
+    def eager():  # LTX self-attention: norm_q / norm_k (torch.nn.RMSNorm) then apply_rotary_emb
+        qn = torch.nn.functional.rms_norm(q, (HIDDEN,), wq, eps)
+        kn = torch.nn.functional.rms_norm(k, (HIDDEN,), wk, eps)
+        return _apply_rotary_emb(qn, cos, sin), _apply_rotary_emb(kn, cos, sin)
+
+    providers = {
+        "triton(in-kernel cos/sin)": lambda: rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, eps, coords, freqs),
+        "triton(cos/sin read)": lambda: rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, eps, cos, sin),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    ref = rope.ltx_qk_rmsnorm_rope_ref(q.double(), k.double(), wq.double(), wk.double(), eps, cos.double(), sin.double())
+    # the bytes the op must move: q, k in and out, weights, per-token coords (cos/sin are derivable)
+    return dict(providers=providers, ref=ref, bytes=_nbytes(q, k, q, k, wq, wk, coords))
+
+
+def case_gelu(B, S, dtype):
+    import activations
+
+    x = _rand((B, S, FF), dtype, 3.0)
+    eager = lambda: torch.nn.functional.gelu(x, approximate="tanh")  # noqa: E731
+    providers = {
+        "triton": lambda: activations.gelu(x, approximate="tanh"),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    ref = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x))
+
+
+def case_geglu(B, S, dtype):
+    import activations
+
+    x = _rand((B, S, 2 * FF), dtype, 3.0)
+
+    def eager():  # diffusers GEGLU after its projection
+        hidden, gate = x.chunk(2, dim=-1)
+        return hidden * torch.nn.functional.gelu(gate, approximate="tanh")
+
+    providers = {
+        "triton": lambda: activations.geglu(x, approximate="tanh"),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    lo = _liger()
+    if lo is not None and hasattr(lo, "LigerGELUMulFunction"):
+        # Liger takes gate and value as two contiguous tensors (its kernel assumes equal row strides)
+        gate_c, hidden_c = x[..., FF:].contiguous(), x[..., :FF].contiguous()
+        providers["liger"] = lambda: lo.LigerGELUMulFunction.apply(gate_c, hidden_c)
+    hidden, gate = x.double().chunk(2, dim=-1)
+    ref = hidden * torch.nn.functional.gelu(gate, approximate="tanh")
+    return dict(providers=providers, ref=ref, bytes=_nbytes(x, hidden.to(dtype)))
+
+
+CASES = {
+    "rmsnorm_weighted": lambda B, S, dt: case_rmsnorm(B, S, dt, True),
+    "rmsnorm_weightless": lambda B, S, dt: case_rmsnorm(B, S, dt, False),
+    "adaln_rmsnorm_modulate": case_adaln,
+    "residual_rmsnorm_modulate": case_residual_adaln,
+    "ltx_rope": case_ltx_rope,
+    "ltx_qk_rmsnorm_rope": case_ltx_qk_norm_rope,
+    "gelu_tanh": case_gelu,
+    "geglu_tanh": case_geglu,
+}
+
+# output tolerance against the float64 reference, max |out - ref| / (1 + |ref|)
+MAX_ERR = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
+
+
+def max_err(out, ref):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o = o.double()
+        e = ((o - r).abs() / (1 + r.abs())).max().item()
+        if not math.isfinite(e):
+            return float("inf")
+        worst = max(worst, e)
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+def time_provider(fn, graph):
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    q = do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+    rec = {"ms": q[0], "ms_p20": q[1], "ms_p80": q[2]}
+    if graph:
+        try:
+            rec["graph_ms"] = do_bench_cudagraph(fn, rep=50, return_mode="median")
+        except Exception as e:  # some providers (e.g. host syncs) cannot be captured
+            rec["graph_ms"] = None
+            rec["graph_error"] = f"{type(e).__name__}: {e}"[:200]
+    return rec
+
+
+def run(args):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    info = device_info()
+    log(f"device: {info['gpu']} ({info['arch']}), torch {info['torch']}, triton {info['triton']}")
+    copy_gbs = measure_copy_bandwidth()
+    info["copy_bandwidth_GBps"] = copy_gbs
+    log(f"copy bandwidth: {copy_gbs:.0f} GB/s")
+    names = [k for k in CASES if any(f in k for f in args.kernel)] if args.kernel else list(CASES)
+    records, failures = [], []
+    for name in names:
+        for s in args.shapes:
+            B, S = LTX_SHAPES[s]
+            torch.manual_seed(0)
+            try:
+                case = CASES[name](B, S, dtype)
+            except (ImportError, AttributeError) as e:
+                log(f"skip {name}: {e}")
+                continue
+            graph = S <= 2048
+            # correctness first, every provider (only this bundle's kernels decide the exit code)
+            errs = {}
+            for prov, fn in case["providers"].items():
+                try:
+                    errs[prov] = max_err(fn(), case["ref"])
+                except Exception as e:
+                    errs[prov] = float("nan")
+                    log(f"  {name} S={S} {prov}: failed to run: {type(e).__name__}: {e}")
+                    if prov.startswith("triton"):
+                        failures.append(f"{name} S={S} {prov} raised {type(e).__name__}")
+            for prov, e in errs.items():
+                if prov.startswith("triton") and not (e <= MAX_ERR[dtype]):
+                    failures.append(f"{name} S={S} {prov}: max error {e:.3g} > {MAX_ERR[dtype]}")
+            # interleaved rounds
+            per = {p: [] for p in case["providers"] if math.isfinite(errs.get(p, float("nan")))}
+            for _ in range(args.rounds):
+                for prov in per:
+                    per[prov].append(time_provider(case["providers"][prov], graph))
+            for prov, recs in per.items():
+                ms = statistics.median(r["ms"] for r in recs)
+                gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
+                rec = {
+                    "kernel": name,
+                    "tokens": S,
+                    "batch": B,
+                    "dtype": args.dtype,
+                    "provider": prov,
+                    "bytes": case["bytes"],
+                    "ms": ms,
+                    "ms_rounds": [r["ms"] for r in recs],
+                    "ms_p20": statistics.median(r["ms_p20"] for r in recs),
+                    "ms_p80": statistics.median(r["ms_p80"] for r in recs),
+                    "graph_ms": statistics.median(gms) if gms else None,
+                    "GBps": case["bytes"] / (ms * 1e-3) / 1e9,
+                    "max_err_vs_fp64": errs[prov],
+                }
+                rec["pct_copy"] = 100 * rec["GBps"] / copy_gbs
+                records.append(rec)
+            del case
+            torch.cuda.empty_cache()
+            _print_rows(records, name, S)
+    return {"device": info, "command": " ".join(sys.argv), "records": records, "failures": failures}
+
+
+def _print_rows(records, name, S):
+    rows = [r for r in records if r["kernel"] == name and r["tokens"] == S]
+    best_peer = min((r["ms"] for r in rows if not r["provider"].startswith("triton")), default=None)
+    for r in rows:
+        sp = f"{best_peer / r['ms']:.2f}x" if best_peer and r["provider"].startswith("triton") else ""
+        g = f"{r['graph_ms'] * 1e3:7.1f}" if r.get("graph_ms") else "      -"
+        log(
+            f"{name:27s} S={S:5d} {r['provider']:27s} {r['ms'] * 1e3:8.1f} us  graph {g} us  "
+            f"{r['GBps']:7.0f} GB/s {r['pct_copy']:5.1f}%  err {r['max_err_vs_fp64']:.1e} {sp}"
+        )
+
+
+def chart(result, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no chart")
+        return
+    recs = result["records"]
+    shapes = sorted({r["tokens"] for r in recs})
+    kernels = list(dict.fromkeys(r["kernel"] for r in recs))
+    provs = list(dict.fromkeys(r["provider"] for r in recs))
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(13, 4.2 * len(shapes)), squeeze=False)
+    width = 0.8 / max(len(provs), 1)
+    for ax, S in zip(axes[:, 0], shapes):
+        for i, p in enumerate(provs):
+            vals = []
+            for k in kernels:
+                r = [x for x in recs if x["kernel"] == k and x["tokens"] == S and x["provider"] == p]
+                vals.append(r[0]["GBps"] if r else 0)
+            ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=p)
+        ax.axhline(result["device"]["copy_bandwidth_GBps"], color="k", ls="--", lw=1, label="copy bandwidth")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kernels))])
+        ax.set_xticklabels(kernels, rotation=15, fontsize=8)
+        ax.set_ylabel("GB/s (bytes the op must move)")
+        ax.set_title(f"{result['device']['gpu']} ({result['device']['arch']}), B=2, S={S}, {recs[0]['dtype']}")
+    axes[0, 0].legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"chart: {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", action="append", default=[], help=f"substring filter, repeatable; kernels: {', '.join(CASES)}")
+    p.add_argument("--shapes", default="1320,6144", help="token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    p.add_argument("--output-json", help="write the JSON here (default: stdout)")
+    p.add_argument("--png", help="write a GB/s chart here (needs matplotlib)")
+    args = p.parse_args(argv)
+    args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    for s in args.shapes:
+        if s not in LTX_SHAPES:
+            p.error(f"unknown shape {s}; choose from {', '.join(LTX_SHAPES)}")
+    if not torch.cuda.is_available():
+        log("no GPU (CUDA or ROCm) found: the benchmarks need one")
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        log("TRITON_INTERPRET is set: unset it to benchmark")
+        return 2
+    result = run(args)
+    text = json.dumps(result, indent=1)
+    if args.output_json:
+        Path(args.output_json).write_text(text)
+        log(f"json: {args.output_json}")
+    else:
+        print(text)
+    if args.png:
+        chart(result, args.png)
+    if result["failures"]:
+        log("FAILED correctness:\n  " + "\n  ".join(result["failures"]))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,760 @@
+"""Ahead-of-time compile check of every Triton kernel of the bundle for AMD (and NVIDIA) GPUs, on any machine.
+
+For each case of ``CASES`` (a public launcher called on inputs of a real model's shapes) and each target
+(gfx942 and gfx950: wave64; gfx1201: wave32; sm90), the launcher is run on CPU tensors while launches are
+captured instead of executed, with the leaf module's ``_device_target`` answering the target being checked,
+so the launcher picks the block sizes and warps it would pick on that GPU. Each captured launch is then
+specialised the way Triton's JIT specialises a real launch on a GPU (types, 16-byte alignment of pointers,
+divisibility of integers by 16, buffer-op pointer ranges on AMD) and compiled with ``triton.compile`` for the
+target. No GPU, ROCm or CUDA driver is needed.
+
+Reported per kernel launch and target:
+  AMD:    VGPRs, AGPRs, SGPRs, VGPR/SGPR spills, scratch bytes, occupancy (waves per SIMD, the compiler's
+          register-based figure), wave size, LDS bytes (Triton's LDS is dynamic: read from the kernel's metadata).
+  NVIDIA: registers, spill stores/loads, local/stack bytes (cuobjdump / ptxas -v on the real cubin/PTX, if
+          those tools exist in the triton wheel), shared memory bytes.
+Fails (exit 1) when a kernel does not compile, spills or uses scratch on an AMD target, or needs more
+LDS/shared memory than one workgroup/block may use. NVIDIA spills are reported as warnings.
+
+JSON on stdout (tool versions and one record per launch x target), a table on stderr.
+
+    python scripts/check_amd_compile.py [--targets gfx942,gfx950,gfx1201,sm90] [--kernel NAME]
+                                        [--output-json PATH]
+
+The check must run without the Triton interpreter (TRITON_INTERPRET): run as a script it restarts itself
+without that variable; ``compile_all()`` refuses to run in a process that has it set.
+
+Adding a kernel file: append lines to ``CASES`` (name -> (leaf module, function calling its public API on
+real-size CPU tensors)). Nothing else is needed as long as the launcher calls ``kernel[grid](...)`` and keys
+its launch heuristics on the module's ``_device_target(device)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import triton
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+# name -> (backend, arch, warp size), as triton.backends.compiler.GPUTarget takes them.
+TARGETS: Dict[str, Tuple[str, object, int]] = {
+    "gfx942": ("hip", "gfx942", 64),  # MI300X / MI325X, CDNA3
+    "gfx950": ("hip", "gfx950", 64),  # MI350X / MI355X, CDNA4
+    "gfx1201": ("hip", "gfx1201", 32),  # Radeon AI PRO R9700 / RX 9070, RDNA4
+    "sm90": ("cuda", 90, 32),  # H100 / H200
+}
+DEFAULT_TARGETS = tuple(TARGETS)
+
+# Largest LDS / shared memory one workgroup (block) may allocate. AMD: 64 KiB per workgroup, except
+# gfx950 whose CU has 160 KiB of LDS (ROCm "GPU hardware specifications" table). Hopper: 227 KiB per
+# block with the opt-in attribute Triton sets.
+LDS_LIMIT_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "gfx1201": 64 * 1024, "sm90": 227 * 1024}
+
+
+# --------------------------------------------------------------------------------------------
+# Cases: name -> (leaf module under scripts/, function(module) calling its public launcher)
+# Inputs only need the real shapes, dtypes and strides: nothing is executed, so torch.empty suffices.
+# --------------------------------------------------------------------------------------------
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.bfloat16)
+
+
+def _f32(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32)
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+# LTX-Video transformer: 2048 wide (32 heads x 64), B = 2 with classifier-free guidance, 1,320 tokens
+# (25 frames 480x704) and 6,144 tokens (121 frames 512x768). VAE: channel-last RMSNorm over 128..512 channels.
+CASES: Dict[str, Tuple[str, Callable]] = {
+    # ---- scripts/rmsnorm.py ----
+    # norm1 / norm2: weightless diffusers RMSNorm; attn norm_q / norm_k: weighted torch.nn.RMSNorm.
+    "rms_norm[2x1320x2048]": ("rmsnorm", lambda m: m.rms_norm(_bf16(2, 1320, 2048))),
+    "rms_norm[2x6144x2048]": ("rmsnorm", lambda m: m.rms_norm(_bf16(2, 6144, 2048))),
+    "rms_norm+w[2x1320x2048]": ("rmsnorm", lambda m: m.rms_norm(_bf16(2, 1320, 2048), _bf16(2048), 1e-5)),
+    "rms_norm+w[2x6144x2048]": ("rmsnorm", lambda m: m.rms_norm(_bf16(2, 6144, 2048), _bf16(2048), 1e-5)),
+    # widest single-pass row, in bf16 and fp32 (twice the registers per element)
+    "rms_norm+w[2x256x16384]": ("rmsnorm", lambda m: m.rms_norm(_bf16(2, 256, 16384), _bf16(16384))),
+    "rms_norm+w[fp32 2x256x16384]": (
+        "rmsnorm",
+        lambda m: m.rms_norm(_t(2, 256, 16384, dtype=torch.float32), _t(16384, dtype=torch.float32)),
+    ),
+    # chunked two-pass path (rows wider than the single-pass limit)
+    "rms_norm+w[2x128x32768]": ("rmsnorm", lambda m: m.rms_norm(_bf16(2, 128, 32768), _bf16(32768))),
+    # narrow rows packed several per program: VAE channel-last norms
+    "rms_norm[vae 1x80640x128]": ("rmsnorm", lambda m: m.rms_norm(_bf16(1, 80640, 128), eps=1e-8)),
+    "rms_norm[vae 1x20160x512]": ("rmsnorm", lambda m: m.rms_norm(_bf16(1, 20160, 512), eps=1e-8)),
+    # AdaLN: norm(x) * (1 + scale) + shift with per-sample scale/shift [B, 1, D]
+    "rms_norm_modulate[2x1320x2048]": (
+        "rmsnorm",
+        lambda m: m.rms_norm_modulate(_bf16(2, 1320, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048)),
+    ),
+    "rms_norm_modulate[2x6144x2048]": (
+        "rmsnorm",
+        lambda m: m.rms_norm_modulate(_bf16(2, 6144, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048)),
+    ),
+    # h = h + attn * gate_msa, then norm2 + modulation; gate None: h = h + attn2 (cross-attention)
+    "gated_residual_rms_norm_modulate[2x6144x2048]": (
+        "rmsnorm",
+        lambda m: m.gated_residual_rms_norm_modulate(
+            _bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048)
+        ),
+    ),
+    "gated_residual_rms_norm_modulate[gate=None 2x6144x2048]": (
+        "rmsnorm",
+        lambda m: m.gated_residual_rms_norm_modulate(
+            _bf16(2, 6144, 2048), _bf16(2, 6144, 2048), None, _bf16(2, 1, 2048), _bf16(2, 1, 2048)
+        ),
+    ),
+    # ---- scripts/rope.py ----
+    # LTX interleaved RoPE on q/k [B, S, 2048] with fp32 cos/sin [B, S, 2048] from LTXVideoRotaryPosEmbed
+    "ltx_rope[2x1320x2048]": ("rope", lambda m: m.ltx_rope(_bf16(2, 1320, 2048), _f32(2, 1320, 2048), _f32(2, 1320, 2048))),
+    "ltx_rope[2x6144x2048]": ("rope", lambda m: m.ltx_rope(_bf16(2, 6144, 2048), _f32(2, 6144, 2048), _f32(2, 6144, 2048))),
+    # rows strided: q read in place from a fused [B, S, 3 * 2048] qkv projection
+    "ltx_rope[qkv slice 2x6144x2048]": (
+        "rope",
+        lambda m: m.ltx_rope(_bf16(2, 6144, 3 * 2048)[..., 2048:4096], _f32(2, 6144, 2048), _f32(2, 6144, 2048)),
+    ),
+    # transformers' rotate-half layout: [B, H, S, D] (Llama-like head dim 128), and a [B, S, H, D] transpose
+    "rope_rotate_half[1x32x4096x128]": (
+        "rope", lambda m: m.rope_rotate_half(_bf16(1, 32, 4096, 128), _bf16(1, 4096, 128), _bf16(1, 4096, 128)),
+    ),
+    "rope_rotate_half[transposed 2x32x6144x64]": (
+        "rope",
+        lambda m: m.rope_rotate_half(_bf16(2, 6144, 32, 64).transpose(1, 2), _f32(2, 6144, 64), _f32(2, 6144, 64)),
+    ),
+    # LTX self-attention: norm_q/norm_k (weighted RMSNorm over 2048, eps 1e-5) + RoPE, one launch
+    "ltx_qk_rmsnorm_rope[2x1320x2048]": (
+        "rope",
+        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(2, 1320, 2048), _bf16(2, 1320, 2048), _bf16(2048), _bf16(2048), 1e-5,
+                                        _f32(2, 1320, 2048), _f32(2, 1320, 2048)),
+    ),
+    "ltx_qk_rmsnorm_rope[2x6144x2048]": (
+        "rope",
+        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2048), _bf16(2048), 1e-5,
+                                        _f32(2, 6144, 2048), _f32(2, 6144, 2048)),
+    ),
+    # the same with cos/sin computed in the kernel from grid coordinates [B, S, 3] and 2048 // 6 frequencies
+    "ltx_qk_rmsnorm_rope_coords[2x6144x2048]": (
+        "rope",
+        lambda m: m.ltx_qk_rmsnorm_rope_coords(_bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2048), _bf16(2048),
+                                               1e-5, _f32(2, 6144, 3), _f32(2048 // 6)),
+    ),
+    # ---- scripts/activations.py ----
+    # LTX feed-forward: GELU(tanh) on the [B, S, 8192] up-projection (contiguous: flat kernel)
+    "gelu[tanh 2x6144x8192]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 8192), "tanh")),
+    "gelu[erf 2x6144x8192]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 8192), "none")),
+    # strided rows (a slice of a wider projection): row kernel
+    "gelu[tanh rows 2x6144x8192 of 16384]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 16384)[..., :8192], "tanh")),
+    # diffusers GEGLU: [B, S, 2 x 8192] -> [B, S, 8192]
+    "geglu[erf 2x6144x16384]": ("activations", lambda m: m.geglu(_bf16(2, 6144, 16384), "none")),
+    "geglu[tanh 2x6144x16384]": ("activations", lambda m: m.geglu(_bf16(2, 6144, 16384), "tanh")),
+    # ---- new leaf files: append their cases here ----
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Launch capture
+# --------------------------------------------------------------------------------------------
+class Launch:
+    """One ``kernel[grid](*args, **kwargs)`` call recorded by a launcher."""
+
+    def __init__(self, kernel, args: tuple, kwargs: dict, grid):
+        self.kernel = kernel
+        self.args = args
+        self.kwargs = kwargs
+        self.grid = grid
+
+    @property
+    def name(self) -> str:
+        fn = getattr(self.kernel, "fn", None)
+        return getattr(fn, "__name__", None) or str(self.kernel)
+
+    def grid_dims(self) -> Optional[List[int]]:
+        grid = self.grid
+        try:
+            if callable(grid):
+                meta = dict(zip(self.kernel.arg_names, self.args))
+                meta.update(self.kwargs)
+                grid = grid(meta)
+            return [int(g) for g in grid]
+        except Exception:
+            return None
+
+
+def _interpreting_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    missing = object()
+    old = obj.__dict__.get(name, missing) if isinstance(obj, type) else getattr(obj, name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if old is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def capture_launches(module, target: Tuple[str, object, int]):
+    """Record the Triton launches made inside the block instead of running them.
+
+    While active: ``JITFunction.run`` (and ``Autotuner.run``: one launch per config) record their
+    arguments; ``module._device_target`` returns ``target``; the module's CPU-tensor guard is lifted
+    (``module._interpreting`` returns True and TRITON_INTERPRET=1 is set in the environment, read by
+    launchers only: the kernels were decorated without it).
+    """
+    from triton.runtime import autotuner
+    from triton.runtime.jit import JITFunction
+
+    launches: List[Launch] = []
+
+    def record_run(self, *args, grid, warmup=False, **kwargs):
+        launches.append(Launch(self, args, dict(kwargs), grid))
+        return None
+
+    def record_autotuned(self, *args, **kwargs):
+        grid = kwargs.pop("grid", None)
+        kwargs.pop("warmup", None)
+        for config in self.configs:
+            conf = config.all_kwargs() if hasattr(config, "all_kwargs") else dict(config.kwargs)
+            self.fn.run(*args, grid=grid, warmup=False, **{**kwargs, **conf})
+        return None
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(JITFunction, "run", record_run))
+        stack.enter_context(_patched(autotuner.Autotuner, "run", record_autotuned))
+        if hasattr(module, "_device_target"):
+            stack.enter_context(_patched(module, "_device_target", lambda *a, **k: tuple(target)))
+        if hasattr(module, "_interpreting"):
+            stack.enter_context(_patched(module, "_interpreting", lambda *a, **k: True))
+        old_env = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            yield launches
+        finally:
+            if old_env is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old_env
+
+
+# --------------------------------------------------------------------------------------------
+# Specialisation: what the JIT would build for this launch on a GPU of the target
+# --------------------------------------------------------------------------------------------
+_FAKE_BASE = 1 << 36  # a device address: the caching allocators return blocks aligned to >= 256 bytes
+
+
+class _DeviceTensorStandIn:
+    """What Triton's specialiser reads from a tensor, with the address a GPU allocation would have.
+
+    The data pointer is a 256-byte-aligned base plus the view's byte offset (so a strided view's
+    alignment follows from its storage offset, as on the GPU); the pointer range is the storage size
+    (used for AMD buffer-op specialisation of tensors under 2 GiB).
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype = t.dtype
+        self._ptr = _FAKE_BASE + t.storage_offset() * t.element_size()
+        self._range = t.untyped_storage().nbytes()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def ptr_range(self) -> int:
+        return self._range
+
+
+def _stand_in(v):
+    return _DeviceTensorStandIn(v) if isinstance(v, torch.Tensor) else v
+
+
+def specialize(launch: Launch, target) -> dict:
+    """signature, constexprs, attrs and options of ``launch`` as the JIT builds them for ``target``.
+
+    Uses Triton's own binder (``create_function_from_signature``) and ``JITFunction._pack_args`` with the
+    target's backend, so the result follows the installed Triton's rules (same API in Triton 3.6 to 3.9).
+    """
+    from triton.compiler import make_backend
+    from triton.runtime import jit as jit_mod
+
+    kernel = launch.kernel
+    backend = make_backend(target)
+    binder = jit_mod.create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs)
+    # the options JITFunction.run adds from the environment before binding
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - older Triton
+        knobs = None
+    runtime_debug = bool(getattr(getattr(knobs, "runtime", None), "debug", False))
+    kwargs["debug"] = bool(kwargs.get("debug", getattr(kernel, "debug", None)) or runtime_debug)
+    for name in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(getattr(knobs, "compilation", None), name):
+            kwargs.setdefault(name, getattr(knobs.compilation, name))
+    notes = []
+    try:
+        args = [_stand_in(a) for a in launch.args]
+        kw = {k: _stand_in(v) for k, v in kwargs.items()}
+        bound_args, spec, options = binder(*args, **kw)
+    except Exception as exc:  # a Triton whose specialiser only accepts real tensors
+        notes.append(f"specialised with the CPU tensors' own addresses ({type(exc).__name__}: {exc})")
+        bound_args, spec, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, spec, options)
+    return {"options": options, "signature": signature, "constexprs": constexprs, "attrs": attrs, "notes": notes}
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the compiled code
+# --------------------------------------------------------------------------------------------
+_AMDGCN_FIELDS = {
+    "vgpr_count": r"\.vgpr_count:\s*(\d+)",
+    "agpr_count": r"\.agpr_count:\s*(\d+)",
+    "sgpr_count": r"\.sgpr_count:\s*(\d+)",
+    "vgpr_spill_count": r"\.vgpr_spill_count:\s*(\d+)",
+    "sgpr_spill_count": r"\.sgpr_spill_count:\s*(\d+)",
+    "scratch_bytes": r";\s*ScratchSize:\s*(\d+)",
+    "private_segment_bytes": r"\.private_segment_fixed_size:\s*(\d+)",
+    "occupancy_waves_per_simd": r";\s*Occupancy:\s*(\d+)",
+    "wavefront_size": r"\.wavefront_size:\s*(\d+)",
+}
+# Fields without which the verdict cannot be given: missing ones fail the check.
+_AMDGCN_REQUIRED = ("vgpr_count", "sgpr_count", "vgpr_spill_count", "sgpr_spill_count", "scratch_bytes")
+
+
+def parse_amdgcn(text: str) -> dict:
+    """Register, spill, scratch and occupancy figures of an ``amdgcn`` assembly text.
+
+    Counts are the maximum over every function in the text (a kernel and any non-inlined callee);
+    occupancy is the minimum. A field absent from the text is None.
+    """
+    out = {}
+    for key, pattern in _AMDGCN_FIELDS.items():
+        vals = [int(v) for v in re.findall(pattern, text)]
+        if not vals:
+            out[key] = None
+        else:
+            out[key] = min(vals) if key == "occupancy_waves_per_simd" else max(vals)
+    return out
+
+
+def amd_problems(stats: dict, lds_bytes: Optional[int], lds_limit: Optional[int]) -> List[str]:
+    """Reasons an AMD compile fails the check (empty when it passes)."""
+    problems = [f"could not read {k} from the amdgcn text" for k in _AMDGCN_REQUIRED if stats.get(k) is None]
+    if stats.get("vgpr_spill_count"):
+        problems.append(f"spills {stats['vgpr_spill_count']} VGPRs")
+    if stats.get("sgpr_spill_count"):
+        problems.append(f"spills {stats['sgpr_spill_count']} SGPRs")
+    scratch = max(stats.get("scratch_bytes") or 0, stats.get("private_segment_bytes") or 0)
+    if scratch:
+        problems.append(f"uses {scratch} bytes of scratch per lane")
+    if lds_bytes is not None and lds_limit is not None and lds_bytes > lds_limit:
+        problems.append(f"needs {lds_bytes} bytes of LDS, more than the {lds_limit} a workgroup may use")
+    return problems
+
+
+def _nvidia_tool(name: str) -> Optional[str]:
+    """Path of a CUDA tool: the one this Triton would use, else the wheel's copy, else PATH."""
+    if name == "ptxas":
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            return get_ptxas(90).path
+        except Exception:
+            pass
+    try:
+        from triton import knobs
+
+        return getattr(knobs.nvidia, name.replace("-", "_")).path
+    except Exception:
+        pass
+    local = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return local if os.access(local, os.X_OK) else shutil.which(name)
+
+
+def _tool_version(path: Optional[str]) -> Optional[str]:
+    if not path:
+        return None
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except Exception:
+        return None
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    rel = [ln for ln in lines if "release" in ln]
+    return (rel or lines or [None])[-1]
+
+
+def parse_cuobjdump_resource_usage(text: str) -> dict:
+    """REG, STACK, SHARED and LOCAL of the first function in ``cuobjdump --dump-resource-usage`` output."""
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
+    if not m:
+        return {}
+    reg, stack, shared, local = map(int, m.groups())
+    return {"registers": reg, "stack_bytes": stack, "static_shared_bytes": shared, "local_bytes": local}
+
+
+def parse_ptxas_verbose(text: str) -> dict:
+    """Registers and spill bytes from ``ptxas -v`` output."""
+    out = {}
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if m:
+        out["stack_bytes"], out["spill_store_bytes"], out["spill_load_bytes"] = map(int, m.groups())
+    m = re.search(r"Used (\d+) registers", text)
+    if m:
+        out["registers"] = int(m.group(1))
+    return out
+
+
+_NVIDIA_STATS_CACHE: Dict[str, Tuple[dict, List[str]]] = {}
+
+
+def nvidia_stats(compiled, fp_fusion: bool = True) -> Tuple[dict, List[str]]:
+    """Registers, spills and local memory of a compiled NVIDIA kernel, from the cubin and the PTX."""
+    key = f"{getattr(compiled.metadata, 'hash', None) or id(compiled)}:{fp_fusion}"
+    if key not in _NVIDIA_STATS_CACHE:
+        _NVIDIA_STATS_CACHE[key] = _nvidia_stats(compiled, fp_fusion)
+    stats, notes = _NVIDIA_STATS_CACHE[key]
+    return dict(stats), list(notes)
+
+
+def _nvidia_stats(compiled, fp_fusion: bool) -> Tuple[dict, List[str]]:
+    stats, notes = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = compiled.asm.get("cubin")
+        cuobjdump = _nvidia_tool("cuobjdump")
+        if cubin is None:
+            notes.append("no cubin produced")
+        elif not cuobjdump:
+            notes.append("cuobjdump not found: registers read from ptxas -v only")
+        else:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            res = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True)
+            stats.update(parse_cuobjdump_resource_usage(res.stdout))
+            if not stats:
+                notes.append(f"cuobjdump gave no resource usage: {(res.stderr or res.stdout).strip()[:200]}")
+        ptx = compiled.asm.get("ptx")
+        ptxas = _nvidia_tool("ptxas")
+        if ptx is None:
+            notes.append("no PTX produced")
+        elif not ptxas:
+            notes.append("ptxas not found: spill bytes unknown")
+        else:
+            m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
+            arch = m.group(1) if m else "sm_90a"
+            src = os.path.join(tmp, "kernel.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            cmd = [ptxas, "-v", "-lineinfo", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "ptxas.cubin")]
+            if not fp_fusion:
+                cmd.insert(1, "--fmad=false")
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                notes.append(f"{os.path.basename(ptxas)} -v failed: {res.stderr.strip()[:200]}")
+            else:
+                ptxas_stats = parse_ptxas_verbose(res.stderr + res.stdout)
+                for k, v in ptxas_stats.items():
+                    stats.setdefault(k, v)
+                if "registers" in ptxas_stats and ptxas_stats["registers"] != stats.get("registers"):
+                    notes.append(f"ptxas -v reports {ptxas_stats['registers']} registers")
+    return stats, notes
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling
+# --------------------------------------------------------------------------------------------
+def _jsonable(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return str(v)
+
+
+def compile_launch(launch: Launch, target_name: str) -> dict:
+    """Compile one captured launch for one target and return its record."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    backend_name, arch, warp_size = TARGETS[target_name]
+    target = GPUTarget(backend_name, arch, warp_size)
+    rec = {
+        "kernel": launch.name,
+        "target": target_name,
+        "backend": backend_name,
+        "arch": arch,
+        "warp_size": warp_size,
+        "grid": launch.grid_dims(),
+        "ok": False,
+        "problems": [],
+        "warnings": [],
+        "notes": [],
+    }
+    t0 = time.perf_counter()
+    try:
+        spec = specialize(launch, target)
+        names = launch.kernel.arg_names
+        opts = spec["options"]
+        rec["num_warps"] = opts.num_warps
+        rec["num_stages"] = opts.num_stages
+        if getattr(opts, "waves_per_eu", 0):
+            rec["waves_per_eu"] = opts.waves_per_eu
+        rec["constexprs"] = {names[p[0]]: _jsonable(v) for p, v in spec["constexprs"].items() if len(p) == 1}
+        rec["signature"] = {k: v for k, v in spec["signature"].items() if v != "constexpr"}
+        # e.g. {"X": ["tt.divisibility=16", "tt.pointer_range=32"]}: what the JIT would assume of each argument
+        rec["arg_attrs"] = {
+            names[p[0]]: [f"{k}={v}" for k, v in a] for p, a in spec["attrs"].items() if a and len(p) == 1
+        }
+        rec["notes"] += spec["notes"]
+        src = ASTSource(fn=launch.kernel, signature=spec["signature"], constexprs=spec["constexprs"],
+                        attrs=spec["attrs"])
+        compiled = triton.compile(src, target=target, options=opts.__dict__)
+    except Exception as exc:
+        rec["compile_s"] = round(time.perf_counter() - t0, 3)
+        msg = f"{type(exc).__name__}: {exc}"
+        rec["problems"].append("did not compile: " + (msg if len(msg) <= 2000 else msg[:1000] + " ... " + msg[-1000:]))
+        return rec
+    rec["compile_s"] = round(time.perf_counter() - t0, 3)
+    lds = getattr(compiled.metadata, "shared", None)
+    rec["lds_bytes"] = lds
+    rec["lds_limit_bytes"] = LDS_LIMIT_BYTES.get(target_name)
+    if backend_name == "hip":
+        stats = parse_amdgcn(compiled.asm.get("amdgcn", ""))
+        rec.update(stats)
+        rec["problems"] += amd_problems(stats, lds, rec["lds_limit_bytes"])
+        if stats.get("wavefront_size") not in (None, warp_size):
+            rec["problems"].append(f"compiled for wave{stats['wavefront_size']}, expected wave{warp_size}")
+    else:
+        try:
+            stats, notes = nvidia_stats(compiled, bool(getattr(spec["options"], "enable_fp_fusion", True)))
+        except Exception as exc:  # a CUDA tool that exists but cannot run here
+            stats, notes = {}, [f"registers/spills unknown: {type(exc).__name__}: {exc}"]
+        rec.update(stats)
+        rec["notes"] += notes
+        if stats.get("spill_store_bytes") or stats.get("spill_load_bytes"):
+            rec["warnings"].append(
+                f"spills ({stats.get('spill_store_bytes')} bytes stored, {stats.get('spill_load_bytes')} loaded)"
+            )
+        elif stats.get("local_bytes") or stats.get("stack_bytes"):
+            rec["warnings"].append(
+                f"uses local memory ({stats.get('stack_bytes')} bytes of stack, {stats.get('local_bytes')} local)"
+            )
+        if lds is not None and lds > rec["lds_limit_bytes"]:
+            rec["problems"].append(f"needs {lds} bytes of shared memory, more than {rec['lds_limit_bytes']}")
+    rec["ok"] = not rec["problems"]
+    return rec
+
+
+def _kernels_are_compilable(module) -> Optional[str]:
+    """A reason the module's kernels cannot be compiled in this process, or None."""
+    for name, obj in vars(module).items():
+        if type(obj).__name__ == "InterpretedFunction":
+            return (f"{module.__name__}.{name} was decorated under the Triton interpreter (TRITON_INTERPRET was set "
+                    "when the module was imported); run the check in a process without TRITON_INTERPRET")
+    return None
+
+
+def _import_leaf(name: str):
+    if _HERE not in sys.path:
+        sys.path.insert(0, _HERE)
+    return importlib.import_module(name)
+
+
+def compile_cases(
+    cases: Dict[str, Tuple[str, Callable]],
+    targets: Optional[Iterable[str]] = None,
+    kernel_filter: Optional[str] = None,
+) -> List[dict]:
+    """Capture each case's launches for each target and compile them. One record per launch x target.
+
+    ``cases`` maps a case name to (module name, function(module) that calls the public launcher).
+    ``kernel_filter`` keeps the cases whose name, or the launches whose kernel name, contains it.
+    """
+    if _interpreting_env():
+        raise RuntimeError(
+            "TRITON_INTERPRET is set in this process: kernels decorated under the interpreter cannot be "
+            "compiled. Run the check in a process without it (python scripts/check_amd_compile.py restarts "
+            "itself without it)."
+        )
+    warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
+    targets = list(targets or DEFAULT_TARGETS)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown target(s) {unknown}; expected some of {sorted(TARGETS)}")
+    flt = (kernel_filter or "").lower()
+    records: List[dict] = []
+    for case_name, (module_name, build) in cases.items():
+        case_matches = flt in case_name.lower()
+        try:
+            module = _import_leaf(module_name)
+            reason = _kernels_are_compilable(module)
+            if reason:
+                raise RuntimeError(reason)
+        except Exception as exc:
+            if case_matches:
+                for tname in targets:
+                    records.append(_failed(case_name, module_name, tname, f"cannot import: {type(exc).__name__}: {exc}"))
+            continue
+        for tname in targets:
+            try:
+                with capture_launches(module, TARGETS[tname]) as launches:
+                    build(module)
+            except Exception as exc:
+                if case_matches:
+                    records.append(_failed(case_name, module_name, tname, f"launcher raised {type(exc).__name__}: {exc}"))
+                continue
+            selected = [ln for ln in launches if case_matches or flt in ln.name.lower()]
+            if not launches and case_matches:
+                records.append(_failed(case_name, module_name, tname, "the case launched no Triton kernel"))
+            for launch in selected:
+                rec = compile_launch(launch, tname)
+                records.append({"case": case_name, "module": module_name, **rec})
+    return records
+
+
+def _failed(case: str, module: str, target: str, problem: str) -> dict:
+    backend, arch, warp = TARGETS[target]
+    return {"case": case, "module": module, "kernel": None, "target": target, "backend": backend, "arch": arch,
+            "warp_size": warp, "ok": False, "problems": [problem], "warnings": [], "notes": []}
+
+
+def compile_all(targets: Optional[Iterable[str]] = None, kernel_filter: Optional[str] = None) -> List[dict]:
+    """Compile every case of ``CASES`` for ``targets`` (default: all); see ``compile_cases``."""
+    return compile_cases(CASES, targets, kernel_filter)
+
+
+def tool_versions() -> dict:
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    for tool in ("ptxas", "cuobjdump"):
+        path = _nvidia_tool(tool)
+        versions[tool] = {"path": path, "version": _tool_version(path)} if path else None
+    versions["TRITON_DEFAULT_FP_FUSION"] = os.environ.get("TRITON_DEFAULT_FP_FUSION")
+    return versions
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+def format_table(records: Sequence[dict]) -> str:
+    head = ("case", "kernel", "target", "warps", "regs", "sgpr", "spill v/s", "scratch", "occ", "LDS", "s", "status")
+    rows = []
+    for r in records:
+        if r.get("backend") == "hip":
+            regs = r.get("vgpr_count")
+            if r.get("agpr_count"):
+                regs = f"{regs}+{r['agpr_count']}a"
+            sgpr, spill = r.get("sgpr_count"), f"{r.get('vgpr_spill_count')}/{r.get('sgpr_spill_count')}"
+            scratch, occ = r.get("scratch_bytes"), r.get("occupancy_waves_per_simd")
+        else:
+            regs, sgpr = r.get("registers"), "-"
+            st, ld = r.get("spill_store_bytes"), r.get("spill_load_bytes")
+            spill = "?" if st is None else f"{st}B/{ld}B"
+            scratch, occ = r.get("stack_bytes"), "-"
+        status = "ok" if r.get("ok") else "FAIL: " + "; ".join(r.get("problems", []))
+        if r.get("ok") and r.get("warnings"):
+            status = "warn: " + "; ".join(r["warnings"])
+        cells = (r.get("case"), r.get("kernel"), r.get("target"), r.get("num_warps"), regs, sgpr,
+                 spill, scratch, occ, r.get("lds_bytes"), r.get("compile_s"), status)
+        rows.append(["-" if c is None else str(c) for c in cells])
+    widths = [max(len(h), *(min(len(row[i]), 60) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    widths[-1] = len(head[-1])
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    return "\n".join(lines)
+
+
+def _reexec_without_interpreter(argv: Sequence[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    print("TRITON_INTERPRET is set: restarting without it (the check compiles real GPU code)", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(
+        description="Compile every Triton kernel of the bundle ahead of time for AMD and NVIDIA targets, at the "
+        "launch configurations the launchers choose for real model shapes, and report registers, spills, "
+        "scratch, occupancy and LDS. Exit 1 if a kernel fails to compile, spills or uses scratch on AMD.",
+    )
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help=f"comma-separated targets among {','.join(TARGETS)} (default: all)")
+    p.add_argument("--kernel", default=None, metavar="NAME",
+                   help="only cases whose name, or kernels whose name, contains NAME (case-insensitive)")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also write the JSON report to PATH")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = p.parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    bad = [t for t in targets if t not in TARGETS]
+    if bad or not targets:
+        p.error(f"unknown target(s) {bad}; choose among {','.join(TARGETS)}")
+    if args.list:
+        for name, (module, _) in CASES.items():
+            print(f"{module:14s} {name}")
+        return 0
+    if _interpreting_env():
+        _reexec_without_interpreter(argv)  # does not return
+
+    t0 = time.perf_counter()
+    records = compile_all(targets, args.kernel)
+    elapsed = time.perf_counter() - t0
+    failures = [r for r in records if not r["ok"]]
+    report = {
+        "tools": tool_versions(),
+        "targets": {t: {"backend": TARGETS[t][0], "arch": TARGETS[t][1], "warp_size": TARGETS[t][2]} for t in targets},
+        "kernel_filter": args.kernel,
+        "records": records,
+        "n_records": len(records),
+        "n_failed": len(failures),
+        "elapsed_s": round(elapsed, 2),
+        "ok": bool(records) and not failures,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text + "\n")
+    print(format_table(records), file=sys.stderr)
+    if not records:
+        print(f"no case or kernel matches {args.kernel!r}", file=sys.stderr)
+    print(f"{len(records)} compiles, {len(failures)} failed, {elapsed:.1f} s", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

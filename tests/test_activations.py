@@ -1,0 +1,307 @@
+"""Tests for scripts/activations.py: gelu (tanh and erf forms) and geglu against float64 references,
+torch.nn.functional.gelu and diffusers' GELU/GEGLU modules, on fresh random inputs."""
+
+import math
+
+import pytest
+import torch
+
+import activations as act
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
+
+APPROX = ["tanh", "none"]
+
+
+def _check_gelu(x, approximate, seed, name="gelu"):
+    with poisoned_outputs():
+        out = act.gelu(x, approximate)
+    assert out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
+    assert_close(out, act.gelu_ref(x.double(), approximate), x.dtype, name=f"{name}[{approximate}]", seed=seed)
+    return out
+
+
+def _check_geglu(x, approximate, seed, name="geglu"):
+    with poisoned_outputs():
+        out = act.geglu(x, approximate)
+    h = x.shape[-1] // 2
+    assert out.dtype == x.dtype and out.shape == (*x.shape[:-1], h) and out.is_contiguous()
+    assert_close(out, act.geglu_ref(x.double(), approximate), x.dtype, name=f"{name}[{approximate}]", seed=seed)
+    return out
+
+
+def _signed_logspace(n, lo_exp, hi_exp, gen):
+    """n values with |x| log-uniform in [10**lo_exp, 10**hi_exp] and random signs (float64)."""
+    mag = 10.0 ** (lo_exp + (hi_exp - lo_exp) * torch.rand(n, generator=gen, dtype=torch.float64))
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0).double()
+    return sign * mag
+
+
+# ------------------------------------------------------------------------------------------
+# gelu: contiguous inputs (flat kernel)
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (127,), (2049,), (3 * 1000 + 7,), (4096,), (3, 5, 7), (2, 33, 64)])
+def test_gelu_contiguous(shape, dtype, approximate):
+    g = make_generator()
+    x = randn(shape, dtype, g, scale=3.0)
+    _check_gelu(x, approximate, g.seed_value)
+
+
+def test_gelu_scalar_and_alias():
+    g = make_generator()
+    x = randn((), torch.float32, g, scale=2.0)
+    _check_gelu(x, "tanh", g.seed_value)
+    y = randn((5, 9), torch.bfloat16, g)
+    with poisoned_outputs():
+        out = act.gelu_tanh(y)
+    assert_close(out, act.gelu_ref(y.double(), "tanh"), torch.bfloat16, seed=g.seed_value)
+
+
+def test_gelu_default_is_tanh():
+    g = make_generator()
+    x = randn((257,), torch.float32, g, scale=3.0)
+    assert_close(act.gelu(x), act.gelu_ref(x.double(), "tanh"), torch.float32, seed=g.seed_value)
+
+
+# ------------------------------------------------------------------------------------------
+# gelu: strided rows (row kernel, read in place)
+# ------------------------------------------------------------------------------------------
+def _strided_views(g, dtype):
+    """Views whose last dim is contiguous but which are not contiguous, and what they test."""
+    wide = randn((7, 2 * 2049 + 3), dtype, g, scale=3.0)
+    base3 = randn((4, 6, 131), dtype, g, scale=3.0)
+    row = randn((1, 1, 37), dtype, g, scale=3.0)
+    big = randn((3, 5, 4, 24), dtype, g, scale=3.0)
+    return {
+        "column slice, 2 column blocks": wide[:, 5 : 5 + 2049],
+        "every other row": wide[::2, :100],
+        "transposed leading dims": base3.transpose(0, 1),
+        "broadcast rows (stride 0)": row.expand(3, 4, 37),
+        "sliced 4-d": big[:, 1:4, :, 3:20],
+        "narrow rows packed per program": base3[:, :, :3],
+    }
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_strided_rows(dtype, approximate):
+    g = make_generator()
+    for what, x in _strided_views(g, dtype).items():
+        assert not x.is_contiguous() and x.stride(-1) == 1
+        _check_gelu(x, approximate, g.seed_value, name=f"gelu {what}")
+
+
+# ------------------------------------------------------------------------------------------
+# gelu: large magnitudes, overflow safety
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_large_magnitudes(dtype, approximate):
+    g = make_generator()
+    vals = _signed_logspace(2000, 0.0, 4.0, g)  # |x| in [1, 1e4]
+    if dtype == torch.float32:
+        vals = torch.cat([vals, _signed_logspace(500, 4.0, 30.0, g), torch.tensor([3.0e38, -3.0e38, 1e13, -1e13])])
+    x = vals.to(DEVICE, dtype)
+    out = _check_gelu(x, approximate, g.seed_value, name="gelu large |x|")
+    o = out.cpu()
+    xs = x.cpu()
+    assert torch.isfinite(o).all(), f"non-finite outputs for finite inputs (seed {g.seed_value})"
+    # Far in the tails the factor is exactly 1 or 0: gelu(x) == x, gelu(-x) == -0.0 (as torch gives).
+    pos, neg = xs >= 20, xs <= -20
+    assert torch.equal(o[pos], xs[pos]), f"gelu(x) != x for large positive x (seed {g.seed_value})"
+    assert (o[neg] == 0).all() and torch.signbit(o[neg]).all(), (
+        f"gelu(x) is not -0.0 for large negative x (seed {g.seed_value})"
+    )
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # -inf * 0 in numpy
+@pytest.mark.parametrize("approximate", APPROX)
+def test_gelu_special_values(approximate):
+    """inf, -inf, nan, +-0 behave as in torch.nn.functional.gelu (which gives nan for -inf)."""
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-30, -1e-30], dtype=torch.float32)
+    with poisoned_outputs():
+        out = act.gelu(x.to(DEVICE), approximate).cpu()
+    ref = act.gelu_ref(x.double(), approximate).float()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"got {out.tolist()}, torch gives {ref.tolist()}"
+    fin = ~torch.isnan(ref)
+    assert torch.allclose(out[fin], ref[fin], rtol=1e-6, atol=0), f"got {out.tolist()}, torch gives {ref.tolist()}"
+
+
+# ------------------------------------------------------------------------------------------
+# gelu vs torch / diffusers in the working dtype
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_matches_torch_and_diffusers(dtype, approximate):
+    GELU = pytest.importorskip("diffusers.models.activations").GELU
+
+    g = make_generator()
+    x = randn((3, 97), dtype, g, scale=3.0)
+    module = GELU(97, 97, approximate=approximate).to(DEVICE, dtype)
+    with poisoned_outputs():
+        out = act.gelu(x, approximate)
+    with torch.no_grad():
+        ref_module = module.gelu(x)
+    ref_torch = torch.nn.functional.gelu(x, approximate=approximate)
+    # Both round once from fp32 (the interpreter truncates bf16: 1 ulp): 2x the float64 tolerance.
+    tol = {k: 2 * v for k, v in TOL[dtype].items()}
+    assert_close(out, ref_module, dtype, **tol, name="vs diffusers GELU.gelu", seed=g.seed_value)
+    assert_close(out, ref_torch, dtype, **tol, name="vs torch gelu", seed=g.seed_value)
+
+
+# ------------------------------------------------------------------------------------------
+# geglu
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2,), (1, 2), (3, 2 * 127), (2, 5, 2 * 2049), (4, 2 * 64)])
+def test_geglu(shape, dtype, approximate):
+    g = make_generator()
+    x = randn(shape, dtype, g, scale=3.0)
+    _check_geglu(x, approximate, g.seed_value)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_geglu_strided_rows(dtype, approximate):
+    g = make_generator()
+    wide = randn((6, 2 * 2 * 131 + 5), dtype, g, scale=3.0)
+    base = randn((4, 3, 2 * 33), dtype, g, scale=3.0)
+    views = {
+        "column slice, odd H": wide[:, 3 : 3 + 2 * 131],
+        "every other row": wide[::2, : 2 * 100],
+        "transposed leading dims": base.transpose(0, 1),
+        "broadcast rows": randn((1, 2 * 9), dtype, g, scale=3.0).expand(5, 2 * 9),
+        # contiguous, but the size-1 dim carries an arbitrary stride
+        "odd stride on a size-1 dim": randn((4 * 2 * 10,), dtype, g, scale=3.0).as_strided((4, 1, 20), (20, 999, 1)),
+        "single strided row": wide[1:2, 2 : 2 + 2 * 7],
+    }
+    for what, x in views.items():
+        assert x.stride(-1) == 1
+        _check_geglu(x, approximate, g.seed_value, name=f"geglu {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_geglu_large_magnitudes(dtype):
+    g = make_generator()
+    n = 600
+    value = randn((n,), torch.float32, g, device="cpu").double()
+    gate = _signed_logspace(n, 0.0, 4.0, g)
+    x = torch.cat([value, gate]).to(DEVICE, dtype)
+    for approximate in APPROX:
+        out = _check_geglu(x, approximate, g.seed_value, name="geglu large gate")
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_geglu_matches_diffusers_module(dtype):
+    """diffusers GEGLU(x) == geglu(GEGLU.proj(x)): same halves, same (erf) GELU."""
+    GEGLU = pytest.importorskip("diffusers.models.activations").GEGLU
+
+    g = make_generator()
+    torch.manual_seed(g.seed_value)
+    module = GEGLU(24, 37).to(DEVICE, dtype)
+    x = randn((2, 7, 24), dtype, g)
+    with torch.no_grad():
+        ref = module(x)
+        proj = module.proj(x)
+    with poisoned_outputs():
+        out = act.geglu(proj)  # default approximate matches the module
+    tol = {k: 2 * v for k, v in TOL[dtype].items()}
+    assert_close(out, ref, dtype, **tol, name="vs diffusers GEGLU", seed=g.seed_value)
+    # The gate is the second half: swapping the halves must give a different answer.
+    swapped = torch.cat([proj[..., 37:], proj[..., :37]], dim=-1)
+    assert not torch.allclose(act.geglu(swapped).float(), ref.float(), atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------
+# Empty inputs, errors, custom ops
+# ------------------------------------------------------------------------------------------
+def test_empty_inputs():
+    for shape in [(0,), (3, 0, 5), (4, 0)]:
+        x = torch.empty(shape, device=DEVICE, dtype=torch.bfloat16)
+        out = act.gelu(x)
+        assert out.shape == x.shape and out.dtype == x.dtype
+    x = torch.empty((0, 5), device=DEVICE)[:, ::2]  # empty and strided: nothing to check, no error
+    assert act.gelu(x).shape == (0, 3)
+    assert act.geglu(torch.empty((0, 8), device=DEVICE)).shape == (0, 4)
+    assert act.geglu(torch.empty((3, 0), device=DEVICE, dtype=torch.float16)).shape == (3, 0)
+
+
+def test_errors():
+    x = torch.ones(4, 8, device=DEVICE)
+    for fn in (act.gelu, act.geglu):
+        with pytest.raises(TypeError, match="x has dtype int32; expected one of"):
+            fn(torch.ones(4, 8, device=DEVICE, dtype=torch.int32))
+        with pytest.raises(TypeError, match="x has dtype float64"):
+            fn(x.double())
+        with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+            fn([1.0, 2.0])
+        for bad in ("Tanh", "exact", None, True):
+            with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
+                fn(x, bad)
+        with pytest.raises(ValueError, match="contiguous in its last dimension"):
+            fn(torch.ones(8, 4, device=DEVICE).t())
+        with pytest.raises(ValueError, match="contiguous in its last dimension"):
+            fn(torch.ones(4, 16, device=DEVICE)[:, ::2])
+        three_levels = torch.ones(4, 6, 8, 10, device=DEVICE)[::2, ::2, ::2, :4]
+        with pytest.raises(ValueError, match="two strides"):
+            fn(three_levels)
+    with pytest.raises(ValueError, match="last dim of x must be even"):
+        act.geglu(torch.ones(3, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        act.geglu(torch.ones((), device=DEVICE))
+
+
+def test_cpu_tensor_without_interpreter():
+    """Without TRITON_INTERPRET a CPU tensor is refused with a clear message (checked in a fresh
+    process: the flag is read when the kernels are decorated)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch, activations as a\n"
+        "for f in (a.gelu, a.geglu):\n"
+        "    try:\n"
+        "        f(torch.ones(3, 4))\n"
+        "    except ValueError as e:\n"
+        "        assert 'x is a CPU tensor' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit('no error raised')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    scripts = str(Path(act.__file__).resolve().parent)
+    env["PYTHONPATH"] = scripts + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_custom_ops():
+    g = make_generator()
+    x = randn((3, 2 * 45), torch.bfloat16, g, scale=3.0)
+    ops = getattr(torch.ops, "rocm_triton_kernels")
+    with poisoned_outputs():
+        y = ops.gelu(x, "tanh")
+        z = ops.geglu(x, "none")
+    assert_close(y, act.gelu_ref(x.double(), "tanh"), torch.bfloat16, seed=g.seed_value)
+    assert_close(z, act.geglu_ref(x.double(), "none"), torch.bfloat16, seed=g.seed_value)
+    for op, args in ((ops.gelu.default, (x, "tanh")), (ops.geglu.default, (x[:, 1:61], "none"))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_custom_ops():
+    """Under torch.compile the public functions go through the registered custom ops (no graph break)."""
+    g = make_generator()
+    x = randn((4, 2 * 24), torch.float32, g, scale=3.0)
+
+    def f(t):
+        return act.gelu(act.geglu(t, "tanh"), "none")
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with poisoned_outputs():
+        out = compiled(x)
+    ref = act.gelu_ref(act.geglu_ref(x.double(), "tanh"), "none")
+    assert_close(out, ref, torch.float32, seed=g.seed_value)

@@ -1,0 +1,302 @@
+"""Ahead-of-time compile check (scripts/check_amd_compile.py): every kernel compiles for gfx942, gfx950,
+gfx1201 and sm90 at the launchers' real configurations, without spills or scratch on AMD; the checker
+compiles exactly what Triton's JIT would compile for the same launch; and the spill detector does flag
+a kernel that spills.
+
+The compiles run in a subprocess without TRITON_INTERPRET (this process has it set by conftest.py when
+there is no GPU, and kernels decorated under the interpreter cannot be compiled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import check_amd_compile as cac
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "check_amd_compile.py"
+WAVE = {name: warp for name, (_, _, warp) in cac.TARGETS.items()}
+
+
+def _env_without_interpreter() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def _run(args, env, timeout=600):
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=timeout)
+    return res, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# A kernel that spills when its register budget is capped, used to prove the detector works.
+# One warp holds a block of 64 fp32 values per lane and two of them (x and exp(x)) stay live across
+# two reductions. Uncapped, it fits in registers on every target; capped (AMD: waves_per_eu makes the
+# compiler keep 8 waves (wave64) or 16 (wave32) per SIMD, i.e. at most 64 or 96 VGPRs; NVIDIA:
+# maxnreg=32), it spills. Each compile takes well under a second.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _huge_block_kernel(X, OUT, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + cols, mask=cols < N, other=0.0)
+    e = tl.exp(x)
+    y = x * tl.sum(e, axis=0) + e * tl.sum(x * x, axis=0)
+    tl.store(OUT + cols, y, mask=cols < N)
+
+
+def _device_target(device):
+    """Replaced by the checker with the (backend, arch, warp size) being compiled for."""
+    return ("interpreter", None, 32)
+
+
+def launch_huge_block(cap_registers: bool) -> torch.Tensor:
+    backend, _, warp_size = _device_target(torch.device("cpu"))
+    n = 64 * warp_size
+    x = torch.empty(n, dtype=torch.float32)
+    out = torch.empty_like(x)
+    extra = {}
+    if cap_registers:
+        extra = {"waves_per_eu": 64 * 8 // warp_size} if backend == "hip" else {"maxnreg": 32}
+    _huge_block_kernel[(1,)](x, out, n, BLOCK=n, num_warps=1, **extra)
+    return out
+
+
+def jit_parity_report(targets=None) -> dict:
+    """Compile every captured launch both ways and compare: the checker's ASTSource built from its own
+    specialisation, and Triton's JIT itself (``run(warmup=True)``) under a stand-in driver that reports
+    the target. Equal kernel hashes mean the checker compiled exactly what a real launch would.
+    Run in a process without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime import driver as driver_config
+
+    class _TargetOnlyDriver:
+        def __init__(self, target):
+            self.target = target
+
+        def get_current_target(self):
+            return self.target
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    compared, mismatches = 0, []
+    for tname in targets or cac.TARGETS:
+        target = GPUTarget(*cac.TARGETS[tname])
+        for case, (module_name, build) in cac.CASES.items():
+            module = cac._import_leaf(module_name)
+            with cac.capture_launches(module, cac.TARGETS[tname]) as launches:
+                build(module)
+            for ln in launches:
+                spec = cac.specialize(ln, target)
+                src = ASTSource(ln.kernel, spec["signature"], spec["constexprs"], spec["attrs"])
+                ours = triton.compile(src, target=target, options=spec["options"].__dict__)
+                driver_config.set_active(_TargetOnlyDriver(target))
+                try:
+                    ln.kernel.device_caches.clear()  # re-create the binder for this target
+                    jit = ln.kernel.run(*ln.args, grid=ln.grid, warmup=True, **ln.kwargs)
+                finally:
+                    driver_config._active = None
+                    ln.kernel.device_caches.clear()
+                compared += 1
+                if jit.hash != ours.hash:
+                    mismatches.append([case, tname, ln.name])
+    return {"compared": compared, "mismatches": mismatches}
+
+
+# --------------------------------------------------------------------------------------------
+# The real check
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("amd_compile") / "report.json"
+    res, secs = _run([SCRIPT, "--output-json", out], _env_without_interpreter())
+    print(f"\ncheck_amd_compile.py: {secs:.1f} s wall, exit {res.returncode}")
+    print(res.stderr[-6000:])
+    assert out.exists(), f"no report written; exit {res.returncode}\n{res.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    assert json.loads(res.stdout) == report, "stdout JSON and --output-json differ"
+    return res.returncode, report
+
+
+def test_every_case_compiles_for_every_target_without_spills(full_report):
+    rc, report = full_report
+    records = report["records"]
+    failed = [(r["case"], r["target"], r["problems"]) for r in records if not r["ok"]]
+    assert not failed, f"kernels failing the compile check: {failed}"
+    assert rc == 0 and report["ok"] is True
+    seen = {(r["case"], r["target"]) for r in records}
+    missing = [(c, t) for c in cac.CASES for t in cac.TARGETS if (c, t) not in seen]
+    assert not missing, f"no compiled kernel for {missing}"
+    assert report["tools"]["triton"] == triton.__version__
+
+
+def test_records_are_sane(full_report):
+    _, report = full_report
+    for r in report["records"]:
+        where = f"{r['case']} / {r['kernel']} / {r['target']}"
+        assert r["kernel"], where
+        assert r["warp_size"] == WAVE[r["target"]], where
+        assert r["num_warps"] >= 1 and r["compile_s"] >= 0, where
+        assert r["grid"] and all(g >= 1 for g in r["grid"]), where
+        assert isinstance(r["lds_bytes"], int) and 0 <= r["lds_bytes"] <= r["lds_limit_bytes"], where
+        if r["backend"] == "hip":
+            assert r["wavefront_size"] == WAVE[r["target"]], where
+            assert r["vgpr_count"] > 0 and r["sgpr_count"] > 0, where
+            assert r["vgpr_spill_count"] == 0 and r["sgpr_spill_count"] == 0, where
+            assert r["scratch_bytes"] == 0 and r["private_segment_bytes"] == 0, where
+            assert 1 <= r["occupancy_waves_per_simd"] <= (8 if WAVE[r["target"]] == 64 else 16), where
+            # the launcher saw the target: pointers get the JIT's 16-byte alignment assumption
+            assert any("tt.divisibility=16" in a for a in r["arg_attrs"].values()), where
+        else:
+            if report["tools"]["cuobjdump"] is None and report["tools"]["ptxas"] is None:
+                pytest.skip("no CUDA tool in this triton wheel: NVIDIA registers are not reported")
+            assert r["registers"] > 0, where
+            assert r.get("spill_store_bytes", 0) == 0 and r.get("spill_load_bytes", 0) == 0, where
+
+
+# --------------------------------------------------------------------------------------------
+# The detector
+# --------------------------------------------------------------------------------------------
+def test_spill_detector_flags_a_spilling_kernel():
+    code = (
+        "import json, sys\n"
+        f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
+        "import check_amd_compile as c\n"
+        "cases = {'capped': ('test_amd_compile', lambda m: m.launch_huge_block(True)),\n"
+        "         'uncapped': ('test_amd_compile', lambda m: m.launch_huge_block(False))}\n"
+        "print(json.dumps(c.compile_cases(cases, list(c.TARGETS))))\n"
+    )
+    res, secs = _run(["-c", code], _env_without_interpreter())
+    print(f"spill probe: {secs:.1f} s")
+    assert res.returncode == 0, res.stderr[-4000:]
+    records = {(r["case"], r["target"]): r for r in json.loads(res.stdout)}
+    assert len(records) == 2 * len(cac.TARGETS), sorted(records)
+    for t, (backend, _, warp) in cac.TARGETS.items():
+        capped, free = records[("capped", t)], records[("uncapped", t)]
+        assert free["ok"], (t, free["problems"])
+        assert not any("did not compile" in p for p in capped["problems"]), (t, capped["problems"])
+        # the launcher saw the target's warp size through _device_target
+        assert capped["constexprs"]["BLOCK"] == free["constexprs"]["BLOCK"] == 64 * warp
+        if backend == "hip":
+            assert capped["waves_per_eu"] == 64 * 8 // warp
+            assert capped["vgpr_spill_count"] > 0 and capped["scratch_bytes"] > 0, (t, capped)
+            assert not capped["ok"], t
+            assert any("spills" in p and "VGPR" in p for p in capped["problems"]), capped["problems"]
+            assert any("scratch" in p for p in capped["problems"]), capped["problems"]
+            assert free["vgpr_spill_count"] == 0 and free["scratch_bytes"] == 0
+        else:  # NVIDIA spills are warnings, not failures
+            if capped.get("spill_store_bytes") is None:
+                pytest.skip("ptxas not available: NVIDIA spill bytes are not reported")
+            assert capped["registers"] <= 32 and capped["spill_store_bytes"] > 0, capped
+            assert capped["ok"] and any("spills" in w for w in capped["warnings"]), capped
+            assert free.get("spill_store_bytes") == 0 and not free["warnings"], free
+
+
+def test_checker_compiles_what_the_jit_compiles():
+    code = (
+        "import json, sys\n"
+        f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
+        "import test_amd_compile as t\n"
+        "print(json.dumps(t.jit_parity_report()))\n"
+    )
+    res, secs = _run(["-c", code], _env_without_interpreter())
+    print(f"JIT parity: {secs:.1f} s")
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["compared"] >= len(cac.CASES) * len(cac.TARGETS)
+    assert report["mismatches"] == [], report["mismatches"]
+
+
+_AMDGCN_SPILLING = """
+; -- End function
+    .amdhsa_kernel _k
+; Kernel info:
+; NumVgprs: 256
+; ScratchSize: 1132
+; Occupancy: 1
+amdhsa.kernels:
+  - .agpr_count:     0
+    .private_segment_fixed_size: 1132
+    .sgpr_count:     22
+    .sgpr_spill_count: 3
+    .vgpr_count:     512
+    .vgpr_spill_count: 282
+    .wavefront_size: 64
+"""
+
+
+def test_amdgcn_parser_on_canned_text():
+    stats = cac.parse_amdgcn(_AMDGCN_SPILLING)
+    assert stats["vgpr_count"] == 512 and stats["sgpr_count"] == 22 and stats["agpr_count"] == 0
+    assert stats["vgpr_spill_count"] == 282 and stats["sgpr_spill_count"] == 3
+    assert stats["scratch_bytes"] == 1132 and stats["occupancy_waves_per_simd"] == 1
+    assert stats["wavefront_size"] == 64
+    problems = cac.amd_problems(stats, lds_bytes=70000, lds_limit=65536)
+    assert any("282 VGPRs" in p for p in problems) and any("3 SGPRs" in p for p in problems)
+    assert any("1132 bytes of scratch" in p for p in problems) and any("LDS" in p for p in problems)
+    clean = _AMDGCN_SPILLING.replace("282", "0").replace("1132", "0").replace("spill_count: 3", "spill_count: 0")
+    assert cac.amd_problems(cac.parse_amdgcn(clean), 1024, 65536) == []
+    # a text without the fields cannot pass
+    assert cac.amd_problems(cac.parse_amdgcn("; nothing here"), 0, 65536)
+
+
+def test_nvidia_parsers_on_canned_text():
+    cuobj = " Function _k:\n  REG:40 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:600 TEXTURE:0\n"
+    assert cac.parse_cuobjdump_resource_usage(cuobj) == {
+        "registers": 40, "stack_bytes": 16, "static_shared_bytes": 0, "local_bytes": 8}
+    ptxas = ("ptxas info    : Function properties for _k\n"
+             "    304 bytes stack frame, 272 bytes spill stores, 332 bytes spill loads\n"
+             "ptxas info    : Used 32 registers, used 1 barriers\n")
+    assert cac.parse_ptxas_verbose(ptxas) == {
+        "stack_bytes": 304, "spill_store_bytes": 272, "spill_load_bytes": 332, "registers": 32}
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreter handling and the command line
+# --------------------------------------------------------------------------------------------
+def test_compile_all_refuses_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET is set"):
+        cac.compile_all(["gfx942"], "rms_norm")
+
+
+def test_script_restarts_itself_without_the_interpreter():
+    env = dict(_env_without_interpreter(), TRITON_INTERPRET="1")
+    case = next(iter(cac.CASES))
+    res, _ = _run([SCRIPT, "--targets", "gfx1201", "--kernel", case], env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "restarting without it" in res.stderr
+    report = json.loads(res.stdout)
+    assert report["n_records"] >= 1 and report["ok"]
+    assert {r["target"] for r in report["records"]} == {"gfx1201"}
+
+
+def test_command_line(capsys):
+    # argument errors and --help are handled before anything is compiled (in this process)
+    with pytest.raises(SystemExit) as exc:
+        cac.main(["--targets", "gfx942,gfx900"])
+    assert exc.value.code == 2 and "unknown target" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cac.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and all(opt in out for opt in ("--targets", "--kernel", "--output-json"))
+    # a filter that matches nothing is a failure (nothing was checked)
+    res, _ = _run([SCRIPT, "--kernel", "no-such-kernel", "--targets", "gfx942"], _env_without_interpreter())
+    assert res.returncode == 1 and json.loads(res.stdout)["n_records"] == 0
