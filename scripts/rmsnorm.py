@@ -104,8 +104,11 @@ def _rms_norm_kernel(
         if HAS_WEIGHT:
             if CAST_BEFORE_WEIGHT:
                 y = y.to(X.dtype.element_ty).to(tl.float32)
-            w = tl.load(W + cols0, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * w[None, :]
+            # loaded at the tile's full [BLOCK_M, BLOCK_N] shape (rows re-read it from cache) so it
+            # shares the tile's layout: a [BLOCK_N] or [1, BLOCK_N] load gets another layout and
+            # costs a conversion through LDS plus a barrier
+            w = tl.load(W + (cols0[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
+            y = y * w
         if HAS_MOD:
             sc = tl.load(SCALE + s_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
             sh = tl.load(SHIFT + t_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -143,8 +146,8 @@ def _rms_norm_kernel(
             if HAS_WEIGHT:
                 if CAST_BEFORE_WEIGHT:
                     y = y.to(X.dtype.element_ty).to(tl.float32)
-                w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-                y = y * w[None, :]
+                w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
+                y = y * w
             if HAS_MOD:
                 sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)

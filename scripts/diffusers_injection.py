@@ -1,0 +1,790 @@
+"""Put the project's Triton kernels into diffusers' LTX-Video pipeline, and take them out again.
+
+    counts = inject_optimized_kernels(pipe)      # or a bare LTXVideoTransformer3DModel / VAE
+    ...                                          # pipe(...) now runs the kernels
+    remove_optimized_kernels(pipe)               # original forwards and processors are back
+
+What is replaced, per kind (the default LTX-Video transformer has 28 blocks):
+
+* ``rmsnorm_weightless`` (56): each block's norm1/norm2, diffusers ``RMSNorm`` without a weight.
+* ``rmsnorm_weighted`` (112): the q/k norms of both attentions, ``torch.nn.RMSNorm`` with a weight
+  (diffusers ``RMSNorm`` with a weight is handled too; one with a bias is left alone).
+* ``adaln_fused_blocks`` (28): ``LTXVideoTransformerBlock.forward``: norm1 + AdaLN modulation in one
+  kernel; ``h + attn2`` + norm2 + modulation in one kernel that returns both the residual and the
+  normalised output; the gated residuals are one ``torch.addcmul`` each.
+* ``qk_norm_rope_fused`` (28): a self-attention processor (diffusers' processor API) that runs the
+  q and k RMSNorms and the rotary embedding in one launch, with cos/sin computed in the kernel from
+  the token coordinates (the model's ``rope`` module is patched to hand those over: ``rope_coords``).
+* ``gelu_tanh`` (28): the activation of each feed-forward's ``GELU(approximate="tanh")``.
+* ``vae_rmsnorm``: the ``RMSNorm`` layers of ``AutoencoderKLLTXVideo`` (eps 1e-8, channel-last).
+
+Modules are recognised by class and attributes; anything else is left untouched (a non-LTX model
+gets all-zero counts). Every patched forward reads its parameters when it runs (so accelerate's
+offload hooks, dtype casts and weight swaps keep working) and falls back to the original code for
+inputs the kernels do not cover: autograd (the kernels have no backward), tensors on a device the
+kernels cannot run on, unusual dtype mixes. Injecting twice changes nothing; removal restores the
+original forwards and processors, so outputs become bit-identical to the unpatched model.
+
+Also here: ``build_tiny_ltx_pipeline`` / ``build_ltx_pipeline``, offline LTXPipeline builders
+(random weights, in-memory tokenizer, no hub access) shared by the tests and the example.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+from typing import Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # the leaf kernels live beside this file
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import activations  # noqa: E402
+import rmsnorm  # noqa: E402
+import rope  # noqa: E402
+
+from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
+from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
+from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo  # noqa: E402
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
+from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
+    LTXAttention,
+    LTXVideoAttnProcessor,
+    LTXVideoRotaryPosEmbed,
+    LTXVideoTransformer3DModel,
+    LTXVideoTransformerBlock,
+    apply_rotary_emb,
+)
+
+__all__ = [
+    "inject_optimized_kernels",
+    "remove_optimized_kernels",
+    "injected_counts",
+    "LTXFusedSelfAttnProcessor",
+    "build_tiny_ltx_pipeline",
+    "build_ltx_pipeline",
+    "make_offline_t5_tokenizer",
+]
+
+logger = logging.getLogger("diffusers_injection")
+
+KINDS = (
+    "rmsnorm_weightless",
+    "rmsnorm_weighted",
+    "adaln_fused_blocks",
+    "qk_norm_rope_fused",
+    "rope_coords",
+    "gelu_tanh",
+    "vae_rmsnorm",
+)
+
+_STATE = "_rtk_injection"  # per-module record of what was patched and how to undo it
+_HALF = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# When may a kernel run?
+# --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _device_ok(t: torch.Tensor) -> bool:
+    # "cuda" is also ROCm's device type. CPU tensors only through Triton's interpreter.
+    return t.device.type == "cuda" or (t.device.type == "cpu" and _interpreting())
+
+
+def _usable(*tensors) -> bool:
+    """True if the kernels may replace torch for these tensors (None entries are ignored).
+
+    The kernels are inference-only (no backward): under autograd with any input that requires a
+    gradient the original code runs. All tensors must share one device the kernels can run on
+    (a weight still on the meta device, as accelerate's sequential offload leaves it, fails this).
+    """
+    ts = [t for t in tensors if t is not None]
+    if not ts or not _device_ok(ts[0]):
+        return False
+    dev = ts[0].device
+    grad = torch.is_grad_enabled()
+    for t in ts:
+        if t.device != dev or t.dtype not in _KERNEL_DTYPES or (grad and t.requires_grad):
+            return False
+    return True
+
+
+# torch.nn.RMSNorm multiplies the weight in fp32 and rounds once in recent torch (the fused
+# _fused_rms_norm path), but rounded to the input dtype before the weight multiply in older
+# releases. Probed once at injection time, so the patched forward matches the installed torch.
+_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
+
+
+def _probe_torch_rmsnorm() -> bool:
+    # On the GPU when there is one: that is where the model will run, and torch's CPU and GPU
+    # implementations have not always rounded alike.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g).to(device, torch.bfloat16)
+    w = (1 + torch.randn(64, generator=g)).to(device, torch.bfloat16)
+    got = F.rms_norm(x, (64,), w, 1e-6).float()
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    after = (normed.to(torch.bfloat16) * w).float()
+    once = (normed * w.float()).to(torch.bfloat16).float()
+    return bool((got - after).abs().max() < (got - once).abs().max())
+
+
+def _torch_rmsnorm_eps(module: torch.nn.RMSNorm) -> float:
+    # eps=None means the machine epsilon of the computation dtype, fp32 for fp32/fp16/bf16 inputs.
+    return float(module.eps) if module.eps is not None else float(torch.finfo(torch.float32).eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Patching instance forwards, reversibly
+# --------------------------------------------------------------------------------------------
+def _patch_forward(module: torch.nn.Module, fn, kind: str) -> bool:
+    """Make fn(module, ...) the module's forward. False if the module is already patched.
+
+    If accelerate already hooked the module (its hook calls module._old_forward), the hooked
+    function is replaced instead, so the hook keeps running around the kernel.
+    """
+    if _STATE in module.__dict__:
+        return False
+    slot = "_old_forward" if ("_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")) else "forward"
+    prev = module.__dict__.get(slot)
+    patched = types.MethodType(fn, module)
+    module.__dict__[_STATE] = {"kind": kind, "slot": slot, "prev": prev, "patched": patched}
+    module.__dict__[slot] = patched
+    return True
+
+
+def _original_forward(module: torch.nn.Module):
+    """The forward the module had before patching (used for inputs the kernels do not cover)."""
+    prev = module.__dict__[_STATE]["prev"]
+    return prev if prev is not None else types.MethodType(type(module).forward, module)
+
+
+def _unpatch(module: torch.nn.Module) -> Optional[str]:
+    """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
+    state = module.__dict__.pop(_STATE, None)
+    if state is None:
+        return None
+    if state["kind"] == "qk_norm_rope_fused":
+        if type(module.processor) is LTXFusedSelfAttnProcessor:  # not if someone replaced it since
+            module.set_processor(state["prev"])
+        return state["kind"]
+    module.__dict__.pop("_rtk_attn1_modules", None)
+    patched, prev = state["patched"], state["prev"]
+    # The patched function may have been wrapped by a hook added after injection (accelerate
+    # moves module.forward to module._old_forward): restore it wherever it now is.
+    for slot in ("forward", "_old_forward"):
+        if module.__dict__.get(slot) is patched:
+            if prev is None and slot == "forward":
+                del module.__dict__["forward"]
+            else:
+                module.__dict__[slot] = prev if prev is not None else types.MethodType(type(module).forward, module)
+            break
+    return state["kind"]
+
+
+# --------------------------------------------------------------------------------------------
+# Replacement forwards
+# --------------------------------------------------------------------------------------------
+def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None):
+    """rms_norm over the last dim; inputs whose last dim is strided (the VAE normalises
+    x.movedim(1, -1)) are copied to a contiguous buffer and the result is given the input's layout,
+    which is what torch's elementwise ops return (so the following conv sees the same strides)."""
+    if x.stride(-1) == 1 or x.shape[-1] == 1:
+        return rmsnorm.rms_norm(x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    y = rmsnorm.rms_norm(x.contiguous(), weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    out = torch.empty_like(x, dtype=y.dtype)
+    out.copy_(y)
+    return out
+
+
+def _diffusers_rmsnorm_forward(self, hidden_states):
+    """diffusers RMSNorm: without a weight the result has the input dtype; with an fp16/bf16 weight
+    the normalised value is rounded to that dtype before the multiply; with an fp32 weight the
+    multiply is in fp32 and the result is fp32 (torch's type promotion in the original)."""
+    w = self.weight
+    if self.bias is not None or not _usable(hidden_states, w):
+        return _original_forward(self)(hidden_states)
+    if w is None:
+        return _norm_any_layout(hidden_states, None, self.eps, True)
+    if w.dtype in _HALF:
+        if hidden_states.dtype != w.dtype:
+            return _original_forward(self)(hidden_states)
+        return _norm_any_layout(hidden_states, w, self.eps, True)
+    return _norm_any_layout(hidden_states, w, self.eps, False, out_dtype=torch.float32)
+
+
+def _torch_rmsnorm_forward(self, x):
+    """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else original)."""
+    w = self.weight
+    if len(self.normalized_shape) != 1 or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
+        return _original_forward(self)(x)
+    return _norm_any_layout(x, w, _torch_rmsnorm_eps(self), _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
+
+
+def _gelu_tanh_forward(self, hidden_states):
+    """diffusers GELU(approximate="tanh"): keep the projection, run the activation kernel."""
+    hidden_states = self.proj(hidden_states)
+    if not _usable(hidden_states):
+        return self.gelu(hidden_states)
+    return activations.gelu_tanh(hidden_states)
+
+
+def _modulated_norm_args(norm, x):
+    """(weight, cast_before_weight) for a fused norm+modulate replacing diffusers RMSNorm `norm`
+    followed by `* (1 + scale) + shift`, or None when the fused kernel would not reproduce it."""
+    if getattr(norm, "bias", None) is not None:
+        return None
+    w = norm.weight
+    if w is None:
+        return None, True
+    if w.dtype == x.dtype:
+        return w, w.dtype in _HALF
+    return None  # e.g. an fp32 weight on bf16 activations: the original promotes to fp32
+
+
+def _ltx_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb=None,
+    encoder_attention_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """LTXVideoTransformerBlock.forward with the norms, modulation and residuals fused.
+
+    Same math as diffusers' block: ada_values = scale_shift_table + temb (6 per-sample vectors);
+    h1 = h + attn1(norm1(h) * (1 + scale_msa) + shift_msa) * gate_msa; h2 = h1 + attn2(h1, text);
+    out = h2 + ff(norm2(h2) * (1 + scale_mlp) + shift_mlp) * gate_mlp. The kernels compute each
+    fused step in fp32 and round once, where the original rounds after every op.
+    """
+    table = self.scale_shift_table
+    args1 = _modulated_norm_args(self.norm1, hidden_states)
+    args2 = _modulated_norm_args(self.norm2, hidden_states)
+    ada_dtype = torch.promote_types(table.dtype, temb.dtype)
+    if (
+        args1 is None
+        or args2 is None
+        or ada_dtype != hidden_states.dtype
+        or not _usable(hidden_states, temb, table, args1[0], args2[0])
+    ):
+        return _original_forward(self)(
+            hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_attention_mask
+        )
+
+    batch_size = hidden_states.size(0)
+    num_ada_params = table.shape[0]
+    ada_values = table[None, None].to(temb.device) + temb.reshape(batch_size, temb.size(1), num_ada_params, -1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
+
+    norm_hidden_states = rmsnorm.rms_norm_modulate(
+        hidden_states, scale_msa, shift_msa, args1[0], self.norm1.eps, cast_before_weight=args1[1]
+    )
+    attn_hidden_states = self.attn1(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=None,
+        image_rotary_emb=image_rotary_emb,
+    )
+    hidden_states = torch.addcmul(hidden_states, attn_hidden_states, gate_msa)
+
+    attn_hidden_states = self.attn2(
+        hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
+        image_rotary_emb=None,
+        attention_mask=encoder_attention_mask,
+    )
+    # h + attn2, then norm2 + modulation, one kernel returning both the new residual and the norm.
+    hidden_states, norm_hidden_states = rmsnorm.gated_residual_rms_norm_modulate(
+        hidden_states,
+        attn_hidden_states,
+        None,
+        scale_mlp,
+        shift_mlp,
+        args2[0],
+        self.norm2.eps,
+        cast_before_weight=args2[1],
+    )
+    ff_output = self.ff(norm_hidden_states)
+    return torch.addcmul(hidden_states, ff_output, gate_mlp)
+
+
+def _ltx_rope_forward(
+    self,
+    hidden_states: torch.Tensor,
+    num_frames: Optional[int] = None,
+    height: Optional[int] = None,
+    width: Optional[int] = None,
+    rope_interpolation_scale=None,
+    video_coords: Optional[torch.Tensor] = None,
+):
+    """LTXVideoRotaryPosEmbed.forward returning (coords, freqs) instead of (cos, sin).
+
+    coords: fp32 [B, S, 3], the scaled (frame, row, column) grid exactly as the original builds it
+    (before its `* 2 - 1`); freqs: fp32 [B, S, dim // 6], the frequency vector (times pi/2)
+    expanded over the tokens as a zero-stride view (no memory). The fused processor computes the
+    angles in its kernel instead of reading two fp32 [B, S, dim] tables in every block.
+
+    Both outputs are per-token along dim 1, so the context-parallel plan of the model
+    (`_cp_plan["rope"]` splits outputs 0 and 1 along dim 1) still slices them consistently; the
+    processor only reads freqs[0, 0], which every slice contains. If any self-attention of the model
+    no longer runs the fused processor (someone set another one), the original (cos, sin) is
+    returned, so other processors keep working.
+    """
+    attns = self._rtk_attn1_modules
+    if not all(type(a.processor) is LTXFusedSelfAttnProcessor for a in attns):
+        return _original_forward(self)(
+            hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords
+        )
+    batch_size = hidden_states.size(0)
+    if video_coords is None:
+        grid = self._prepare_video_coords(
+            batch_size,
+            num_frames,
+            height,
+            width,
+            rope_interpolation_scale=rope_interpolation_scale,
+            device=hidden_states.device,
+        )
+    else:
+        grid = torch.stack(
+            [
+                video_coords[:, 0] / self.base_num_frames,
+                video_coords[:, 1] / self.base_height,
+                video_coords[:, 2] / self.base_width,
+            ],
+            dim=-1,
+        )
+    grid = grid.to(torch.float32)
+    freqs = rope.ltx_rope_freqs(self.dim, theta=self.theta, device=hidden_states.device)
+    freqs = freqs.expand(grid.shape[0], grid.shape[1], freqs.shape[-1])
+    return grid, freqs
+
+
+def _is_coords_form(image_rotary_emb, width: int) -> bool:
+    # (coords [B, S, 3], freqs [.., F]) from the patched rope vs (cos, sin) [B, S, width].
+    first = image_rotary_emb[0]
+    return first.shape[-1] == 3 and width != 3
+
+
+class LTXFusedSelfAttnProcessor:
+    """Self-attention processor for LTXAttention: to_q/to_k/to_v, ONE kernel for the q and k
+    RMSNorms (across heads) plus the rotary embedding, diffusers' dispatch_attention_fn, to_out.
+
+    Accepts the rotary embedding in either form: (cos, sin) as diffusers' rope module returns it,
+    or (coords, freqs) as the patched rope module returns it (angles computed in the kernel).
+    Without a rotary embedding (cross-attention) it runs the module's q/k norms (patched to the
+    RMSNorm kernel) and behaves like LTXVideoAttnProcessor. Inputs the kernel does not cover run
+    the original sequence of operations.
+    """
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn: LTXAttention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        image_rotary_emb=None,
+    ) -> torch.Tensor:
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        if image_rotary_emb is None:
+            query = attn.norm_q(query)
+            key = attn.norm_k(key)
+        else:
+            query, key = self._qk_norm_rope(attn, query, key, image_rotary_emb)
+
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+
+        hidden_states = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+    @staticmethod
+    def _qk_norm_rope(attn, query, key, image_rotary_emb):
+        nq, nk = attn.norm_q, attn.norm_k
+        coords_form = _is_coords_form(image_rotary_emb, query.shape[-1])
+        a, b = image_rotary_emb
+        fusable = (
+            isinstance(nq, torch.nn.RMSNorm)
+            and isinstance(nk, torch.nn.RMSNorm)
+            and len(nq.normalized_shape) == 1
+            and len(nk.normalized_shape) == 1
+            and nq.weight is not None
+            and nk.weight is not None
+            and _torch_rmsnorm_eps(nq) == _torch_rmsnorm_eps(nk)
+            and query.shape == key.shape
+            and query.dtype == key.dtype == nq.weight.dtype == nk.weight.dtype
+            and _usable(query, key, nq.weight, nk.weight, a, b)
+        )
+        if fusable:
+            eps = _torch_rmsnorm_eps(nq)
+            cbw = _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
+            if coords_form:
+                return rope.ltx_qk_rmsnorm_rope_coords(
+                    query, key, nq.weight, nk.weight, eps, a, b[0, 0], cast_before_weight=cbw
+                )
+            return rope.ltx_qk_rmsnorm_rope(query, key, nq.weight, nk.weight, eps, a, b, cast_before_weight=cbw)
+        # Unfused: the module norms (which may still run the RMSNorm kernel), then diffusers' RoPE.
+        query = nq(query)
+        key = nk(key)
+        if coords_form:
+            cos, sin = rope.ltx_cos_sin_from_coords(a, b[0, 0], query.shape[-1])
+        else:
+            cos, sin = a, b
+        return apply_rotary_emb(query, (cos, sin)), apply_rotary_emb(key, (cos, sin))
+
+
+# --------------------------------------------------------------------------------------------
+# Discovery
+# --------------------------------------------------------------------------------------------
+def _roots(pipe_or_model):
+    """The nn.Modules to search: the model itself, or a pipeline's module components."""
+    if isinstance(pipe_or_model, torch.nn.Module):
+        return [pipe_or_model]
+    components = getattr(pipe_or_model, "components", None)
+    if isinstance(components, dict):
+        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
+    raise TypeError(
+        f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}"
+    )
+
+
+def _ltx_models(pipe_or_model):
+    """(transformers, vaes): every LTX-Video transformer / VAE inside the input, each once."""
+    seen, transformers, vaes = set(), [], []
+    for root in _roots(pipe_or_model):
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            if isinstance(m, LTXVideoTransformer3DModel):
+                transformers.append(m)
+            elif isinstance(m, AutoencoderKLLTXVideo):
+                vaes.append(m)
+    return transformers, vaes
+
+
+def _is_gelu_tanh(m) -> bool:
+    return isinstance(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
+
+
+def _rmsnorm_kind(m) -> Optional[str]:
+    """Kind of an RMSNorm the kernel can replace, or None (not an RMSNorm, or one with a bias)."""
+    if isinstance(m, DiffusersRMSNorm):
+        if m.bias is not None:
+            return None
+        return "rmsnorm_weightless" if m.weight is None else "rmsnorm_weighted"
+    if isinstance(m, torch.nn.RMSNorm):
+        return "rmsnorm_weightless" if m.weight is None else "rmsnorm_weighted"
+    return None
+
+
+def _empty_counts() -> dict:
+    return {k: 0 for k in KINDS}
+
+
+def injected_counts(pipe_or_model) -> dict:
+    """Counts per kind of what is currently injected in pipe_or_model."""
+    counts = _empty_counts()
+    seen = set()
+    for root in _roots(pipe_or_model):
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            state = m.__dict__.get(_STATE)
+            if state is not None:
+                counts[state["kind"]] += 1
+    return counts
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+    """Replace LTX-Video's norms, AdaLN modulation, q/k norm + RoPE and GELU with the kernels.
+
+    pipe_or_model: an LTXPipeline (or any diffusers pipeline: only its LTX components are touched),
+    an LTXVideoTransformer3DModel, an AutoencoderKLLTXVideo, or any module containing them.
+    Returns the counts per kind of what is injected after the call (a second call returns the same
+    counts and wraps nothing twice). Call it before enable_model_cpu_offload() or after, and
+    before torch.compile (the kernels are torch.library custom ops, so compile traces them).
+    """
+    global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
+    _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
+
+    transformers, vaes = _ltx_models(pipe_or_model)
+    new = _empty_counts()
+    skipped = []
+    for model in transformers:
+        for m in model.modules():
+            kind = _rmsnorm_kind(m)
+            if kind is not None:
+                fn = _diffusers_rmsnorm_forward if isinstance(m, DiffusersRMSNorm) else _torch_rmsnorm_forward
+                new[kind] += _patch_forward(m, fn, kind)
+            elif isinstance(m, (DiffusersRMSNorm, torch.nn.RMSNorm)):
+                skipped.append(f"{type(m).__name__} with a bias")
+            elif _is_gelu_tanh(m):
+                new["gelu_tanh"] += _patch_forward(m, _gelu_tanh_forward, "gelu_tanh")
+            elif isinstance(m, LTXVideoTransformerBlock):
+                new["adaln_fused_blocks"] += _patch_forward(m, _ltx_block_forward, "adaln_fused_blocks")
+
+        # Self-attention processors: only where diffusers' own LTX processor is in place.
+        attn1s = []
+        for block in model.modules():
+            if not isinstance(block, LTXVideoTransformerBlock) or not isinstance(block.attn1, LTXAttention):
+                continue
+            attn = block.attn1
+            if _STATE in attn.__dict__:
+                attn1s.append(attn)
+                continue
+            prev = attn.processor
+            if type(prev) is not LTXVideoAttnProcessor:
+                skipped.append(f"self-attention with processor {type(prev).__name__}")
+                continue
+            proc = LTXFusedSelfAttnProcessor()
+            for name in ("_attention_backend", "_parallel_config"):  # keep backend / parallel choices
+                if name in getattr(prev, "__dict__", {}):
+                    setattr(proc, name, getattr(prev, name))
+            attn.set_processor(proc)
+            attn.__dict__[_STATE] = {"kind": "qk_norm_rope_fused", "prev": prev}
+            attn1s.append(attn)
+            new["qk_norm_rope_fused"] += 1
+
+        rope_mod = getattr(model, "rope", None)
+        if isinstance(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
+            if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):
+                new["rope_coords"] += 1
+            # a plain tuple attribute: not registered as submodules (no second parent in the tree)
+            rope_mod.__dict__["_rtk_attn1_modules"] = tuple(attn1s)
+
+    for vae in vaes:
+        for m in vae.modules():
+            if isinstance(m, DiffusersRMSNorm) and m.bias is None:
+                new["vae_rmsnorm"] += _patch_forward(m, _diffusers_rmsnorm_forward, "vae_rmsnorm")
+
+    counts = injected_counts(pipe_or_model)
+    msg = "injected kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+    already = sum(counts.values()) - sum(new.values())
+    if already:
+        msg += f" ({already} were already in place)"
+    if not transformers and not vaes:
+        msg += " (no LTX-Video transformer or VAE found: nothing replaced)"
+    if skipped:
+        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return counts
+
+
+def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+    """Undo inject_optimized_kernels: restore the original forwards and attention processors.
+
+    Returns the counts per kind of what was restored.
+    """
+    restored = _empty_counts()
+    seen = set()
+    for root in _roots(pipe_or_model):
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            kind = _unpatch(m)
+            if kind is not None:
+                restored[kind] += 1
+    msg = "removed kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return restored
+
+
+# --------------------------------------------------------------------------------------------
+# Offline pipelines (random weights, no hub): shared by the tests and the example
+# --------------------------------------------------------------------------------------------
+_WORDS = (
+    "a an the of in on at with and to is are by from over under through across near far "
+    "cat dog bird fish horse man woman child person car boat city street forest river sea sky "
+    "mountain field road house tree flower light water fire snow rain sun moon night day "
+    "red blue green yellow white black golden bright dark slow fast small large old young "
+    "walks runs flies swims moves stands sits looks turns waves shines falls rises camera video "
+    "shot close wide view scene background foreground motion gentle soft sharp detailed fox snowy "
+    "follows runs"
+).split()
+
+
+def make_offline_t5_tokenizer(model_max_length: int = 128):
+    """A T5 tokenizer (SentencePiece-style Unigram) built from an in-memory vocabulary.
+
+    Token ids: 0 <pad>, 1 </s>, 2 <unk>, then whole words (with the leading-space marker) and single
+    characters, so any text tokenises. Returns (tokenizer, vocab_size).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    marker = "\u2581"
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (marker, -4.0)]
+    vocab += [(marker + w, -2.0) for w in _WORDS]
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-:;()"
+    vocab += [(c, -6.0) for c in chars]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    t5 = T5TokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=model_max_length,
+    )
+    return t5, len(vocab)
+
+
+def _t5_encoder(d_model: int, vocab_size: int, *, layers: int = 1, heads: int = 2, d_kv: int = 8, d_ff: int = 32):
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=d_kv,
+        d_ff=d_ff,
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5EncoderModel(cfg).eval()
+
+
+def _ltx_vae(channels: int, real_compression: bool):
+    """A small-channel AutoencoderKLLTXVideo. real_compression=True keeps the released model's
+    32x spatial / 8x temporal compression (so latent sizes match), else 4x / 4x (more tokens for a
+    tiny video)."""
+    if real_compression:
+        scaling, patch = (True, True, True, False), 4
+    else:
+        scaling, patch = (True, True, False, False), 1
+    c = (channels,) * 4
+    vae = AutoencoderKLLTXVideo(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8 if not real_compression else 128,
+        block_out_channels=c,
+        decoder_block_out_channels=c,
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=scaling,
+        decoder_spatio_temporal_scaling=scaling,
+        decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4,
+        upsample_factor=(1,) * 4,
+        timestep_conditioning=False,
+        patch_size=patch,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    vae.use_framewise_encoding = False
+    vae.use_framewise_decoding = False
+    return vae.eval()
+
+
+def _scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # The released LTX-Video scheduler configuration.
+    return FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+    )
+
+
+def build_tiny_ltx_pipeline(*, seed: int = 0, num_layers: int = 2, max_length: int = 16):
+    """A tiny fp32 LTXPipeline on the CPU (random weights, no hub): 2-block transformer of width 32
+    (2 heads x 16; 32 % 6 == 2 so the RoPE padding channels are exercised), a 1-layer T5 and a
+    4x/4x-compression VAE. 9 frames at 32x32 give 3 x 8 x 8 = 192 latent tokens."""
+    from diffusers import LTXPipeline
+
+    torch.manual_seed(seed)
+    tokenizer, vocab = make_offline_t5_tokenizer(max_length)
+    text_encoder = _t5_encoder(16, vocab)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        num_layers=num_layers,
+        caption_channels=16,
+    ).eval()
+    vae = _ltx_vae(8, real_compression=False)
+    return LTXPipeline(
+        scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+
+
+def build_ltx_pipeline(*, device="cuda", transformer_dtype=torch.float32, seed: int = 0, max_length: int = 128):
+    """The real-size LTX-Video transformer (LTXVideoTransformer3DModel() defaults, ~1.9 B parameters,
+    random weights) built directly on `device`, with a small random T5 of the real width (4096) and
+    a small-channel VAE with the released 32x/8x compression (latent sizes match the real model;
+    the VAE only runs if the output is decoded). No network, no checkpoint."""
+    from diffusers import LTXPipeline
+
+    torch.manual_seed(seed)
+    tokenizer, vocab = make_offline_t5_tokenizer(max_length)
+    with torch.device(device):
+        transformer = LTXVideoTransformer3DModel().to(transformer_dtype).eval()
+        text_encoder = _t5_encoder(4096, vocab, layers=2, heads=8, d_kv=64, d_ff=1024)
+        vae = _ltx_vae(32, real_compression=True)
+    return LTXPipeline(
+        scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )

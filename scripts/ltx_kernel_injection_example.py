@@ -1,0 +1,239 @@
+"""LTX-Video with the Triton kernels injected: what is replaced, how fast a denoising step is, and
+how close the result stays to the unpatched pipeline.
+
+With a GPU: the LTX-Video checkpoint from the local Hugging Face cache if it is there (offline, no
+download), else the real-size transformer (LTXVideoTransformer3DModel() defaults) with random
+weights, a small random T5 and a small VAE with the released compression. Defaults: 25 frames
+480x704, 8 steps, bf16. Step times are measured with CUDA events. At that size an eager step
+waits on the CPU issuing kernels (Python), so one transformer call is also timed replayed from a
+CUDA graph: the GPU time of the kernels themselves.
+Without a GPU (or with --device-free): a tiny random pipeline on the CPU through Triton's
+interpreter, 9 frames 32x32, 2 steps, fp32 (a correctness run; its times mean nothing).
+
+Parity (exit status 1 when it fails):
+* fp32: max |patched - unpatched| <= 1e-4 * max |unpatched| on the final latents. The kernels do
+  the same math in fp32 with a different summation order and one rounding per fused step, which
+  moves fp32 results by a few ulps; 1e-4 leaves room for that to grow over the steps.
+* fp16/bf16: the unpatched pipeline itself differs from its fp32 run by rounding. The patched
+  result must be no further from the fp32 run than 1.5x that distance (relative L2), i.e. the
+  kernels may not make the result measurably less accurate than stock half precision.
+* After remove_optimized_kernels the pipeline must reproduce the unpatched latents bit for bit.
+The JSON summary goes to stdout, diagnostics to stderr.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-frames", type=int, help="video frames, 8k+1 (GPU default 25, CPU 9)")
+    p.add_argument("--height", type=int, help="multiple of 32 (GPU default 480, CPU 32)")
+    p.add_argument("--width", type=int, help="multiple of 32 (GPU default 704, CPU 32)")
+    p.add_argument("--steps", type=int, help="denoising steps (GPU default 8, CPU 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="GPU default bf16, CPU fp32")
+    p.add_argument("--device-free", action="store_true", help="run the tiny CPU pipeline through Triton's interpreter even if a GPU is present")
+    return p.parse_args()
+
+
+def load_pipeline(gpu: bool, seed: int):
+    """(pipeline in fp32, what its weights are)."""
+    import diffusers_injection as di
+
+    if not gpu:
+        return di.build_tiny_ltx_pipeline(seed=seed), "tiny random (CPU)"
+    try:
+        from diffusers import LTXPipeline
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache("Lightricks/LTX-Video", "model_index.json"), str):
+            pipe = LTXPipeline.from_pretrained("Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True)
+            return pipe.to("cuda"), "Lightricks/LTX-Video from the local cache"
+        log("LTX-Video weights are not in the local Hugging Face cache: using the real-size architecture with random weights")
+    except Exception as exc:  # a partial or unreadable cache: say why, then go on without it
+        log(f"could not load LTX-Video from the local cache ({type(exc).__name__}: {exc}); using random weights")
+    return di.build_ltx_pipeline(device="cuda", seed=seed), "real-size transformer, random weights"
+
+
+def generate(pipe, args, device, timed=False):
+    """Final latents, per-step times in ms (CUDA events on a GPU, host clock on the CPU) and the
+    keyword arguments of the first transformer call (to time that call alone afterwards)."""
+    marks, first_call = [], {}  # (transformer start, step end) per step
+
+    def now():
+        if device == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def on_step_end(_pipe, i, t, kw):
+        marks[-1].append(now())
+        return {}
+
+    def on_call(_module, _args, kwargs):
+        marks.append([now()])
+        first_call.setdefault("kwargs", kwargs)
+
+    hook = pipe.transformer.register_forward_pre_hook(on_call, with_kwargs=True)
+    try:
+        out = pipe(
+            prompt="a red fox runs through a snowy forest, camera follows",
+            num_frames=args.num_frames, height=args.height, width=args.width,
+            num_inference_steps=args.steps, generator=torch.Generator(device).manual_seed(args.seed),
+            output_type="latent", callback_on_step_end=on_step_end if timed else None,
+            max_sequence_length=min(128, pipe.tokenizer.model_max_length),
+        ).frames
+    finally:
+        hook.remove()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    steps = [(b.elapsed_time(e) if device == "cuda" else 1e3 * (e - b)) for b, e in (m for m in marks if len(m) == 2)]
+    return out.float(), steps, first_call.get("kwargs")
+
+
+def cuda_graph_ms(model, kwargs, reps=10):
+    """Median GPU time of one transformer call replayed from a CUDA graph: what the kernels cost
+    without the CPU time spent issuing them (at ~1.3k tokens an eager step waits on that CPU time)."""
+    try:
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the graph, as capture requires
+                for _ in range(2):
+                    model(**kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(**kwargs)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    except Exception as exc:  # report, do not fail the run: the eager numbers stand on their own
+        log(f"CUDA-graph timing failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def compare(a, b):
+    """max abs diff, relative max diff, relative L2 and PSNR (dB, peak = max |b|) of a against b."""
+    d = (a - b).double()
+    mse = d.pow(2).mean().item()
+    peak = b.abs().max().item()
+    return {
+        "max_abs_diff": d.abs().max().item(),
+        "rel_max_diff": d.abs().max().item() / max(peak, 1e-30),
+        "rel_l2": (d.norm() / b.double().norm().clamp_min(1e-30)).item(),
+        "psnr_db": "inf" if mse == 0 else 10 * math.log10(peak**2 / mse),
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    gpu = torch.cuda.is_available() and not args.device_free
+    if not gpu:
+        log("no GPU in use: tiny LTX-Video pipeline on the CPU through Triton's interpreter")
+        os.environ["TRITON_INTERPRET"] = "1"  # must be set before the kernel modules are imported
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
+    for name, g, c in (("num_frames", 25, 9), ("height", 480, 32), ("width", 704, 32), ("steps", 8, 2), ("dtype", "bf16", "fp32")):
+        if getattr(args, name) is None:
+            setattr(args, name, g if gpu else c)
+    sys.path.insert(0, HERE)
+    import diffusers_injection as di
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # no dtype-cast advice in the output
+
+    device = "cuda" if gpu else "cpu"
+    dtype = DTYPES[args.dtype]
+    pipe, weights = load_pipeline(gpu, args.seed)
+    pipe.set_progress_bar_config(disable=True)
+    log(f"{weights}; {args.num_frames} frames {args.height}x{args.width}, {args.steps} steps, {args.dtype}")
+
+    ref32 = None
+    if dtype != torch.float32:  # the yardstick for half-precision parity
+        ref32 = generate(pipe, args, device)[0]
+        pipe.to(dtype)
+    warmup = argparse.Namespace(**{**vars(args), "steps": 2})
+    if gpu:
+        generate(pipe, warmup, device)  # warm-up (cuBLAS, allocator)
+    stock, stock_ms, call = generate(pipe, args, device, timed=True)
+    stock_graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
+
+    counts = di.inject_optimized_kernels(pipe)
+    if gpu:
+        generate(pipe, warmup, device)  # warm-up (Triton compiles each kernel once)
+    patched, patched_ms, _ = generate(pipe, args, device, timed=True)
+    patched_graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
+
+    di.remove_optimized_kernels(pipe)
+    restored = generate(pipe, args, device)[0]
+
+    parity = {"patched_vs_unpatched": compare(patched, stock)}
+    if ref32 is None:
+        threshold = "rel_max_diff <= 1e-4"
+        ok = parity["patched_vs_unpatched"]["rel_max_diff"] <= 1e-4
+    else:
+        parity["unpatched_vs_fp32"] = compare(stock, ref32)
+        parity["patched_vs_fp32"] = compare(patched, ref32)
+        threshold = "rel_l2(patched, fp32) <= 1.5 * rel_l2(unpatched, fp32)"
+        ok = parity["patched_vs_fp32"]["rel_l2"] <= 1.5 * parity["unpatched_vs_fp32"]["rel_l2"] + 1e-7
+    bit_identical = bool(torch.equal(restored, stock))
+    ok = bool(ok and bit_identical and torch.isfinite(patched).all())
+
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    summary = {
+        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
+        "weights": weights,
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "diffusers": __import__("diffusers").__version__},
+        "dtype": args.dtype, "num_frames": args.num_frames, "height": args.height, "width": args.width,
+        "steps": args.steps, "seed": args.seed, "latent_shape": list(stock.shape),
+        "replaced": counts,
+        "step_ms": {
+            "clock": "CUDA events, transformer call + guidance + scheduler step" if gpu else "host clock (interpreter: not a speed measurement)",
+            "unpatched_median": med(stock_ms), "patched_median": med(patched_ms),
+            "speedup": (med(stock_ms) / med(patched_ms)) if gpu and stock_ms and patched_ms else None,
+            "unpatched": stock_ms, "patched": patched_ms,
+        },
+        "transformer_call_cuda_graph_ms": {
+            "what": "one transformer call (CFG batch) replayed from a CUDA graph: GPU time without kernel-issue overhead",
+            "unpatched": stock_graph_ms, "patched": patched_graph_ms,
+            "speedup": (stock_graph_ms / patched_graph_ms) if stock_graph_ms and patched_graph_ms else None,
+        },
+        "parity": parity, "parity_threshold": threshold,
+        "restored_bit_identical": bit_identical, "ok": ok,
+    }
+    log(f"replaced: {counts}")
+    log(f"step ms (median): unpatched {summary['step_ms']['unpatched_median']}, patched {summary['step_ms']['patched_median']}")
+    if gpu:
+        log(f"transformer call from a CUDA graph, ms: unpatched {stock_graph_ms}, patched {patched_graph_ms}")
+    log(f"parity vs unpatched: {parity['patched_vs_unpatched']}; threshold {threshold}; restored bit-identical: {bit_identical}")
+    print(json.dumps(summary, indent=2))
+    if not ok:
+        log("FAILED: parity or restoration check did not pass")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

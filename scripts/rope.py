@@ -1,0 +1,801 @@
+"""Rotary position embeddings (RoPE), alone or fused with LTX-Video's q/k RMSNorm.
+
+    interleaved (LTX-Video): out[2i]   = x[2i]   * cos[2i]   - x[2i+1] * sin[2i]
+                             out[2i+1] = x[2i+1] * cos[2i+1] + x[2i]   * sin[2i+1]
+    rotate-half (Llama/HF):  out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
+    all arithmetic in fp32, one rounding to the input dtype at the end.
+
+Public functions:
+
+* ``ltx_rope(x, cos, sin)``: diffusers' ``apply_rotary_emb`` of ``transformer_ltx.py`` on x [B, S, C]
+  (rows may be strided, e.g. a slice of a fused qkv projection), cos/sin [B or 1, S, C] (or [S, C]).
+* ``rope_rotate_half(x, cos, sin)``: transformers' ``apply_rotary_pos_emb`` for one tensor, x [B, H, S, D]
+  with any strides whose last dim is contiguous, cos/sin [S, D], [B or 1, S, D] or [B or 1, H or 1, S, D].
+* ``ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, eps, cos, sin)``: LTX self-attention's
+  ``apply_rotary_emb(norm_q(q))`` and ``apply_rotary_emb(norm_k(k))`` in one launch (RMSNorm across all
+  heads, i.e. over the whole C-wide row); returns (q_out, k_out).
+* ``ltx_qk_rmsnorm_rope_coords(q, k, q_weight, k_weight, eps, coords, freqs)``: the same, with cos/sin
+  computed inside the kernel from the per-token grid coordinates [B or 1, S, 3] and the frequency
+  vector [C // 6], so the 8 bytes per channel of fp32 cos/sin are never read from memory.
+* ``ltx_rope_freqs(dim, theta)`` and ``ltx_cos_sin_from_coords(coords, freqs, dim)``: the frequency
+  vector and the (cos, sin) pair exactly as diffusers' ``LTXVideoRotaryPosEmbed`` computes them.
+
+Each ``*_ref`` function is the plain-PyTorch math the kernel replaces (run it on float64 inputs to
+test). The file depends on torch and triton only; copy it into another project as is.
+Run ``python rope.py --help``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ltx_rope",
+    "rope_rotate_half",
+    "ltx_qk_rmsnorm_rope",
+    "ltx_qk_rmsnorm_rope_coords",
+    "ltx_rope_freqs",
+    "ltx_cos_sin_from_coords",
+    "ltx_rope_ref",
+    "rope_rotate_half_ref",
+    "ltx_qk_rmsnorm_rope_ref",
+    "ltx_qk_rmsnorm_rope_coords_ref",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# cos/sin, weights, coords and freqs are read and converted to fp32 in the kernel: any float dtype.
+_ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The fused RMSNorm + RoPE kernels keep a whole row in registers (the norm needs the full row
+# before anything can be written). 16384 channels over 16 warps is at most 32 fp32 values per lane
+# and tensor; LTX-Video uses 2048.
+_MAX_NORM_WIDTH = 16384
+# The plain RoPE kernels are elementwise over pairs, so wide rows are split over a second grid
+# axis in column chunks of at most this many elements (pairs never straddle a chunk: it is even).
+_MAX_CHUNK = 4096
+# Target elements per program and tensor: 2048 is one LTX row; bf16 in + out is 8 KiB per program.
+_ELEMS_PER_PROGRAM = 2048
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _rotate_pairs(x, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """[BLOCK_M, BLOCK_C] -> the interleaved partner of every channel: (-x[2i+1], x[2i]).
+
+    The row is loaded as one contiguous tile (16-byte vector loads) and split in registers: the
+    reshape keeps each lane's pairs together, so split/join move no data between lanes.
+    """
+    even, odd = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_C // 2, 2]))
+    return tl.reshape(tl.join(-odd, even), [BLOCK_M, BLOCK_C])
+
+
+@triton.jit
+def _ltx_rope_kernel(
+    X, x_sb, x_ss,  # input [B, S, C]: element strides of the batch and token dims; channels contiguous
+    COS, c_sb, c_ss,  # cos [B or 1, S, C] (batch stride 0 when broadcast over the batch)
+    SIN, s_sb, s_ss,  # sin, same layout rules as cos
+    OUT, o_sb, o_ss,  # output [B, S, C]
+    M, B, C,  # rows (B * S), batch size, channels
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_C: tl.constexpr,  # channels per program (even; the second grid axis walks the chunks)
+):
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
+    # Row r is token r // B of sample r % B: the B rows that share a cos/sin row run side by side,
+    # so a batch-broadcast cos/sin row is fetched from DRAM once and then hits in L2.
+    b = (rows % B).to(tl.int64)
+    s = (rows // B).to(tl.int64)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = row_mask[:, None] & (cols < C)[None, :]
+    x = tl.load(X + (b * x_sb + s * x_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(COS + (b * c_sb + s * c_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + (b * s_sb + s * s_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = x * c + _rotate_pairs(x, BLOCK_M, BLOCK_C) * sn
+    tl.store(OUT + (b * o_sb + s * o_ss)[:, None] + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_rotate_half_kernel(
+    X, x_sb, x_sh, x_ss,  # input [B, H, S, D]: element strides of batch, head, token; D contiguous
+    COS, c_sb, c_sh, c_ss,  # cos broadcast to [B, H, S, D] (stride 0 on broadcast dims)
+    SIN, s_sb, s_sh, s_ss,  # sin, same layout rules as cos
+    OUT, o_sb, o_sh, o_ss,  # output [B, H, S, D]
+    M, H, S, HALF,  # rows (B * H * S), heads, tokens, D // 2
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_H: tl.constexpr,  # columns of each half per program (the second grid axis walks the chunks)
+):
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)
+    # Heads vary fastest: the H rows of one token share their cos/sin row ([B, S, D] broadcast over
+    # heads, as transformers passes it), so a program's cos/sin loads hit the same lines.
+    h = (rows % H).to(tl.int64)
+    t = rows // H
+    s = (t % S).to(tl.int64)
+    b = (t // S).to(tl.int64)
+    j = pid_c * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = row_mask[:, None] & (j < HALF)[None, :]
+    j = j[None, :]
+    xp = X + (b * x_sb + h * x_sh + s * x_ss)[:, None]
+    cp = COS + (b * c_sb + h * c_sh + s * c_ss)[:, None]
+    sp = SIN + (b * s_sb + h * s_sh + s * s_ss)[:, None]
+    x1 = tl.load(xp + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cp + j, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cp + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sp + j, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sp + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    op = OUT + (b * o_sb + h * o_sh + s * o_ss)[:, None]
+    tl.store(op + j, (x1 * c1 - x2 * s1).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(op + HALF + j, (x2 * c2 + x1 * s2).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_rows(x, W, cols, C, eps, DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """torch.nn.RMSNorm of fp32 rows x [BLOCK_M, BLOCK_C] (zeros past C), rounded where the module
+    rounds (to DTYPE, the input dtype); returns fp32."""
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        if CAST_BEFORE_WEIGHT:
+            y = y.to(DTYPE).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < C, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    return y.to(DTYPE).to(tl.float32)  # the module's output is in the input dtype
+
+
+@triton.jit
+def _rope_by_pair(y, cp, sp, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Interleaved RoPE of [BLOCK_M, BLOCK_C] rows with one (cos, sin) per pair, [BLOCK_M, BLOCK_C // 2]."""
+    even, odd = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_C // 2, 2]))
+    return tl.reshape(tl.join(even * cp - odd * sp, odd * cp + even * sp), [BLOCK_M, BLOCK_C])
+
+
+@triton.jit
+def _ltx_qk_norm_rope_kernel(
+    Q, q_sb, q_ss,  # q [B, S, C]: element strides of batch and token dims; channels contiguous
+    K, k_sb, k_ss,  # k [B, S, C], same shape and dtype as q, its own strides
+    QW, KW,  # RMSNorm weights [C] of q and k (HAS_WEIGHT)
+    COS, c_sb, c_ss,  # cos [B or 1, S, C] (not FROM_COORDS; batch stride 0 when broadcast)
+    SIN, s_sb, s_ss,  # sin, same layout rules as cos
+    COORDS, g_sb, g_ss, g_sa,  # grid coordinates [B or 1, S, 3] (FROM_COORDS): batch, token, axis strides
+    FREQS, f_s,  # frequencies [C // 6] (FROM_COORDS), already times pi / 2
+    QO, KO,  # contiguous [B, S, C] outputs
+    M, B, C,  # rows (B * S), batch size, channels
+    N_PAD_PAIRS, N_ROT_PAIRS,  # (C % 6) // 2 leading identity pairs, then 3 * (C // 6) rotated pairs
+    eps,  # RMSNorm epsilon
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
+    FROM_COORDS: tl.constexpr,  # compute cos/sin from COORDS and FREQS instead of loading them
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_C: tl.constexpr,  # >= C (whole rows)
+):
+    # One program normalises and rotates the same rows of q AND k: the cos/sin of those rows are
+    # read (or computed) once and used twice.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)
+    b = (rows % B).to(tl.int64)  # batch fastest: see _ltx_rope_kernel
+    s = (rows // B).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = row_mask[:, None] & (cols < C)[None, :]
+    out_row = (b * (M // B) + s) * C  # contiguous [B, S, C] outputs
+    # Issue both row loads first: their DRAM latency then overlaps the cos/sin work below.
+    xq = tl.load(Q + (b * q_sb + s * q_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xk = tl.load(K + (b * k_sb + s * k_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    DT: tl.constexpr = Q.dtype.element_ty
+    if FROM_COORDS:
+        # Pair i (channels 2i, 2i+1): identity for i < N_PAD_PAIRS, else p = i - N_PAD_PAIRS uses
+        # frequency p // 3 on axis p % 3 (frame, height, width), the angle computed in fp32 in the
+        # order diffusers uses: freq * (coord * 2 - 1). Both channels of a pair share the angle
+        # (diffusers' repeat_interleave(2)), so the trigonometry runs once per pair and the
+        # rotation is applied to the (even, odd) halves that tl.split produces.
+        pair = tl.arange(0, BLOCK_C // 2) - N_PAD_PAIRS
+        valid = (pair >= 0) & (pair < N_ROT_PAIRS)
+        pair = tl.where(valid, pair, 0)
+        freq = tl.load(FREQS + (pair // 3) * f_s, mask=valid, other=0.0).to(tl.float32)
+        # the row's three coordinates, then each pair picks its axis (no per-pair gather)
+        g_row = COORDS + b * g_sb + s * g_ss
+        g0 = tl.load(g_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        g1 = tl.load(g_row + g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        g2 = tl.load(g_row + 2 * g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        axis = (pair % 3)[None, :]
+        coord = tl.where(axis == 0, g0, tl.where(axis == 1, g1, g2))
+        angle = freq[None, :] * (coord * 2.0 - 1.0)
+        # tl.cos/tl.sin are the libdevice/OCML functions, as torch's own: on NVIDIA the result
+        # matches diffusers' cos/sin bit for bit.
+        cp = tl.where(valid[None, :], tl.cos(angle), 1.0)
+        sp = tl.where(valid[None, :], tl.sin(angle), 0.0)
+        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        qo = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
+        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        ko = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
+    else:
+        # cos/sin as given, channel by channel (cos[2i] and cos[2i+1] need not be equal).
+        c = tl.load(COS + (b * c_sb + s * c_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + (b * s_sb + s * s_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        qo = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
+        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        ko = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
+    tl.store(QO + out_row[:, None] + cols[None, :], qo.to(QO.dtype.element_ty), mask=mask)
+    tl.store(KO + out_row[:, None] + cols[None, :], ko.to(KO.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher helpers
+# --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _device_target(device: torch.device):
+    """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
+    if device.type == "cpu":
+        return ("interpreter", None, 32)
+    target = triton.runtime.driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the input is on {device}; move them to one device")
+    if t.device.type == "cpu" and not _interpreting():
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+        )
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor):
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
+        )
+
+
+def _batch_table(name: str, t: torch.Tensor, batch: int, tokens: int, width: int, what: str) -> torch.Tensor:
+    """Check a per-token table ([S, W] or [B or 1, S, W]) and return it as a [B, S, W] view
+    (batch stride 0 when it is shared by the whole batch)."""
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    if t.dim() != 3 or t.shape[1] != tokens or t.shape[2] != width or t.shape[0] not in (1, batch):
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}; expected [{batch} or 1, {tokens}, {width}] or "
+            f"[{tokens}, {width}] ({what})"
+        )
+    return t.expand(batch, tokens, width)
+
+
+def _launch_config(
+    width: int, n_rows: int, warp_size: int, max_block: int, elems: int = _ELEMS_PER_PROGRAM, per_lane: int = 8
+):
+    """(BLOCK_M, BLOCK_C, num_warps) for row-wise kernels over `width`-wide rows.
+
+    Reasons: a program should move about `elems` elements per tensor (2048: one LTX row; narrower
+    rows are packed several to a program, up to 64, so that a program still moves a few KiB and
+    the per-program overhead is amortised). Each lane should hold `per_lane` consecutive elements
+    of a tensor: 8 is one 16-byte vector of bf16/fp16 (two of fp32), which is what makes the loads
+    full-width; the warp count follows from the lane count (32 on NVIDIA and RDNA wave32, 64 on
+    CDNA wave64), so a wave64 GPU gets half the warps for the same tile.
+    """
+    block_c = min(_next_pow2(max(width, 2)), max_block)
+    block_m = max(1, min(64, elems // block_c, _next_pow2(max(n_rows, 1))))
+    num_warps = max(1, min(16, (block_m * block_c) // (warp_size * per_lane)))
+    return block_m, block_c, _next_pow2(num_warps)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+def _ltx_rope_launch(x, cos, sin):
+    _check_tensor("x", x)
+    dev = x.device
+    _check_tensor("cos", cos, dev, _ANY_FLOAT)
+    _check_tensor("sin", sin, dev, _ANY_FLOAT)
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, S, C] (3 dims), got shape {tuple(x.shape)}")
+    bsz, seq, ch = x.shape
+    if ch % 2:
+        raise ValueError(f"x has {ch} channels; interleaved RoPE needs an even channel count")
+    cos = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
+    sin = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
+    for nm, t in (("x", x), ("cos", cos), ("sin", sin)):
+        _check_last_contiguous(nm, t)
+    out = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    if x.numel() == 0:
+        return out
+    m = bsz * seq
+    block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_CHUNK)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(ch, block_c))
+    _ltx_rope_kernel[grid](
+        x, x.stride(0), x.stride(1),
+        cos, cos.stride(0), cos.stride(1),
+        sin, sin.stride(0), sin.stride(1),
+        out, out.stride(0), out.stride(1),
+        m, bsz, ch,
+        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return out
+
+
+def _rotate_half_table(name: str, t: torch.Tensor, shape) -> torch.Tensor:
+    bsz, heads, seq, dim = shape
+    orig = tuple(t.shape)
+    if t.dim() == 3:  # [B, S, D]: transformers unsqueezes the head dim
+        t = t.unsqueeze(1)
+    elif t.dim() == 2:  # [S, D]
+        t = t[None, None]
+    ok = (
+        t.dim() == 4 and t.shape[0] in (1, bsz) and t.shape[1] in (1, heads)
+        and t.shape[2] == seq and t.shape[3] == dim
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} has shape {orig}; expected [{seq}, {dim}], [{bsz} or 1, {seq}, {dim}] or "
+            f"[{bsz} or 1, {heads} or 1, {seq}, {dim}] for x of shape {tuple(shape)}"
+        )
+    return t.expand(bsz, heads, seq, dim)
+
+
+def _rope_rotate_half_launch(x, cos, sin):
+    _check_tensor("x", x)
+    dev = x.device
+    _check_tensor("cos", cos, dev, _ANY_FLOAT)
+    _check_tensor("sin", sin, dev, _ANY_FLOAT)
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, S, D] (4 dims), got shape {tuple(x.shape)}")
+    bsz, heads, seq, dim = x.shape
+    if dim % 2:
+        raise ValueError(f"x has head dim {dim}; rotate-half RoPE needs an even head dim")
+    cos = _rotate_half_table("cos", cos, x.shape)
+    sin = _rotate_half_table("sin", sin, x.shape)
+    for nm, t in (("x", x), ("cos", cos), ("sin", sin)):
+        _check_last_contiguous(nm, t)
+    out = torch.empty_like(x)  # same layout as x when x is dense (as the eager expression returns)
+    if x.numel() == 0:
+        return out
+    m = bsz * heads * seq
+    half = dim // 2
+    # A program covers BLOCK_H columns of both halves: the tile is sized on the half width (half
+    # the usual elements, since each is paired with one from the other half), so each lane holds
+    # about 8 consecutive columns of each half: one 16-byte bf16 vector from each.
+    block_m, block_h, num_warps = _launch_config(
+        half, m, _device_target(dev)[2], _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2
+    )
+    grid = (triton.cdiv(m, block_m), triton.cdiv(half, block_h))
+    _rope_rotate_half_kernel[grid](
+        x, x.stride(0), x.stride(1), x.stride(2),
+        cos, cos.stride(0), cos.stride(1), cos.stride(2),
+        sin, sin.stride(0), sin.stride(1), sin.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        m, heads, seq, half,
+        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    return out
+
+
+def _qk_common_checks(q, k, q_weight, k_weight, eps):
+    _check_tensor("q", q)
+    dev = q.device
+    _check_tensor("k", k, dev)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, S, C] (3 dims), got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; they must match")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {_dtype_name(k.dtype)} but q has dtype {_dtype_name(q.dtype)}; they must match")
+    ch = q.shape[-1]
+    if ch % 2:
+        raise ValueError(f"q has {ch} channels; interleaved RoPE needs an even channel count")
+    if ch > _MAX_NORM_WIDTH:
+        raise ValueError(
+            f"q has {ch} channels; the fused RMSNorm + RoPE kernels support at most {_MAX_NORM_WIDTH} "
+            "(unsupported width: use an RMSNorm kernel followed by ltx_rope)"
+        )
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must both be tensors or both be None")
+    for nm, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None:
+            _check_tensor(nm, w, dev, _ANY_FLOAT)
+            if w.dim() != 1 or w.shape[0] != ch:
+                raise ValueError(f"{nm} must have shape [{ch}] (the channel count of q), got {tuple(w.shape)}")
+            if ch > 1 and w.stride(0) != 1:
+                raise ValueError(f"{nm} must be contiguous")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    _check_last_contiguous("q", q)
+    _check_last_contiguous("k", k)
+
+
+def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weight):
+    """Shared launcher of the two fused q/k kernels (cos/sin given, or coords/freqs given)."""
+    _qk_common_checks(q, k, q_weight, k_weight, eps)
+    dev = q.device
+    bsz, seq, ch = q.shape
+    from_coords = coords is not None
+    if from_coords:
+        _check_tensor("coords", coords, dev, _ANY_FLOAT)
+        _check_tensor("freqs", freqs, dev, _ANY_FLOAT)
+        coords = _batch_table("coords", coords, bsz, seq, 3, "the (frame, height, width) grid coordinate per token")
+        if freqs.dim() != 1 or freqs.shape[0] != ch // 6:
+            raise ValueError(
+                f"freqs has shape {tuple(freqs.shape)}; expected [{ch // 6}] (C // 6 frequencies for C = {ch})"
+            )
+    else:
+        _check_tensor("cos", cos, dev, _ANY_FLOAT)
+        _check_tensor("sin", sin, dev, _ANY_FLOAT)
+        cos = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
+        sin = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
+        _check_last_contiguous("cos", cos)
+        _check_last_contiguous("sin", sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=dev)
+    if q.numel() == 0:
+        return q_out, k_out
+    m = bsz * seq
+    # 16 elements per lane (two 16-byte vectors of each of q and k per lane, half the warps of the
+    # plain RoPE kernels): on an H200 at [2, 6144, 2048] bf16, 4 warps per row ran 2-8 % faster
+    # than 8 (fewer warps in each row's cross-warp reduction) and 20 % faster than 2.
+    block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_NORM_WIDTH, per_lane=16)
+    grid = (triton.cdiv(m, block_m),)
+    has_w = q_weight is not None
+    dummy = q  # never dereferenced: the constexpr flags remove the loads that would use it
+    _ltx_qk_norm_rope_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        k, k.stride(0), k.stride(1),
+        q_weight if has_w else dummy, k_weight if has_w else dummy,
+        *((dummy, 0, 0, dummy, 0, 0) if from_coords else (cos, cos.stride(0), cos.stride(1), sin, sin.stride(0), sin.stride(1))),
+        *((coords, coords.stride(0), coords.stride(1), coords.stride(2), freqs, freqs.stride(0)) if from_coords
+          else (dummy, 0, 0, 0, dummy, 0)),
+        q_out, k_out,
+        m, bsz, ch,
+        (ch % 6) // 2, 3 * (ch // 6),
+        float(eps),
+        HAS_WEIGHT=has_w, CAST_BEFORE_WEIGHT=bool(cast_before_weight), FROM_COORDS=from_coords,
+        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom ops: torch.compile traces through them instead of breaking the graph.
+# --------------------------------------------------------------------------------------------
+_NS = "rocm_triton_kernels"
+
+
+def _op_exists(name: str) -> bool:
+    return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
+
+
+if not _op_exists("ltx_rope"):
+
+    @torch.library.custom_op(f"{_NS}::ltx_rope", mutates_args=())
+    def _ltx_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return _ltx_rope_launch(x, cos, sin)
+
+    @_ltx_rope_op.register_fake
+    def _(x, cos, sin):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+if not _op_exists("rope_rotate_half"):
+
+    @torch.library.custom_op(f"{_NS}::rope_rotate_half", mutates_args=())
+    def _rope_rotate_half_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return _rope_rotate_half_launch(x, cos, sin)
+
+    @_rope_rotate_half_op.register_fake
+    def _(x, cos, sin):
+        return torch.empty_like(x)
+
+
+if not _op_exists("ltx_qk_rmsnorm_rope"):
+
+    @torch.library.custom_op(f"{_NS}::ltx_qk_rmsnorm_rope", mutates_args=())
+    def _ltx_qk_rmsnorm_rope_op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: Optional[torch.Tensor],
+        k_weight: Optional[torch.Tensor],
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cast_before_weight: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
+
+    @_ltx_qk_rmsnorm_rope_op.register_fake
+    def _(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight):
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+if not _op_exists("ltx_qk_rmsnorm_rope_coords"):
+
+    @torch.library.custom_op(f"{_NS}::ltx_qk_rmsnorm_rope_coords", mutates_args=())
+    def _ltx_qk_rmsnorm_rope_coords_op(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: Optional[torch.Tensor],
+        k_weight: Optional[torch.Tensor],
+        eps: float,
+        coords: torch.Tensor,
+        freqs: torch.Tensor,
+        cast_before_weight: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
+
+    @_ltx_qk_rmsnorm_rope_coords_op.register_fake
+    def _(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight):
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+def _ops():
+    return getattr(torch.ops, _NS)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def ltx_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers LTX-Video ``apply_rotary_emb(x, (cos, sin))``: interleaved-pair RoPE, fp32 math.
+
+    x: [B, S, C] fp16/bf16/fp32, C even, channels contiguous (rows may be strided: a slice of a
+    fused qkv output is read in place). cos/sin: [B or 1, S, C] or [S, C], any float dtype (fp32
+    from LTXVideoRotaryPosEmbed). Returns a contiguous [B, S, C] tensor of x's dtype.
+    """
+    if torch.compiler.is_compiling():
+        return _ops().ltx_rope(x, cos, sin)
+    return _ltx_rope_launch(x, cos, sin)  # eager: skip the custom-op dispatcher's overhead
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers ``x * cos + rotate_half(x) * sin`` with fp32 math and one rounding.
+
+    x: [B, H, S, D], any strides with a contiguous last dim (e.g. the [B, S, H, D] -> [B, H, S, D]
+    transpose of a projection). cos/sin: [S, D], [B or 1, S, D] (as transformers' rotary embedding
+    returns them; the head dim is broadcast) or [B or 1, H or 1, S, D], any float dtype. The output
+    has x's dtype, and x's layout when x is dense.
+    """
+    if torch.compiler.is_compiling():
+        return _ops().rope_rotate_half(x, cos, sin)
+    return _rope_rotate_half_launch(x, cos, sin)
+
+
+def ltx_qk_rmsnorm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    cast_before_weight: bool = False,
+):
+    """LTX self-attention's ``apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))`` in one launch.
+
+    norm_q/norm_k are ``torch.nn.RMSNorm(C, eps)`` over the whole row (all heads at once) with
+    weights q_weight/k_weight ([C], or both None). The norm's output is rounded to q's dtype (the
+    module returns it in that dtype), then RoPE runs in fp32 and rounds once. ``cast_before_weight``
+    selects where the norm rounds: False (default) multiplies the weight in fp32 and rounds once, as
+    the fused ``torch.nn.functional.rms_norm`` of current PyTorch does; True also rounds the
+    normalised row to the dtype before the weight, as the older composite implementation did.
+    q, k: [B, S, C] with the same shape and dtype, each with its own row strides.
+    cos/sin: [B or 1, S, C] or [S, C]. Returns contiguous (q_out, k_out).
+    """
+    if torch.compiler.is_compiling():
+        return _ops().ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, float(eps), cos, sin, bool(cast_before_weight))
+    return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
+
+
+def ltx_qk_rmsnorm_rope_coords(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    eps: float,
+    coords: torch.Tensor,
+    freqs: torch.Tensor,
+    *,
+    cast_before_weight: bool = False,
+):
+    """``ltx_qk_rmsnorm_rope`` with cos/sin computed in the kernel (no cos/sin tensors read).
+
+    coords: [B or 1, S, 3] or [S, 3], the per-token (frame, height, width) coordinates exactly as
+    diffusers' LTXVideoRotaryPosEmbed builds its ``grid`` (after rope_interpolation_scale and the
+    base sizes, before ``* 2 - 1``). freqs: [C // 6], ``ltx_rope_freqs(C, theta)``. The first C % 6
+    channels are identity (cos 1, sin 0); channel pair p after them uses freqs[p // 3] on axis p % 3.
+    """
+    if torch.compiler.is_compiling():
+        return _ops().ltx_qk_rmsnorm_rope_coords(
+            q, k, q_weight, k_weight, float(eps), coords, freqs, bool(cast_before_weight)
+        )
+    return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
+
+
+def ltx_rope_freqs(dim: int, theta: float = 10000.0, device=None) -> torch.Tensor:
+    """The fp32 frequency vector [dim // 6] of LTXVideoRotaryPosEmbed (already times pi / 2),
+    computed with the same operations in the same order, so the values are identical."""
+    exponents = torch.linspace(
+        math.log(1.0, theta), math.log(theta, theta), dim // 6, device=device, dtype=torch.float32
+    )
+    return theta**exponents * math.pi / 2.0
+
+
+def ltx_cos_sin_from_coords(coords: torch.Tensor, freqs: torch.Tensor, dim: int, out_dtype: torch.dtype = torch.float32):
+    """(cos, sin), each [B, S, dim], as LTXVideoRotaryPosEmbed returns them for this grid.
+
+    coords: [B, S, 3] (or [S, 3]) grid coordinates before ``* 2 - 1``; freqs: [dim // 6]. The angles
+    are computed in fp32 exactly as diffusers does (pair p = frequency p // 3 on axis p % 3); cos and
+    sin are then evaluated in ``out_dtype`` (fp32 reproduces diffusers; float64 gives the exact
+    cos/sin of the fp32 angles, for testing).
+    """
+    if coords.dim() == 2:
+        coords = coords.unsqueeze(0)
+    angles = freqs.float() * (coords.float().unsqueeze(-1) * 2 - 1)  # [B, S, 3, F]
+    angles = angles.transpose(-1, -2).flatten(2).to(out_dtype)  # [B, S, 3F], frequency-major
+    cos = angles.cos().repeat_interleave(2, dim=-1)
+    sin = angles.sin().repeat_interleave(2, dim=-1)
+    pad = dim % 6
+    if pad:
+        shape = (*cos.shape[:-1], pad)
+        cos = torch.cat([torch.ones(shape, dtype=cos.dtype, device=cos.device), cos], dim=-1)
+        sin = torch.cat([torch.zeros(shape, dtype=sin.dtype, device=sin.device), sin], dim=-1)
+    return cos, sin
+
+
+# --------------------------------------------------------------------------------------------
+# References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
+# --------------------------------------------------------------------------------------------
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def ltx_rope_ref(x, cos, sin):
+    """diffusers' apply_rotary_emb: pairs (2i, 2i+1) rotated, math in fp32 (float64 for float64 x)."""
+    f = _compute_dtype(x)
+    xf = x.to(f)
+    even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
+    partner = torch.stack([-odd, even], dim=-1).flatten(-2)
+    return (xf * cos.to(f) + partner * sin.to(f)).to(x.dtype)
+
+
+def rope_rotate_half_ref(x, cos, sin):
+    """transformers' q * cos + rotate_half(q) * sin for x [B, H, S, D] (cos [B, S, D] gets the head dim)."""
+    f = _compute_dtype(x)
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    xf = x.to(f)
+    first, second = xf.chunk(2, dim=-1)
+    return (xf * cos.to(f) + torch.cat([-second, first], dim=-1) * sin.to(f)).to(x.dtype)
+
+
+def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
+    """torch.nn.RMSNorm(C, eps) forward: fp32 math (float64 for float64 x), output in x's dtype."""
+    f = _compute_dtype(x)
+    xf = x.to(f)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        if cast_before_weight:
+            y = y.to(x.dtype).to(f)
+        y = y * weight.to(f)
+    return y.to(x.dtype)
+
+
+def ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight=False):
+    """(apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))) as LTX's attention processor does."""
+    return (
+        ltx_rope_ref(_rms_norm_module_ref(q, q_weight, eps, cast_before_weight), cos, sin),
+        ltx_rope_ref(_rms_norm_module_ref(k, k_weight, eps, cast_before_weight), cos, sin),
+    )
+
+
+def ltx_qk_rmsnorm_rope_coords_ref(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight=False):
+    """ltx_qk_rmsnorm_rope_ref with cos/sin from ltx_cos_sin_from_coords (fp32 angles as diffusers
+    computes them; cos/sin themselves evaluated in float64 when q is float64)."""
+    cos, sin = ltx_cos_sin_from_coords(coords, freqs, q.shape[-1], out_dtype=_compute_dtype(q))
+    return ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check: python rope.py [--tokens S] [--width C] [--dtype bf16]
+# --------------------------------------------------------------------------------------------
+def _main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(description="Check the RoPE kernels against float64 references on random inputs.")
+    p.add_argument("--tokens", type=int, default=12, help="tokens per sample S (default 12; batch is 2)")
+    p.add_argument("--width", type=int, default=2048, help="channels C of q/k (default 2048, LTX-Video)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim of the rotate-half check (default 64)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.width % 2 or args.head_dim % 2 or args.width < 2 or args.tokens < 1:
+        p.error("--width and --head-dim must be even and positive, --tokens positive")
+    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+    if device == "cpu" and not _interpreting():
+        print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)
+        return 2
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    bsz, seq, ch = 2, args.tokens, args.width
+
+    def rnd(*shape, scale=1.0, offset=0.0):
+        return torch.randn(*shape, generator=g) * scale + offset
+
+    q64, k64 = rnd(bsz, seq, ch, scale=2.0), rnd(bsz, seq, ch, scale=2.0)
+    qw64, kw64 = rnd(ch, scale=0.2, offset=1.0), rnd(ch, scale=0.2, offset=1.0)
+    coords = torch.rand(bsz, seq, 3, generator=g)  # distinct per sample
+    freqs = ltx_rope_freqs(ch)
+    cos, sin = ltx_cos_sin_from_coords(coords, freqs, ch)
+    heads = 4
+    x4 = rnd(bsz, seq, heads, args.head_dim).transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D]
+    ang = rnd(bsz, seq, args.head_dim // 2, scale=3.0)
+    cos_h, sin_h = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    def dev(t, dt=dtype):
+        return t.to(device=device, dtype=dt)
+
+    q, k, qw, kw = dev(q64), dev(k64), dev(qw64), dev(kw64)
+    q64, k64, qw64, kw64 = q.double().cpu(), k.double().cpu(), qw.double().cpu(), kw.double().cpu()
+    f32 = torch.float32
+    checks = {
+        "ltx_rope": (ltx_rope(q, dev(cos, f32), dev(sin, f32)), ltx_rope_ref(q64, cos, sin)),
+        "rope_rotate_half": (
+            rope_rotate_half(dev(x4), dev(cos_h, f32), dev(sin_h, f32)),
+            rope_rotate_half_ref(dev(x4).double().cpu(), cos_h, sin_h),
+        ),
+        "ltx_qk_rmsnorm_rope": (
+            torch.cat(ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-5, dev(cos, f32), dev(sin, f32))),
+            torch.cat(ltx_qk_rmsnorm_rope_ref(q64, k64, qw64, kw64, 1e-5, cos, sin)),
+        ),
+        "ltx_qk_rmsnorm_rope_coords": (
+            torch.cat(ltx_qk_rmsnorm_rope_coords(q, k, qw, kw, 1e-5, dev(coords, f32), dev(freqs, f32))),
+            torch.cat(ltx_qk_rmsnorm_rope_coords_ref(q64, k64, qw64, kw64, 1e-5, coords, freqs)),
+        ),
+    }
+    # Error budget relative to the magnitude of the values: a few roundings of the dtype (the
+    # interpreter truncates to bf16, a full ulp) plus the fp32 cos/sin of large angles.
+    tol = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}[dtype]
+    report, ok = {}, True
+    for name, (out, ref) in checks.items():
+        out = out.double().cpu()
+        err = ((out - ref).abs() / (1 + ref.abs())).max().item()
+        good = bool(err <= tol) and bool(torch.isfinite(out).all())
+        report[name] = {"max_rel_err": err, "ok": good}
+        ok &= good
+    print(json.dumps({"device": device, "dtype": args.dtype, "shape": [bsz, seq, ch], "checks": report, "ok": bool(ok)}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,477 @@
+"""inject_optimized_kernels / remove_optimized_kernels on diffusers' LTX-Video: parity with the
+unpatched model (tiny random transformer, VAE and full pipeline), counts on the real architecture,
+exact restoration, idempotence, non-LTX models left alone, accelerate offload, torch.compile, and
+the example script. Runs on the CPU through Triton's interpreter (tiny shapes) or on a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import activations
+import diffusers_injection as di
+import rmsnorm
+import rope
+from kernel_testing import DEVICE, make_generator, rel_l2
+from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_GPU = torch.cuda.is_available()
+
+# fp32: the fused kernels do the same math with one rounding per fused step and another summation
+# order, a few fp32 ulps per op; through 2 blocks (and 2 denoising steps) that stays far below 1e-4
+# of the output's magnitude.
+FP32_REL = 1e-4
+
+
+def _rel_max(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls of the leaf kernels the integration uses (proves the kernels, not torch, ran)."""
+    calls = Counter()
+    for mod, name in (
+        (rmsnorm, "rms_norm"),
+        (rmsnorm, "rms_norm_modulate"),
+        (rmsnorm, "gated_residual_rms_norm_modulate"),
+        (rope, "ltx_qk_rmsnorm_rope"),
+        (rope, "ltx_qk_rmsnorm_rope_coords"),
+        (activations, "gelu_tanh"),
+    ):
+        fn = getattr(mod, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+def _tiny_transformer(num_layers=2):
+    return di.build_tiny_ltx_pipeline(num_layers=num_layers).transformer.to(DEVICE)
+
+
+def _inputs(gen, dtype=torch.float32, batch=2, frames=3, height=8, width=8, text=16):
+    hs = torch.randn(batch, frames * height * width, 8, generator=gen)
+    enc = torch.randn(batch, text, 16, generator=gen)
+    mask = torch.ones(batch, text)
+    mask[-1, text // 2 :] = 0  # padded prompt: the cross-attention mask matters
+    return dict(
+        hidden_states=hs.to(DEVICE, dtype),
+        encoder_hidden_states=enc.to(DEVICE, dtype),
+        timestep=torch.tensor([700.0, 300.0][:batch] + [500.0] * max(0, batch - 2), device=DEVICE),
+        encoder_attention_mask=mask.to(DEVICE),
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
+
+
+def _run(model, kw):
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+def _no_injection_left(model):
+    for m in model.modules():
+        assert di._STATE not in m.__dict__, f"{type(m).__name__} still marked as patched"
+        assert "forward" not in m.__dict__ or hasattr(m, "_hf_hook"), f"{type(m).__name__} keeps a patched forward"
+        assert type(getattr(m, "processor", None)) is not di.LTXFusedSelfAttnProcessor
+
+
+# --------------------------------------------------------------------------------------------
+# Parity and exact restoration
+# --------------------------------------------------------------------------------------------
+def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
+    gen = make_generator()
+    tr = _tiny_transformer()
+    kw = _inputs(gen)
+    ref = _run(tr, kw)
+    counts = di.inject_optimized_kernels(tr, verbose=False)
+    assert counts == {
+        "rmsnorm_weightless": 4, "rmsnorm_weighted": 8, "adaln_fused_blocks": 2, "qk_norm_rope_fused": 2,
+        "rope_coords": 1, "gelu_tanh": 2, "vae_rmsnorm": 0,
+    }
+    out = _run(tr, kw)
+    # every block used each fused kernel: norm1+mod, residual+norm2+mod, q/k norm+RoPE (coords), GELU,
+    # and the cross-attention q/k norms went through the RMSNorm kernel
+    assert kernel_calls["rms_norm_modulate"] == 2
+    assert kernel_calls["gated_residual_rms_norm_modulate"] == 2
+    assert kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 2
+    assert kernel_calls["gelu_tanh"] == 2
+    assert kernel_calls["rms_norm"] == 4
+    assert torch.isfinite(out).all()
+    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+
+    restored = di.remove_optimized_kernels(tr, verbose=False)
+    assert restored == counts
+    _no_injection_left(tr)
+    assert torch.equal(_run(tr, kw), ref)
+
+
+def test_tiny_transformer_bf16_parity():
+    """bf16: the unpatched model is itself ~2^-8-relative away from its fp32 run (bf16 rounding after
+    every op). The kernels round less often (fp32 inside each fused step), so the patched model must
+    be no further from fp32 than 1.5x the unpatched distance. The interpreter truncates fp32 -> bf16
+    casts instead of rounding, which the 1.5x also absorbs; and patched vs unpatched must stay within
+    2^-5 relative L2 (a handful of bf16 ulps), far from a wrong result (relative L2 of order 1)."""
+    gen = make_generator()
+    tr = _tiny_transformer()
+    kw32 = _inputs(gen)
+    ref32 = _run(tr, kw32).double()
+    tr.to(torch.bfloat16)
+    kw = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and v.dim() == 3 else v) for k, v in kw32.items()}
+    stock = _run(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False)
+    patched = _run(tr, kw)
+    assert patched.dtype == stock.dtype == torch.bfloat16
+    e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
+    assert e_patched <= 1.5 * e_stock, f"patched {e_patched:.3e} vs stock {e_stock:.3e} (seed {gen.seed_value})"
+    assert rel_l2(patched, stock) <= 2.0**-5
+    di.remove_optimized_kernels(tr, verbose=False)
+    assert torch.equal(_run(tr, kw), stock)
+
+
+def _pipe_latents(pipe, seed=0, steps=2):
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        "a red fox runs through a snowy forest", num_frames=9, height=32, width=32, num_inference_steps=steps,
+        generator=g, output_type="latent", max_sequence_length=16,
+    ).frames
+
+
+def test_tiny_pipeline_parity_and_exact_restore(kernel_calls):
+    pipe = di.build_tiny_ltx_pipeline().to(DEVICE)
+    ref = _pipe_latents(pipe)
+    counts = di.inject_optimized_kernels(pipe, verbose=False)
+    assert counts["adaln_fused_blocks"] == 2 and counts["vae_rmsnorm"] > 0
+    out = _pipe_latents(pipe)
+    assert kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 2 * 2  # 2 blocks x 2 steps (CFG is one batch)
+    assert _rel_max(out, ref) <= FP32_REL
+    di.remove_optimized_kernels(pipe, verbose=False)
+    for comp in (pipe.transformer, pipe.vae):
+        _no_injection_left(comp)
+    assert torch.equal(_pipe_latents(pipe), ref)
+
+
+def test_vae_rmsnorm_parity_and_layout(kernel_calls):
+    """The VAE normalises x.movedim(1, -1) (channel-last view, strided last dim): the result must
+    match and keep the layout torch gives it, so the following conv sees the same strides."""
+    gen = make_generator()
+    vae = di.build_tiny_ltx_pipeline().vae.to(DEVICE)
+    z = torch.randn(1, 8, 2, 4, 4, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        n = sum(isinstance(m, DiffusersRMSNorm) for m in vae.modules())
+        assert di.inject_optimized_kernels(vae, verbose=False)["vae_rmsnorm"] == n > 0
+        out = vae.decode(z).sample
+        assert kernel_calls["rms_norm"] > 0
+        assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+        norm = next(m for m in vae.modules() if isinstance(m, DiffusersRMSNorm))
+        x = torch.randn(1, norm.dim[0], 3, 4, 5, generator=gen).to(DEVICE).movedim(1, -1)
+        got, want = norm(x), DiffusersRMSNorm.forward(norm, x)
+        assert got.stride() == want.stride() and got.dtype == want.dtype
+        assert _rel_max(got, want) <= 1e-5
+    di.remove_optimized_kernels(vae, verbose=False)
+    with torch.no_grad():
+        assert torch.equal(vae.decode(z).sample, ref)
+
+
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype,affine",
+    [
+        (torch.bfloat16, None, False),
+        (torch.float32, None, False),
+        (torch.bfloat16, torch.bfloat16, True),
+        (torch.float16, torch.float16, True),
+        (torch.bfloat16, torch.float32, True),  # diffusers promotes: fp32 output
+        (torch.float32, torch.float32, True),
+    ],
+)
+def test_rmsnorm_module_semantics(x_dtype, w_dtype, affine):
+    """Each patched RMSNorm returns what the module returns: same dtype, values within rounding."""
+    gen = make_generator()
+    x = torch.randn(5, 3, 96, generator=gen).to(DEVICE, x_dtype)
+    # both round to the output dtype (plus once before the weight for half weights): within 1 ulp
+    # natively; the interpreter truncates instead of rounding, up to 2 ulps (eps = 1 ulp at 1.0)
+    tol = 1e-5 if x_dtype == torch.float32 else 2 * torch.finfo(x_dtype).eps
+    mods = [DiffusersRMSNorm(96, eps=1e-6, elementwise_affine=affine)]
+    if affine:
+        mods.append(torch.nn.RMSNorm(96, eps=None))  # eps None: finfo(float32).eps
+        mods.append(torch.nn.RMSNorm(96, eps=1e-5))
+    for m in mods:
+        m.to(DEVICE)
+        if m.weight is not None:
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.3 * torch.randn(96, generator=gen))
+            m.to(w_dtype if isinstance(m, DiffusersRMSNorm) else x_dtype)
+        with torch.no_grad():
+            want = m(x)
+            fn = di._diffusers_rmsnorm_forward if isinstance(m, DiffusersRMSNorm) else di._torch_rmsnorm_forward
+            di._patch_forward(m, fn, "test")
+            got = m(x)
+        assert got.dtype == want.dtype, type(m).__name__
+        assert _rel_max(got, want) <= tol, (type(m).__name__, _rel_max(got, want))
+        di._unpatch(m)
+        assert "forward" not in m.__dict__
+
+
+def test_rmsnorm_with_bias_is_left_alone():
+    m = DiffusersRMSNorm(32, eps=1e-6, elementwise_affine=True, bias=True)
+    assert di._rmsnorm_kind(m) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Counts on the real architecture (meta device: no memory, no weights)
+# --------------------------------------------------------------------------------------------
+def test_default_architecture_counts():
+    with torch.device("meta"):
+        tr = LTXVideoTransformer3DModel()
+        vae = AutoencoderKLLTXVideo()
+    counts = di.inject_optimized_kernels(tr, verbose=False)
+    assert counts == {
+        "rmsnorm_weightless": 56, "rmsnorm_weighted": 112, "adaln_fused_blocks": 28,
+        "qk_norm_rope_fused": 28, "rope_coords": 1, "gelu_tanh": 28, "vae_rmsnorm": 0,
+    }
+    n_vae = sum(isinstance(m, DiffusersRMSNorm) for m in vae.modules())
+    assert di.inject_optimized_kernels(vae, verbose=False)["vae_rmsnorm"] == n_vae > 0
+    di.remove_optimized_kernels(tr, verbose=False)
+    di.remove_optimized_kernels(vae, verbose=False)
+    _no_injection_left(tr)
+    _no_injection_left(vae)
+
+
+def test_injecting_twice_is_harmless(kernel_calls):
+    gen = make_generator()
+    tr = _tiny_transformer()
+    kw = _inputs(gen)
+    ref = _run(tr, kw)
+    first = di.inject_optimized_kernels(tr, verbose=False)
+    once = _run(tr, kw)
+    calls_once = dict(kernel_calls)
+    second = di.inject_optimized_kernels(tr, verbose=False)
+    assert second == first
+    # nothing wrapped twice: each patched module still remembers the class forward as its original
+    for m in tr.modules():
+        state = m.__dict__.get(di._STATE)
+        if state is not None and state["kind"] != "qk_norm_rope_fused":
+            assert state["prev"] is None
+    kernel_calls.clear()
+    assert torch.equal(_run(tr, kw), once)
+    assert dict(kernel_calls) == calls_once
+    di.remove_optimized_kernels(tr, verbose=False)
+    _no_injection_left(tr)
+    assert torch.equal(_run(tr, kw), ref)
+    assert di.remove_optimized_kernels(tr, verbose=False) == {k: 0 for k in di.KINDS}
+
+
+# --------------------------------------------------------------------------------------------
+# Models that are not LTX-Video
+# --------------------------------------------------------------------------------------------
+def test_tiny_llama_untouched():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
+    ids = torch.randint(0, 64, (1, 7), device=DEVICE)
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert set(di.inject_optimized_kernels(model, verbose=False).values()) == {0}
+        assert torch.equal(model(ids).logits, ref)
+    _no_injection_left(model)
+
+
+def test_tiny_sd3_untouched():
+    """SD3 has diffusers RMSNorm q/k norms and tanh-GELU feed-forwards, but it is not LTX-Video."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4, qk_norm="rms_norm",
+    ).eval().to(DEVICE)
+    assert any(isinstance(m, DiffusersRMSNorm) for m in model.modules())
+    kw = dict(hidden_states=torch.randn(1, 4, 8, 8, device=DEVICE), encoder_hidden_states=torch.randn(1, 5, 16, device=DEVICE),
+              pooled_projections=torch.randn(1, 8, device=DEVICE), timestep=torch.tensor([3.0], device=DEVICE), return_dict=False)
+    with torch.no_grad():
+        ref = model(**kw)[0]
+        assert set(di.inject_optimized_kernels(model, verbose=False).values()) == {0}
+        assert torch.equal(model(**kw)[0], ref)
+    _no_injection_left(model)
+
+
+def test_rejects_other_objects():
+    with pytest.raises(TypeError, match="diffusers pipeline or a torch.nn.Module"):
+        di.inject_optimized_kernels(object(), verbose=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters read at call time: offload hooks, weight swaps
+# --------------------------------------------------------------------------------------------
+def test_inject_before_enable_model_cpu_offload(kernel_calls):
+    """pipe.enable_model_cpu_offload() after injection: accelerate moves each model to the execution
+    device when it is called, so the patched forwards must find their weights there at call time."""
+    pytest.importorskip("accelerate")
+    pipe = di.build_tiny_ltx_pipeline()
+    ref = _pipe_latents(pipe.to(DEVICE))
+    pipe.to("cpu")
+    di.inject_optimized_kernels(pipe, verbose=False)
+    pipe.enable_model_cpu_offload(device=DEVICE.type if DEVICE.type == "cpu" else None)
+    assert hasattr(pipe.transformer, "_hf_hook")
+    out = _pipe_latents(pipe)
+    assert kernel_calls["rms_norm_modulate"] > 0 and kernel_calls["ltx_qk_rmsnorm_rope_coords"] > 0
+    assert _rel_max(out, ref) <= FP32_REL
+    di.remove_optimized_kernels(pipe, verbose=False)
+    assert hasattr(pipe.transformer, "_hf_hook")  # the offload hooks survive the removal
+    assert torch.equal(_pipe_latents(pipe), ref)
+
+
+def test_sequential_offload_hooks_and_weight_swaps():
+    """accelerate's sequential offload keeps weights on the meta device until each module runs:
+    patched code must not read a submodule's weight it does not call (it falls back to calling the
+    module). Swapping a weight after injection must be seen by the patched forward."""
+    accelerate = pytest.importorskip("accelerate")
+    gen = make_generator()
+    tr = _tiny_transformer()
+    kw = _inputs(gen)
+    di.inject_optimized_kernels(tr, verbose=False)
+    with torch.no_grad():  # a new weight after injection, and an in-place change of another
+        tr.transformer_blocks[0].attn1.norm_q.weight = torch.nn.Parameter(1 + 0.5 * torch.randn(32, generator=gen).to(DEVICE))
+        tr.transformer_blocks[1].scale_shift_table.mul_(2.0)
+    patched = _run(tr, kw)
+    di.remove_optimized_kernels(tr, verbose=False)
+    ref = _run(tr, kw)
+    assert _rel_max(patched, ref) <= FP32_REL
+
+    di.inject_optimized_kernels(tr, verbose=False)
+    accelerate.cpu_offload(tr, execution_device=DEVICE)
+    assert tr.transformer_blocks[0].attn1.norm_q.weight.device.type == "meta"
+    assert _rel_max(_run(tr, kw), ref) <= FP32_REL
+    di.remove_optimized_kernels(tr, verbose=False)
+    assert hasattr(tr.transformer_blocks[0].attn1.norm_q, "_hf_hook")
+    assert torch.equal(_run(tr, kw), ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Fallbacks
+# --------------------------------------------------------------------------------------------
+def test_other_self_attention_processor_gets_cos_sin(kernel_calls):
+    """If someone sets diffusers' own processor on one self-attention after injection, the patched
+    rope returns (cos, sin) again, and the remaining fused processors use the cos/sin kernel."""
+    gen = make_generator()
+    tr = _tiny_transformer()
+    kw = _inputs(gen)
+    ref = _run(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False)
+    tr.transformer_blocks[0].attn1.set_processor(LTXVideoAttnProcessor())
+    out = _run(tr, kw)
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == 1 and kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 0
+    assert _rel_max(out, ref) <= FP32_REL
+    di.remove_optimized_kernels(tr, verbose=False)
+    assert torch.equal(_run(tr, kw), ref)
+
+
+def test_autograd_runs_the_original_code(kernel_calls):
+    """The kernels have no backward: with gradients enabled the original operations run, so the
+    forward is bit-identical and gradients flow."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=1)
+    kw = _inputs(gen)
+    ref = tr(**kw)[0]
+    ref.square().mean().backward()
+    g_ref = tr.proj_in.weight.grad.clone()
+    tr.zero_grad()
+    di.inject_optimized_kernels(tr, verbose=False)
+    out = tr(**kw)[0]
+    out.square().mean().backward()
+    assert sum(kernel_calls.values()) == 0
+    assert torch.equal(out, ref)
+    if DEVICE.type == "cpu":
+        assert torch.equal(tr.proj_in.weight.grad, g_ref)
+    else:  # GPU attention backward may use atomics: not bitwise reproducible run to run
+        torch.testing.assert_close(tr.proj_in.weight.grad, g_ref, rtol=1e-4, atol=1e-6)
+    di.remove_optimized_kernels(tr, verbose=False)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------------
+def test_torch_compile_fullgraph_traces_the_kernels():
+    """fullgraph=True: no graph break anywhere in the patched transformer, and the captured graph
+    calls the kernels as custom ops (rocm_triton_kernels::...)."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=1)
+    kw = _inputs(gen)
+    di.inject_optimized_kernels(tr, verbose=False)
+    eager = _run(tr, kw)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def fw(g, _):
+            for node in g.graph.nodes:
+                if node.op == "call_function":
+                    seen.add(str(node.target))
+            return g
+
+        return aot_autograd(fw_compiler=fw)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(tr, backend=backend, fullgraph=True)
+    out = _run(compiled, kw)
+    torch._dynamo.reset()
+    ops = {s.split(".")[1] for s in seen if s.startswith("rocm_triton_kernels.")}
+    assert {"rms_norm_fused", "ltx_qk_rmsnorm_rope_coords", "gelu"} <= ops, sorted(seen)
+    assert _rel_max(out, eager) <= FP32_REL
+    di.remove_optimized_kernels(tr, verbose=False)
+
+
+@pytest.mark.skipif(
+    os.environ.get("LTX_INJECTION_SKIP_INDUCTOR") == "1",
+    reason="LTX_INJECTION_SKIP_INDUCTOR=1 (inductor compiles for ~30 s on a 2-core CPU)",
+)
+def test_torch_compile_inductor():
+    """The default torch.compile backend: inductor keeps the custom ops as calls and compiles the rest
+    (C++ on the CPU, where the ops run the interpreted kernels; Triton on a GPU)."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=1)
+    kw = _inputs(gen)
+    ref = _run(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False)
+    torch._dynamo.reset()
+    out = _run(torch.compile(tr, fullgraph=True), kw)
+    torch._dynamo.reset()
+    assert _rel_max(out, ref) <= FP32_REL
+    di.remove_optimized_kernels(tr, verbose=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The example
+# --------------------------------------------------------------------------------------------
+def test_example_runs_without_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must set it
+    cmd = [sys.executable, str(ROOT / "scripts" / "ltx_kernel_injection_example.py")]
+    if HAS_GPU:
+        cmd.append("--device-free")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["ok"] and summary["restored_bit_identical"]
+    assert summary["replaced"]["adaln_fused_blocks"] == 2 and summary["replaced"]["qk_norm_rope_fused"] == 2
+    assert "injected kernels: rmsnorm_weightless=4" in proc.stderr
