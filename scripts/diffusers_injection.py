@@ -788,3 +788,31 @@ def build_ltx_pipeline(*, device="cuda", transformer_dtype=torch.float32, seed: 
     return LTXPipeline(
         scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
+
+
+def _main(argv=None) -> int:
+    """Report what injection replaces in the released LTX-Video architecture (built on the meta
+    device: no memory, no weights) and check that removal restores every module."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(
+        description="Inject the kernels into LTX-Video's default transformer architecture (built on the meta "
+        "device, no weights) and report the counts per kind as JSON. Library use: "
+        "inject_optimized_kernels(pipe) / remove_optimized_kernels(pipe)."
+    )
+    p.add_argument("--num-layers", type=int, default=28, help="transformer blocks (default 28, the released model)")
+    args = p.parse_args(argv)
+    with torch.device("meta"):
+        model = LTXVideoTransformer3DModel(num_layers=args.num_layers)
+    counts = inject_optimized_kernels(model, verbose=False)
+    again = inject_optimized_kernels(model, verbose=False)
+    restored = remove_optimized_kernels(model, verbose=False)
+    left = injected_counts(model)
+    ok = counts == again == restored and not any(left.values())
+    print(json.dumps({"injected": counts, "second_injection": again, "restored": restored, "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

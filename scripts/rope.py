@@ -27,6 +27,7 @@ Run ``python rope.py --help``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -246,7 +247,14 @@ def _device_target(device: torch.device):
     """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
-    target = triton.runtime.driver.active.get_current_target()
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
+    with torch.cuda.device(index):
+        target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
 
 
@@ -289,6 +297,7 @@ def _batch_table(name: str, t: torch.Tensor, batch: int, tokens: int, width: int
     return t.expand(batch, tokens, width)
 
 
+@functools.lru_cache(maxsize=1024)
 def _launch_config(
     width: int, n_rows: int, warp_size: int, max_block: int, elems: int = _ELEMS_PER_PROGRAM, per_lane: int = 8
 ):
@@ -305,6 +314,10 @@ def _launch_config(
     block_m = max(1, min(64, elems // block_c, _next_pow2(max(n_rows, 1))))
     num_warps = max(1, min(16, (block_m * block_c) // (warp_size * per_lane)))
     return block_m, block_c, _next_pow2(num_warps)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b  # plain Python: triton.cdiv is a jit function, slow on the host
 
 
 def _next_pow2(n: int) -> int:
@@ -333,7 +346,7 @@ def _ltx_rope_launch(x, cos, sin):
         return out
     m = bsz * seq
     block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_CHUNK)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(ch, block_c))
+    grid = (_cdiv(m, block_m), _cdiv(ch, block_c))
     _ltx_rope_kernel[grid](
         x, x.stride(0), x.stride(1),
         cos, cos.stride(0), cos.stride(1),
@@ -389,7 +402,7 @@ def _rope_rotate_half_launch(x, cos, sin):
     block_m, block_h, num_warps = _launch_config(
         half, m, _device_target(dev)[2], _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2
     )
-    grid = (triton.cdiv(m, block_m), triton.cdiv(half, block_h))
+    grid = (_cdiv(m, block_m), _cdiv(half, block_h))
     _rope_rotate_half_kernel[grid](
         x, x.stride(0), x.stride(1), x.stride(2),
         cos, cos.stride(0), cos.stride(1), cos.stride(2),
@@ -464,7 +477,7 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
     # plain RoPE kernels): on an H200 at [2, 6144, 2048] bf16, 4 warps per row ran 2-8 % faster
     # than 8 (fewer warps in each row's cross-warp reduction) and 20 % faster than 2.
     block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_NORM_WIDTH, per_lane=16)
-    grid = (triton.cdiv(m, block_m),)
+    grid = (_cdiv(m, block_m),)
     has_w = q_weight is not None
     dummy = q  # never dereferenced: the constexpr flags remove the loads that would use it
     _ltx_qk_norm_rope_kernel[grid](
