@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Micro-benchmarks: every kernel of the bundle against its peers, at LTX-Video's real shapes.
+"""Micro-benchmarks: every kernel of the bundle against its peers, at LTX-Video's and LLM decoding's real shapes.
 
 For each kernel and shape: a correctness check against a float64 reference first (any failure of
 this bundle's kernel makes the script exit 1), then timings of every provider on the same inputs in
@@ -17,7 +17,12 @@ bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + w
 JSON on stdout (or --output-json), a table on stderr, a PNG chart with --png when matplotlib is
 installed. Works unchanged on ROCm (the device's gfx arch is recorded instead of sm_XY).
 
+Suites (--suite): "ltx" (default: the LTX-Video transformer's norms, RoPE and activations at B=2 and
+--shapes tokens), "decode" (LLM decoder-layer fusions: fused residual add + RMSNorm and SwiGLU, with and
+without FP8 output, at --rows tokens in flight and --widths hidden sizes), or "all".
+
     python scripts/benchmark_kernels.py --output-json examples/benchmark_kernels_h200.json --png examples/benchmark_kernels_h200.png
+    python scripts/benchmark_kernels.py --suite decode --rows 1,32 --widths 4096 --kernel swiglu
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ import torch  # noqa: E402
 LTX_SHAPES = {"1320": (2, 1320), "6144": (2, 6144)}  # (batch with CFG, tokens): 25f 480x704, 121f 512x768
 HIDDEN = 2048
 FF = 8192
+# LLM decoding: rows = tokens in flight (1 = one sequence decoding, up to a few thousand for a prefill
+# chunk), widths = hidden size (Llama-3 8B 4096, 70B 8192, 405B 16384; for SwiGLU the output width H)
+DECODE_ROWS = (1, 32, 1024, 4096)
+DECODE_WIDTHS = (4096, 8192, 16384)
+DEVICE = "cuda"  # where the cases build their inputs
 
 
 def log(*a):
@@ -95,7 +105,7 @@ def _nbytes(*ts):
 
 
 def _rand(shape, dtype, scale=1.0, offset=0.0):
-    return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale + offset).to(dtype)
+    return (torch.randn(shape, device=DEVICE, dtype=torch.float32) * scale + offset).to(dtype)
 
 
 def _liger():
@@ -298,6 +308,132 @@ CASES = {
     "geglu_tanh": case_geglu,
 }
 
+# ---------------------------------------------------------------------------------------------
+# LLM decode cases: (rows, width, dtype) -> providers. FP8 providers return what the next FP8 GEMM takes
+# (values and scales); "post" dequantises them for the correctness check (outside the timing).
+# ---------------------------------------------------------------------------------------------
+# FP8 results: one FP8 step is 2**-3 of the value at most; a rounding that differs by one step is allowed
+FP8_MAX_ERR = 0.13
+
+
+def _fp8_dtype():
+    """The FP8 format the bundle's kernels pick for this device (e4m3fnuz on gfx942, e4m3fn elsewhere)."""
+    import rmsnorm
+
+    return rmsnorm._fp8_dtype_for(torch.device(DEVICE))
+
+
+def _quant_per_token(y, fp8_dtype):
+    """The unfused per-token dynamic FP8 quantisation: scale = amax / fp8_max per row."""
+    fmax = torch.finfo(fp8_dtype).max
+    s = (y.float().abs().amax(-1, keepdim=True) / fmax).clamp_min(1e-12)
+    return (y.float() / s).clamp(-fmax, fmax).to(fp8_dtype), s.squeeze(-1)
+
+
+def _quant_per_tensor(y, scale, fp8_dtype):
+    fmax = torch.finfo(fp8_dtype).max
+    return (y.float() / scale).clamp(-fmax, fmax).to(fp8_dtype)
+
+
+def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
+    import rmsnorm
+
+    x = _rand((M, H), dtype, 1.0)
+    res = _rand((M, H), dtype, 2.0)
+    w = _rand((H,), dtype, 0.1, 1.0)
+    eps = 1e-5
+    fp8_dtype = _fp8_dtype()
+    y_ref, r_ref = rmsnorm.fused_add_rms_norm_ref(x.double(), res.double(), w.double(), eps, dtype=dtype)
+    # a static scale as a calibration would set it: the output's maximum maps onto the FP8 maximum
+    scale = (y_ref.abs().max() / torch.finfo(fp8_dtype).max).float().reshape(1)
+
+    def norm(x, res):  # a Llama decoder layer: residual add, then LlamaRMSNorm
+        r = x + res
+        hf = r.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * hf.to(dtype), r
+
+    if fp8 is None:
+        eager = lambda: norm(x, res)  # noqa: E731
+    elif fp8 == "per_token":
+        def eager():
+            y, r = norm(x, res)
+            q, s = _quant_per_token(y, fp8_dtype)
+            return q, r, s
+    else:
+        def eager():
+            y, r = norm(x, res)
+            return _quant_per_tensor(y, scale, fp8_dtype), r
+
+    kw = {} if fp8 is None else dict(fp8=fp8, fp8_scale=scale if fp8 == "per_tensor" else None)
+    providers = {
+        "triton": lambda: rmsnorm.fused_add_rms_norm(x, res, w, eps, **kw),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    lo = _liger()
+    if fp8 is None and lo is not None and hasattr(lo, "LigerFusedAddRMSNormFunction"):
+        providers["liger"] = lambda: lo.LigerFusedAddRMSNormFunction.apply(x, res, w, eps, 0.0, "llama", False)
+    # bytes the op must move: x, residual and the weight in; the new residual and y (and scales) out
+    moved = _nbytes(x, res, w, x) + M * H * (x.element_size() if fp8 is None else 1)
+    if fp8 is None:
+        return dict(providers=providers, ref=(y_ref.double(), r_ref.double()), bytes=moved)
+    if fp8 == "per_token":
+        post = lambda out: (out[0].double() * out[2].double()[:, None], out[1])  # noqa: E731
+        moved += 4 * M
+    else:
+        post = lambda out: (out[0].double() * scale.double(), out[1])  # noqa: E731
+    return dict(providers=providers, ref=(y_ref.double(), r_ref.double()), bytes=moved, post=post, max_err=FP8_MAX_ERR)
+
+
+def case_swiglu(M, H, dtype, fp8=None):
+    import activations
+
+    x = _rand((M, 2 * H), dtype, 2.0)  # a fused gate/up projection: [gate | up]
+    fp8_dtype = _fp8_dtype()
+    ref = activations.swiglu_ref(x.double())
+    scale = (ref.abs().max() / torch.finfo(fp8_dtype).max).float().reshape(1)  # calibrated static scale
+
+    def act(x):
+        return torch.nn.functional.silu(x[..., :H]) * x[..., H:]
+
+    if fp8 is None:
+        eager = lambda: act(x)  # noqa: E731
+    elif fp8 == "per_token":
+        eager = lambda: _quant_per_token(act(x), fp8_dtype)  # noqa: E731
+    else:
+        eager = lambda: _quant_per_tensor(act(x), scale, fp8_dtype)  # noqa: E731
+    kw = {} if fp8 is None else dict(fp8=fp8, fp8_scale=scale if fp8 == "per_tensor" else None)
+    providers = {
+        "triton": lambda: activations.swiglu(x, **kw),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    lo = _liger()
+    if fp8 is None and lo is not None and hasattr(lo, "LigerSiLUMulFunction"):
+        # Liger takes gate and up as two contiguous tensors (it would copy strided views on every call)
+        gate_c, up_c = x[..., :H].contiguous(), x[..., H:].contiguous()
+        providers["liger"] = lambda: lo.LigerSiLUMulFunction.apply(gate_c, up_c)
+    moved = _nbytes(x) + M * H * (x.element_size() if fp8 is None else 1)
+    if fp8 is None:
+        return dict(providers=providers, ref=ref, bytes=moved)
+    if fp8 == "per_token":
+        post = lambda out: out[0].double() * out[1].double()[:, None]  # noqa: E731
+        moved += 4 * M
+    else:
+        post = lambda out: out.double() * scale.double()  # noqa: E731
+    return dict(providers=providers, ref=ref, bytes=moved, post=post, max_err=FP8_MAX_ERR)
+
+
+DECODE_CASES = {
+    "fused_add_rmsnorm": lambda M, H, dt: case_fused_add_rmsnorm(M, H, dt),
+    "fused_add_rmsnorm_fp8_per_token": lambda M, H, dt: case_fused_add_rmsnorm(M, H, dt, "per_token"),
+    "fused_add_rmsnorm_fp8_per_tensor": lambda M, H, dt: case_fused_add_rmsnorm(M, H, dt, "per_tensor"),
+    "swiglu": lambda M, H, dt: case_swiglu(M, H, dt),
+    "swiglu_fp8_per_token": lambda M, H, dt: case_swiglu(M, H, dt, "per_token"),
+    "swiglu_fp8_per_tensor": lambda M, H, dt: case_swiglu(M, H, dt, "per_tensor"),
+}
+
 # output tolerance against the float64 reference, max |out - ref| / (1 + |ref|)
 MAX_ERR = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
 
@@ -332,77 +468,101 @@ def time_provider(fn, graph):
     return rec
 
 
+def work_items(args):
+    """(kernel name, builder() -> case, record fields, shape label, use CUDA-graph timing) for the chosen suite."""
+    items = []
+    flt = args.kernel
+    if args.suite in ("ltx", "all"):
+        for name in [k for k in CASES if not flt or any(f in k for f in flt)]:
+            for s in args.shapes:
+                B, S = LTX_SHAPES[s]
+                items.append((name, lambda name=name, B=B, S=S: CASES[name](B, S, args.torch_dtype),
+                              {"suite": "ltx", "tokens": S, "batch": B, "width": None}, f"B={B} S={S}", S <= 2048))
+    if args.suite in ("decode", "all"):
+        for name in [k for k in DECODE_CASES if not flt or any(f in k for f in flt)]:
+            for h in args.widths:
+                for m in args.rows:
+                    items.append((name, lambda name=name, m=m, h=h: DECODE_CASES[name](m, h, args.torch_dtype),
+                                  {"suite": "decode", "tokens": m, "batch": 1, "width": h}, f"M={m} H={h}", m <= 1024))
+    return items
+
+
+def check_case(name, label, case, dtype):
+    """Run every provider once: {provider: max error vs the float64 reference}, and this bundle's failures."""
+    errs, failures = {}, []
+    post = case.get("post", lambda out: out)
+    tol = case.get("max_err", MAX_ERR[dtype])
+    for prov, fn in case["providers"].items():
+        try:
+            errs[prov] = max_err(post(fn()), case["ref"])
+        except Exception as e:
+            errs[prov] = float("nan")
+            log(f"  {name} {label} {prov}: failed to run: {type(e).__name__}: {e}")
+            if prov.startswith("triton"):
+                failures.append(f"{name} {label} {prov} raised {type(e).__name__}")
+    for prov, e in errs.items():
+        if prov.startswith("triton") and not (e <= tol):
+            failures.append(f"{name} {label} {prov}: max error {e:.3g} > {tol}")
+    return errs, failures
+
+
 def run(args):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = args.torch_dtype
     info = device_info()
     log(f"device: {info['gpu']} ({info['arch']}), torch {info['torch']}, triton {info['triton']}")
     copy_gbs = measure_copy_bandwidth()
     info["copy_bandwidth_GBps"] = copy_gbs
     log(f"copy bandwidth: {copy_gbs:.0f} GB/s")
-    names = [k for k in CASES if any(f in k for f in args.kernel)] if args.kernel else list(CASES)
     records, failures = [], []
-    for name in names:
-        for s in args.shapes:
-            B, S = LTX_SHAPES[s]
-            torch.manual_seed(0)
-            try:
-                case = CASES[name](B, S, dtype)
-            except (ImportError, AttributeError) as e:
-                log(f"skip {name}: {e}")
-                continue
-            graph = S <= 2048
-            # correctness first, every provider (only this bundle's kernels decide the exit code)
-            errs = {}
-            for prov, fn in case["providers"].items():
-                try:
-                    errs[prov] = max_err(fn(), case["ref"])
-                except Exception as e:
-                    errs[prov] = float("nan")
-                    log(f"  {name} S={S} {prov}: failed to run: {type(e).__name__}: {e}")
-                    if prov.startswith("triton"):
-                        failures.append(f"{name} S={S} {prov} raised {type(e).__name__}")
-            for prov, e in errs.items():
-                if prov.startswith("triton") and not (e <= MAX_ERR[dtype]):
-                    failures.append(f"{name} S={S} {prov}: max error {e:.3g} > {MAX_ERR[dtype]}")
-            # interleaved rounds
-            per = {p: [] for p in case["providers"] if math.isfinite(errs.get(p, float("nan")))}
-            for _ in range(args.rounds):
-                for prov in per:
-                    per[prov].append(time_provider(case["providers"][prov], graph))
-            for prov, recs in per.items():
-                ms = statistics.median(r["ms"] for r in recs)
-                gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
-                rec = {
-                    "kernel": name,
-                    "tokens": S,
-                    "batch": B,
-                    "dtype": args.dtype,
-                    "provider": prov,
-                    "bytes": case["bytes"],
-                    "ms": ms,
-                    "ms_rounds": [r["ms"] for r in recs],
-                    "ms_p20": statistics.median(r["ms_p20"] for r in recs),
-                    "ms_p80": statistics.median(r["ms_p80"] for r in recs),
-                    "graph_ms": statistics.median(gms) if gms else None,
-                    "GBps": case["bytes"] / (ms * 1e-3) / 1e9,
-                    "max_err_vs_fp64": errs[prov],
-                }
-                rec["pct_copy"] = 100 * rec["GBps"] / copy_gbs
-                records.append(rec)
-            del case
-            torch.cuda.empty_cache()
-            _print_rows(records, name, S)
+    for name, build, fields, label, graph in work_items(args):
+        torch.manual_seed(0)
+        try:
+            case = build()
+        except (ImportError, AttributeError) as e:
+            log(f"skip {name}: {e}")
+            continue
+        # correctness first, every provider (only this bundle's kernels decide the exit code)
+        errs, bad = check_case(name, label, case, dtype)
+        failures += bad
+        # interleaved rounds
+        per = {p: [] for p in case["providers"] if math.isfinite(errs.get(p, float("nan")))}
+        for _ in range(args.rounds):
+            for prov in per:
+                per[prov].append(time_provider(case["providers"][prov], graph))
+        for prov, recs in per.items():
+            ms = statistics.median(r["ms"] for r in recs)
+            gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
+            rec = {
+                "kernel": name,
+                **fields,
+                "shape": label,
+                "dtype": args.dtype,
+                "provider": prov,
+                "bytes": case["bytes"],
+                "ms": ms,
+                "ms_rounds": [r["ms"] for r in recs],
+                "ms_p20": statistics.median(r["ms_p20"] for r in recs),
+                "ms_p80": statistics.median(r["ms_p80"] for r in recs),
+                "graph_ms": statistics.median(gms) if gms else None,
+                "GBps": case["bytes"] / (ms * 1e-3) / 1e9,
+                "max_err_vs_fp64": errs[prov],
+            }
+            rec["pct_copy"] = 100 * rec["GBps"] / copy_gbs
+            records.append(rec)
+        del case
+        torch.cuda.empty_cache()
+        _print_rows(records, name, label)
     return {"device": info, "command": " ".join(sys.argv), "records": records, "failures": failures}
 
 
-def _print_rows(records, name, S):
-    rows = [r for r in records if r["kernel"] == name and r["tokens"] == S]
+def _print_rows(records, name, label):
+    rows = [r for r in records if r["kernel"] == name and r["shape"] == label]
     best_peer = min((r["ms"] for r in rows if not r["provider"].startswith("triton")), default=None)
     for r in rows:
         sp = f"{best_peer / r['ms']:.2f}x" if best_peer and r["provider"].startswith("triton") else ""
         g = f"{r['graph_ms'] * 1e3:7.1f}" if r.get("graph_ms") else "      -"
         log(
-            f"{name:27s} S={S:5d} {r['provider']:27s} {r['ms'] * 1e3:8.1f} us  graph {g} us  "
+            f"{name:32s} {label:14s} {r['provider']:27s} {r['ms'] * 1e3:8.1f} us  graph {g} us  "
             f"{r['GBps']:7.0f} GB/s {r['pct_copy']:5.1f}%  err {r['max_err_vs_fp64']:.1e} {sp}"
         )
 
@@ -417,33 +577,55 @@ def chart(result, path):
         log("matplotlib not installed: no chart")
         return
     recs = result["records"]
-    shapes = sorted({r["tokens"] for r in recs})
-    kernels = list(dict.fromkeys(r["kernel"] for r in recs))
+    shapes = list(dict.fromkeys(r.get("shape") or f"B={r['batch']} S={r['tokens']}" for r in recs))
     provs = list(dict.fromkeys(r["provider"] for r in recs))
     fig, axes = plt.subplots(len(shapes), 1, figsize=(13, 4.2 * len(shapes)), squeeze=False)
     width = 0.8 / max(len(provs), 1)
-    for ax, S in zip(axes[:, 0], shapes):
+    for ax, shape in zip(axes[:, 0], shapes):
+        at = [x for x in recs if (x.get("shape") or f"B={x['batch']} S={x['tokens']}") == shape]
+        kernels = list(dict.fromkeys(r["kernel"] for r in at))
         for i, p in enumerate(provs):
             vals = []
             for k in kernels:
-                r = [x for x in recs if x["kernel"] == k and x["tokens"] == S and x["provider"] == p]
+                r = [x for x in at if x["kernel"] == k and x["provider"] == p]
                 vals.append(r[0]["GBps"] if r else 0)
             ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=p)
         ax.axhline(result["device"]["copy_bandwidth_GBps"], color="k", ls="--", lw=1, label="copy bandwidth")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kernels))])
         ax.set_xticklabels(kernels, rotation=15, fontsize=8)
         ax.set_ylabel("GB/s (bytes the op must move)")
-        ax.set_title(f"{result['device']['gpu']} ({result['device']['arch']}), B=2, S={S}, {recs[0]['dtype']}")
+        ax.set_title(f"{result['device']['gpu']} ({result['device']['arch']}), {shape}, {recs[0]['dtype']}")
     axes[0, 0].legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"chart: {path}")
 
 
-def main(argv=None):
+def _int_list(text, what):
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", action="append", default=[], help=f"substring filter, repeatable; kernels: {', '.join(CASES)}")
-    p.add_argument("--shapes", default="1320,6144", help="token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)")
+    p.add_argument("--suite", choices=["ltx", "decode", "all"], default="ltx",
+                   help="ltx: LTX-Video kernels at --shapes (default); decode: LLM decode fusions at "
+                   "--rows x --widths; all: both")
+    p.add_argument("--kernel", action="append", default=[],
+                   help=f"substring filter, repeatable; ltx kernels: {', '.join(CASES)}; "
+                   f"decode kernels: {', '.join(DECODE_CASES)}")
+    p.add_argument("--shapes", default="1320,6144",
+                   help="ltx suite: token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)")
+    p.add_argument("--rows", type=lambda t: _int_list(t, "--rows"), default=list(DECODE_ROWS),
+                   help=f"decode suite: rows (tokens in flight), default {','.join(map(str, DECODE_ROWS))}")
+    p.add_argument("--widths", type=lambda t: _int_list(t, "--widths"), default=list(DECODE_WIDTHS),
+                   help="decode suite: hidden sizes (SwiGLU: output width H, input 2H), "
+                   f"default {','.join(map(str, DECODE_WIDTHS))}")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     p.add_argument("--output-json", help="write the JSON here (default: stdout)")
@@ -453,6 +635,14 @@ def main(argv=None):
     for s in args.shapes:
         if s not in LTX_SHAPES:
             p.error(f"unknown shape {s}; choose from {', '.join(LTX_SHAPES)}")
+    args.torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if not work_items(args):
+        p.error(f"no kernel of the {args.suite} suite matches {args.kernel}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         log("no GPU (CUDA or ROCm) found: the benchmarks need one")
         return 2

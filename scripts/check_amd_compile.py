@@ -169,7 +169,95 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     # diffusers GEGLU: [B, S, 2 x 8192] -> [B, S, 8192]
     "geglu[erf 2x6144x16384]": ("activations", lambda m: m.geglu(_bf16(2, 6144, 16384), "none")),
     "geglu[tanh 2x6144x16384]": ("activations", lambda m: m.geglu(_bf16(2, 6144, 16384), "tanh")),
+    # ---- LLM decode: Llama-3 8B / 70B (hidden 4096 / 8192, MLP 14336 / 28672); rows = tokens in flight ----
+    # scripts/rmsnorm.py fused_add_rms_norm: residual add + RMSNorm, plain and with FP8 output in the device's
+    # format (e4m3fnuz on gfx942, e4m3fn elsewhere) with a static per-tensor scale or dynamic per-token scales
+    **{
+        f"fused_add_rms_norm{tag}[{m}x{h}]": (
+            "rmsnorm",
+            lambda mod, m=m, h=h, kw=kw: mod.fused_add_rms_norm(_bf16(m, h), _bf16(m, h), _bf16(h), 1e-5, **kw()),
+        )
+        for h in (4096, 8192)
+        for m in (1, 32, 4096)
+        for tag, kw in (("", dict), ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
+                        ("+fp8 per_token", lambda: dict(fp8="per_token")))
+    },
+    # each FP8 format forced on every target (the kernels encode FP8 with integer arithmetic: any format anywhere)
+    **{
+        f"fused_add_rms_norm+fp8 {mode} {name}[32x{h}]": (
+            "rmsnorm",
+            lambda mod, h=h, mode=mode, dt=dt: mod.fused_add_rms_norm(
+                _bf16(32, h), _bf16(32, h), _bf16(h), 1e-5, fp8=mode, fp8_dtype=dt,
+                fp8_scale=_f32(1) if mode == "per_tensor" else None),
+        )
+        for h in (4096, 8192)
+        for mode in ("per_tensor", "per_token")
+        for name, dt in (("e4m3fn", torch.float8_e4m3fn), ("e4m3fnuz", torch.float8_e4m3fnuz))
+    },
+    # rows wider than the single-pass limit: per-token FP8 adds a pass for the row maximum
+    "fused_add_rms_norm+fp8 per_token[32x32768]": (
+        "rmsnorm",
+        lambda m: m.fused_add_rms_norm(_bf16(32, 32768), _bf16(32, 32768), _bf16(32768), 1e-5, fp8="per_token"),
+    ),
+    # scripts/activations.py swiglu: fused [rows, 2 x 14336] gate/up projection, plain and FP8 (device format)
+    **{
+        f"swiglu{tag}[{m}x2x14336]": ("activations", lambda mod, m=m, kw=kw: mod.swiglu(_bf16(m, 2 * 14336), **kw()))
+        for m in (1, 4096)
+        for tag, kw in (("", dict), ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
+                        ("+fp8 per_token", lambda: dict(fp8="per_token")))
+    },
+    "swiglu[gate, up 4096x14336]": ("activations", lambda m: m.swiglu(_bf16(4096, 14336), _bf16(4096, 14336))),
+    # 70B MLP rows (28672 > the whole-row limit): per-token FP8 reads each row twice
+    "swiglu+fp8 per_token[32x2x28672]": ("activations", lambda m: m.swiglu(_bf16(32, 2 * 28672), fp8="per_token")),
+    # ---- scripts/skinny_gemm.py: decode-time linear layers y = x @ W^T, M = 1..32 rows ----
+    # Llama-3 8B (q/o 4096x4096, gate/up 14336x4096, k/v 1024x4096 with GQA, down 4096x14336) and 70B (q/o
+    # 8192x8192, gate/up 28672x8192, down 8192x28672); bf16 weights and FP8 weights in the device's format
+    # (e4m3fnuz on gfx942, e4m3fn elsewhere) with per-output-channel fp32 scales
+    **{
+        f"skinny_gemm{tag}[{name} M{m}]": (
+            "skinny_gemm",
+            lambda mod, m=m, n=n, k=k, fp8=fp8: mod.skinny_gemm(
+                _bf16(m, k),
+                _t(n, k, dtype=(torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn)
+                   if fp8 else torch.bfloat16),
+                weight_scale=_f32(n) if fp8 else None),
+        )
+        for name, (n, k) in (("8B qo 4096x4096", (4096, 4096)), ("8B gate-up 14336x4096", (14336, 4096)),
+                             ("8B kv 1024x4096", (1024, 4096)), ("8B down 4096x14336", (4096, 14336)),
+                             ("70B qo 8192x8192", (8192, 8192)), ("70B gate-up 28672x8192", (28672, 8192)),
+                             ("70B down 8192x28672", (8192, 28672)))
+        for m in (1, 32)
+        for tag, fp8 in (("", False), ("+fp8", True))
+    },
+    # the rows between: M = 2, 4 (multiply-add path), 8, 16 (tl.dot path)
+    **{
+        f"skinny_gemm[8B qo 4096x4096 M{m}]": ("skinny_gemm", lambda mod, m=m: mod.skinny_gemm(_bf16(m, 4096), _bf16(4096, 4096)))
+        for m in (2, 4, 8, 16)
+    },
+    # each FP8 format on every target (decoded from its bits where the GPU has no conversion for it)
+    **{
+        f"skinny_gemm+{fname}[8B qo 4096x4096 M{m}]": (
+            "skinny_gemm",
+            lambda mod, m=m, dt=dt: mod.skinny_gemm(_bf16(m, 4096), _t(4096, 4096, dtype=dt), weight_scale=_f32(4096)),
+        )
+        for m in (1, 4, 32)
+        for fname, dt in (("e4m3fn", torch.float8_e4m3fn), ("e4m3fnuz", torch.float8_e4m3fnuz))
+    },
+    # FP8 x and W with per-tensor scales and a bias (the torch._scaled_mm form)
+    **{
+        f"skinny_gemm+fp8 x[8B qo 4096x4096 M{m}]": (
+            "skinny_gemm",
+            lambda mod, m=m: mod.skinny_gemm(
+                _t(m, 4096, dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn),
+                _t(4096, 4096, dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn),
+                _bf16(4096), weight_scale=_f32(1), x_scale=_f32(1)),
+        )
+        for m in (1, 32)
+    },
     # ---- new leaf files: append their cases here ----
+    # ---- scripts/xcd_remap.py ----
+    # the XCD tile remap helper inside its demo kernel: 1003 programs (not a multiple of 8) over 8 XCDs
+    "xcd_remap_demo[1003 programs, 8 XCDs]": ("xcd_remap", lambda m: m.xcd_remap_table(1003, 8)),
 }
 
 

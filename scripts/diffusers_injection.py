@@ -118,9 +118,9 @@ def _usable(*tensors) -> bool:
     return True
 
 
-# torch.nn.RMSNorm multiplies the weight in fp32 and rounds once in recent torch (the fused
-# _fused_rms_norm path), but rounded to the input dtype before the weight multiply in older
-# releases. Probed once at injection time, so the patched forward matches the installed torch.
+# torch.nn.RMSNorm multiplies the weight in fp32 and rounds once in torch 2.11 (CUDA) and 2.13
+# (CPU); other releases may round to the input dtype before the weight multiply instead.
+# Probed once at injection time, so the patched forward matches the installed torch.
 _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
 
 

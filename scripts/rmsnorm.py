@@ -1,8 +1,10 @@
-"""RMSNorm over the last dimension, optionally fused with AdaLN modulation and a gated residual.
+"""RMSNorm over the last dimension, optionally fused with AdaLN modulation, a gated residual and FP8 output.
 
     h   = h + y * gate                                   (optional: gated residual, h returned too)
     out = cast(rms(x) [cast] * w) * (1 + scale) + shift  (weight and modulation optional)
-    with rms(x) = x / sqrt(mean(x**2) + eps), all arithmetic in fp32.
+    with rms(x) = x / sqrt(mean(x**2) + eps), all arithmetic in fp32;
+    FP8 output: out8 = fp8(clamp(out / s, -fp8_max, fp8_max)), s given (per tensor) or
+    s[row] = max|out[row]| / fp8_max computed in the kernel (per token).
 
 One Triton kernel implements every variant; constexpr flags remove the parts a call does not use.
 Public functions:
@@ -14,6 +16,15 @@ Public functions:
   scale/shift broadcastable to x ([D], [B, 1, D] as in LTX-Video/DiT, or [B, S, D]).
 * ``gated_residual_rms_norm_modulate(h, y, gate, scale, shift, ...)``: ``h = h + y * gate`` (gate may be
   None for a plain residual add) then ``rms_norm_modulate(h, ...)``; returns ``(h, out)``.
+* ``fused_add_rms_norm(x, residual, weight, eps=1e-6, fp8=None, fp8_scale=None, fp8_dtype=None)``: the
+  LLM decoder-layer step ``r = x + residual; y = rms_norm(r, weight)``; returns ``(y, r)``, or with FP8
+  output ``(y_fp8, r)`` (fp8="per_tensor", given scale) / ``(y_fp8, r, scales)`` (fp8="per_token").
+
+FP8 format: the launcher picks float8_e4m3fnuz (max 240) on gfx942 (MI300X, whose matrix cores use it)
+and the OCP float8_e4m3fn (max 448) everywhere else (gfx950, gfx12, NVIDIA); ``fp8_dtype=`` forces one.
+Values are saturated to +-fp8_max, rounded to nearest (ties to even) and encoded in the kernel with
+integer arithmetic, then stored through a uint8 view: a finite input never gives NaN, and every backend,
+Triton version and the interpreter produce the same bits (Triton's own FP8 conversions differ there).
 
 Each ``*_ref`` function beside them is the plain-PyTorch math the kernel replaces. The file depends on
 torch and triton only; copy it into another project as is. Run ``python rmsnorm.py --help``.
@@ -33,9 +44,12 @@ __all__ = [
     "rms_norm",
     "rms_norm_modulate",
     "gated_residual_rms_norm_modulate",
+    "fused_add_rms_norm",
     "rms_norm_ref",
     "rms_norm_modulate_ref",
     "gated_residual_rms_norm_modulate_ref",
+    "fused_add_rms_norm_ref",
+    "fp8_quantize_ref",
 ]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,10 +60,68 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_FUSED_N = 16384
 _CHUNK_N = 4096
 
+# FP8 output formats: torch dtype -> (largest finite value, fp32 biased exponent of the smallest normal,
+# NaN code).
+# e4m3fn (OCP): bias 7, max 448 = 1.75 * 2**8, smallest normal 2**-6. e4m3fnuz (AMD CDNA3): bias 8,
+# max 240 = 1.875 * 2**7, smallest normal 2**-7. Both have 3 mantissa bits.
+_FP8_FORMATS = {
+    torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F),
+    torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80),
+}
+_FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
+# Per-token scales never go below this: a row of zeros gets this scale (its FP8 values are zeros) and
+# 1 / scale stays finite, so 0 * (1 / scale) cannot make a NaN.
+_MIN_DYNAMIC_SCALE = 1e-12
+
 
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr):
+    """The e4m3 code (0..255, int32) of fp32 v: saturated to +-FP8_MAX, rounded to nearest, ties to even.
+
+    Built with integer and fp32 arithmetic, stored through a uint8 view of the FP8 tensor: no Triton FP8
+    type is involved, so it compiles the same on every backend and Triton version (Triton 3.6 cannot
+    lower fp32 -> e4m3fnuz on gfx950/gfx1201, nor store it in its interpreter) and every backend gives
+    the same bits. FP8_MIN_EXP: fp32 biased exponent of the format's smallest normal (127 + 1 - bias).
+    Infinities saturate, NaN gives the format's NaN code, and a zero is never negative (0x80 is NaN in
+    e4m3fnuz).
+    """
+    is_nan = v != v
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal range: round the 23-bit mantissa to 3 bits (ties to even); a carry moves into the exponent
+    code = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((FP8_MIN_EXP - 1) << 3)
+    # below the smallest normal: multiples of 2**(FP8_MIN_EXP - 130), code = the multiple (0..8); adding
+    # 1.5 * 2**23 rounds to an integer, ties to even; the scaling by a power of two is exact
+    k = (tl.abs(v) * (2.0 ** (130 - FP8_MIN_EXP)) + 12582912.0) - 12582912.0
+    code = tl.where(mag < (FP8_MIN_EXP << 23), k.to(tl.int32), code)
+    code = code | tl.where(code != 0, sign, 0)
+    return tl.where(is_nan, FP8_NAN, code)
+
+
+@triton.jit
+def _weight_modulate(y, X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
+                     HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr):
+    """y = normalised rows (fp32) -> (cast) * w, then * (1 + scale) + shift."""
+    if HAS_WEIGHT:
+        if CAST_BEFORE_WEIGHT:
+            y = y.to(X.dtype.element_ty).to(tl.float32)
+        # loaded at the tile's full [BLOCK_M, BLOCK_N] shape (rows re-read it from cache) so it
+        # shares the tile's layout: a [BLOCK_N] or [1, BLOCK_N] load gets another layout and
+        # costs a conversion through LDS plus a barrier
+        w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
+        y = y * w
+    if HAS_MOD:
+        sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * (1.0 + sc) + sh
+    return y
+
+
 @triton.jit
 def _rms_norm_kernel(
     X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
@@ -60,12 +132,18 @@ def _rms_norm_kernel(
     W,  # weight [N] (HAS_WEIGHT)
     SCALE, s_stride_o, s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
     SHIFT, t_stride_o, t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
-    OUT,  # contiguous [M, N] output
+    OUT,  # contiguous [M, N] output (FP8_MODE > 0: a uint8 view of the FP8 output, written with _fp8_encode)
+    FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
     M, N, INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
     eps,  # epsilon added to the mean of squares
     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round rms(x) to X's dtype before the weight multiply
     HAS_MOD: tl.constexpr,
+    FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales
+    FP8_MAX: tl.constexpr,  # largest finite value of OUT's FP8 format (FP8_MODE > 0)
+    FP8_MIN_EXP: tl.constexpr,  # fp32 biased exponent of its smallest normal (FP8_MODE > 0)
+    FP8_NAN: tl.constexpr,  # its NaN code (FP8_MODE > 0)
+    MIN_SCALE: tl.constexpr,  # lower bound of the per-row scales (FP8_MODE 2)
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # columns per step; >= N when SINGLE_PASS
     SINGLE_PASS: tl.constexpr,
@@ -82,10 +160,15 @@ def _rms_norm_kernel(
         y_row = outer * y_stride_o + inner * y_stride_i
         if HAS_GATE:
             g_row = outer * g_stride_o + inner * g_stride_i
+    s_row = out_row  # placeholders, used only when HAS_MOD
+    t_row = out_row
     if HAS_MOD:
         s_row = outer * s_stride_o + inner * s_stride_i
         t_row = outer * t_stride_o + inner * t_stride_i
     cols0 = tl.arange(0, BLOCK_N)
+    if FP8_MODE == 1:
+        # read on the device (no host sync); capped so that a zero scale saturates instead of making 0 * inf
+        inv_scale = tl.minimum(1.0 / tl.load(FP8_SCALE).to(tl.float32), 3.0e38)
 
     if SINGLE_PASS:
         col_mask = cols0 < N
@@ -100,20 +183,23 @@ def _rms_norm_kernel(
             tl.store(H_OUT + out_row[:, None] + cols0[None, :], h, mask=mask)
             x = h.to(tl.float32)  # normalise the stored (rounded) h, as the unfused model does
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-        y = x * rstd[:, None]
-        if HAS_WEIGHT:
-            if CAST_BEFORE_WEIGHT:
-                y = y.to(X.dtype.element_ty).to(tl.float32)
-            # loaded at the tile's full [BLOCK_M, BLOCK_N] shape (rows re-read it from cache) so it
-            # shares the tile's layout: a [BLOCK_N] or [1, BLOCK_N] load gets another layout and
-            # costs a conversion through LDS plus a barrier
-            w = tl.load(W + (cols0[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
-            y = y * w
-        if HAS_MOD:
-            sc = tl.load(SCALE + s_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
-            sh = tl.load(SHIFT + t_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = y * (1.0 + sc) + sh
-        tl.store(OUT + out_row[:, None] + cols0[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+        y = _weight_modulate(x * rstd[:, None], X, W, SCALE, SHIFT, s_row, t_row, rows, cols0, mask,
+                             HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
+        if FP8_MODE == 0:
+            tl.store(OUT + out_row[:, None] + cols0[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+        else:
+            if FP8_MODE == 1:
+                q = y * inv_scale
+            else:
+                # masked-off columns hold 0 (zero-filled loads), so they do not change the maximum
+                row_scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, MIN_SCALE)
+                tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
+                q = y * (1.0 / row_scale)[:, None]
+            q = _fp8_encode(q, FP8_MAX, FP8_MIN_EXP, FP8_NAN)
+            # stores of at most 8 contiguous bytes, like the 16-byte bf16 accesses: otherwise a lane holding
+            # 16 elements gets 16-byte FP8 stores in another register layout, converted through LDS
+            st_cols = tl.max_contiguous(cols0, 8)
+            tl.store(OUT + out_row[:, None] + st_cols[None, :], q.to(tl.uint8), mask=mask)
     else:
         # Pass 1: sum of squares (and the residual update, stored once).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -132,8 +218,24 @@ def _rms_norm_kernel(
             acc += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
         if HAS_RESIDUAL:
-            tl.debug_barrier()  # pass 2 re-reads h written by other lanes of this program
-        # Pass 2: normalise, weight, modulate.
+            tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
+        if FP8_MODE == 2:
+            # Extra pass for dynamic FP8: the row maximum of the output, before anything is quantised.
+            amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                if HAS_RESIDUAL:
+                    x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                y = _weight_modulate(x * rstd[:, None], X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
+                                     HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
+                amax = tl.maximum(amax, tl.abs(y))
+            row_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
+            tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
+            inv_row_scale = 1.0 / row_scale
+        # Last pass: normalise, weight, modulate (and quantise), store.
         for start in range(0, N, BLOCK_N):
             cols = start + cols0
             col_mask = cols < N
@@ -142,17 +244,18 @@ def _rms_norm_kernel(
                 x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = x * rstd[:, None]
-            if HAS_WEIGHT:
-                if CAST_BEFORE_WEIGHT:
-                    y = y.to(X.dtype.element_ty).to(tl.float32)
-                w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
-                y = y * w
-            if HAS_MOD:
-                sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                y = y * (1.0 + sc) + sh
-            tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+            y = _weight_modulate(x * rstd[:, None], X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
+                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
+            if FP8_MODE == 0:
+                tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+            else:
+                if FP8_MODE == 1:
+                    q = y * inv_scale
+                else:
+                    q = y * inv_row_scale[:, None]
+                q = _fp8_encode(q, FP8_MAX, FP8_MIN_EXP, FP8_NAN)
+                st_cols = tl.max_contiguous(cols, 8)  # as in the single pass
+                tl.store(OUT + out_row[:, None] + st_cols[None, :], q.to(tl.uint8), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,34 +384,81 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
     return block_m, block_n, single, num_warps
 
 
-def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype):
-    """Validate, pick the launch configuration and run the kernel. Returns (h_out or None, out)."""
-    _check_tensor("x", x)
+def _fp8_dtype_for(device: torch.device) -> torch.dtype:
+    """The FP8 format the device's matrix cores take: e4m3fnuz on CDNA3 (gfx940-942), OCP e4m3fn elsewhere."""
+    backend, arch, _ = _device_target(device)
+    if backend == "hip" and str(arch).split(":")[0] in ("gfx940", "gfx941", "gfx942"):
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def _fp8_mode(fp8) -> int:
+    if not (fp8 is None or isinstance(fp8, str)) or fp8 not in _FP8_MODES:
+        raise ValueError(f"fp8 must be None, 'per_tensor' or 'per_token', got {fp8!r}")
+    return _FP8_MODES[fp8]
+
+
+def _result_dtype(x: torch.Tensor, out_dtype, fp8_mode: int) -> torch.dtype:
+    if out_dtype is not None:
+        return out_dtype
+    return _fp8_dtype_for(x.device) if fp8_mode else x.dtype
+
+
+def _check_fp8(device, out_dtype, fp8_mode: int, fp8_scale):
+    """Validate the FP8 arguments; returns the FP8 output dtype."""
+    out_dtype = _fp8_dtype_for(device) if out_dtype is None else out_dtype
+    if out_dtype not in _FP8_FORMATS:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {out_dtype}")
+    if fp8_mode == 1:
+        if fp8_scale is None:
+            raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
+        _check_tensor("fp8_scale", fp8_scale, device, dtypes=(torch.float32,))
+        if fp8_scale.numel() != 1:
+            raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
+    elif fp8_scale is not None:
+        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
+    return out_dtype
+
+
+def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
+            names=("x", "y", "h")):
+    """Validate, pick the launch configuration and run the kernel.
+
+    Returns (h_out or None, out, per-row FP8 scales or None). fp8_mode 0: out has out_dtype (default
+    x's); 1: out is FP8 (out_dtype, default per device) with the given fp8_scale; 2: FP8 with per-row
+    scales computed in the kernel. names: how the messages call x, y, and x when compared with y.
+    """
+    x_name, y_name, h_name = names
+    _check_tensor(x_name, x)
     device = x.device
     if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the normalised one)")
+        raise ValueError(f"{x_name} must have at least one dimension (the normalised one)")
     n = x.shape[-1]
     shape = x.shape
     if x.numel() > 0 and x.stride(-1) != 1 and n > 1:
-        raise ValueError(f"x must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()")
+        raise ValueError(
+            f"{x_name} must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()"
+        )
     if not isinstance(eps, (float, int)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     has_residual = y is not None
     if has_residual:
-        _check_tensor("y", y, device)
+        _check_tensor(y_name, y, device)
         if y.shape != shape:
-            raise ValueError(f"y has shape {tuple(y.shape)} but h has shape {tuple(shape)}; they must match")
+            raise ValueError(
+                f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(shape)}; they must match"
+            )
         if y.dtype != x.dtype:
-            raise TypeError(f"y has dtype {y.dtype} but h has dtype {x.dtype}; they must match")
+            raise TypeError(f"{y_name} has dtype {y.dtype} but {h_name} has dtype {x.dtype}; they must match")
         if y.numel() > 0 and y.stride(-1) != 1 and n > 1:
-            raise ValueError("y must be contiguous in its last dimension; call .contiguous()")
+            raise ValueError(f"{y_name} must be contiguous in its last dimension; call .contiguous()")
     if gate is not None:
         _check_tensor("gate", gate, device)
         g_strides = _bcast_strides("gate", gate, shape)
     if weight is not None:
         _check_tensor("weight", weight, device)
         if weight.dim() != 1 or weight.shape[0] != n:
-            raise ValueError(f"weight must have shape [{n}] (the last dim of x), got {tuple(weight.shape)}")
+            raise ValueError(f"weight must have shape [{n}] (the last dim of {x_name}), got {tuple(weight.shape)}")
         if weight.stride(0) != 1 and n > 1:
             raise ValueError("weight must be contiguous")
     has_mod = scale is not None or shift is not None
@@ -319,15 +469,25 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
         _check_tensor("shift", shift, device)
         s_strides = _bcast_strides("scale", scale, shape)
         t_strides = _bcast_strides("shift", shift, shape)
-    if out_dtype is None:
-        out_dtype = x.dtype
-    elif out_dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
+    if fp8_mode not in (0, 1, 2):
+        raise ValueError(f"fp8_mode must be 0, 1 or 2, got {fp8_mode!r}")
+    if fp8_mode:
+        out_dtype = _check_fp8(device, out_dtype, fp8_mode, fp8_scale)
+        fp8_max, fp8_min_exp, fp8_nan = _FP8_FORMATS[out_dtype]
+    else:
+        if fp8_scale is not None:
+            raise ValueError("fp8_scale is only used with fp8='per_tensor'")
+        fp8_max, fp8_min_exp, fp8_nan = 0.0, 0, 0
+        if out_dtype is None:
+            out_dtype = x.dtype
+        elif out_dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
 
     out = torch.empty(shape, dtype=out_dtype, device=device)
     h_out = torch.empty(shape, dtype=x.dtype, device=device) if has_residual else None
+    row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
     if x.numel() == 0:
-        return h_out, out
+        return h_out, out, row_scales
     lead = list(shape[:-1])
     m = x.numel() // n
     stride_sets = [x.stride()[:-1]]
@@ -347,7 +507,7 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
 
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, num_warps = _launch_config(n, m, warp_size)
-    grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv is a jit function, slow on the host
+    grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
     _rms_norm_kernel[grid](
         x, xs[0], xs[1],
         y, ys[0], ys[1],
@@ -356,15 +516,18 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
         weight,
         scale, ss[0], ss[1],
         shift, ts[0], ts[1],
-        out,
+        out.view(torch.uint8) if fp8_mode else out,
+        fp8_scale if fp8_mode == 1 else row_scales,
         m, n, inner,
         float(eps),
         HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
         CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_MOD=has_mod,
+        FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
+        MIN_SCALE=_MIN_DYNAMIC_SCALE,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
         num_warps=num_warps,
     )
-    return h_out, out
+    return h_out, out, row_scales
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,26 +553,39 @@ if not _op_exists("rms_norm_fused"):
         eps: float,
         cast_before_weight: bool,
         out_dtype: Optional[torch.dtype],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h_out, out = _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype)
-        # custom ops cannot return None: without a residual the first output is an empty tensor
-        return (h_out if h_out is not None else x.new_empty(0)), out
+        fp8_mode: int = 0,
+        fp8_scale: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h_out, out, row_scales = _launch(
+            x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale
+        )
+        # custom ops cannot return None: absent outputs are empty tensors
+        return (
+            h_out if h_out is not None else x.new_empty(0),
+            out,
+            row_scales if row_scales is not None else x.new_empty(0, dtype=torch.float32),
+        )
 
     @_rms_norm_fused_op.register_fake
-    def _(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype):
-        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    def _(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None):
+        out = torch.empty(x.shape, dtype=_result_dtype(x, out_dtype, fp8_mode), device=x.device)
         h_out = torch.empty_like(x, memory_format=torch.contiguous_format) if y is not None else x.new_empty(0)
-        return h_out, out
+        if fp8_mode == 2:
+            row_scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        else:
+            row_scales = x.new_empty(0, dtype=torch.float32)
+        return h_out, out, row_scales
 
 
-def _dispatch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype):
+def _dispatch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
+              names=("x", "y", "h")):
     if torch.compiler.is_compiling():
-        h_out, out = getattr(torch.ops, _NS).rms_norm_fused(
-            x, y, gate, weight, scale, shift, float(eps), bool(cast_before_weight), out_dtype
+        h_out, out, row_scales = getattr(torch.ops, _NS).rms_norm_fused(
+            x, y, gate, weight, scale, shift, float(eps), bool(cast_before_weight), out_dtype, fp8_mode, fp8_scale
         )
-        return (h_out if y is not None else None), out
+        return (h_out if y is not None else None), out, (row_scales if fp8_mode == 2 else None)
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
-    return _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype)
+    return _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale, names)
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,8 +646,49 @@ def gated_residual_rms_norm_modulate(
     """
     if y is None:
         raise ValueError("y is required; use rms_norm_modulate() without a residual")
-    h_out, out = _dispatch(h, y, gate, weight, scale, shift, eps, cast_before_weight, None)
+    h_out, out, _ = _dispatch(h, y, gate, weight, scale, shift, eps, cast_before_weight, None)
     return h_out, out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float = 1e-6,
+    *,
+    cast_before_weight: bool = True,
+    fp8: Optional[str] = None,
+    fp8_scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+):
+    """Residual add + RMSNorm of an LLM decoder layer, optionally with FP8 output, in one kernel.
+
+        r = x + residual          (fp32 sum rounded once to x's dtype; returned, inputs untouched)
+        y = rms_norm(r, weight)   (Llama numerics by default: see rms_norm's cast_before_weight)
+
+    x and residual: same shape and dtype (fp16/bf16/fp32), last dim contiguous, rows may be strided.
+    Returns (y, r) with y of x's dtype, or with FP8 output:
+      fp8="per_tensor": (y_fp8, r) with y_fp8 = fp8(clamp(y / fp8_scale, +-fp8_max)); fp8_scale is a
+        one-element float32 tensor on x's device (read by the kernel: no host synchronisation).
+      fp8="per_token": (y_fp8, r, scales) with scales[row] = max(max|y[row]| / fp8_max, 1e-12), float32,
+        shape x.shape[:-1], and y_fp8 = fp8(y / scales[..., None]); dequantise as y_fp8.float() * scales[..., None].
+    y is quantised from its fp32 value (it is not rounded to x's dtype first). fp8_dtype: None picks
+    float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere; pass either to force it.
+    """
+    mode = _fp8_mode(fp8)
+    if fp8_dtype is not None and mode == 0:
+        raise ValueError("fp8_dtype is only used with fp8='per_tensor' or fp8='per_token'")
+    if mode != 1 and fp8_scale is not None:
+        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
+    if residual is None:
+        raise ValueError("residual is required; use rms_norm() without a residual")
+    r, out, row_scales = _dispatch(
+        x, residual, None, weight, None, None, eps, cast_before_weight, fp8_dtype, mode, fp8_scale,
+        names=("x", "residual", "x"),
+    )
+    if mode == 2:
+        return out, r, row_scales
+    return out, r
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,6 +721,53 @@ def gated_residual_rms_norm_modulate_ref(h, y, gate, scale, shift, weight=None, 
     return h_new, rms_norm_modulate_ref(h_new, scale, shift, weight, eps, cast_before_weight)
 
 
+def fp8_quantize_ref(y, fp8_dtype=torch.float8_e4m3fn, scale=None):
+    """Saturating round-to-nearest-even FP8 quantisation, computed in y's precision (use float64).
+
+    scale None: one dynamic scale per row (last dim), s = max(max|y_row| / fp8_max, 1e-12), shape
+    y.shape[:-1]; else the given per-tensor scale (one element). Returns (q, s): q holds the FP8 values
+    (each exactly representable in fp8_dtype) in y's dtype, so that y ~ q * s (q * s[..., None] per row);
+    q.to(fp8_dtype) is exact.
+    """
+    fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
+    if scale is None:
+        s = (y.abs().amax(-1) / fp8_max).clamp_min(_MIN_DYNAMIC_SCALE)
+        v = y / s[..., None]
+    else:
+        s = scale.to(y.dtype).reshape(())
+        v = y / s
+    v = v.clamp(-fp8_max, fp8_max)
+    _, e = torch.frexp(v)  # v = m * 2**e with 0.5 <= |m| < 1
+    e = (e - 1).clamp_min(min_exp - 127)  # exponent of the binade, not below the smallest normal's
+    step = torch.ldexp(torch.ones_like(v), (e - 3).to(v.dtype))  # 3 mantissa bits
+    return torch.round(v / step) * step, s  # torch.round rounds half to even
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=True, fp8=None, fp8_scale=None,
+                           fp8_dtype=torch.float8_e4m3fn, dtype=None):
+    """The unfused math of fused_add_rms_norm, with the same return structure.
+
+    dtype: where the model rounds (the residual sum, and rms(r) before the weight when
+    cast_before_weight); default x's dtype. Call it on float64 inputs with dtype=torch.bfloat16 for the
+    exact value of what a bf16 model computes. Without FP8, y is rounded to dtype; with FP8 the values
+    are the FP8 grid values held in the working precision (see fp8_quantize_ref).
+    """
+    dtype = dtype or x.dtype
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    r = (x.to(f) + residual.to(f)).to(dtype)
+    rf = r.to(f)
+    y = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        if cast_before_weight:
+            y = y.to(dtype).to(f)
+        y = y * weight.to(f)
+    mode = _fp8_mode(fp8)
+    if mode == 0:
+        return y.to(dtype), r
+    q, s = fp8_quantize_ref(y, fp8_dtype, fp8_scale if mode == 1 else None)
+    return (q, r) if mode == 1 else (q, r, s)
+
+
 # --------------------------------------------------------------------------------------------
 # Self-check: python rmsnorm.py [--rows R] [--width N] [--dtype bf16]
 # --------------------------------------------------------------------------------------------
@@ -528,16 +792,31 @@ def _main(argv=None) -> int:
     w = (1 + 0.1 * torch.randn(args.width, generator=g)).to(device, dtype)
     sc = (0.1 * torch.randn(2, 1, args.width, generator=g)).to(device, dtype)
     sh = (0.1 * torch.randn(2, 1, args.width, generator=g)).to(device, dtype)
+    res = torch.randn(2, args.rows, args.width, generator=g).to(device, dtype)
+    y, r = fused_add_rms_norm(x, res, w)
+    q, r8, s8 = fused_add_rms_norm(x, res, w, fp8="per_token")
+    # FP8 is compared after dequantisation with the float64 quantize-dequantize reference of the same math
+    q_ref, _, s_ref = fused_add_rms_norm_ref(x.double(), res.double(), w.double(), fp8="per_token", fp8_dtype=q.dtype,
+                                             dtype=dtype)
     checks = {
         "rms_norm": (rms_norm(x, w), rms_norm_ref(x.double(), w.double())),
         "rms_norm_modulate": (rms_norm_modulate(x, sc, sh), rms_norm_modulate_ref(x.double(), sc.double(), sh.double())),
+        "fused_add_rms_norm": (y, fused_add_rms_norm_ref(x.double(), res.double(), w.double(), dtype=dtype)[0]),
+        "fused_add_rms_norm_residual": (r, (x.double() + res.double()).to(dtype)),
+        "fused_add_rms_norm_fp8_per_token": (q.double() * s8.double()[..., None], q_ref * s_ref[..., None]),
     }
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    tols = {"fused_add_rms_norm_fp8_per_token": 0.13}  # one FP8 step (2**-3 of the value) where rounding differs
     report, ok = {}, True
     for name, (out, ref) in checks.items():
-        err = ((out.double() - ref).abs() / (1 + ref.abs())).max().item()
-        report[name] = {"max_rel_err": err, "ok": bool(err <= tol)}
-        ok &= err <= tol
+        err = ((out.double() - ref.double()).abs() / (1 + ref.double().abs())).max().item()
+        good = bool(err <= tols.get(name, tol))
+        report[name] = {"max_rel_err": err, "ok": good}
+        ok &= good
+    fp8_mismatch = float((q.double() != q_ref).double().mean())
+    report["fused_add_rms_norm_fp8_per_token"].update(fp8_dtype=str(q.dtype).replace("torch.", ""),
+                                                       fraction_one_step_off=fp8_mismatch)
+    ok &= fp8_mismatch <= 0.05
     print(json.dumps({"device": str(device), "dtype": args.dtype, "checks": report, "ok": bool(ok)}))
     return 0 if ok else 1
 

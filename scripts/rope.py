@@ -317,7 +317,7 @@ def _launch_config(
 
 
 def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b  # plain Python: triton.cdiv is a jit function, slow on the host
+    return (a + b - 1) // b  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
 
 
 def _next_pow2(n: int) -> int:

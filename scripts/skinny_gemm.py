@@ -1,0 +1,831 @@
+"""Skinny GEMM for decoding: y = x @ W^T (+ bias) for 1 <= M <= 32 rows, bf16/fp16 or FP8 weights.
+
+    y[m, n] = (sum_k x[m, k] * W[n, k]) * w_scale[n or 0] * x_scale + bias[n]   (fp32 accumulation)
+
+At M <= 32 a linear layer is memory-bound: the time is the time to read W once. The kernel streams W
+exactly once with 16-byte vector loads along K, splits K over several programs when N alone does not
+give every CU enough work, and reduces the split-K partial sums in a fixed order (bit-identical
+results run to run). Public functions:
+
+* ``skinny_gemm(x, weight, bias=None, *, weight_scale=None, x_scale=None, out_dtype=None, split_k=None)``:
+  ``torch.nn.functional.linear(x, weight, bias)`` for x [..., K] with at most 32 rows in all (more rows
+  raise ValueError: use torch.matmul / torch._scaled_mm there, where the GEMM is compute-bound).
+  weight [N, K] (nn.Linear layout, last dim contiguous, rows may be strided) in bf16/fp16 (x's dtype),
+  or FP8 (``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``) with a float32 ``weight_scale``: one
+  value (per tensor) or [N] (per output channel). x is bf16/fp16, or FP8 of the weight's FP8 dtype
+  with a one-value float32 ``x_scale`` (the ``torch._scaled_mm`` convention). bias [N], any float dtype.
+  The output has x's dtype (bf16 when x is FP8) unless ``out_dtype`` (fp16, bf16, fp32) says otherwise.
+* ``skinny_gemm_ref(...)``: the same math in float64 with the FP8 values dequantized by their scales.
+* ``xcd_remap`` / ``xcd_remap_ref``: the program-id remap for 8-XCD GPUs (Triton helper / plain Python).
+
+Where a measurement shows torch's own GEMM faster for some M (typically near M = 32), ``_KERNEL_MAX_M``
+records it per architecture and skinny_gemm dispatches those calls back to F.linear / torch._scaled_mm.
+
+Design (reasons beside each choice in the code):
+* M <= 4 ("GEMV"): broadcast multiply-add into an fp32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, one
+  reduction over K at the end; no matrix instruction (AMD MFMA/WMMA and NVIDIA MMA need M >= 16, so
+  padding M = 1 to 16 would waste 15/16 of each instruction and route W through shared memory).
+* 4 < M <= 32: ``tl.dot`` with M padded to 16 or 32 (16 is the smallest M of the matrix-instruction
+  tiles Triton emits: 16x16 MFMA on CDNA, 16x16 WMMA on RDNA4, m16n8 MMA on NVIDIA), fp32 accumulation.
+  FP8 weights are widened to x's dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value).
+* split-K: programs = N tiles x SPLIT_K, enough to fill every CU; each program writes its fp32 partial to
+  a [SPLIT_K, M, N] workspace, and the last program of an N tile to arrive (an atomic counter per tile)
+  sums the partials in split order 0, 1, ..., SPLIT_K - 1 and applies scales, bias and the cast. One
+  launch, deterministic, and the counters are reset by the same program for the next call.
+* 8-XCD GPUs (MI300X, MI355X: workgroups go round-robin to 8 XCDs, each with its own L2): program ids
+  are remapped so that each XCD runs a contiguous range of tiles (all K splits of neighbouring W rows),
+  a bijection for any program count.
+
+The file depends on torch and triton only; copy it into another project as is. Run
+``python skinny_gemm.py --help`` (self-check against float64, and ``--bench`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["skinny_gemm", "skinny_gemm_ref", "xcd_remap", "xcd_remap_ref", "MAX_M"]
+
+MAX_M = 32  # rows (x.numel() // K) the kernel accepts
+_ACT_DTYPES = (torch.float16, torch.bfloat16)
+_FP8_DTYPES = tuple(
+    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e4m3fnuz", None)) if d is not None
+)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Rows up to this many use the multiply-add path; more use tl.dot with M padded to 16 or 32. At M = 4 a
+# lane of the multiply-add path is down to one 16-byte bf16 W vector per iteration beside 32 fp32
+# accumulators (64 for FP8, whose vector holds 16 values); past that the matrix path keeps more W bytes
+# in flight per lane. An estimate from register counts: confirm the crossover with --bench.
+_FMA_MAX_M = 4
+# Programs per CU the split-K choice aims for: with 4 warps per program, four programs give a CU
+# 16 waves (AMD) / 16 warps (NVIDIA) and 32-64 KiB of W loads in flight, above what latency x per-CU
+# bandwidth needs (MI300X: 5.3 TB/s x ~1.5 us loaded latency, an estimate, / 304 CUs ~ 26 KiB); more
+# splits only add partial-sum traffic and reductions.
+_PROGRAMS_PER_CU = 4
+# Largest split count: the reduction reads SPLIT_K partials of every output.
+_MAX_SPLIT_K = 64
+# Used only without a GPU (interpreter, ahead-of-time compile checks), where no device can be asked.
+_NOMINAL_CUS = {"gfx942": 304, "gfx950": 256, "gfx1201": 64, 90: 132, 100: 148}
+_INTERPRETER_CUS = 8
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel helpers
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def xcd_remap(pid, num_programs, NUM_XCDS: tl.constexpr):
+    """Logical tile id of hardware program id ``pid`` so that each XCD runs a contiguous tile range.
+
+    The dispatcher sends program p to XCD p % NUM_XCDS. XCD x runs q + (x < r) programs
+    (q, r = divmod(num_programs, NUM_XCDS)); its j-th program (p = x + j * NUM_XCDS) gets logical id
+    x * q + min(x, r) + j. A bijection of [0, num_programs) for any num_programs, multiple of
+    NUM_XCDS or not. NUM_XCDS == 1 is the identity.
+    """
+    if NUM_XCDS == 1:
+        return pid
+    xcd = pid % NUM_XCDS
+    q = num_programs // NUM_XCDS
+    r = num_programs % NUM_XCDS
+    return xcd * q + tl.minimum(xcd, r) + pid // NUM_XCDS
+
+
+def xcd_remap_ref(pid: int, num_programs: int, num_xcds: int) -> int:
+    """``xcd_remap`` in plain Python (the same formula), for tests and tools."""
+    if num_xcds == 1:
+        return pid
+    xcd, j = pid % num_xcds, pid // num_xcds
+    q, r = divmod(num_programs, num_xcds)
+    return xcd * q + min(xcd, r) + j
+
+
+@triton.jit
+def _fp8_bits_to_f32(b, FNUZ: tl.constexpr):
+    """e4m3 bits (uint8) -> fp32, where the target has no (or only a slow) conversion for this format.
+
+    e4m3: sign, 4 exponent bits, 3 mantissa bits; e4m3fn has bias 7 and NaN at 0x7F/0xFF, e4m3fnuz has
+    bias 8 and NaN at 0x80 (no -0); neither has infinities. Exponent and mantissa placed at the top of
+    an fp16 (bias 15) read as 2^(e-15) * (1 + m/8) for normals and m * 2^-17 for subnormals: the e4m3
+    value times 2^-8 (fn) or 2^-7 (fnuz), exactly, in both cases.
+    """
+    h = b.to(tl.uint16)
+    bits = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
+    v = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    if FNUZ:
+        return tl.where(h == 0x80, float("nan"), v * 128.0)
+    else:
+        return tl.where((h & 0x7F) == 0x7F, float("nan"), v * 256.0)
+
+
+@triton.jit
+def _widen(v, BITS: tl.constexpr, FNUZ: tl.constexpr, DT: tl.constexpr):
+    """Loaded x or W values -> the compute dtype DT (exact for every supported input)."""
+    if BITS:
+        return _fp8_bits_to_f32(v, FNUZ).to(DT)
+    else:
+        return v.to(DT)
+
+
+@triton.jit
+def _fma_step(acc, x_rows, w_rows, k, k_end, kk, m3, n3,
+              MASKED: tl.constexpr, W_BITS: tl.constexpr, X_BITS: tl.constexpr, FNUZ: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N, BLOCK_K] += x[m, k] * W[n, k] for one K block, in fp32.
+
+    Both tiles are loaded at the accumulator's full 3-D shape (the unused axis with a zero stride):
+    they then share its register layout, so nothing moves between lanes in the loop. The duplicate
+    W addresses along M are merged by the compiler; x is re-read from cache (it is tiny).
+    """
+    cols = (k + kk)[None, None, :]
+    w_ptrs = w_rows[None, :, None] + cols + 0 * m3
+    x_ptrs = x_rows[:, None, None] + cols + 0 * n3
+    if MASKED:
+        mask = cols < k_end
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    else:
+        w = tl.load(w_ptrs)
+        x = tl.load(x_ptrs)
+    return acc + _widen(x, X_BITS, FNUZ, tl.float32) * _widen(w, W_BITS, FNUZ, tl.float32)
+
+
+@triton.jit
+def _dot_step(acc, x_rows, w_rows, k, k_end, kk, MASKED: tl.constexpr, W_BITS: tl.constexpr,
+              X_BITS: tl.constexpr, FNUZ: tl.constexpr, DOT_DT: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] += x[BLOCK_M, BLOCK_K] @ W[BLOCK_N, BLOCK_K]^T (fp32 accumulation)."""
+    cols = (k + kk)[None, :]
+    if MASKED:
+        mask = cols < k_end
+        w = tl.load(w_rows[:, None] + cols, mask=mask, other=0.0)
+        x = tl.load(x_rows[:, None] + cols, mask=mask, other=0.0)
+    else:
+        w = tl.load(w_rows[:, None] + cols)
+        x = tl.load(x_rows[:, None] + cols)
+    return tl.dot(_widen(x, X_BITS, FNUZ, DOT_DT), tl.trans(_widen(w, W_BITS, FNUZ, DOT_DT)), acc)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
+              HAS_BIAS: tl.constexpr, W_SCALE_MODE: tl.constexpr, HAS_X_SCALE: tl.constexpr):
+    """Scales, bias, cast and store of an fp32 [BLOCK_M, BLOCK_N] result."""
+    n_ok = offs_n < N
+    if W_SCALE_MODE == 1:
+        acc = acc * tl.load(W_SCALE).to(tl.float32)
+    elif W_SCALE_MODE == 2:
+        acc = acc * tl.load(W_SCALE + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_X_SCALE:
+        acc = acc * tl.load(X_SCALE).to(tl.float32)
+    if HAS_BIAS:
+        acc = acc + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & n_ok[None, :]
+    ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _skinny_gemm_kernel(
+    X, stride_xm,  # x [M, K]: rows stride_xm elements apart, last dim contiguous (fp16/bf16/fp8)
+    W, stride_wn,  # weight [N, K]: rows stride_wn elements apart, last dim contiguous
+    BIAS,  # bias [N] (HAS_BIAS)
+    W_SCALE,  # fp32 weight scale: 1 value (W_SCALE_MODE 1) or [N] (W_SCALE_MODE 2)
+    X_SCALE,  # fp32 scale of an FP8 x, 1 value (HAS_X_SCALE)
+    OUT, stride_om,  # y [M, N], rows stride_om elements apart
+    WS,  # fp32 workspace [SPLIT_K, M, N] of partial sums (SPLIT_K > 1)
+    COUNTERS,  # int32 arrival counter per N tile (SPLIT_K > 1): zero on entry, left at zero
+    M, N, K,
+    WS_SPLIT_STRIDE,  # M * N: elements between two splits' partials in WS
+    K_PER_SPLIT,  # K columns per split, a multiple of BLOCK_K
+    SPLIT_K,  # number of K splits (runtime: a new count does not recompile)
+    NUM_PROGRAMS,  # N tiles x SPLIT_K, for the XCD remap
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,  # tl.dot with DOT_DT operands, else fp32 multiply-add
+    DOT_DT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masked tail block
+    IS_SPLIT: tl.constexpr,  # SPLIT_K > 1
+    HAS_BIAS: tl.constexpr, W_SCALE_MODE: tl.constexpr, HAS_X_SCALE: tl.constexpr,
+    W_BITS: tl.constexpr, X_BITS: tl.constexpr,  # decode FP8 W / x from their bits (passed as uint8)
+    FNUZ: tl.constexpr,  # the FP8 format decoded from bits is e4m3fnuz (else e4m3fn)
+    NUM_XCDS: tl.constexpr,
+):
+    pid = xcd_remap(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
+    # Tile-major order: the SPLIT_K programs of one N tile are consecutive logical ids, so after the
+    # remap they run on the same XCD at about the same time: the last to arrive waits little and its
+    # reduction reads partials just written through the same L2.
+    tile_n = pid // SPLIT_K
+    split = pid % SPLIT_K
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    # Rows past M or N are clamped to the last valid row: loads stay in bounds without masks, and the
+    # duplicated results are dropped by the masked stores.
+    m_safe = tl.minimum(offs_m, M - 1)
+    n_safe = tl.minimum(offs_n, N - 1)
+    x_rows = X + m_safe.to(tl.int64) * stride_xm
+    w_rows = W + n_safe.to(tl.int64) * stride_wn
+
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    k_full = k_lo + ((k_hi - k_lo) // BLOCK_K) * BLOCK_K
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(k_lo, k_full, BLOCK_K):
+            acc = _dot_step(acc, x_rows, w_rows, k, k_hi, kk, False, W_BITS, X_BITS, FNUZ, DOT_DT)
+        if not EVEN_K:
+            if k_full < k_hi:
+                acc = _dot_step(acc, x_rows, w_rows, k_full, k_hi, kk, True, W_BITS, X_BITS, FNUZ, DOT_DT)
+    else:
+        m3 = tl.arange(0, BLOCK_M)[:, None, None]
+        n3 = tl.arange(0, BLOCK_N)[None, :, None]
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(k_lo, k_full, BLOCK_K):
+            acc3 = _fma_step(acc3, x_rows, w_rows, k, k_hi, kk, m3, n3, False, W_BITS, X_BITS, FNUZ)
+        if not EVEN_K:
+            if k_full < k_hi:
+                acc3 = _fma_step(acc3, x_rows, w_rows, k_full, k_hi, kk, m3, n3, True, W_BITS, X_BITS, FNUZ)
+        acc = tl.sum(acc3, axis=2)
+
+    if IS_SPLIT:
+        tile_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        ws_tile = WS + (offs_m * N)[:, None] + offs_n[None, :]
+        tl.store(ws_tile + split * WS_SPLIT_STRIDE, acc, mask=tile_mask)
+        # Memory ordering: the barrier (a workgroup release/acquire fence pair around s_barrier /
+        # bar.sync) orders every lane's partial store before the single atomic, whose gpu-scope
+        # release publishes them all to other CUs; its acquire, followed by the second barrier,
+        # makes the other programs' partials visible to every lane of the program that arrived last.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(COUNTERS + tile_n, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == SPLIT_K - 1:
+            # Last program of this tile: sum the partials in split order (a fixed order, so the
+            # result does not depend on which program came last), then leave the counter at zero.
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(ws_tile + s * WS_SPLIT_STRIDE, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(COUNTERS + tile_n, 0, sem="relaxed", scope="gpu")
+            _epilogue(total, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
+                      HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE)
+    else:
+        _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
+                  HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher helpers
+# --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _device_target(device: torch.device):
+    """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
+    if device.type == "cpu":
+        return ("interpreter", None, 32)
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int):
+    with torch.cuda.device(index):
+        target = triton.runtime.driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _compute_units(device: torch.device, target) -> int:
+    """CUs (AMD) / SMs (NVIDIA) of the device; torch reports either as multi_processor_count."""
+    if device.type == "cuda":
+        return _gpu_cus(device.index if device.index is not None else torch.cuda.current_device())
+    if target[0] == "interpreter":
+        return _INTERPRETER_CUS
+    return _NOMINAL_CUS.get(target[1], 64)  # ahead-of-time checks: no device to ask
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_cus(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _num_xcds(target, cus: int) -> int:
+    """XCDs the dispatcher round-robins over. CDNA3/CDNA4 (gfx94x/gfx95x) GPUs in their usual single
+    partition have 8 (MI300X 8 x 38 CUs, MI355X 8 x 32); a CU count that is not a multiple of 8
+    (a CPX partition, an APU with 6 XCDs) gets no remap, which costs locality, never correctness.
+    The interpreter uses 8 so that the tests run the remap."""
+    backend, arch = target[0], target[1]
+    if backend == "interpreter":
+        return 8
+    if backend == "hip" and isinstance(arch, str) and arch.startswith(("gfx94", "gfx95")) and cus % 8 == 0:
+        return 8
+    return 1
+
+
+def _decode_fp8_bits(target, fnuz: bool) -> bool:
+    """True where the kernel decodes FP8 from its bits (the tensor passed as uint8, a free
+    reinterpretation) instead of Triton's conversion. Triton converts with a hardware instruction
+    only e4m3fnuz on gfx94x (v_cvt_pk_f32_fp8), e4m3fn on gfx95x (v_cvt_scalef32_pk_f32_fp8) and
+    e4m3fn on NVIDIA; elsewhere (e4m3fn on gfx94x, e4m3fnuz on gfx95x, both on gfx12) it emits a
+    software conversion about twice the size of the bit decoding (1230-1430 against 540-670
+    instructions for the M = 1 kernel, Triton 3.9), which on gfx942 also spills SGPRs at M = 2..4,
+    and it has no e4m3fnuz type at all on NVIDIA. The interpreter converts both formats."""
+    backend, arch = target[0], target[1]
+    if backend == "interpreter":
+        return False
+    arch = arch if isinstance(arch, str) else ""
+    native = (backend == "cuda" and not fnuz) or (
+        backend == "hip" and (arch.startswith("gfx94") if fnuz else arch.startswith("gfx95"))
+    )
+    return not native
+
+
+class _Config(NamedTuple):
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    num_warps: int
+    num_stages: int
+    num_xcds: int
+
+
+def _launch_config(m: int, n: int, k: int, w_bytes: int, target, cus: int, split_k: Optional[int] = None) -> _Config:
+    return _launch_config_cached(m, n, k, w_bytes, tuple(target), cus, split_k, _FMA_MAX_M, _PROGRAMS_PER_CU)
+
+
+def _split_cap(m: int, k: int, w_bytes: int, k_tiles: int) -> int:
+    """Most K splits worth using: each split needs at least one BLOCK_K of its own, the reduction
+    loop stays short (_MAX_SPLIT_K), and the partial sums (8 * M bytes per split and output column,
+    written then read back, mostly through L2 / the memory-side cache) stay under half the W bytes
+    of that column (K * w_bytes) -- a bound that only binds at larger M."""
+    return max(1, min(k_tiles, _MAX_SPLIT_K, (k * w_bytes) // (16 * m)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, programs_per_cu) -> _Config:
+    """Tile shape, split count and warps.
+
+    * Every lane loads 16 bytes of a W row per vector (BLOCK_K >= 16 / w_bytes elements per lane) and a
+      W row segment of one block is 128-256 (dot) or 512 (multiply-add) bytes: whole 128-byte lines.
+    * Multiply-add path: a lane holds BLOCK_M x (elements per lane) fp32 accumulators; keep that at 32
+      (64 for FP8 at M = 4, the least that still gives a lane one whole 16-byte vector), which leaves
+      the compiler enough registers for ~6-8 resident waves per SIMD on CDNA. At M = 1 a lane has 64
+      bytes of bf16 W (4 vectors) in flight per iteration.
+    * tl.dot path: BLOCK_M = 16 or 32 (the smallest matrix-instruction M and the next size; M pads up),
+      BLOCK_N = 64, BLOCK_K = 128 (16 KiB of bf16 W or 8 KiB of FP8 W per iteration; larger blocks
+      drop gfx942 to one wave per SIMD at M = 32). Two pipeline stages prefetch the next W block while
+      the matrix unit consumes the current one (gfx950 and NVIDIA copy it straight to LDS/shared);
+      FP8 weights on AMD use one stage: the widening between load and dot doubles the registers the
+      prefetched block holds (2 stages: up to 232 VGPRs on gfx942 and SGPR spills on gfx950).
+    * SPLIT_K: enough programs to give each CU _PROGRAMS_PER_CU of them, up to ``_split_cap``. When
+      even the cap leaves CUs idle on the tl.dot path (small N), BLOCK_N drops to 32 for more tiles.
+    * 4 warps: enough lanes for a 16 KiB tile at 4 vectors per lane (wave64) and small programs, so
+      the split count, not the program size, sets the parallelism.
+    """
+    backend, _, warp_size = target
+    num_warps = 4
+    lanes = num_warps * warp_size
+    vec = 16 // w_bytes  # elements of one 16-byte vector of W
+    if m <= fma_max_m:
+        block_m = triton.next_power_of_2(m)
+        block_k = 512 // w_bytes
+        per_lane = max(vec, 32 // block_m)
+        block_n = max(1, (lanes * per_lane) // block_k)
+        use_dot, num_stages = False, 1
+    else:
+        block_m = 16 if m <= 16 else 32
+        block_k = 128
+        block_n = 64
+        use_dot = True
+        num_stages = 1 if (w_bytes == 1 and backend == "hip") else 2
+    block_n = min(block_n, max(16 if use_dot else 1, triton.next_power_of_2(n)))
+    k_tiles = max(1, -(-k // block_k))
+    cap = _split_cap(m, k, w_bytes, k_tiles)
+    if use_dot and block_n > 32 and -(-n // block_n) * cap < cus:
+        block_n = 32
+    n_tiles = -(-n // block_n)
+    if split_k is None:
+        split_k = min(-(-(cus * programs_per_cu) // n_tiles), cap)
+    split_k = max(1, min(int(split_k), k_tiles))
+    tiles_per_split = -(-k_tiles // split_k)
+    split_k = -(-k_tiles // tiles_per_split)  # no empty split
+    k_per_split = tiles_per_split * block_k
+    return _Config(use_dot, block_m, block_n, block_k, split_k, k_per_split, num_warps, num_stages,
+                   _num_xcds(target, cus))
+
+
+# Dispatch back to torch: the largest M for which the kernel is used, per (backend, arch, weight kind:
+# "16-bit" or "fp8"). Above it skinny_gemm calls torch's GEMM for the same math (F.linear; for FP8 x and
+# FP8 W torch._scaled_mm). Entries come from measurements (``python skinny_gemm.py --bench`` at M = 1..32);
+# a missing entry means the kernel for every M <= 32. FP8 weights with 16-bit x have no torch equivalent
+# and always use the kernel, as does any call that forces split_k.
+_KERNEL_MAX_M: dict = {}
+
+
+def _kernel_max_m(target, w_fp8: bool) -> int:
+    return _KERNEL_MAX_M.get((target[0], target[1], "fp8" if w_fp8 else "16-bit"), MAX_M)
+
+
+def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
+    """torch's own GEMM for y = x2 @ W^T (scaled, + bias), or None where torch has none for these inputs.
+
+    16-bit: F.linear, rounded to x's dtype (then converted when out_dtype differs). FP8 x and W:
+    torch._scaled_mm, tensor-wise or, for per-channel weight scales, row-wise scaling.
+    """
+    if weight.dtype not in _FP8_DTYPES:
+        y = torch.nn.functional.linear(x2, weight, bias)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+    if x2.dtype not in _FP8_DTYPES or not hasattr(torch, "_scaled_mm"):
+        return None
+    m, n = x2.shape[0], weight.shape[0]
+    if weight_scale.numel() == 1:
+        sa, sb = x_scale.reshape(()), weight_scale.reshape(())
+    else:  # row-wise: one scale per row of x, one per column of W^T
+        sa, sb = x_scale.reshape(1, 1).expand(m, 1).contiguous(), weight_scale.reshape(1, n)
+    fused = bias if (bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32) else None
+    try:
+        y = torch._scaled_mm(x2, weight.t(), scale_a=sa, scale_b=sb, bias=fused, out_dtype=out_dtype)
+    except (RuntimeError, NotImplementedError):
+        return None  # a layout, shape or scaling this torch build's FP8 GEMM rejects: use the kernel
+    if bias is not None and fused is None:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y
+
+
+# Arrival counters, one per N tile, reused across calls (each launch leaves them at zero). One buffer
+# per (device, stream): launches on one stream run in order, launches on two streams may overlap.
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n_tiles: int) -> torch.Tensor:
+    if device.type == "cuda":
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (device.type, None)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n_tiles:
+        buf = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_name(t.dtype)}; expected one of {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
+    if t.device.type == "cpu" and not _interpreting():
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+        )
+
+
+def _check_scale(name: str, s, device, allowed_numel, what: str):
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(s).__name__}")
+    if s.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {_name(s.dtype)}; expected float32")
+    if s.device != device:
+        raise ValueError(f"{name} is on {s.device} but x is on {device}; move them to one device")
+    if s.numel() not in allowed_numel or sum(d != 1 for d in s.shape) > 1:
+        raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {what}")
+    if s.numel() > 1 and s.stride()[[i for i, d in enumerate(s.shape) if d != 1][0]] != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
+    """Validate, pick the launch configuration and run the kernel. Returns y [..., N]."""
+    x_fp8 = isinstance(x, torch.Tensor) and x.dtype in _FP8_DTYPES
+    _check_tensor("x", x, _ACT_DTYPES + _FP8_DTYPES)
+    device = x.device
+    _check_tensor("weight", weight, _ACT_DTYPES + _FP8_DTYPES, device)
+    w_fp8 = weight.dtype in _FP8_DTYPES
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (the reduced one, K)")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K] (the nn.Linear layout), got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K = {x.shape[-1]} (last dim) but weight [N, K] has K = {k}; they must match")
+    if w_fp8:
+        if x_fp8 and x.dtype != weight.dtype:
+            raise TypeError(
+                f"x is {_name(x.dtype)} but weight is {_name(weight.dtype)}; FP8 x must have the weight's FP8 dtype"
+            )
+    elif x_fp8:
+        raise TypeError(f"x is {_name(x.dtype)} but weight is {_name(weight.dtype)}; FP8 x needs FP8 weights")
+    elif x.dtype != weight.dtype:
+        raise TypeError(
+            f"x is {_name(x.dtype)} but weight is {_name(weight.dtype)}; 16-bit weights must have x's dtype"
+        )
+    # scales: required exactly where a tensor is FP8
+    w_scale_mode = 0
+    if w_fp8:
+        if weight_scale is None:
+            raise ValueError(f"weight is {_name(weight.dtype)}: weight_scale (float32, 1 value or [N]) is required")
+        _check_scale("weight_scale", weight_scale, device, (1, n),
+                     f"1 value (per tensor) or [N] = [{n}] (per output channel)")
+        w_scale_mode = 1 if weight_scale.numel() == 1 else 2
+    elif weight_scale is not None:
+        raise ValueError(f"weight_scale is only for FP8 weights; weight is {_name(weight.dtype)}")
+    if x_fp8:
+        if x_scale is None:
+            raise ValueError(f"x is {_name(x.dtype)}: x_scale (float32, 1 value) is required")
+        _check_scale("x_scale", x_scale, device, (1,), "1 value (a per-tensor scale)")
+    elif x_scale is not None:
+        raise ValueError(f"x_scale is only for FP8 x; x is {_name(x.dtype)}")
+    if bias is not None:
+        _check_tensor("bias", bias, _BIAS_DTYPES, device)
+        if bias.shape != (n,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [N] = [{n}]")
+        if n > 1 and bias.stride(0) != 1:
+            raise ValueError("bias must be contiguous")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if x_fp8 else x.dtype
+    elif out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
+    if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
+        raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
+
+    lead = tuple(x.shape[:-1])
+    m = 1
+    for d in lead:
+        m *= d
+    if m > MAX_M:
+        raise ValueError(
+            f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
+            "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
+        )
+    if k > 1 and m > 0 and x.stride(-1) != 1:
+        raise ValueError(f"x must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()")
+    if k > 1 and n > 0 and weight.stride(1) != 1:
+        raise ValueError(
+            f"weight must be contiguous in its last dimension (stride {weight.stride(1)}); call .contiguous()"
+        )
+    out = torch.empty(lead + (n,), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # an empty sum: y = bias (or 0)
+        out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
+        return out
+    try:
+        x2 = x.view(m, k)
+    except RuntimeError:
+        raise ValueError(
+            f"x's leading dimensions (shape {tuple(x.shape)}, strides {x.stride()}) cannot be flattened to rows "
+            "with one stride; call .contiguous() on x"
+        ) from None
+    target = _device_target(device)
+    backend = target[0]
+    if split_k is None and m > _kernel_max_m(target, w_fp8) and (x_fp8 or not w_fp8):
+        y = _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype)
+        if y is not None:
+            return y.reshape(lead + (n,))
+    out2 = out.view(m, n)
+    cus = _compute_units(device, target)
+    cfg = _launch_config(m, n, k, weight.element_size(), target, cus, split_k)
+    n_tiles = -(-n // cfg.block_n)
+    num_programs = n_tiles * cfg.split_k
+    fnuz = weight.dtype == getattr(torch, "float8_e4m3fnuz", None)
+    w_bits = w_fp8 and _decode_fp8_bits(target, fnuz)
+    x_bits = x_fp8 and _decode_fp8_bits(target, fnuz)
+    w_arg = weight.view(torch.uint8) if w_bits else weight
+    x_arg = x2.view(torch.uint8) if x_bits else x2
+    # operands of tl.dot: x's dtype, or bf16 for FP8 x (e4m3 values are exact in both); the
+    # interpreter's bf16 arithmetic is unreliable, so there the (equally exact) fp32 is used
+    dot_dt = tl.bfloat16 if (x_fp8 or x.dtype == torch.bfloat16) else tl.float16
+    if backend == "interpreter":
+        dot_dt = tl.float32
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device)
+        counters = _counters(device, n_tiles)
+    else:
+        ws, counters = out2, out2  # unused
+    _skinny_gemm_kernel[(num_programs,)](
+        x_arg, x2.stride(0),
+        w_arg, weight.stride(0),
+        bias if bias is not None else out2,
+        weight_scale if weight_scale is not None else out2,
+        x_scale if x_scale is not None else out2,
+        out2, out2.stride(0),
+        ws, counters,
+        m, n, k,
+        m * n,
+        cfg.k_per_split, cfg.split_k, num_programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot, DOT_DT=dot_dt,
+        EVEN_K=k % cfg.block_k == 0, IS_SPLIT=cfg.split_k > 1,
+        HAS_BIAS=bias is not None, W_SCALE_MODE=w_scale_mode, HAS_X_SCALE=x_fp8,
+        W_BITS=w_bits, X_BITS=x_bits, FNUZ=fnuz,
+        NUM_XCDS=cfg.num_xcds,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom op: torch.compile traces through it instead of breaking the graph.
+# --------------------------------------------------------------------------------------------
+_NS = "rocm_triton_kernels"
+
+
+def _op_exists(name: str) -> bool:
+    return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
+
+
+if not _op_exists("skinny_gemm"):
+
+    @torch.library.custom_op(f"{_NS}::skinny_gemm", mutates_args=())
+    def _skinny_gemm_op(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        weight_scale: Optional[torch.Tensor],
+        x_scale: Optional[torch.Tensor],
+        out_dtype: Optional[torch.dtype],
+        split_k: Optional[int],
+    ) -> torch.Tensor:
+        return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+
+    @_skinny_gemm_op.register_fake
+    def _(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
+        if out_dtype is None:
+            out_dtype = torch.bfloat16 if x.dtype in _FP8_DTYPES else x.dtype
+        return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    weight_scale: Optional[torch.Tensor] = None,
+    x_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    split_k: Optional[int] = None,
+) -> torch.Tensor:
+    """y = (x @ weight^T) * weight_scale * x_scale + bias for x [..., K] with at most 32 rows.
+
+    weight [N, K]: x's 16-bit dtype, or FP8 (e4m3fn / e4m3fnuz) with a float32 weight_scale of one value
+    or [N]. x: fp16/bf16, or FP8 of the weight's dtype with a one-value float32 x_scale. bias [N].
+    Returns [..., N] in out_dtype (default: x's dtype; bf16 for FP8 x). split_k forces the number of
+    K splits (default: chosen to fill the GPU; a forced value is capped at the number of BLOCK_K
+    blocks in K and rounded down so that no split is empty); any value gives the same result up to fp32 rounding,
+    and a given value gives bit-identical results run to run. More than 32 rows raise ValueError.
+    Where measurements put torch ahead (``_KERNEL_MAX_M``), rows above that bound go to torch's GEMM.
+    """
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops, _NS).skinny_gemm(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+    # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference: the exact value, in float64
+# --------------------------------------------------------------------------------------------
+def skinny_gemm_ref(x, weight, bias=None, *, weight_scale=None, x_scale=None, out_dtype=None):
+    """float64 x @ weight^T with FP8 values dequantized (value * scale), plus bias.
+
+    Returns float64 (the exact value up to float64 rounding) unless out_dtype is given.
+    """
+    xd = x.to(torch.float64)
+    wd = weight.to(torch.float64)
+    if x_scale is not None:
+        xd = xd * x_scale.to(torch.float64).reshape(())
+    if weight_scale is not None:
+        s = weight_scale.to(torch.float64)
+        wd = wd * (s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1))
+    y = xd @ wd.T
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check: python skinny_gemm.py [--m 1] [--n 4096] [--k 4096] [--weight bf16|fp8] [--bench]
+# --------------------------------------------------------------------------------------------
+def _bench(x, w, bias, ws, xs, torch_fn) -> dict:
+    """Median times (do_bench) of the kernel and of the torch baseline, and the kernel's W bandwidth."""
+    from triton.testing import do_bench
+
+    t_kernel = do_bench(lambda: skinny_gemm(x, w, bias, weight_scale=ws, x_scale=xs), return_mode="median")
+    t_torch = do_bench(torch_fn, return_mode="median") if torch_fn is not None else None
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=w.device)
+    dst = torch.empty_like(src)
+    t_copy = do_bench(lambda: dst.copy_(src), return_mode="median")
+    copy_gbs = 2 * src.numel() / t_copy / 1e6
+    w_gbs = w.numel() * w.element_size() / t_kernel / 1e6
+    return {
+        "kernel_us": round(t_kernel * 1e3, 2),
+        "torch_us": None if t_torch is None else round(t_torch * 1e3, 2),
+        "speedup_vs_torch": None if t_torch is None else round(t_torch / t_kernel, 3),
+        "weight_GBps": round(w_gbs, 1),
+        "copy_GBps": round(copy_gbs, 1),
+        "fraction_of_copy": round(w_gbs / copy_gbs, 3),
+    }
+
+
+def _main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(
+        description="Check skinny_gemm against a float64 reference on random inputs (and time it with --bench)."
+    )
+    p.add_argument("--m", type=int, default=1, help=f"rows of x, 1..{MAX_M} (default 1)")
+    p.add_argument("--n", type=int, default=1000, help="output features N (default 1000)")
+    p.add_argument("--k", type=int, default=1024, help="input features K (default 1024)")
+    p.add_argument("--weight", choices=["bf16", "fp16", "fp8"], default="bf16",
+                   help="weight format; fp8 uses e4m3fnuz on gfx942, e4m3fn elsewhere, with per-channel scales")
+    p.add_argument("--fp8-x", action="store_true", help="with --weight fp8: FP8 x with a per-tensor scale")
+    p.add_argument("--scale", choices=["per-channel", "per-tensor"], default="per-channel",
+                   help="FP8 weight scale granularity (default per-channel)")
+    p.add_argument("--bias", action="store_true")
+    p.add_argument("--split-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bench", action="store_true", help="GPU only: time against torch.matmul / torch._scaled_mm")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+    if device == "cpu" and not _interpreting():
+        print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)
+        return 2
+    if args.bench and device == "cpu":
+        print("--bench needs a GPU", file=sys.stderr)
+        return 2
+    if args.fp8_x and args.weight != "fp8":
+        p.error("--fp8-x needs --weight fp8")
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    act = torch.float16 if args.weight == "fp16" else torch.bfloat16
+    x = torch.randn(args.m, args.k, generator=g).to(device, act)
+    w32 = torch.randn(args.n, args.k, generator=g) / args.k**0.5
+    bias = (0.1 * torch.randn(args.n, generator=g)).to(device, act) if args.bias else None
+    ws = xs = None
+    if args.weight == "fp8":
+        arch = _device_target(torch.device(device))[1]
+        f8 = torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn
+        fmax = torch.finfo(f8).max
+        if args.scale == "per-channel":
+            ws = (w32.abs().amax(dim=1) / fmax).clamp_min(1e-12).float()
+            w = (w32 / ws[:, None]).to(f8).to(device)
+        else:
+            ws = (w32.abs().amax() / fmax).clamp_min(1e-12).float().reshape(1)
+            w = (w32 / ws).to(f8).to(device)
+        ws = ws.to(device)
+        if args.fp8_x:
+            xs = (x.float().abs().max() / fmax).reshape(1).float()
+            x = (x.float() / xs).to(f8)
+    else:
+        w = w32.to(device, act)
+    y = skinny_gemm(x, w, bias, weight_scale=ws, x_scale=xs, split_k=args.split_k)
+    ref = skinny_gemm_ref(x, w, bias, weight_scale=ws, x_scale=xs)
+    # bf16 output rounding (1 ulp = 2^-7 relative, the interpreter truncates) dominates the fp32
+    # accumulation error; scale the absolute part by the size of the terms summed.
+    mag = skinny_gemm_ref(x.float().abs(), w.float().abs(), weight_scale=ws, x_scale=xs)
+    rtol = 2.0**-7 if y.dtype == torch.bfloat16 else 2.0**-10
+    err = ((y.double() - ref).abs() - rtol * ref.abs()) / mag.clamp_min(1e-30)
+    worst = float(err.max())
+    ok = bool(torch.isfinite(y).all()) and worst <= 1e-4
+    report = {"device": device, "m": args.m, "n": args.n, "k": args.k, "weight": _name(w.dtype),
+              "x": _name(x.dtype), "max_excess_err_over_magnitude": worst, "ok": ok}
+    if args.bench:
+        if args.weight == "fp8" and args.fp8_x:
+            x2d = x.reshape(-1, x.shape[-1])
+
+            def torch_fn():
+                return _torch_linear(x2d, w, bias, ws, xs, torch.bfloat16)
+
+            if torch_fn() is None:  # shapes/scales this torch build's _scaled_mm rejects
+                report["torch_baseline_error"] = "torch._scaled_mm rejected these inputs"
+                torch_fn = None
+        elif args.weight == "fp8":
+            torch_fn = None  # torch has no bf16 x FP8-weight GEMM; compare with --fp8-x
+        else:
+            def torch_fn():
+                return torch.nn.functional.linear(x, w, bias)
+        report["bench"] = _bench(x, w, bias, ws, xs, torch_fn)
+    print(json.dumps(report))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

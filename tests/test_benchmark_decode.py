@@ -1,0 +1,51 @@
+"""scripts/benchmark_kernels.py's LLM-decode suite without a GPU: the command line selects the cases, and every
+case's bundle and eager providers run (through the interpreter here) and pass the script's own correctness
+check. Timing needs a GPU and is not exercised."""
+
+import pytest
+import torch
+
+import benchmark_kernels as bk
+from kernel_testing import DEVICE
+
+
+def test_suite_selection():
+    ltx = bk.parse_args([])
+    assert ltx.suite == "ltx" and len(bk.work_items(ltx)) == len(bk.CASES) * len(bk.LTX_SHAPES)
+    dec = bk.parse_args(["--suite", "decode", "--rows", "1,32", "--widths", "4096"])
+    items = bk.work_items(dec)
+    assert len(items) == len(bk.DECODE_CASES) * 2
+    assert {it[3] for it in items} == {"M=1 H=4096", "M=32 H=4096"}
+    assert all(it[2]["suite"] == "decode" and it[2]["width"] == 4096 for it in items)
+    full = bk.parse_args(["--suite", "all"])
+    n_decode = len(bk.DECODE_CASES) * len(bk.DECODE_ROWS) * len(bk.DECODE_WIDTHS)
+    assert len(bk.work_items(full)) == len(bk.CASES) * 2 + n_decode
+    only = bk.parse_args(["--suite", "decode", "--kernel", "swiglu_fp8"])
+    assert {it[0] for it in bk.work_items(only)} == {"swiglu_fp8_per_token", "swiglu_fp8_per_tensor"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--suite", "decode", "--rows", "0"],
+    ["--suite", "decode", "--widths", "4k"],
+    ["--suite", "decode", "--kernel", "gelu"],  # an ltx kernel: nothing of the decode suite matches
+    ["--suite", "prefill"],
+    ["--shapes", "999"],
+])
+def test_bad_command_lines(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bk.parse_args(argv)
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("name", list(bk.DECODE_CASES))
+def test_decode_case_providers_run(name, monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    torch.manual_seed(0)
+    case = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
+    assert case["bytes"] > 0 and {"triton", "eager", "compile"} <= set(case["providers"])
+    # torch.compile takes tens of seconds on a CPU: check the bundle's kernel and the eager sequence
+    case["providers"] = {k: v for k, v in case["providers"].items() if k in ("triton", "eager")}
+    errs, failures = bk.check_case(name, "M=3 H=160", case, torch.bfloat16)
+    assert not failures, failures
+    tol = case.get("max_err", bk.MAX_ERR[torch.bfloat16])
+    assert all(e <= tol for e in errs.values()), errs
