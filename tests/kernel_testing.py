@@ -89,6 +89,15 @@ class poisoned_outputs:
     NaN (floats) or a sentinel (integers), so an element the kernel does not write fails the test."""
 
     def __enter__(self):
+        # torch caches its list of factory functions (used by `with torch.device(...)`) on first use;
+        # fill that cache with the real functions first, so patching here cannot leak into it (if the
+        # patched lambdas were cached, `with torch.device("meta")` would later allocate real memory).
+        try:
+            from torch.utils._device import _device_constructors
+
+            _device_constructors()
+        except ImportError:  # pragma: no cover - a torch without that private helper
+            pass
         self._empty, self._empty_like, self._new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
         def fill(t):

@@ -1,0 +1,415 @@
+"""A Llama model (LlamaForCausalLM) with the Triton kernels injected: what is replaced, how close logits
+and greedy tokens stay to the unpatched model, and decode tokens/s before and after.
+
+With a GPU: a Llama checkpoint from the local Hugging Face cache if one is there (offline, no download;
+--model picks one), else the Llama-3-8B architecture with random weights, built in bf16 on the GPU
+(~16 GB; the fp32 check below needs another ~32 GB). Batch 1, a 128-token prompt, then 128 decode steps
+timed with CUDA events around the whole decode loop (no host synchronisation inside it): decode
+tokens/s of the unpatched and the patched model, median of 3 runs, after a warm-up (cuBLAS, Triton
+compilation). Default dtype bf16.
+Without a GPU (or with --device-free): a tiny random Llama (hidden 64, 2 layers, vocabulary 256) on the
+CPU through Triton's interpreter, fp32, an 8-token prompt and 8 new tokens: a correctness run (no
+timing), a few seconds.
+
+Injected: RMSNorm, residual add + post-attention RMSNorm (fused), SwiGLU and RoPE; --skinny-gemm also
+sends the decode-time linear layers (at most 32 rows) to the skinny GEMM.
+
+Parity (exit status 1 when a check fails). The logits compared are those of the prompt (prefill) and of
+N decode steps teacher-forced with the fp32 unpatched model's greedy tokens, so every run sees the same
+inputs, through the KV cache as in generation.
+* fp32, always run first (also on the GPU, with TF32 off): max |patched - unpatched| <= 1e-4 * max
+  |unpatched| over those logits, and model.generate's greedy tokens identical for the N new tokens. The
+  kernels do the unpatched math in fp32 with other summation orders and one rounding per fused step:
+  a few fp32 ulps (~1e-7 relative) per operation, ~3e-7 measured at the logits of the tiny model. 1e-4
+  leaves room for that to grow through 32 layers and stays far below what a wrong formula or layout
+  does (order 1e-2 and more). With errors that small a greedy token flips only on an exact tie.
+* bf16/fp16 (GPU default): the unpatched model is itself away from its fp32 run by rounding. The patched
+  logits must be no further from the fp32 run than 1.5x that distance (relative L2): the kernels may not
+  make the model measurably less accurate than stock half precision. Under Triton's interpreter (CPU,
+  --dtype bf16) the factor is 2.5: the interpreter truncates fp32 -> bf16 where a GPU rounds to nearest,
+  a biased error of up to one ulp at every kernel output (measured: 1.2x without and 1.9x with
+  --skinny-gemm on the tiny model, whose every linear layer then rounds that way). Greedy tokens are compared and
+  reported (length of the common prefix), not required: with random weights the top two logits are
+  often closer than bf16 rounding, and either model's choice is then as good as the other's.
+* The kernels must actually have run (calls counted per kernel), and after remove_llama_kernels the
+  model must reproduce the unpatched logits bit for bit.
+The JSON summary goes to stdout, diagnostics to stderr.
+"""
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FP32_REL_MAX = 1e-4
+HALF_FACTOR = 1.5  # on a GPU
+HALF_FACTOR_INTERPRETER = 2.5  # the interpreter truncates fp32 -> bf16 (see the docstring)
+MIN_AUTO_PARAMS = 1e9
+# Checkpoints looked for first in the local cache (any other cached LlamaForCausalLM is used otherwise).
+PREFERRED = (
+    "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct",
+    "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct",
+)
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a cached model id or a local directory (GPU only; default: a Llama-3-8B-like "
+                   "checkpoint from the local cache, else random weights)")
+    p.add_argument("--random-weights", action="store_true", help="GPU: use the random Llama-3-8B architecture "
+                   "even if a checkpoint is cached")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="GPU default bf16, CPU fp32 (fp32 is always checked first)")
+    p.add_argument("--prompt-len", type=int, help="prompt tokens (GPU default 128, CPU 8)")
+    p.add_argument("--new-tokens", type=int, help="greedy tokens compared (GPU default 32, CPU 8)")
+    p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per run (GPU)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per model (GPU); the median is reported")
+    p.add_argument("--skinny-gemm", action="store_true", help="also route decode-time linear layers (<= 32 rows, "
+                   "fp16/bf16) to the skinny GEMM")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device-free", action="store_true", help="run the tiny CPU model through Triton's interpreter "
+                   "even if a GPU is present")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+def _param_count(cfg: dict) -> int:
+    h, inter, layers, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    per_layer = 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter
+    return layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+
+
+def find_cached_llama(requested=None):
+    """(repo id or path, snapshot directory) of a LlamaForCausalLM checkpoint in the local cache whose
+    fp32 copy fits in 70% of the GPU memory (and, unless requested by name, of at least 1B parameters),
+    or None. Nothing is downloaded."""
+    if requested and os.path.isdir(requested):
+        return requested, requested
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        repos = scan_cache_dir().repos
+    except Exception as exc:  # no cache directory, unreadable cache
+        log(f"no usable Hugging Face cache ({type(exc).__name__}: {exc})")
+        return None
+    limit = 0.7 * torch.cuda.get_device_properties(0).total_memory
+    found = {}
+    for repo in repos:
+        if repo.repo_type != "model" or (requested and repo.repo_id != requested):
+            continue
+        for rev in repo.revisions:
+            cfg_path = rev.snapshot_path / "config.json"
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if "LlamaForCausalLM" not in (cfg.get("architectures") or []):
+                continue
+            if not any(f.file_name.endswith(".safetensors") for f in rev.files):
+                continue
+            try:
+                params = _param_count(cfg)
+            except (KeyError, TypeError):
+                continue
+            if 4 * params > limit:
+                log(f"{repo.repo_id}: too large for the fp32 check on this GPU, skipped")
+                continue
+            if params < MIN_AUTO_PARAMS and not requested:
+                continue  # a tiny test checkpoint says nothing about decode speed: only on request
+            found[repo.repo_id] = str(rev.snapshot_path)
+    for rid in ([requested] if requested else []) + list(PREFERRED) + sorted(found):
+        if rid in found:
+            return rid, found[rid]
+    return None
+
+
+def load_model(gpu: bool, args):
+    """(model, description, tokenizer or None). GPU: half precision (args.dtype) on the GPU; CPU: fp32."""
+    import transformers_injection as ti
+
+    if not gpu:
+        return ti.build_llama(ti.tiny_llama_config(), device="cpu", seed=args.seed), "tiny random Llama (CPU)", None
+    dtype = DTYPES[args.dtype]
+    if not args.random_weights:
+        hit = find_cached_llama(args.model)
+        if hit is None:
+            log("no Llama checkpoint in the local Hugging Face cache: using the Llama-3-8B architecture with random weights")
+        else:
+            rid, path = hit
+            try:
+                from transformers import AutoTokenizer, LlamaForCausalLM
+
+                model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+                model = model.to("cuda").eval()
+                model.requires_grad_(False)
+                try:
+                    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                except Exception:
+                    tok = None
+                return model, f"{rid} from the local cache", tok
+            except Exception as exc:  # partial download, unreadable files: say why and go on
+                log(f"could not load {rid} from the local cache ({type(exc).__name__}: {exc}); using random weights")
+    model = ti.build_llama(ti.llama3_8b_config(), device="cuda", dtype=dtype, seed=args.seed)
+    return model, "Llama-3-8B architecture, random weights", None
+
+
+def make_prompt(model, tok, n: int, seed: int, device):
+    if tok is not None:
+        text = ("The history of the printing press begins in the fifteenth century, when movable type "
+                "changed how books were made and read across Europe. ")
+        ids = tok(text * (1 + n // 16), return_tensors="pt").input_ids[:, :n]
+        if ids.shape[1] == n:
+            return ids.to(device)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (1, n), generator=g).to(device)
+
+
+def cast_parameters(model, dtype):
+    """Parameters to dtype in place (buffers such as RoPE's inv_freq keep their fp32). bf16/fp16 ->
+    fp32 -> bf16/fp16 is lossless, so one model serves the fp32 reference and the half-precision runs."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+def _cache_kwarg(model) -> str:
+    # transformers 5.24 calls it `cache` (and still accepts `past_key_values`); 5.17 `past_key_values`
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def greedy_tokens(model, prompt, n: int):
+    """model.generate's greedy continuation, exactly n tokens (EOS suppressed until then), [1, n]."""
+    from transformers import GenerationConfig
+
+    eos = model.config.eos_token_id
+    pad = model.config.pad_token_id
+    if pad is None:
+        pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
+    return out[:, prompt.shape[1]:]
+
+
+def forced_logits(model, prompt, forced):
+    """fp32 logits [S + N - 1, V]: the prompt's (one prefill call), then one decode step per forced token
+    but the last, through a KV cache, as generation runs them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    kw = {_cache_kwarg(model): cache, "use_cache": True}
+    with torch.no_grad():
+        out = model(input_ids=prompt, **kw)
+        rows = [out.logits[0].float()]
+        for i in range(forced.shape[1] - 1):
+            out = model(input_ids=forced[:, i : i + 1], **kw)
+            rows.append(out.logits[0].float())
+    return torch.cat(rows)
+
+
+def decode_tokens_per_s(model, prompt, steps: int, reps: int):
+    """Batch-1 greedy decode speed: tokens/s of `steps` decode calls after a prefill, timed with CUDA
+    events recorded before and after the loop (argmax stays on the GPU: no synchronisation inside);
+    median over reps runs, with each run's value."""
+    from transformers import DynamicCache
+
+    runs = []
+    for _ in range(reps):
+        cache = DynamicCache(config=model.config)
+        kw = {_cache_kwarg(model): cache, "use_cache": True}
+        with torch.no_grad():
+            out = model(input_ids=prompt, logits_to_keep=1, **kw)
+            tok = out.logits[:, -1:].argmax(-1)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(steps):
+                out = model(input_ids=tok, **kw)
+                tok = out.logits[:, -1:].argmax(-1)
+            end.record()
+            end.synchronize()
+        runs.append(steps * 1000.0 / start.elapsed_time(end))
+    return statistics.median(runs), runs
+
+
+def compare(a, b) -> dict:
+    """max abs diff, max diff relative to max |b|, relative L2 of a against b."""
+    d = (a.double() - b.double())
+    peak = b.double().abs().max().item()
+    return {
+        "max_abs_diff": d.abs().max().item(),
+        "rel_max_diff": d.abs().max().item() / max(peak, 1e-30),
+        "rel_l2": (d.norm() / b.double().norm().clamp_min(1e-30)).item(),
+    }
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a.flatten().tolist(), b.flatten().tolist()):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def kernels_ran(counts: dict, calls, half: bool) -> list:
+    """Kinds injected whose kernel was never called (empty when every injected kind ran)."""
+    need = {"rmsnorm": "rms_norm", "fused_add_rmsnorm": "fused_add_rms_norm", "swiglu": "swiglu",
+            "rope": "rope_rotate_half"}
+    if half:
+        need["skinny_gemm"] = "skinny_gemm"  # the skinny GEMM takes fp16/bf16 only
+    return [kind for kind, fn in need.items() if counts.get(kind) and not calls.get(fn)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.device_free
+    if not gpu:
+        log("no GPU in use: tiny random Llama on the CPU through Triton's interpreter")
+        os.environ["TRITON_INTERPRET"] = "1"  # must be set before the kernel modules are imported
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
+    for name, g, c in (("dtype", "bf16", "fp32"), ("prompt_len", 128, 8), ("new_tokens", 32, 8)):
+        if getattr(args, name) is None:
+            setattr(args, name, g if gpu else c)
+    if gpu:  # the fp32 reference must be fp32, not TF32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    sys.path.insert(0, HERE)
+    import transformers_injection as ti
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    device = "cuda" if gpu else "cpu"
+    dtype = DTYPES[args.dtype]
+    factor = HALF_FACTOR if gpu else HALF_FACTOR_INTERPRETER
+    model, weights, tok = load_model(gpu, args)
+    prompt = make_prompt(model, tok, args.prompt_len, args.seed, device)
+    opts = dict(skinny_gemm=args.skinny_gemm, verbose=False)
+    log(f"{weights}; prompt {prompt.shape[1]} tokens, {args.new_tokens} new tokens, dtype {args.dtype}")
+
+    # ---- fp32: the unpatched model, the patched model, and the model after removal
+    cast_parameters(model, torch.float32)
+    ref_tokens = greedy_tokens(model, prompt, args.new_tokens)
+    ref32 = forced_logits(model, prompt, ref_tokens)
+    counts = ti.inject_llama_kernels(model, **opts)
+    log("replaced: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    with ti.count_kernel_calls() as calls32:
+        patched32_tokens = greedy_tokens(model, prompt, args.new_tokens)
+        patched32 = forced_logits(model, prompt, ref_tokens)
+    ti.remove_llama_kernels(model, verbose=False)
+    restored32 = forced_logits(model, prompt, ref_tokens)
+    fp32 = {
+        "patched_vs_unpatched": compare(patched32, ref32),
+        "greedy_tokens_identical": bool(torch.equal(patched32_tokens, ref_tokens)),
+        "greedy_common_prefix": common_prefix(patched32_tokens, ref_tokens),
+        "restored_bit_identical": bool(torch.equal(restored32, ref32)),
+        "kernel_calls": dict(calls32),
+    }
+    missing = kernels_ran(counts, calls32, half=False)
+    ok = (
+        fp32["patched_vs_unpatched"]["rel_max_diff"] <= FP32_REL_MAX
+        and fp32["greedy_tokens_identical"]
+        and fp32["restored_bit_identical"]
+        and bool(torch.isfinite(patched32).all())
+    )
+    log(f"fp32: {fp32['patched_vs_unpatched']}, greedy identical {fp32['greedy_tokens_identical']}, "
+        f"restored bit-identical {fp32['restored_bit_identical']}, kernel calls {fp32['kernel_calls']}")
+
+    # ---- half precision: parity against the fp32 run, and decode speed on a GPU
+    half = None
+    speed = None
+    if dtype != torch.float32:
+        cast_parameters(model, dtype)
+        stock_h = forced_logits(model, prompt, ref_tokens)
+        stock_tokens = greedy_tokens(model, prompt, args.new_tokens)
+        if gpu:
+            decode_tokens_per_s(model, prompt, 8, 1)  # warm-up
+            stock_tps, stock_runs = decode_tokens_per_s(model, prompt, args.decode_steps, args.reps)
+        ti.inject_llama_kernels(model, **opts)
+        with ti.count_kernel_calls() as calls_h:
+            patched_h = forced_logits(model, prompt, ref_tokens)
+            patched_tokens = greedy_tokens(model, prompt, args.new_tokens)
+        if gpu:
+            decode_tokens_per_s(model, prompt, 8, 1)  # warm-up: Triton compiles each kernel once
+            patched_tps, patched_runs = decode_tokens_per_s(model, prompt, args.decode_steps, args.reps)
+        ti.remove_llama_kernels(model, verbose=False)
+        restored_h = forced_logits(model, prompt, ref_tokens)
+        half = {
+            "unpatched_vs_fp32": compare(stock_h, ref32),
+            "patched_vs_fp32": compare(patched_h, ref32),
+            "patched_vs_unpatched": compare(patched_h, stock_h),
+            "greedy_tokens_identical": bool(torch.equal(patched_tokens, stock_tokens)),
+            "greedy_common_prefix": common_prefix(patched_tokens, stock_tokens),
+            "restored_bit_identical": bool(torch.equal(restored_h, stock_h)),
+            "kernel_calls": dict(calls_h),
+        }
+        missing += [k for k in kernels_ran(counts, calls_h, half=True) if k not in missing]
+        ok = ok and (
+            half["patched_vs_fp32"]["rel_l2"] <= factor * half["unpatched_vs_fp32"]["rel_l2"] + 1e-7
+            and half["restored_bit_identical"]
+            and bool(torch.isfinite(patched_h).all())
+        )
+        log(f"{args.dtype}: patched vs fp32 rel L2 {half['patched_vs_fp32']['rel_l2']:.3e}, unpatched vs fp32 "
+            f"{half['unpatched_vs_fp32']['rel_l2']:.3e}; greedy tokens identical {half['greedy_tokens_identical']} "
+            f"(common prefix {half['greedy_common_prefix']}/{args.new_tokens}); kernel calls {half['kernel_calls']}")
+        if gpu:
+            speed = {
+                "clock": "CUDA events around the decode loop, batch 1, after a prefill of the prompt",
+                "decode_steps": args.decode_steps, "reps": args.reps,
+                "unpatched_tokens_per_s": stock_tps, "patched_tokens_per_s": patched_tps,
+                "speedup": patched_tps / stock_tps,
+                "unpatched_runs": stock_runs, "patched_runs": patched_runs,
+            }
+            log(f"decode tokens/s: unpatched {stock_tps:.1f}, patched {patched_tps:.1f} (x{patched_tps / stock_tps:.3f})")
+    if missing:
+        log(f"these injected kinds never ran their kernel: {missing}")
+    ok = bool(ok and not missing)
+
+    summary = {
+        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
+        "weights": weights,
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "transformers": __import__("transformers").__version__},
+        "config": {k: getattr(model.config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")},
+        "dtype": args.dtype, "prompt_len": prompt.shape[1], "new_tokens": args.new_tokens, "seed": args.seed,
+        "skinny_gemm": args.skinny_gemm,
+        "replaced": counts,
+        "not_fused": "the MLP residual add with the next layer's input_layernorm (crosses LlamaModel's layer loop)",
+        "fp32": fp32,
+        "half": half,
+        "decode": speed,
+        "thresholds": {
+            "fp32": f"rel_max_diff(patched, unpatched) <= {FP32_REL_MAX:g}; greedy tokens identical; restored bit-identical",
+            "half": f"rel_l2(patched, fp32) <= {factor} * rel_l2(unpatched, fp32); restored bit-identical; greedy reported",
+            "kernels": "every injected kind called its kernel",
+        },
+        "kinds_without_kernel_calls": missing,
+        "ok": ok,
+    }
+    print(json.dumps(summary, indent=2))
+    if not ok:
+        log("FAILED: a parity, restoration or kernel-call check did not pass")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
