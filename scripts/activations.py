@@ -714,6 +714,15 @@ def swiglu_ref(x: torch.Tensor, up: Optional[torch.Tensor] = None, gate_first: b
     return torch.nn.functional.silu(x) * up
 
 
+def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2**k (integer k in the normal range) built from its exponent bits: exact on every device
+    (torch.ldexp on CUDA multiplies by a computed power and can be one ulp off in float64)."""
+    k = k.to(torch.int64)
+    if dtype == torch.float64:
+        return ((k + 1023) << 52).view(torch.float64)
+    return ((k + 127) << 23).to(torch.int32).view(torch.float32).to(dtype)
+
+
 def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
     """Saturating round-to-nearest-even FP8 quantisation, computed in y's precision (use float64).
 
@@ -731,7 +740,7 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
     v = v.clamp(-fp8_max, fp8_max)
     _, e = torch.frexp(v)  # v = m * 2**e with 0.5 <= |m| < 1
     e = (e - 1).clamp_min(min_exp - 127)  # exponent of the binade, not below the smallest normal's
-    step = torch.ldexp(torch.ones_like(v), (e - 3).to(v.dtype))  # 3 mantissa bits
+    step = _exact_pow2(e - 3, v.dtype)  # 3 mantissa bits
     return torch.round(v / step) * step, s  # torch.round rounds half to even
 
 

@@ -21,7 +21,8 @@ installed. Works unchanged on ROCm (the device's gfx arch is recorded instead of
 
 Suites (--suite): "ltx" (default: the LTX-Video transformer's norms, RoPE and activations at B=2 and
 --shapes tokens), "decode" (LLM decoder-layer fusions: fused residual add + RMSNorm and SwiGLU, with and
-without FP8 output, at --rows tokens in flight and --widths hidden sizes), or "all".
+without FP8 output, at --rows tokens in flight and --widths hidden sizes; the skinny GEMM at --gemm-rows
+on Llama-3 8B/70B projection shapes, bf16 and FP8, with the weight bandwidth), or "all".
 
     python scripts/benchmark_kernels.py --output-json examples/benchmark_kernels_h200.json --png examples/benchmark_kernels_h200.png
     python scripts/benchmark_kernels.py --suite decode --rows 1,32 --widths 4096 --kernel swiglu
@@ -50,6 +51,13 @@ FF = 8192
 DECODE_ROWS = (1, 32, 1024, 4096)
 DECODE_WIDTHS = (4096, 8192, 16384)
 DEVICE = "cuda"  # where the cases build their inputs
+# Skinny GEMMs of LLM decoding: (N, K) of the projections of Llama-3 8B and 70B (q/k/v and gate/up fused,
+# as serving engines store them), at --gemm-rows rows (1 = one sequence decoding, 32 = a decode batch).
+GEMM_SHAPES = {
+    "8B_qkv": (6144, 4096), "8B_o": (4096, 4096), "8B_gate_up": (28672, 4096), "8B_down": (4096, 14336),
+    "70B_qkv": (10240, 8192), "70B_o": (8192, 8192), "70B_gate_up": (57344, 8192), "70B_down": (8192, 28672),
+}
+GEMM_ROWS = (1, 8, 16, 32)
 
 
 def log(*a):
@@ -427,6 +435,61 @@ def case_swiglu(M, H, dtype, fp8=None):
     return dict(providers=providers, ref=ref, bytes=moved, post=post, max_err=FP8_MAX_ERR)
 
 
+def case_skinny_gemm(M, N, K, dtype, fp8=False):
+    """y = x @ W^T. bf16: against torch.matmul (F.linear). FP8 (x and W FP8, per-tensor scales, bf16
+    out): against torch._scaled_mm. "triton" is skinny_gemm as dispatched (it hands M above the
+    measured per-arch bound back to torch); "triton_kernel" always runs the kernel (the measurement
+    behind that bound)."""
+    import skinny_gemm as sg
+
+    x = _rand((M, K), dtype, 1.0)
+    w = _rand((N, K), dtype, K ** -0.5)
+    ws = xs = None
+    if fp8:
+        f8 = _fp8_dtype()
+        fmax = torch.finfo(f8).max
+        ws = (w.float().abs().max() / fmax).reshape(1)
+        xs = (x.float().abs().max() / fmax).reshape(1)
+        w = (w.float() / ws).to(f8)
+        x = (x.float() / xs).to(f8)
+    ref = sg.skinny_gemm_ref(x, w, weight_scale=ws, x_scale=xs)
+
+    # In a model every layer reads other weights, so they come from DRAM, not from the L2 cache. The
+    # CUDA-graph timing replays calls back to back without flushing the cache: give each call another
+    # copy of W (identical values), enough copies to span 4x a 64 MiB cache, so every read misses.
+    n_copies = max(1, min(64, -(-(256 << 20) // _nbytes(w))))
+    copies = [w] + [w.clone() for _ in range(n_copies - 1)]
+
+    def cycling(fn):
+        state = [0]
+
+        def call():
+            state[0] = (state[0] + 1) % n_copies
+            return fn(copies[state[0]])
+        return call
+
+    def kernel_only(W):
+        saved = dict(sg._KERNEL_MAX_M)
+        sg._KERNEL_MAX_M.clear()
+        try:
+            return sg.skinny_gemm(x, W, weight_scale=ws, x_scale=xs)
+        finally:
+            sg._KERNEL_MAX_M.update(saved)
+
+    providers = {
+        "triton": cycling(lambda W: sg.skinny_gemm(x, W, weight_scale=ws, x_scale=xs)),
+        "triton_kernel": cycling(kernel_only),
+    }
+    if fp8:
+        if sg._torch_linear(x, w, None, ws, xs, torch.bfloat16) is not None:
+            providers["torch._scaled_mm"] = cycling(lambda W: torch._scaled_mm(
+                x, W.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()), out_dtype=torch.bfloat16))
+    else:
+        providers["torch.matmul"] = cycling(lambda W: torch.matmul(x, W.t()))
+    moved = _nbytes(x, w) + M * N * 2
+    return dict(providers=providers, ref=ref, bytes=moved, weight_bytes=_nbytes(w))
+
+
 DECODE_CASES = {
     "fused_add_rmsnorm": lambda M, H, dt: case_fused_add_rmsnorm(M, H, dt),
     "fused_add_rmsnorm_fp8_per_token": lambda M, H, dt: case_fused_add_rmsnorm(M, H, dt, "per_token"),
@@ -434,6 +497,11 @@ DECODE_CASES = {
     "swiglu": lambda M, H, dt: case_swiglu(M, H, dt),
     "swiglu_fp8_per_token": lambda M, H, dt: case_swiglu(M, H, dt, "per_token"),
     "swiglu_fp8_per_tensor": lambda M, H, dt: case_swiglu(M, H, dt, "per_tensor"),
+}
+
+GEMM_CASES = {
+    "skinny_gemm_bf16": lambda M, N, K, dt: case_skinny_gemm(M, N, K, dt),
+    "skinny_gemm_fp8": lambda M, N, K, dt: case_skinny_gemm(M, N, K, dt, fp8=True),
 }
 
 # output tolerance against the float64 reference, max |out - ref| / (1 + |ref|)
@@ -486,6 +554,13 @@ def work_items(args):
                 for m in args.rows:
                     items.append((name, lambda name=name, m=m, h=h: DECODE_CASES[name](m, h, args.torch_dtype),
                                   {"suite": "decode", "tokens": m, "batch": 1, "width": h}, f"M={m} H={h}", True))
+        for name in [k for k in GEMM_CASES if not flt or any(f in k for f in flt)]:
+            for shape in args.gemm_shapes:
+                n, k = GEMM_SHAPES[shape]
+                for m in args.gemm_rows:
+                    items.append((name, lambda name=name, m=m, n=n, k=k: GEMM_CASES[name](m, n, k, args.torch_dtype),
+                                  {"suite": "decode", "tokens": m, "batch": 1, "width": n, "k": k, "gemm": shape},
+                                  f"{shape} M={m}", True))
     return items
 
 
@@ -550,6 +625,11 @@ def run(args):
                 "max_err_vs_fp64": errs[prov],
             }
             rec["pct_copy"] = 100 * rec["GBps"] / copy_gbs
+            if "weight_bytes" in case:  # skinny GEMM: the weight read is the bound that matters
+                rec["weight_GBps"] = case["weight_bytes"] / (ms * 1e-3) / 1e9
+                if rec["graph_ms"]:
+                    rec["weight_GBps_graph"] = case["weight_bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
+                    rec["weight_pct_copy_graph"] = 100 * rec["weight_GBps_graph"] / copy_gbs
             if rec["graph_ms"]:
                 rec["GBps_graph"] = case["bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
                 rec["pct_copy_graph"] = 100 * rec["GBps_graph"] / copy_gbs
@@ -628,7 +708,7 @@ def parse_args(argv=None):
                    "--rows x --widths; all: both")
     p.add_argument("--kernel", action="append", default=[],
                    help=f"substring filter, repeatable; ltx kernels: {', '.join(CASES)}; "
-                   f"decode kernels: {', '.join(DECODE_CASES)}")
+                   f"decode kernels: {', '.join(DECODE_CASES)}, {', '.join(GEMM_CASES)}")
     p.add_argument("--shapes", default="1320,6144",
                    help="ltx suite: token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)")
     p.add_argument("--rows", type=lambda t: _int_list(t, "--rows"), default=list(DECODE_ROWS),
@@ -636,6 +716,10 @@ def parse_args(argv=None):
     p.add_argument("--widths", type=lambda t: _int_list(t, "--widths"), default=list(DECODE_WIDTHS),
                    help="decode suite: hidden sizes (SwiGLU: output width H, input 2H), "
                    f"default {','.join(map(str, DECODE_WIDTHS))}")
+    p.add_argument("--gemm-rows", type=lambda t: _int_list(t, "--gemm-rows"), default=list(GEMM_ROWS),
+                   help=f"decode suite, skinny GEMM: rows M (1..32), default {','.join(map(str, GEMM_ROWS))}")
+    p.add_argument("--gemm-shapes", default=",".join(GEMM_SHAPES),
+                   help=f"decode suite, skinny GEMM: named (N, K) shapes, default all: {', '.join(GEMM_SHAPES)}")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     p.add_argument("--output-json", help="write the JSON here (default: stdout)")
@@ -645,6 +729,12 @@ def parse_args(argv=None):
     for s in args.shapes:
         if s not in LTX_SHAPES:
             p.error(f"unknown shape {s}; choose from {', '.join(LTX_SHAPES)}")
+    args.gemm_shapes = [s.strip() for s in args.gemm_shapes.split(",") if s.strip()]
+    for s in args.gemm_shapes:
+        if s not in GEMM_SHAPES:
+            p.error(f"unknown GEMM shape {s}; choose from {', '.join(GEMM_SHAPES)}")
+    if max(args.gemm_rows) > 32:
+        p.error("--gemm-rows: the skinny GEMM takes at most 32 rows")
     args.torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if not work_items(args):
         p.error(f"no kernel of the {args.suite} suite matches {args.kernel}")

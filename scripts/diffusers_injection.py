@@ -11,15 +11,17 @@ What is replaced, per kind (the default LTX-Video transformer has 28 blocks):
   (diffusers ``RMSNorm`` with a weight is handled too; one with a bias is left alone).
 * ``adaln_fused_blocks`` (28): ``LTXVideoTransformerBlock.forward``: norm1 + AdaLN modulation in one
   kernel; ``h + attn2`` + norm2 + modulation in one kernel that returns both the residual and the
-  normalised output; the gated residuals are one ``torch.addcmul`` each.
+  normalised output; the gated residuals ``h + y * gate`` are one kernel each (``gated_residual_add``).
 * ``qk_norm_rope_fused`` (28): a self-attention processor (diffusers' processor API) that runs the
   q and k RMSNorms and the rotary embedding in one launch, with cos/sin computed in the kernel from
   the token coordinates (the model's ``rope`` module is patched to hand those over: ``rope_coords``).
 * ``gelu_tanh`` (28): the activation of each feed-forward's ``GELU(approximate="tanh")``.
 * ``vae_rmsnorm``: the ``RMSNorm`` layers of ``AutoencoderKLLTXVideo`` (eps 1e-8, channel-last).
+* ``mmdit_*``: SD3 and FLUX transformers are handed to ``mmdit_injection.py`` (its counts are merged
+  in under ``mmdit_`` keys).
 
-Modules are recognised by class and attributes; anything else is left untouched (a non-LTX model
-gets all-zero counts). Every patched forward reads its parameters when it runs (so accelerate's
+Modules are recognised by class and attributes; anything else is left untouched (a model that is
+neither LTX-Video nor SD3/FLUX gets all-zero counts). Every patched forward reads its parameters when it runs (so accelerate's
 offload hooks, dtype casts and weight swaps keep working) and falls back to the original code for
 inputs the kernels do not cover: autograd (the kernels have no backward), tensors on a device the
 kernels cannot run on, unusual dtype mixes. Injecting twice changes nothing; removal restores the
@@ -34,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import types
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,9 +43,9 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import activations  # noqa: E402
+import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope  # noqa: E402
 
@@ -91,31 +92,9 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------
 # When may a kernel run?
 # --------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _device_ok(t: torch.Tensor) -> bool:
-    # "cuda" is also ROCm's device type. CPU tensors only through Triton's interpreter.
-    return t.device.type == "cuda" or (t.device.type == "cpu" and _interpreting())
-
-
-def _usable(*tensors) -> bool:
-    """True if the kernels may replace torch for these tensors (None entries are ignored).
-
-    The kernels are inference-only (no backward): under autograd with any input that requires a
-    gradient the original code runs. All tensors must share one device the kernels can run on
-    (a weight still on the meta device, as accelerate's sequential offload leaves it, fails this).
-    """
-    ts = [t for t in tensors if t is not None]
-    if not ts or not _device_ok(ts[0]):
-        return False
-    dev = ts[0].device
-    grad = torch.is_grad_enabled()
-    for t in ts:
-        if t.device != dev or t.dtype not in _KERNEL_DTYPES or (grad and t.requires_grad):
-            return False
-    return True
+_interpreting = ic.interpreting
+_device_ok = ic.device_ok
+_usable = ic.usable
 
 
 # torch.nn.RMSNorm multiplies the weight in fp32 and rounds once in torch 2.11 (CUDA) and 2.13
@@ -124,54 +103,26 @@ def _usable(*tensors) -> bool:
 _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
 
 
-def _probe_torch_rmsnorm() -> bool:
-    # On the GPU when there is one: that is where the model will run, and torch's CPU and GPU
-    # implementations have not always rounded alike.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, generator=g).to(device, torch.bfloat16)
-    w = (1 + torch.randn(64, generator=g)).to(device, torch.bfloat16)
-    got = F.rms_norm(x, (64,), w, 1e-6).float()
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-    after = (normed.to(torch.bfloat16) * w).float()
-    once = (normed * w.float()).to(torch.bfloat16).float()
-    return bool((got - after).abs().max() < (got - once).abs().max())
-
-
-def _torch_rmsnorm_eps(module: torch.nn.RMSNorm) -> float:
-    # eps=None means the machine epsilon of the computation dtype, fp32 for fp32/fp16/bf16 inputs.
-    return float(module.eps) if module.eps is not None else float(torch.finfo(torch.float32).eps)
+_probe_torch_rmsnorm = ic.probe_torch_rmsnorm
+_torch_rmsnorm_eps = ic.torch_rmsnorm_eps
 
 
 # --------------------------------------------------------------------------------------------
 # Patching instance forwards, reversibly
 # --------------------------------------------------------------------------------------------
 def _patch_forward(module: torch.nn.Module, fn, kind: str) -> bool:
-    """Make fn(module, ...) the module's forward. False if the module is already patched.
-
-    If accelerate already hooked the module (its hook calls module._old_forward), the hooked
-    function is replaced instead, so the hook keeps running around the kernel.
-    """
-    if _STATE in module.__dict__:
-        return False
-    slot = "_old_forward" if ("_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")) else "forward"
-    prev = module.__dict__.get(slot)
-    patched = types.MethodType(fn, module)
-    module.__dict__[_STATE] = {"kind": kind, "slot": slot, "prev": prev, "patched": patched}
-    module.__dict__[slot] = patched
-    return True
+    """Make fn(module, ...) the module's forward (see injection_common.patch_forward)."""
+    return ic.patch_forward(module, fn, kind, _STATE)
 
 
 def _original_forward(module: torch.nn.Module):
     """The forward the module had before patching (used for inputs the kernels do not cover)."""
-    prev = module.__dict__[_STATE]["prev"]
-    return prev if prev is not None else types.MethodType(type(module).forward, module)
+    return ic.original_forward(module, _STATE)
 
 
 def _unpatch(module: torch.nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = module.__dict__.pop(_STATE, None)
+    state = ic.pop_state(module, _STATE)
     if state is None:
         return None
     if state["kind"] == "qk_norm_rope_fused":
@@ -179,16 +130,7 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
             module.set_processor(state["prev"])
         return state["kind"]
     module.__dict__.pop("_rtk_attn1_modules", None)
-    patched, prev = state["patched"], state["prev"]
-    # The patched function may have been wrapped by a hook added after injection (accelerate
-    # moves module.forward to module._old_forward): restore it wherever it now is.
-    for slot in ("forward", "_old_forward"):
-        if module.__dict__.get(slot) is patched:
-            if prev is None and slot == "forward":
-                del module.__dict__["forward"]
-            else:
-                module.__dict__[slot] = prev if prev is not None else types.MethodType(type(module).forward, module)
-            break
+    ic.restore_forward(module, state)
     return state["kind"]
 
 
@@ -294,7 +236,7 @@ def _ltx_block_forward(
         encoder_hidden_states=None,
         image_rotary_emb=image_rotary_emb,
     )
-    hidden_states = torch.addcmul(hidden_states, attn_hidden_states, gate_msa)
+    hidden_states = rmsnorm.gated_residual_add(hidden_states, attn_hidden_states, gate_msa)
 
     attn_hidden_states = self.attn2(
         hidden_states,
@@ -314,7 +256,7 @@ def _ltx_block_forward(
         cast_before_weight=args2[1],
     )
     ff_output = self.ff(norm_hidden_states)
-    return torch.addcmul(hidden_states, ff_output, gate_mlp)
+    return rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 
 
 def _ltx_rope_forward(
@@ -346,14 +288,16 @@ def _ltx_rope_forward(
         )
     batch_size = hidden_states.size(0)
     if video_coords is None:
+        # every sample of the batch has the same grid: build one and broadcast it (batch stride 0,
+        # which lets the kernel compute each token's angles once for the whole batch)
         grid = self._prepare_video_coords(
-            batch_size,
+            1,
             num_frames,
             height,
             width,
             rope_interpolation_scale=rope_interpolation_scale,
             device=hidden_states.device,
-        )
+        ).expand(batch_size, -1, -1)
     else:
         grid = torch.stack(
             [
@@ -532,7 +476,17 @@ def injected_counts(pipe_or_model) -> dict:
             state = m.__dict__.get(_STATE)
             if state is not None:
                 counts[state["kind"]] += 1
+    mmdit = _mmdit_module(pipe_or_model)
+    if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
+        counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
     return counts
+
+
+def _mmdit_module(pipe_or_model):
+    """mmdit_injection (imported on first use) if pipe_or_model holds an SD3 or FLUX transformer, else None."""
+    import mmdit_injection
+
+    return mmdit_injection if mmdit_injection.find_mmdit_models(pipe_or_model) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -600,13 +554,19 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             if isinstance(m, DiffusersRMSNorm) and m.bias is None:
                 new["vae_rmsnorm"] += _patch_forward(m, _diffusers_rmsnorm_forward, "vae_rmsnorm")
 
+    mmdit = _mmdit_module(pipe_or_model)
+    if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
+        before = mmdit.mmdit_injected_counts(pipe_or_model)
+        after = mmdit.inject_mmdit_kernels(pipe_or_model, verbose=False)
+        new.update({k: after[k] - before[k] for k in after})
+
     counts = injected_counts(pipe_or_model)
     msg = "injected kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     already = sum(counts.values()) - sum(new.values())
     if already:
         msg += f" ({already} were already in place)"
-    if not transformers and not vaes:
-        msg += " (no LTX-Video transformer or VAE found: nothing replaced)"
+    if not transformers and not vaes and mmdit is None:
+        msg += " (no LTX-Video, SD3 or FLUX model found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
     logger.info(msg)
@@ -630,6 +590,9 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             kind = _unpatch(m)
             if kind is not None:
                 restored[kind] += 1
+    mmdit = _mmdit_module(pipe_or_model)
+    if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
+        restored.update(mmdit.remove_mmdit_kernels(pipe_or_model, verbose=False))
     msg = "removed kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
     logger.info(msg)
     if verbose:

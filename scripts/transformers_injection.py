@@ -59,7 +59,6 @@ import os
 import sys
 import textwrap
 import threading
-import types
 import weakref
 from typing import Optional
 
@@ -70,6 +69,7 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 import torch  # noqa: E402
 
 import activations  # noqa: E402
+import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope as rope_kernels  # noqa: E402  (the name `rope` is an argument of inject_llama_kernels)
 import skinny_gemm as skinny_kernels  # noqa: E402
@@ -102,27 +102,8 @@ _ROPE_NAME = "apply_rotary_pos_emb"
 # --------------------------------------------------------------------------------------------
 # When may a kernel run?
 # --------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _device_ok(t: torch.Tensor) -> bool:
-    # "cuda" is also ROCm's device type. CPU tensors only through Triton's interpreter.
-    return t.device.type == "cuda" or (t.device.type == "cpu" and _interpreting())
-
-
-def _usable(*tensors) -> bool:
-    """True if the kernels may replace torch for these tensors (None entries are ignored): one device
-    the kernels run on, fp16/bf16/fp32, and no tensor that needs a gradient (no backward)."""
-    ts = [t for t in tensors if t is not None]
-    if not ts or not _device_ok(ts[0]):
-        return False
-    dev = ts[0].device
-    grad = torch.is_grad_enabled()
-    for t in ts:
-        if t.device != dev or t.dtype not in _KERNEL_DTYPES or (grad and t.requires_grad):
-            return False
-    return True
+_device_ok = ic.device_ok
+_usable = ic.usable
 
 
 def _has_hooks(m: torch.nn.Module) -> bool:
@@ -383,41 +364,21 @@ def _foreign_forward(module: torch.nn.Module) -> bool:
 
 
 def _patch_forward(module: torch.nn.Module, fn, kind: str, **extra) -> bool:
-    """Make fn(module, ...) the module's forward. False if the module is already patched.
-
-    If accelerate already hooked the module (its hook calls module._old_forward), the hooked function is
-    replaced instead, so the hook keeps running around the kernel.
-    """
-    if _STATE in module.__dict__:
-        return False
-    slot = "_old_forward" if ("_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")) else "forward"
-    prev = module.__dict__.get(slot)
-    patched = types.MethodType(fn, module)
-    original = prev if prev is not None else types.MethodType(type(module).forward, module)
-    module.__dict__[_STATE] = {"kind": kind, "slot": slot, "prev": prev, "patched": patched, "original": original, **extra}
-    module.__dict__[slot] = patched
-    return True
+    """Make fn(module, ...) the module's forward (see injection_common.patch_forward)."""
+    return ic.patch_forward(module, fn, kind, _STATE, **extra)
 
 
 def _original_forward(module: torch.nn.Module):
     """The forward the module had before patching (used for inputs the kernels do not cover)."""
-    return module.__dict__[_STATE]["original"]
+    return ic.original_forward(module, _STATE)
 
 
 def _unpatch(module: torch.nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = module.__dict__.pop(_STATE, None)
+    state = ic.pop_state(module, _STATE)
     if state is None:
         return None
-    patched, prev = state["patched"], state["prev"]
-    # A hook added after injection may have moved the patched function to _old_forward.
-    for slot in ("forward", "_old_forward"):
-        if module.__dict__.get(slot) is patched:
-            if prev is None and slot == "forward":
-                del module.__dict__["forward"]
-            else:
-                module.__dict__[slot] = prev if prev is not None else types.MethodType(type(module).forward, module)
-            break
+    ic.restore_forward(module, state)
     if state["kind"] == "rope":
         _rope_release(module, state["site"])
     return state["kind"]

@@ -1,13 +1,12 @@
 """Tests for scripts/activations.py: gelu (tanh and erf forms) and geglu against float64 references,
 torch.nn.functional.gelu and diffusers' GELU/GEGLU modules, on fresh random inputs."""
 
-import math
 
 import pytest
 import torch
 
 import activations as act
-from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, DTYPES, TOL, assert_close, make_generator, poisoned_outputs, randn
 
 APPROX = ["tanh", "none"]
 

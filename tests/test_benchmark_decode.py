@@ -14,12 +14,16 @@ def test_suite_selection():
     assert ltx.suite == "ltx" and len(bk.work_items(ltx)) == len(bk.CASES) * len(bk.LTX_SHAPES)
     dec = bk.parse_args(["--suite", "decode", "--rows", "1,32", "--widths", "4096"])
     items = bk.work_items(dec)
-    assert len(items) == len(bk.DECODE_CASES) * 2
-    assert {it[3] for it in items} == {"M=1 H=4096", "M=32 H=4096"}
-    assert all(it[2]["suite"] == "decode" and it[2]["width"] == 4096 for it in items)
+    n_gemm = len(bk.GEMM_CASES) * len(bk.GEMM_SHAPES) * len(bk.GEMM_ROWS)
+    assert len(items) == len(bk.DECODE_CASES) * 2 + n_gemm
+    fusions = [it for it in items if "gemm" not in it[2]]
+    assert {it[3] for it in fusions} == {"M=1 H=4096", "M=32 H=4096"}
+    assert all(it[2]["suite"] == "decode" and it[2]["width"] == 4096 for it in fusions)
+    gemm = bk.parse_args(["--suite", "decode", "--kernel", "skinny", "--gemm-rows", "1,32", "--gemm-shapes", "8B_o"])
+    assert {it[3] for it in bk.work_items(gemm)} == {"8B_o M=1", "8B_o M=32"}
     full = bk.parse_args(["--suite", "all"])
     n_decode = len(bk.DECODE_CASES) * len(bk.DECODE_ROWS) * len(bk.DECODE_WIDTHS)
-    assert len(bk.work_items(full)) == len(bk.CASES) * 2 + n_decode
+    assert len(bk.work_items(full)) == len(bk.CASES) * 2 + n_decode + n_gemm
     only = bk.parse_args(["--suite", "decode", "--kernel", "swiglu_fp8"])
     assert {it[0] for it in bk.work_items(only)} == {"swiglu_fp8_per_token", "swiglu_fp8_per_tensor"}
 
@@ -30,6 +34,8 @@ def test_suite_selection():
     ["--suite", "decode", "--kernel", "gelu"],  # an ltx kernel: nothing of the decode suite matches
     ["--suite", "prefill"],
     ["--shapes", "999"],
+    ["--suite", "decode", "--gemm-rows", "33"],
+    ["--suite", "decode", "--gemm-shapes", "8B_lm_head"],
 ])
 def test_bad_command_lines(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -49,3 +55,16 @@ def test_decode_case_providers_run(name, monkeypatch):
     assert not failures, failures
     tol = case.get("max_err", bk.MAX_ERR[torch.bfloat16])
     assert all(e <= tol for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("name", list(bk.GEMM_CASES))
+def test_gemm_case_providers_run(name, monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    torch.manual_seed(0)
+    case = bk.GEMM_CASES[name](3, 96, 320, torch.bfloat16)
+    assert case["bytes"] > case["weight_bytes"] > 0
+    assert {"triton", "triton_kernel"} <= set(case["providers"])
+    case["providers"] = {k: v for k, v in case["providers"].items() if k.startswith("triton") or k == "torch.matmul"}
+    errs, failures = bk.check_case(name, "M=3 N=96 K=320", case, torch.bfloat16)
+    assert not failures, failures
+    assert all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs

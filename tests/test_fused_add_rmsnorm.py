@@ -57,7 +57,7 @@ def _fp8_step(q, fp8_dtype):
     """Spacing of the FP8 grid at |q| (3 mantissa bits, subnormal spacing below the smallest normal)."""
     min_exp = {torch.float8_e4m3fn: -6, torch.float8_e4m3fnuz: -7}[fp8_dtype]
     _, e = torch.frexp(q.abs().clamp_min(2.0**min_exp))
-    return torch.ldexp(torch.ones_like(q), (e - 1 - 3).to(q.dtype))
+    return rmsnorm._exact_pow2(e - 1 - 3, q.dtype)
 
 
 def check_fp8(q_fp8, q_ref, fp8_dtype, name, seed, max_fraction=MAX_MISMATCH_FRACTION):
@@ -194,7 +194,7 @@ def test_fp8_per_token(shape, dtype, fp8_dtype, gen):
     bound = _fp8_step(q_ref, fp8_dtype) * s_ref[..., None] * 1.0001
     assert bool(((deq - y_ref).abs() <= bound).all())
     # the row maximum maps onto +-fp8_max
-    assert torch.equal(q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64))
+    assert torch.equal(q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64, device=q.device))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -262,7 +262,7 @@ def test_fp8_saturation_no_nan(fp8_dtype, gen):
     # dynamic scales with huge weights: every row's maximum maps to fp8_max, nothing overflows
     q, r, s = rmsnorm.fused_add_rms_norm(x, res, w, fp8="per_token", fp8_dtype=fp8_dtype)
     assert not torch.isnan(q.double()).any() and torch.isfinite(s).all()
-    assert torch.equal(q.double().abs().amax(-1), torch.full((4,), fmax, dtype=torch.float64))
+    assert torch.equal(q.double().abs().amax(-1), torch.full((4,), fmax, dtype=torch.float64, device=q.device))
 
 
 def test_fp8_per_token_zero_row():

@@ -160,6 +160,51 @@ def test_gated_residual_rms_norm_modulate(dtype, gate_shape, gen):
     assert_close(out, out_ref, dtype, name="out", seed=gen.seed_value)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_shape", [None, "B1D", "BSD", "D"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gated_residual_add(dtype, gate_shape, chunked, gen, monkeypatch):
+    """h + y * gate alone (the norm switched off), one rounding; also through the chunked path."""
+    if chunked:
+        monkeypatch.setattr(rmsnorm, "_MAX_FUSED_N", 64)
+        monkeypatch.setattr(rmsnorm, "_CHUNK_N", 32)
+    B, S, D = 2, 5, 131
+    h = randn((B, S, D), dtype, gen, scale=2.0)
+    y = randn((B, S, D), dtype, gen)
+    gate = None
+    if gate_shape is not None:
+        gate = randn({"B1D": (B, 1, D), "BSD": (B, S, D), "D": (D,)}[gate_shape], dtype, gen)
+    with poisoned_outputs():
+        out = rmsnorm.gated_residual_add(h, y, gate)
+    ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), None if gate is None else gate.double())
+    assert out.shape == h.shape and out.dtype == dtype
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+    if not INTERPRET:  # natively it rounds exactly like torch.addcmul (fp32 math, one rounding)
+        expect = torch.addcmul(h, y, gate) if gate is not None else h + y
+        assert_close(out, expect.double(), dtype, rtol=TOL[dtype]["rtol"] / 2, atol=TOL[dtype]["atol"] / 2,
+                     name="vs addcmul", seed=gen.seed_value)
+
+
+def test_gated_residual_add_strided_and_errors(gen):
+    base = randn((2, 8, 96), torch.float32, gen)
+    h = base[:, ::2]  # strided rows, no copy
+    y = randn((2, 4, 96), torch.float32, gen)
+    gate = randn((2, 1, 96), torch.float32, gen)
+    with poisoned_outputs():
+        out = rmsnorm.gated_residual_add(h, y, gate)
+    assert_close(out, rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()), torch.float32,
+                 seed=gen.seed_value)
+    assert rmsnorm.gated_residual_add(h[:, :0], y[:, :0], gate).shape == (2, 0, 96)
+    with pytest.raises(ValueError, match="y has shape"):
+        rmsnorm.gated_residual_add(h, y[..., :95], gate)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        rmsnorm.gated_residual_add(h, y, gate[..., :95])
+    with pytest.raises(TypeError, match="y has dtype"):
+        rmsnorm.gated_residual_add(h, y.half(), gate)
+    with pytest.raises(ValueError, match="y is required"):
+        rmsnorm.gated_residual_add(h, None, gate)
+
+
 def test_residual_without_modulation(gen):
     h = randn((4, 100), torch.float16, gen)
     y = randn((4, 100), torch.float16, gen)

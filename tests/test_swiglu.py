@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import activations as act
-from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
 from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
 
 
@@ -131,7 +131,7 @@ def test_fp8_per_token(shape, dtype, fp8_dtype, gen):
     check_fp8(q, q_ref, fp8_dtype, f"per_token {dtype}", gen.seed_value)
     deq = q.double() * s.double()[..., None]
     assert bool(((deq - y_ref).abs() <= _fp8_step(q_ref, fp8_dtype) * s_ref[..., None] * 1.0001).all())
-    assert torch.equal(q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64))
+    assert torch.equal(q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64, device=q.device))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)

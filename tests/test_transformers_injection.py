@@ -296,7 +296,7 @@ def test_unsupported_device_falls_back(monkeypatch):
     ids = _ids(gen).cpu()
     ref = _logits(model, ids)
     ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
-    monkeypatch.setattr(ti, "_interpreting", lambda: False)
+    monkeypatch.setattr(ti.ic, "interpreting", lambda: False)
     with ti.count_kernel_calls() as calls:
         out = _logits(model, ids)
     assert sum(calls.values()) == 0

@@ -1,0 +1,604 @@
+"""End-to-end benchmark: does injecting the kernels make LTX-Video generation faster, against eager
+diffusers and against torch.compile, and do the outputs stay the same?
+
+Modes (same prompt, seed, size, frames and steps for each):
+  baseline        eager diffusers, as shipped
+  triton          eager + inject_optimized_kernels (scripts/diffusers_injection.py)
+  compile         torch.compile(transformer)
+  triton+compile  the kernels injected, then torch.compile (the kernels are custom ops it traces)
+
+Pipeline mode (default): the LTX-Video pipeline from the local Hugging Face cache when present
+(offline), else the real-size transformer with random weights, a small random T5 of the real
+width and a small VAE with the released compression (said in the output and the JSON). The
+denoising loop is timed per step with device events (transformer call with the guidance batch,
+guidance, scheduler step), separately from text encoding and VAE decoding. Each mode runs
+--warmup pipeline calls first (their wall time, minus a steady call's, is reported as compile /
+warm-up time), then --repeats timed calls; step medians with 20th/80th percentiles.
+--transformer-only: one transformer forward (B = 2, the guidance batch) at the latent size of the
+requested video, timed --repeats times: for fast iteration.
+--profile: one transformer forward per mode under torch.profiler; device time split into GEMM,
+attention and everything else, with the largest "everything else" kernels listed.
+
+Parity: a float32 run of the same model (--no-fp32-reference to skip) is the yardstick. A mode
+passes when its final latents (and decoded frames) are no further from the float32 result than
+1.5x the baseline's distance (relative L2), i.e. not measurably less accurate than stock half
+precision; PSNR against the baseline is reported too. A mode that fails, or produces non-finite
+values, is flagged and the exit status is 1. Without the float32 reference the rule is PSNR
+against the baseline >= --min-psnr dB.
+
+Peak device memory per mode is torch.cuda.max_memory_allocated over the timed calls.
+JSON on stdout (and --output-json), progress and diagnostics on stderr, --png for a chart.
+Without a GPU (or with --tiny) a tiny random pipeline runs on the CPU through Triton's
+interpreter: a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = ("baseline", "triton", "compile", "triton+compile")
+PROMPT = "a red fox runs through a snowy forest, camera follows"
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("ltx", "sd3", "flux"), default="ltx",
+                   help="ltx (default); sd3 or flux: one transformer forward at --height x --width (default "
+                   "1024x1024; SD3 B=2 with guidance, FLUX B=1), real architecture with random weights")
+    p.add_argument("--variant", choices=("sd3.5-medium", "sd3-medium"), default="sd3.5-medium",
+                   help="--model sd3: which released architecture (default sd3.5-medium)")
+    p.add_argument("--mode", default="all", help="one of %s, a comma-separated list, or all (default)" % ", ".join(MODES))
+    p.add_argument("--num-frames", type=int, help="video frames, 8k+1 (default 121; CPU 9)")
+    p.add_argument("--height", type=int, help="multiple of 32 (default 512; CPU 32)")
+    p.add_argument("--width", type=int, help="multiple of 32 (default 768; CPU 32)")
+    p.add_argument("--steps", type=int, help="denoising steps per pipeline call (default 4; CPU 2)")
+    p.add_argument("--repeats", type=int, help="timed pipeline calls, or forwards with --transformer-only (default 3 / 10; CPU 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per mode before timing (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (CPU fp32)")
+    p.add_argument("--transformer-only", action="store_true", help="time one transformer forward instead of the pipeline")
+    p.add_argument("--profile", action="store_true", help="split one forward's device time into GEMM / attention / other")
+    p.add_argument("--compile-mode", default="default", help="torch.compile mode (default 'default')")
+    p.add_argument("--no-fp32-reference", action="store_true", help="skip the float32 run; parity by PSNR vs baseline")
+    p.add_argument("--min-psnr", type=float, default=30.0, help="PSNR floor vs baseline without the fp32 reference (dB)")
+    p.add_argument("--tiny", action="store_true", help="tiny random pipeline (on the CPU through the interpreter if no GPU)")
+    p.add_argument("--output-json", help="also write the JSON summary here")
+    p.add_argument("--png", help="chart of per-step (or per-forward) time per mode, if matplotlib is installed")
+    args = p.parse_args(argv)
+    modes = MODES if args.mode == "all" else tuple(m.strip() for m in args.mode.split(","))
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"unknown mode(s) {bad}; choose from {list(MODES)} or all")
+    args.modes = modes
+    for name in ("num_frames", "height", "width", "steps", "repeats", "warmup"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')} must be positive, got {v}")
+    if args.model != "ltx":
+        args.transformer_only = True  # the SD3 / FLUX pipelines need CLIP/T5 encoders: time the transformer
+        for name in ("height", "width"):
+            v = getattr(args, name)
+            if v is not None and v % 16:
+                p.error(f"--{name} must be a multiple of 16 (VAE 8x, then 2x2 patches), got {v}")
+        return args
+    if args.num_frames is not None and (args.num_frames - 1) % 8:
+        p.error(f"--num-frames must be 8k+1 (LTX-Video's temporal compression), got {args.num_frames}")
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v is not None and v % 32:
+            p.error(f"--{name} must be a multiple of 32 (LTX-Video's spatial compression), got {v}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Building the model and its inputs
+# --------------------------------------------------------------------------------------------
+def load_pipeline(device: str, tiny: bool, seed: int):
+    """(pipeline in fp32 on `device`, description of its weights)."""
+    import diffusers_injection as di
+
+    if tiny:
+        return di.build_tiny_ltx_pipeline(seed=seed).to(device), "tiny random pipeline (2 blocks, width 32)"
+    try:
+        from diffusers import LTXPipeline
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache("Lightricks/LTX-Video", "model_index.json"), str):
+            pipe = LTXPipeline.from_pretrained("Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True)
+            return pipe.to(device), "Lightricks/LTX-Video from the local cache"
+    except Exception as exc:  # a partial or unreadable cache: say why, go on without it
+        log(f"could not load LTX-Video from the local cache ({type(exc).__name__}: {exc})")
+    log("LTX-Video weights not in the local cache: the real-size architecture with random weights")
+    return di.build_ltx_pipeline(device=device, seed=seed), "real-size LTX-Video transformer, random weights (no checkpoint)"
+
+
+def load_mmdit(args, device):
+    """(SD3 or FLUX transformer in fp32 with random weights, its forward's inputs in fp32, description)."""
+    import mmdit_injection as mi
+
+    size = "tiny" if args.tiny else "real"
+    if args.model == "sd3":
+        model = mi.build_sd3_transformer(size, torch.float32, device, variant=args.variant, seed=args.seed)
+        what, batch = f"{args.variant} architecture" if size == "real" else "tiny SD3", 2
+    else:
+        model = mi.build_flux_transformer(size, torch.float32, device, seed=args.seed)
+        what, batch = "FLUX.1-dev architecture" if size == "real" else "tiny FLUX", 1
+    text_len = None if size == "real" else 8
+    inputs = mi.make_mmdit_inputs(model, batch, args.height, args.width, text_len, torch.float32, device, args.seed)
+    return model.eval(), inputs, f"{what}, random weights (no checkpoint), batch {batch}"
+
+
+def transformer_inputs(model, args, device, dtype):
+    """Keyword arguments of one LTX transformer forward at the latent size of the requested video,
+    B = 2 (the classifier-free-guidance batch), 128 text tokens."""
+    cfg = model.config
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    lf, lh, lw = (args.num_frames - 1) // 8 + 1, args.height // 32, args.width // 32
+    if args.tiny:
+        lf, lh, lw = (args.num_frames - 1) // 4 + 1, args.height // 4, args.width // 4
+    tokens = lf * lh * lw
+    text = 128 if not args.tiny else 16
+    hidden = torch.randn(2, tokens, cfg.in_channels, generator=g)
+    enc = torch.randn(2, text, cfg.caption_channels, generator=g) * 0.1
+    mask = torch.ones(2, text)
+    mask[1, text // 2:] = 0  # padding in one sample, as a real prompt batch has
+    return dict(
+        hidden_states=hidden.to(device, dtype),
+        encoder_hidden_states=enc.to(device, dtype),
+        timestep=torch.tensor([500.0, 500.0], device=device),
+        encoder_attention_mask=mask.to(device),
+        num_frames=lf, height=lh, width=lw,
+        rope_interpolation_scale=(8 / 25, 32, 32) if not args.tiny else (4 / 25, 4, 4),
+        return_dict=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+class Clock:
+    """Device events on a GPU; the host clock on the CPU (then the numbers mean nothing)."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+
+    def mark(self):
+        if self.gpu:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.gpu else 1e3 * (b - a)
+
+    def sync(self):
+        if self.gpu:
+            torch.cuda.synchronize()
+
+
+def run_pipeline(pipe, transformer, args, clock, capture=None):
+    """One pipeline call. Returns (final latents fp32, decoded frames fp32, {text_ms, step_ms[], decode_ms})."""
+    marks = {"start": None, "calls": [], "steps": [], "latents": None}
+
+    def pre_hook(_m, _a, kwargs):
+        marks["calls"].append(clock.mark())
+        if capture is not None and "kwargs" not in capture:
+            capture["kwargs"] = kwargs
+
+    def on_step_end(_pipe, i, t, kw):
+        marks["steps"].append(clock.mark())
+        marks["latents"] = kw["latents"]
+        return {}
+
+    hook = transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        marks["start"] = clock.mark()
+        frames = pipe(
+            prompt=PROMPT, num_frames=args.num_frames, height=args.height, width=args.width,
+            num_inference_steps=args.steps, generator=torch.Generator("cpu").manual_seed(args.seed),
+            output_type="pt", callback_on_step_end=on_step_end,
+            max_sequence_length=min(128, pipe.tokenizer.model_max_length),
+        ).frames
+        end = clock.mark()
+    finally:
+        hook.remove()
+    clock.sync()
+    calls, steps = marks["calls"], marks["steps"]
+    times = {
+        "text_ms": clock.ms(marks["start"], calls[0]),
+        "step_ms": [clock.ms(calls[i], steps[i]) for i in range(len(steps))],
+        "decode_ms": clock.ms(steps[-1], end),
+    }
+    return marks["latents"].float(), frames.float(), times
+
+
+def run_forward(model, inputs, clock):
+    a = clock.mark()
+    with torch.no_grad():
+        out = model(**inputs)[0]
+    b = clock.mark()
+    clock.sync()
+    return out.float(), clock.ms(a, b)
+
+
+def classify_kernel(name: str) -> str:
+    n = name.lower()
+    if n.startswith(("triton_poi", "triton_red", "triton_per")):
+        return "other"  # inductor's pointwise/reduction kernels (named after the ops they fuse, e.g. "..._sdpa_...")
+    if any(k in n for k in ("flash", "fmha", "attention", "attn", "sdpa", "mha_")):
+        return "attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "cijk", "_mm_", "tem_fused_mm", "wgmma")):
+        return "gemm"
+    return "other"
+
+
+def profile_forward(model, inputs, gpu: bool, top_n: int = 12):
+    """Device time of one forward split by kernel class; the biggest 'other' kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with torch.no_grad():
+        model(**inputs)  # the profiled call is not the first one
+        if gpu:
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            model(**inputs)
+            if gpu:
+                torch.cuda.synchronize()
+    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    by_class, launches = {"gemm": {}, "attention": {}, "other": {}}, 0
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = float(getattr(evt, "self_device_time_total", 0.0) or 0.0)
+        if us <= 0:
+            continue
+        cls = classify_kernel(evt.key)
+        split[cls] += us / 1e3
+        launches += evt.count
+        by_class[cls][evt.key] = by_class[cls].get(evt.key, 0.0) + us / 1e3
+    total = sum(split.values())
+
+    def top(d, n):
+        return {k[:120]: round(v, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
+
+    return {
+        "device_ms": {k: round(v, 3) for k, v in split.items()},
+        "total_device_ms": round(total, 3),
+        "share": {k: (round(v / total, 3) if total else None) for k, v in split.items()},
+        "kernel_launches": launches,
+        "top_other_kernels_ms": top(by_class["other"], top_n),
+        "top_gemm_kernels_ms": top(by_class["gemm"], 4),
+        "top_attention_kernels_ms": top(by_class["attention"], 4),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Parity
+# --------------------------------------------------------------------------------------------
+def distance(a, b):
+    """rel L2 and PSNR (dB, peak = max |b|) of a against b."""
+    d = (a.double() - b.double())
+    mse = d.pow(2).mean().item()
+    peak = b.double().abs().max().item()
+    return {
+        "rel_l2": (d.norm() / b.double().norm().clamp_min(1e-30)).item(),
+        "psnr_db": float("inf") if mse == 0 else 10 * math.log10(max(peak, 1e-30) ** 2 / mse),
+    }
+
+
+def judge(outputs: dict, ref32: dict | None, min_psnr: float) -> dict:
+    """Per mode: distances to baseline (and fp32), and whether the mode passes."""
+    base = outputs.get("baseline")
+    verdicts = {}
+    for mode, outs in outputs.items():
+        v = {"finite": all(bool(torch.isfinite(t).all()) for t in outs.values())}
+        if base is not None:
+            v["vs_baseline"] = {k: distance(outs[k], base[k]) for k in outs}
+        if ref32 is not None:
+            v["vs_fp32"] = {k: distance(outs[k], ref32[k]) for k in outs}
+        verdicts[mode] = v
+    for mode, v in verdicts.items():
+        ok = v["finite"]
+        if ref32 is not None and base is not None:
+            limits = {k: 1.5 * verdicts["baseline"]["vs_fp32"][k]["rel_l2"] + 1e-6 for k in v["vs_fp32"]}
+            v["rule"] = "rel_l2(mode, fp32) <= 1.5 * rel_l2(baseline, fp32) + 1e-6, per output"
+            ok = ok and all(v["vs_fp32"][k]["rel_l2"] <= limits[k] for k in limits)
+        elif base is not None and mode != "baseline":
+            v["rule"] = f"PSNR(mode, baseline) >= {min_psnr} dB, per output"
+            ok = ok and all(d["psnr_db"] >= min_psnr for d in v["vs_baseline"].values())
+        v["ok"] = bool(ok)
+    return verdicts
+
+
+# --------------------------------------------------------------------------------------------
+# Modes
+# --------------------------------------------------------------------------------------------
+def set_mode(mode, holder, base_model, args, di):
+    """Put the model in `mode`; returns (callable model, counts of injected kernels)."""
+    import torch._dynamo
+
+    di.remove_optimized_kernels(base_model, verbose=False)
+    torch._dynamo.reset()
+    counts = None
+    if "triton" in mode:
+        counts = di.inject_optimized_kernels(base_model, verbose=False)
+    model = base_model
+    if "compile" in mode:
+        model = torch.compile(base_model, mode=args.compile_mode, dynamic=False)
+    holder(model)
+    return model, counts
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def stats(xs):
+    return {"median": statistics.median(xs), "p20": percentile(xs, 0.2), "p80": percentile(xs, 0.8), "n": len(xs)} if xs else None
+
+
+def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress):
+    """Warm up, time, measure peak memory; returns (result dict, outputs dict, model used)."""
+    def holder(m):
+        if pipe is not None:
+            object.__setattr__(pipe, "transformer", m)  # plain attribute: keep the pipeline's config as is
+
+    model, counts = set_mode(mode, holder, base_model, args, di)
+    res = {"injected": counts}
+    warm_wall = []
+    for _ in range(args.warmup):
+        t0 = time.perf_counter()
+        if pipe is not None:
+            run_pipeline(pipe, model, args, clock)
+        else:
+            run_forward(model, inputs, clock)
+        warm_wall.append(time.perf_counter() - t0)
+        progress.update(1)
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    capture = {}
+    steps, texts, decodes, walls, outs = [], [], [], [], None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        if pipe is not None:
+            lat, frames, t = run_pipeline(pipe, model, args, clock, capture)
+            steps += t["step_ms"]
+            texts.append(t["text_ms"])
+            decodes.append(t["decode_ms"])
+            outs = {"latents": lat, "frames": frames}
+        else:
+            y, ms = run_forward(model, inputs, clock)
+            steps.append(ms)
+            outs = {"output": y}
+        walls.append(time.perf_counter() - t0)
+        progress.update(1)
+    if gpu:
+        res["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    key = "step_ms" if pipe is not None else "forward_ms"
+    res[key] = stats(steps)
+    res[key + "_all"] = [round(s, 4) for s in steps]
+    if pipe is not None:
+        res["text_encode_ms"] = stats(texts)
+        res["vae_decode_ms"] = stats(decodes)
+    steady = statistics.median(walls)
+    res["warmup_wall_s"] = [round(w, 3) for w in warm_wall]
+    res["warmup_overhead_s"] = round(max(warm_wall) - steady, 3) if warm_wall else None
+    res["what_warmup_overhead_is"] = "first call's wall time minus a timed call's: torch.compile / Triton compilation, autotuning, allocator"
+    if args.profile:
+        fwd_inputs = inputs if pipe is None else capture.get("kwargs")
+        if fwd_inputs is not None:
+            res["profile"] = profile_forward(model, fwd_inputs, gpu)
+    return res, outs
+
+
+def targets(results: dict, transformer_only: bool) -> dict:
+    key = "forward_ms" if transformer_only else "step_ms"
+    t = {m: r[key]["median"] for m, r in results.items() if r.get(key)}
+    out = {}
+    if "baseline" in t and "triton" in t:
+        out["triton_speedup_vs_baseline"] = t["baseline"] / t["triton"]
+        out["triton_at_least_1.5x_baseline"] = out["triton_speedup_vs_baseline"] >= 1.5
+    if "compile" in t and "triton" in t:
+        out["triton_vs_compile"] = t["compile"] / t["triton"]
+        out["triton_at_least_as_fast_as_compile"] = t["triton"] <= t["compile"]
+    if "compile" in t and "triton+compile" in t:
+        out["triton+compile_speedup_vs_compile"] = t["compile"] / t["triton+compile"]
+        out["triton+compile_at_least_1.15x_compile"] = out["triton+compile_speedup_vs_compile"] >= 1.15
+    if "baseline" in t and "compile" in t:
+        out["compile_speedup_vs_baseline"] = t["baseline"] / t["compile"]
+    mem = {m: r.get("peak_memory_gb") for m, r in results.items()}
+    if mem.get("baseline") and mem.get("triton"):
+        out["triton_peak_memory_not_above_baseline"] = mem["triton"] <= mem["baseline"] * 1.001
+    return out
+
+
+def chart(summary, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no chart")
+        return
+    key = "forward_ms" if summary["transformer_only"] else "step_ms"
+    modes = [m for m in summary["results"] if summary["results"][m].get(key)]
+    med = [summary["results"][m][key]["median"] for m in modes]
+    lo = [med[i] - summary["results"][m][key]["p20"] for i, m in enumerate(modes)]
+    hi = [summary["results"][m][key]["p80"] - med[i] for i, m in enumerate(modes)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(modes, med, yerr=[lo, hi], capsize=4, color=["#888", "#d62728", "#1f77b4", "#9467bd"][: len(modes)])
+    for i, v in enumerate(med):
+        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+    c = summary["config"]
+    what = "transformer forward" if summary["transformer_only"] else "denoising step"
+    ax.set_ylabel(f"ms per {what} (median, p20-p80)")
+    name = {"ltx": f"LTX-Video {c['num_frames']}f", "sd3": "SD3", "flux": "FLUX"}[c["model"]]
+    ax.set_title(f"{name} {c['height']}x{c['width']}, {c['dtype']}, {summary['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"chart written to {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        args.tiny = True
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
+        log("no GPU: tiny random pipeline on the CPU through Triton's interpreter (not a measurement)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cpu_defaults = dict(num_frames=9, height=32, width=32, steps=2, repeats=1, dtype="fp32")
+    gpu_defaults = dict(num_frames=121, height=512, width=768, steps=4, repeats=10 if args.transformer_only else 3, dtype="bf16")
+    if args.model != "ltx":
+        cpu_defaults.update(num_frames=1, height=64, width=64)
+        gpu_defaults.update(num_frames=1, height=1024, width=1024)
+    for k, v in (cpu_defaults if not gpu else gpu_defaults).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    sys.path.insert(0, HERE)
+    import diffusers_injection as di
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress is optional
+        tqdm = None
+
+    device = "cuda" if gpu else "cpu"
+    dtype = DTYPES[args.dtype]
+    clock = Clock(gpu)
+    if args.model == "ltx":
+        pipe, weights = load_pipeline(device, args.tiny, args.seed)
+        pipe.set_progress_bar_config(disable=True)
+        base_model = pipe.transformer
+        inputs = transformer_inputs(base_model, args, device, dtype) if args.transformer_only else None
+        log(f"{weights}; {args.num_frames} frames {args.height}x{args.width}; modes {list(args.modes)}")
+    else:
+        pipe = None
+        base_model, inputs, weights = load_mmdit(args, device)
+        log(f"{weights}; {args.height}x{args.width}; modes {list(args.modes)}")
+
+    ref32 = None
+    if not args.no_fp32_reference and dtype != torch.float32:
+        log("float32 reference run")
+        if args.transformer_only:
+            inputs32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+            ref32 = {"output": run_forward(base_model, inputs32, clock)[0]}
+        else:
+            lat, frames, _ = run_pipeline(pipe, base_model, args, clock)
+            ref32 = {"latents": lat, "frames": frames}
+    if pipe is not None:
+        pipe.to(dtype)
+        if args.transformer_only and gpu:  # not needed: frees device memory
+            pipe.text_encoder.to("cpu")
+            pipe.vae.to("cpu")
+    else:
+        base_model.to(dtype)
+    if inputs is not None:
+        inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
+                  for k, v in inputs.items()}
+
+    per_mode = args.warmup + args.repeats
+    progress = tqdm(total=per_mode * len(args.modes), file=sys.stderr, desc="benchmark") if tqdm else _NoBar()
+    results, outputs = {}, {}
+    try:
+        for mode in args.modes:
+            progress.set_description(mode)
+            res, outs = bench_mode(mode, args, gpu, clock, None if args.transformer_only else pipe, base_model, inputs, di, progress)
+            results[mode], outputs[mode] = res, outs
+    finally:
+        progress.close()
+        di.remove_optimized_kernels(base_model, verbose=False)
+        if pipe is not None:
+            object.__setattr__(pipe, "transformer", base_model)
+    parity = judge(outputs, ref32, args.min_psnr)
+    for mode in results:
+        results[mode]["parity"] = parity[mode]
+    ok = all(v["ok"] for v in parity.values())
+
+    tokens = None
+    if inputs is not None:
+        hs = inputs["hidden_states"]
+        p = getattr(base_model.config, "patch_size", 1) or 1
+        tokens = hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
+    summary = {
+        "benchmark": "benchmark_e2e.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python scripts/benchmark_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter; not a measurement)",
+        "arch": _arch() if gpu else None,
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "diffusers": __import__("diffusers").__version__, "python": platform.python_version()},
+        "weights": weights,
+        "transformer_only": args.transformer_only,
+        "config": {"model": args.model, "variant": args.variant if args.model == "sd3" else None, "num_frames": args.num_frames, "height": args.height, "width": args.width,
+                   "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
+                   "seed": args.seed, "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2, "tokens": tokens, "compile_mode": args.compile_mode},
+        "timing": ("CUDA events around each transformer forward" if args.transformer_only else
+                   "CUDA events per denoising step: transformer call (guidance batch 2) + guidance + scheduler step")
+        if gpu else "host clock (interpreter)",
+        "results": results,
+        "targets": targets(results, args.transformer_only) if gpu else None,
+        "ok": ok,
+    }
+    key = "forward_ms" if args.transformer_only else "step_ms"
+    for mode, r in results.items():
+        log(f"{mode:>15}: {key} median {r[key]['median']:.2f} (p20 {r[key]['p20']:.2f}, p80 {r[key]['p80']:.2f})"
+            + (f", peak {r['peak_memory_gb']:.2f} GB" if "peak_memory_gb" in r else "")
+            + f", parity {'ok' if r['parity']['ok'] else 'FAILED'}")
+    text = json.dumps(summary, indent=2, default=str)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text + "\n")
+    if args.png:
+        chart(summary, args.png)
+    if not ok:
+        log("FAILED: a mode's output diverged (see results.<mode>.parity)")
+    return 0 if ok else 1
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_description(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _arch():
+    props = torch.cuda.get_device_properties(0)
+    return getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

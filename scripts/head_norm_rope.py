@@ -1,0 +1,496 @@
+"""Per-head RMSNorm of q and k, optionally followed by interleaved-pair RoPE, in one launch.
+
+    y = cast(x / sqrt(mean(x**2 over the head dim) + eps) [cast] * w)        (per head, per token)
+    out[2i]   = y[2i]   * cos[s, 2i]   - y[2i+1] * sin[s, 2i]                 (optional RoPE)
+    out[2i+1] = y[2i+1] * cos[s, 2i+1] + y[2i]   * sin[s, 2i+1]
+    all arithmetic in fp32; y is rounded to the input dtype (the norm module's output), out once more.
+
+This is the q/k step of the MMDiT attention processors in diffusers: FLUX (``FluxAttnProcessor``:
+``torch.nn.RMSNorm(head_dim)`` on ``[B, S, H, D]`` rows, text and image streams concatenated along the
+tokens, then ``apply_rotary_emb(..., sequence_dim=1)`` with fp32 cos/sin ``[S, D]`` from ``FluxPosEmbed``),
+and SD3 with ``qk_norm="rms_norm"`` (``JointAttnProcessor2_0``: diffusers ``RMSNorm(head_dim)``, image
+then text, no RoPE). Public functions:
+
+* ``head_rms_norm_rope(q, k, q_weight, k_weight, eps, cos=None, sin=None)``: q, k ``[B, S, H, D]`` (any
+  strides with a contiguous last dim: a view of a projection, or a slice of a fused qkv projection);
+  returns contiguous ``[B, S, H, D]`` (q_out, k_out), the layout diffusers' ``dispatch_attention_fn``
+  takes (its native backend hands ``out.transpose(1, 2)`` views to SDPA, whose flash and efficient kernels
+  read ``[B, S, H, D]`` memory natively).
+* ``joint_head_rms_norm_rope(parts, eps, cos=None, sin=None)``: several token segments, each
+  ``(q, k, q_weight, k_weight)`` with its own norm weights (FLUX's text stream uses ``norm_added_q/k``),
+  written one after the other along the token dim of ONE output pair: the ``torch.cat`` of the
+  processor is free. cos/sin ``[S_total, D]`` index the concatenated tokens.
+
+``cast_before_weight`` selects where the norm rounds: True rounds the normalised value to the input
+dtype before the weight multiply (diffusers ``RMSNorm`` with a half/bf16 weight); False multiplies in
+fp32 and rounds once (``torch.nn.RMSNorm`` / ``F.rms_norm`` of current PyTorch). Each ``*_ref`` function
+is the plain-PyTorch math the kernel replaces. The file depends on torch and triton only; copy it into
+another project as is. Run ``python head_norm_rope.py --help``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "head_rms_norm_rope",
+    "joint_head_rms_norm_rope",
+    "head_rms_norm_rope_ref",
+    "joint_head_rms_norm_rope_ref",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Weights and cos/sin are read and converted to fp32 in the kernel: any float dtype.
+_ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# A head is normalised from registers in one pass; 4096 channels of q and k over 16 warps is at most
+# 8 fp32 values per lane and tensor. MMDiT heads are 64 (SD3) or 128 (FLUX) wide.
+_MAX_HEAD_DIM = 4096
+# Elements of q (and as many of k) per program: 16 FLUX heads of 128, or 32 SD3 heads of 64.
+_ELEMS_PER_PROGRAM = 2048
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _norm_rows(x, W, rows, cols, mask, D, eps, DT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               CAST_BEFORE_WEIGHT: tl.constexpr):
+    """RMSNorm of fp32 rows x [BLOCK_M, BLOCK_D] (zeros past D), rounded to DT where the module rounds;
+    returns fp32 holding DT values."""
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        if CAST_BEFORE_WEIGHT:
+            y = y.to(DT).to(tl.float32)
+        # loaded at the tile's full shape so it shares the tile's register layout
+        w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
+        y = y * w
+    return y.to(DT).to(tl.float32)  # the norm module's output is in the input dtype
+
+
+@triton.jit
+def _rotate_pairs(y, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_M, BLOCK_D] -> the interleaved partner of every channel: (-y[2i+1], y[2i]).
+
+    The reshape keeps each lane's pairs together (a lane holds consecutive channels), so split/join
+    move no data between lanes.
+    """
+    even, odd = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_D // 2, 2]))
+    return tl.reshape(tl.join(-odd, even), [BLOCK_M, BLOCK_D])
+
+
+@triton.jit
+def _head_rms_norm_rope_kernel(
+    Q, q_sb, q_ss, q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
+    K, k_sb, k_ss, k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
+    QW, KW,  # RMSNorm weights [D] of q and k (HAS_WEIGHT)
+    COS, c_ss,  # cos [S_OUT, D] (HAS_ROPE): token stride; channels contiguous
+    SIN, s_ss,  # sin [S_OUT, D] (HAS_ROPE)
+    QO, KO,  # contiguous [B, S_OUT, H, D] outputs; this launch writes tokens SEQ_OFF .. SEQ_OFF + S - 1
+    M, S, H, D,  # rows (B * S * H), tokens of this segment, heads, head dim
+    S_OUT, SEQ_OFF,  # tokens of the output, first output token of this segment
+    eps,  # RMSNorm epsilon
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
+    HAS_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows (heads) per program
+    BLOCK_D: tl.constexpr,  # >= D (whole heads)
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
+    # Heads vary fastest: the H rows of one token share their cos/sin row, so a program's cos/sin
+    # loads hit the same cache lines, and the output rows of a program are contiguous.
+    h = (rows % H).to(tl.int64)
+    t = rows // H
+    s = (t % S).to(tl.int64)
+    b = (t // S).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (cols < D)[None, :]
+    # Issue both row loads first: their latency then overlaps the rest.
+    xq = tl.load(Q + (b * q_sb + s * q_ss + h * q_sh)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xk = tl.load(K + (b * k_sb + s * k_ss + h * k_sh)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    DT: tl.constexpr = Q.dtype.element_ty
+    yq = _norm_rows(xq, QW, rows, cols, mask, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    yk = _norm_rows(xk, KW, rows, cols, mask, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    tok = SEQ_OFF + s  # token index in the output (and in the cos/sin tables)
+    if HAS_ROPE:
+        c = tl.load(COS + (tok * c_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + (tok * s_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        yq = yq * c + _rotate_pairs(yq, BLOCK_M, BLOCK_D) * sn
+        yk = yk * c + _rotate_pairs(yk, BLOCK_M, BLOCK_D) * sn
+    out_row = ((b * S_OUT + tok) * H + h) * D
+    tl.store(QO + out_row[:, None] + cols[None, :], yq.to(QO.dtype.element_ty), mask=mask)
+    tl.store(KO + out_row[:, None] + cols[None, :], yk.to(KO.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher helpers
+# --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _device_target(device: torch.device):
+    """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
+    if device.type == "cpu":
+        return ("interpreter", None, 32)
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
+    with torch.cuda.device(index):
+        target = triton.runtime.driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move them to one device")
+    if t.device.type == "cpu" and not _interpreting():
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+        )
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor):
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(head_dim: int, n_rows: int, warp_size: int):
+    """(BLOCK_M, BLOCK_D, num_warps).
+
+    Reasons: a program handles whole heads (the norm needs the full head before anything is
+    written) and should move about _ELEMS_PER_PROGRAM elements of each of q and k (a few KiB of bf16
+    in and out per tensor), so narrow heads are packed several to a program. Each lane holds about
+    16 consecutive elements of a tile: two 16-byte bf16 vectors per tensor, and since a program
+    carries q and k, as many registers as the 8-element tiles of a one-tensor kernel. The warp count
+    follows from the lane count (32 on NVIDIA and RDNA wave32, 64 on CDNA wave64).
+    """
+    block_d = _next_pow2(max(head_dim, 2))
+    block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_d, _next_pow2(max(n_rows, 1))))
+    num_warps = max(1, min(16, (block_m * block_d) // (warp_size * 16)))
+    return block_m, block_d, _next_pow2(num_warps)
+
+
+def _eps_list(eps, n: int):
+    vals = list(eps) if isinstance(eps, (list, tuple)) else [eps] * n
+    if len(vals) != n:
+        raise ValueError(f"eps has {len(vals)} values for {n} parts; give one float or one per part")
+    for e in vals:
+        if isinstance(e, bool) or not isinstance(e, (float, int)) or not e >= 0:
+            raise ValueError(f"eps must be a non-negative float, got {e!r}")
+    return [float(e) for e in vals]
+
+
+def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
+    """Validate every part, allocate the joint outputs, run one kernel launch per part."""
+    n_parts = len(qs)
+    if n_parts == 0 or len(ks) != n_parts or len(q_weights) != n_parts or len(k_weights) != n_parts:
+        raise ValueError("parts must be a non-empty sequence of (q, k, q_weight, k_weight)")
+    eps = _eps_list(eps, n_parts)
+    _check_tensor("q", qs[0])
+    dev = qs[0].device
+    if qs[0].dim() != 4:
+        raise ValueError(f"q must be [B, S, H, D] (4 dims), got shape {tuple(qs[0].shape)}")
+    bsz, _, heads, dim = qs[0].shape
+    dtype = qs[0].dtype
+    has_weight = q_weights[0] is not None
+    total = 0
+    for i, (q, k, qw, kw) in enumerate(zip(qs, ks, q_weights, k_weights)):
+        tag = "" if n_parts == 1 else f" (part {i})"
+        _check_tensor("q" + tag, q, dev)
+        _check_tensor("k" + tag, k, dev)
+        if q.dim() != 4 or q.shape[0] != bsz or q.shape[2] != heads or q.shape[3] != dim:
+            raise ValueError(
+                f"q{tag} has shape {tuple(q.shape)}; expected [{bsz}, S, {heads}, {dim}] ([B, S, H, D], "
+                "with the B, H and D of the first part)"
+            )
+        if k.shape != q.shape:
+            raise ValueError(f"k{tag} has shape {tuple(k.shape)} but q{tag} has shape {tuple(q.shape)}; they must match")
+        if q.dtype != dtype or k.dtype != dtype:
+            raise TypeError(
+                f"q{tag} / k{tag} have dtypes {_dtype_name(q.dtype)} / {_dtype_name(k.dtype)}; every q and k must "
+                f"have the dtype {_dtype_name(dtype)}"
+            )
+        _check_last_contiguous("q" + tag, q)
+        _check_last_contiguous("k" + tag, k)
+        if (qw is None) != (kw is None) or (qw is not None) != has_weight:
+            raise ValueError("q_weight and k_weight must both be tensors or both be None, in every part")
+        for nm, w in (("q_weight" + tag, qw), ("k_weight" + tag, kw)):
+            if w is not None:
+                _check_tensor(nm, w, dev, _ANY_FLOAT)
+                if w.dim() != 1 or w.shape[0] != dim:
+                    raise ValueError(f"{nm} must have shape [{dim}] (the head dim of q), got {tuple(w.shape)}")
+                if dim > 1 and w.stride(0) != 1:
+                    raise ValueError(f"{nm} must be contiguous")
+        total += q.shape[1]
+    if dim > _MAX_HEAD_DIM:
+        raise ValueError(f"q has head dim {dim}; this kernel supports at most {_MAX_HEAD_DIM} (unsupported width)")
+    has_rope = cos is not None or sin is not None
+    if has_rope:
+        if cos is None or sin is None:
+            raise ValueError("cos and sin must be given together (or both None for no rotary embedding)")
+        if dim % 2:
+            raise ValueError(f"q has head dim {dim}; interleaved RoPE needs an even head dim")
+        for nm, t in (("cos", cos), ("sin", sin)):
+            _check_tensor(nm, t, dev, _ANY_FLOAT)
+            if t.dim() != 2 or t.shape[0] != total or t.shape[1] != dim:
+                raise ValueError(
+                    f"{nm} has shape {tuple(t.shape)}; expected [{total}, {dim}] (one row per token of the "
+                    "concatenated parts, as FluxPosEmbed returns it)"
+                )
+            _check_last_contiguous(nm, t)
+    q_out = torch.empty((bsz, total, heads, dim), dtype=dtype, device=dev)
+    k_out = torch.empty((bsz, total, heads, dim), dtype=dtype, device=dev)
+    if q_out.numel() == 0:
+        return q_out, k_out
+    warp_size = _device_target(dev)[2]
+    dummy = q_out  # never dereferenced: the constexpr flags remove the loads that would use it
+    offset = 0
+    for q, k, qw, kw, e in zip(qs, ks, q_weights, k_weights, eps):
+        seq = q.shape[1]
+        m = bsz * seq * heads
+        if m == 0:
+            offset += seq
+            continue
+        block_m, block_d, num_warps = _launch_config(dim, m, warp_size)
+        grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv costs microseconds per host call
+        _head_rms_norm_rope_kernel[grid](
+            q, q.stride(0), q.stride(1), q.stride(2),
+            k, k.stride(0), k.stride(1), k.stride(2),
+            qw if has_weight else dummy, kw if has_weight else dummy,
+            cos if has_rope else dummy, cos.stride(0) if has_rope else 0,
+            sin if has_rope else dummy, sin.stride(0) if has_rope else 0,
+            q_out, k_out,
+            m, seq, heads, dim,
+            total, offset,
+            e,
+            HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
+            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        )
+        offset += seq
+    return q_out, k_out
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom op: torch.compile traces through it instead of breaking the graph.
+# --------------------------------------------------------------------------------------------
+_NS = "rocm_triton_kernels"
+
+
+def _op_exists(name: str) -> bool:
+    return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
+
+
+if not _op_exists("head_rms_norm_rope"):
+
+    @torch.library.custom_op(f"{_NS}::head_rms_norm_rope", mutates_args=())
+    def _head_rms_norm_rope_op(
+        qs: list[torch.Tensor],
+        ks: list[torch.Tensor],
+        q_weights: list[Optional[torch.Tensor]],
+        k_weights: list[Optional[torch.Tensor]],
+        eps: list[float],
+        cos: Optional[torch.Tensor],
+        sin: Optional[torch.Tensor],
+        cast_before_weight: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight)
+
+    @_head_rms_norm_rope_op.register_fake
+    def _(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
+        b, _, h, d = qs[0].shape
+        total = sum(q.shape[1] for q in qs)
+        return (
+            torch.empty((b, total, h, d), dtype=qs[0].dtype, device=qs[0].device),
+            torch.empty((b, total, h, d), dtype=qs[0].dtype, device=qs[0].device),
+        )
+
+
+def _dispatch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops, _NS).head_rms_norm_rope(
+            list(qs), list(ks), list(q_weights), list(k_weights), _eps_list(eps, len(qs)), cos, sin,
+            bool(cast_before_weight),
+        )
+    # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    return _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def head_rms_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    eps: float,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
+    *,
+    cast_before_weight: bool = False,
+):
+    """``rope(norm_q(q)), rope(norm_k(k))`` per head in one launch (no RoPE when cos/sin are None).
+
+    q, k: [B, S, H, D], same shape and dtype (fp16/bf16/fp32), any strides with a contiguous last dim.
+    q_weight, k_weight: [D] (any float dtype) or both None. cos/sin: [S, D] (fp32 from FluxPosEmbed),
+    interleaved pairs (diffusers ``apply_rotary_emb(..., use_real_unbind_dim=-1)``), D even.
+    Returns contiguous [B, S, H, D] (q_out, k_out) of q's dtype. See the module docstring for
+    ``cast_before_weight``.
+    """
+    return _dispatch([q], [k], [q_weight], [k_weight], eps, cos, sin, cast_before_weight)
+
+
+def joint_head_rms_norm_rope(
+    parts: Sequence[tuple],
+    eps: Union[float, Sequence[float]],
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
+    *,
+    cast_before_weight: bool = False,
+):
+    """Per-head q/k RMSNorm (+ RoPE) of several token segments, concatenated along the tokens.
+
+    parts: [(q, k, q_weight, k_weight), ...], each q/k [B, S_i, H, D] with its own strides and norm
+    weights; B, H, D and the dtype are shared. eps: one float, or one per part. cos/sin: None, or
+    [sum S_i, D] for the concatenated tokens. Returns (q_out, k_out), contiguous [B, sum S_i, H, D],
+    equal to ``torch.cat([rope(norm(q_i)) ...], dim=1)`` (and the same for k) without the copies.
+    FLUX's double-stream attention: parts = [(text q, text k, norm_added_q.weight, norm_added_k.weight),
+    (image q, image k, norm_q.weight, norm_k.weight)].
+    """
+    if isinstance(parts, tuple) and parts and isinstance(parts[0], torch.Tensor):
+        raise TypeError("parts must be a sequence of (q, k, q_weight, k_weight) tuples")
+    parts = [tuple(p) for p in parts]
+    if any(len(p) != 4 for p in parts):
+        raise ValueError("each part must be a (q, k, q_weight, k_weight) tuple")
+    qs, ks, qws, kws = (list(c) for c in zip(*parts)) if parts else ([], [], [], [])
+    return _dispatch(qs, ks, qws, kws, eps, cos, sin, cast_before_weight)
+
+
+# --------------------------------------------------------------------------------------------
+# References: the plain-PyTorch math the kernel replaces (run them in float64 for testing)
+# --------------------------------------------------------------------------------------------
+def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
+    """RMSNorm over the last dim, rounded where the modules round (nothing rounds in float64)."""
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(f)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        if cast_before_weight:
+            y = y.to(x.dtype).to(f)
+        y = y * weight.to(f)
+    return y.to(x.dtype)
+
+
+def _rope_ref(x, cos, sin):
+    """diffusers apply_rotary_emb(x, (cos, sin), sequence_dim=1) for x [B, S, H, D]: fp32 math
+    (float64 for float64 x), one rounding."""
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(f)
+    even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
+    partner = torch.stack([-odd, even], dim=-1).flatten(-2)
+    c, s = cos.to(f)[None, :, None, :], sin.to(f)[None, :, None, :]
+    return (xf * c + partner * s).to(x.dtype)
+
+
+def joint_head_rms_norm_rope_ref(parts, eps, cos=None, sin=None, cast_before_weight=False):
+    eps = list(eps) if isinstance(eps, (list, tuple)) else [eps] * len(parts)
+    qn = torch.cat([_rms_norm_module_ref(q, qw, e, cast_before_weight) for (q, _, qw, _), e in zip(parts, eps)], dim=1)
+    kn = torch.cat([_rms_norm_module_ref(k, kw, e, cast_before_weight) for (_, k, _, kw), e in zip(parts, eps)], dim=1)
+    if cos is None:
+        return qn, kn
+    return _rope_ref(qn, cos, sin), _rope_ref(kn, cos, sin)
+
+
+def head_rms_norm_rope_ref(q, k, q_weight, k_weight, eps, cos=None, sin=None, cast_before_weight=False):
+    return joint_head_rms_norm_rope_ref([(q, k, q_weight, k_weight)], eps, cos, sin, cast_before_weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check: python head_norm_rope.py [--tokens S] [--heads H] [--head-dim D] [--dtype bf16]
+# --------------------------------------------------------------------------------------------
+def _main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(
+        description="Check the per-head q/k RMSNorm (+ RoPE) kernel against a float64 reference, with the "
+        "FLUX layout: text and image segments, fp32 cos/sin tables."
+    )
+    p.add_argument("--text-tokens", type=int, default=8, help="tokens of the first segment (default 8)")
+    p.add_argument("--tokens", type=int, default=24, help="tokens of the second segment (default 24)")
+    p.add_argument("--heads", type=int, default=4, help="heads (default 4)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128, FLUX)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+    if device == "cpu" and not _interpreting():
+        print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)
+        return 2
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    B, H, D, St, Si = 1, args.heads, args.head_dim, args.text_tokens, args.tokens
+
+    def rnd(*shape, scale=1.0, offset=0.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale + offset).to(device, dt)
+
+    # q, k, v of each stream as the projections produce them: [B, S, H*D] viewed as [B, S, H, D]
+    txt = rnd(B, St, 3 * H * D, scale=2.0)
+    img = rnd(B, Si, 3 * H * D, scale=2.0)
+    tq, tk = (t.unflatten(-1, (H, D)) for t in txt[..., : 2 * H * D].chunk(2, dim=-1))
+    iq, ik = (t.unflatten(-1, (H, D)) for t in img[..., : 2 * H * D].chunk(2, dim=-1))
+    ws = [rnd(D, scale=0.2, offset=1.0) for _ in range(4)]
+    angles = torch.randn(St + Si, D // 2, generator=g, dtype=torch.float64) * 10
+    cos = angles.cos().repeat_interleave(2, dim=-1).float().to(device)
+    sin = angles.sin().repeat_interleave(2, dim=-1).float().to(device)
+    parts = [(tq, tk, ws[0], ws[1]), (iq, ik, ws[2], ws[3])]
+    q_out, k_out = joint_head_rms_norm_rope(parts, 1e-6, cos, sin)
+    dparts = [tuple(t.double() for t in part) for part in parts]
+    q_ref, k_ref = joint_head_rms_norm_rope_ref(dparts, 1e-6, cos.double(), sin.double())
+    q_nr, k_nr = joint_head_rms_norm_rope(parts, 1e-6, cast_before_weight=True)
+    q_nr_ref, k_nr_ref = joint_head_rms_norm_rope_ref(dparts, 1e-6)
+    checks = {"q_rope": (q_out, q_ref), "k_rope": (k_out, k_ref), "q_norm_only": (q_nr, q_nr_ref),
+              "k_norm_only": (k_nr, k_nr_ref)}
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
+    report, ok = {}, True
+    for name, (got, ref) in checks.items():
+        err = ((got.double() - ref.double()).abs() / (1 + ref.double().abs())).max().item()
+        good = bool(err <= tol)
+        report[name] = {"max_rel_err": err, "ok": good}
+        ok &= good
+    print(json.dumps({"device": str(device), "dtype": args.dtype, "shape": [B, St + Si, H, D], "checks": report,
+                      "ok": bool(ok)}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,133 @@
+"""Machinery shared by the integration scripts (diffusers_injection.py, mmdit_injection.py,
+transformers_injection.py): when a kernel may replace torch for some tensors, and reversible
+per-instance forward patching. The kernel files themselves do not use it (each stays copyable
+alone); an integration copied elsewhere needs this file beside it.
+
+Each integration passes its own state key, so two injectors never undo each other's patches.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF = (torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# When may a kernel run?
+# --------------------------------------------------------------------------------------------
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_ok(t: torch.Tensor) -> bool:
+    # "cuda" is also ROCm's device type. CPU tensors only through Triton's interpreter.
+    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+
+
+def usable(*tensors) -> bool:
+    """True if the kernels may replace torch for these tensors (None entries are ignored).
+
+    The kernels are inference-only (no backward): under autograd with any input that requires a
+    gradient the original code runs. All tensors must share one device the kernels can run on (a
+    weight still on the meta device, as accelerate's sequential offload leaves it, fails this) and
+    have a kernel dtype (fp16, bf16, fp32).
+    """
+    ts = [t for t in tensors if t is not None]
+    if not ts or not device_ok(ts[0]):
+        return False
+    dev = ts[0].device
+    grad = torch.is_grad_enabled()
+    for t in ts:
+        if t.device != dev or t.dtype not in KERNEL_DTYPES or (grad and t.requires_grad):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# torch.nn.RMSNorm numerics
+# --------------------------------------------------------------------------------------------
+def probe_torch_rmsnorm() -> bool:
+    """True if the installed torch's F.rms_norm rounds to the input dtype before the weight multiply.
+
+    torch 2.11 (CUDA) and 2.13 (CPU) multiply the weight in fp32 and round once; other releases
+    have rounded first. Probed on the GPU when there is one: that is where the model will run, and
+    torch's CPU and GPU implementations have not always rounded alike.
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g).to(device, torch.bfloat16)
+    w = (1 + torch.randn(64, generator=g)).to(device, torch.bfloat16)
+    got = F.rms_norm(x, (64,), w, 1e-6).float()
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    after = (normed.to(torch.bfloat16) * w).float()
+    once = (normed * w.float()).to(torch.bfloat16).float()
+    return bool((got - after).abs().max() < (got - once).abs().max())
+
+
+def torch_rmsnorm_eps(module: torch.nn.RMSNorm) -> float:
+    # eps=None means the machine epsilon of the computation dtype, fp32 for fp32/fp16/bf16 inputs.
+    return float(module.eps) if module.eps is not None else float(torch.finfo(torch.float32).eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Patching instance forwards, reversibly
+# --------------------------------------------------------------------------------------------
+def patch_forward(module: torch.nn.Module, fn, kind: str, state_key: str, **extra) -> bool:
+    """Make fn(module, ...) the module's forward. False if the module is already patched (under
+    this state key).
+
+    If accelerate already hooked the module (its hook calls module._old_forward), the hooked
+    function is replaced instead, so the hook keeps running around the kernel. The record kept
+    under state_key holds the kind, the replaced function and any `extra` entries.
+    """
+    if state_key in module.__dict__:
+        return False
+    slot = "_old_forward" if ("_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")) else "forward"
+    prev = module.__dict__.get(slot)
+    patched = types.MethodType(fn, module)
+    original = prev if prev is not None else types.MethodType(type(module).forward, module)
+    module.__dict__[state_key] = {
+        "kind": kind, "slot": slot, "prev": prev, "patched": patched, "original": original, **extra
+    }
+    module.__dict__[slot] = patched
+    return True
+
+
+def original_forward(module: torch.nn.Module, state_key: str):
+    """The forward the module had before patching (used for inputs the kernels do not cover)."""
+    return module.__dict__[state_key]["original"]
+
+
+def restore_forward(module: torch.nn.Module, state: dict) -> None:
+    """Put back the forward that patch_forward replaced (state: the record it kept, already removed
+    from the module). A hook added after injection may have moved the patched function to
+    _old_forward (accelerate does): it is restored wherever it now is."""
+    patched, prev = state["patched"], state["prev"]
+    for slot in ("forward", "_old_forward"):
+        if module.__dict__.get(slot) is patched:
+            if prev is None and slot == "forward":
+                del module.__dict__["forward"]
+            else:
+                module.__dict__[slot] = prev if prev is not None else types.MethodType(type(module).forward, module)
+            break
+
+
+def pop_state(module: torch.nn.Module, state_key: str) -> Optional[dict]:
+    return module.__dict__.pop(state_key, None)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(
+        description="Shared helpers of the integration scripts (nothing to run): when a kernel may replace "
+        "torch, and reversible forward patching. Import it; see diffusers_injection.py."
+    ).parse_args()

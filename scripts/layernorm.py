@@ -1,0 +1,663 @@
+"""LayerNorm over the last dimension, optionally fused with AdaLN modulation and a gated residual.
+
+    h   = h + gate * y                                          (optional: gated residual, h returned too)
+    out = ((x - mean(x)) / sqrt(var(x) + eps) [* w] [+ b]) * (1 + scale) + shift   (parts optional)
+    with the biased variance over the last dim, all arithmetic in fp32, one rounding per output.
+
+One Triton kernel implements every variant; constexpr flags remove the parts a call does not use.
+This is the norm of the MMDiT models in diffusers (SD3 ``JointTransformerBlock``, FLUX
+``FluxTransformerBlock`` / ``FluxSingleTransformerBlock``): ``nn.LayerNorm(D, elementwise_affine=False,
+eps=1e-6)`` followed by ``* (1 + scale) + shift`` with one scale/shift row per sample. Public functions:
+
+* ``layer_norm(x, weight=None, bias=None, eps=1e-5)``: ``torch.nn.functional.layer_norm`` over the last dim.
+* ``layer_norm_modulate(x, scale, shift, eps=1e-6)``: ``layer_norm(x) * (1 + scale) + shift``: diffusers
+  ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` / ``AdaLayerNormContinuous`` after their linear layer.
+* ``layer_norm_modulate_dual(x, scale, shift, scale2, shift2, eps=1e-6)``: two modulations of one
+  normalised row, ``(out, out2)``: diffusers ``SD35AdaLayerNormZeroX`` (SD3.5 dual-attention blocks).
+* ``gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps=1e-6)``: ``h = h + gate * y`` (gate
+  None: ``h + y``), then ``layer_norm_modulate(h, ...)``; returns ``(h, out)``: the block step "attention
+  output into the residual stream, then norm2 + MLP modulation".
+
+scale / shift / gate shapes: anything that broadcasts to x ([D], [B, 1, D], [B, S, D], ...), and also
+[B, D] for a 3-D x [B, S, D], meaning one row per sample ([B, 1, D]): the form of ``emb.chunk(6, dim=1)``
+in diffusers' AdaLN modules, whose views (row stride 6 * D) are read in place. Each ``*_ref`` function is
+the plain-PyTorch math the kernel replaces. The file depends on torch and triton only; copy it into
+another project as is. Run ``python layernorm.py --help``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "layer_norm",
+    "layer_norm_modulate",
+    "layer_norm_modulate_dual",
+    "gated_residual_layer_norm_modulate",
+    "layer_norm_ref",
+    "layer_norm_modulate_ref",
+    "layer_norm_modulate_dual_ref",
+    "gated_residual_layer_norm_modulate_ref",
+]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Rows up to this many elements are normalised from registers in one pass (one read, one write).
+# Wider rows are processed in chunks of _CHUNK_N: a pass for the mean, a pass for the variance around
+# it (no cancellation, unlike a single sum-of-squares pass), a pass that normalises. The cap keeps the
+# per-lane register footprint bounded (16384 fp32 values over 16 warps is at most 32 per lane).
+_MAX_FUSED_N = 16384
+_CHUNK_N = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
+                     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr):
+    """Normalised fp32 rows y -> (* w) (+ b), then * (1 + scale) + shift."""
+    if HAS_WEIGHT:
+        # loaded at the tile's full shape so it shares the tile's register layout (a [BLOCK_N] load
+        # gets another layout and costs a conversion through LDS)
+        w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
+        y = y * w
+    if HAS_BIAS:
+        b = tl.load(BIAS + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
+        y = y + b
+    if HAS_MOD:
+        sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * (1.0 + sc) + sh
+    return y
+
+
+@triton.jit
+def _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
+                   HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
+    """fp32 rows of x, or of h = x + gate * y rounded to h's dtype (and stored to H_OUT)."""
+    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        yv = tl.load(Y + y_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            g = tl.load(GATE + g_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            yv = g * yv
+        h = (x + yv).to(H_OUT.dtype.element_ty)
+        tl.store(H_OUT + out_row[:, None] + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)  # normalise the stored (rounded) h, as the unfused model does
+    return x
+
+
+@triton.jit
+def _layer_norm_kernel(
+    X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
+    x_stride_o, x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
+    Y, y_stride_o, y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
+    GATE, g_stride_o, g_stride_i,  # gate multiplying Y (HAS_GATE), broadcast strides
+    H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
+    W,  # weight [N] (HAS_WEIGHT)
+    BIAS,  # bias [N] (HAS_BIAS)
+    SCALE, s_stride_o, s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
+    SHIFT, t_stride_o, t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
+    SCALE2, s2_stride_o, s2_stride_i,  # second modulation scale (HAS_MOD2), broadcast strides
+    SHIFT2, t2_stride_o, t2_stride_i,  # second modulation shift (HAS_MOD2), broadcast strides
+    OUT,  # contiguous [M, N] output
+    OUT2,  # contiguous [M, N] second output (HAS_MOD2)
+    M, N, INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
+    eps,  # epsilon added to the variance
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_N: tl.constexpr,  # columns per step; >= N when SINGLE_PASS
+    SINGLE_PASS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
+    outer = (rows // INNER).to(tl.int64)
+    inner = (rows % INNER).to(tl.int64)
+    x_row = outer * x_stride_o + inner * x_stride_i
+    out_row = rows.to(tl.int64) * N
+    y_row = out_row  # placeholders, used only under the matching flag
+    g_row = out_row
+    s_row = out_row
+    t_row = out_row
+    s2_row = out_row
+    t2_row = out_row
+    if HAS_RESIDUAL:
+        y_row = outer * y_stride_o + inner * y_stride_i
+        if HAS_GATE:
+            g_row = outer * g_stride_o + inner * g_stride_i
+    if HAS_MOD:
+        s_row = outer * s_stride_o + inner * s_stride_i
+        t_row = outer * t_stride_o + inner * t_stride_i
+    if HAS_MOD2:
+        s2_row = outer * s2_stride_o + inner * s2_stride_i
+        t2_row = outer * t2_stride_o + inner * t2_stride_i
+    cols0 = tl.arange(0, BLOCK_N)
+
+    if SINGLE_PASS:
+        mask = row_mask[:, None] & (cols0 < N)[None, :]
+        x = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols0, mask,
+                           HAS_RESIDUAL, HAS_GATE)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        y = xc * rstd[:, None]
+        if HAS_MOD2:
+            y2 = _affine_modulate(y, W, BIAS, SCALE2, SHIFT2, s2_row, t2_row, rows, cols0, mask,
+                                  HAS_WEIGHT, HAS_BIAS, True)
+            tl.store(OUT2 + out_row[:, None] + cols0[None, :], y2.to(OUT2.dtype.element_ty), mask=mask)
+        y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols0, mask,
+                             HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+        tl.store(OUT + out_row[:, None] + cols0[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: the mean (and the residual update, stored once).
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            acc += _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
+                                  HAS_RESIDUAL, HAS_GATE)
+        mean = tl.sum(acc, axis=1) / N
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
+        # Pass 2: the variance around the mean.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            if HAS_RESIDUAL:
+                x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            acc += xc * xc
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+        # Pass 3: normalise, affine, modulate, store.
+        for start in range(0, N, BLOCK_N):
+            cols = start + cols0
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            if HAS_RESIDUAL:
+                x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_MOD2:
+                y2 = _affine_modulate(y, W, BIAS, SCALE2, SHIFT2, s2_row, t2_row, rows, cols, mask,
+                                      HAS_WEIGHT, HAS_BIAS, True)
+                tl.store(OUT2 + out_row[:, None] + cols[None, :], y2.to(OUT2.dtype.element_ty), mask=mask)
+            y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
+                                 HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+            tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher helpers
+# --------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _device_target(device: torch.device):
+    """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
+    if device.type == "cpu":
+        return ("interpreter", None, 32)
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
+    with torch.cuda.device(index):
+        target = triton.runtime.driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
+    if t.device.type == "cpu" and not _interpreting():
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+        )
+
+
+def _per_sample(t: torch.Tensor, x_dim: int) -> torch.Tensor:
+    """A [B, D] modulation tensor for a 3-D input [B, S, D] means one row per sample: view it as [B, 1, D]."""
+    return t.unsqueeze(1) if (x_dim == 3 and t.dim() == 2) else t
+
+
+def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
+    """Strides of t broadcast to shape (0 along broadcast dims), without materialising anything.
+    A [B, D] tensor for a 3-D input is read as [B, 1, D] (see _per_sample)."""
+    shown = tuple(t.shape)
+    t = _per_sample(t, len(shape))
+    nd, td = len(shape), t.dim()
+    if td > nd:
+        raise ValueError(f"{name} of shape {shown} has more dimensions than the input {tuple(shape)}")
+    tshape, tstride = (1,) * (nd - td) + tuple(t.shape), (0,) * (nd - td) + tuple(t.stride())
+    out = []
+    for size, st, want in zip(tshape, tstride, shape):
+        if size == want:
+            out.append(st if want != 1 else 0)
+        elif size == 1:
+            out.append(0)
+        else:
+            raise ValueError(
+                f"{name} of shape {shown} does not broadcast to the input's shape {tuple(shape)}; "
+                "expected [D], [B, D] (one row per sample of a [B, S, D] input), [B, 1, D] or [B, S, D]"
+            )
+    if shape[-1] > 1 and out[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {out[-1]})")
+    return tuple(out)
+
+
+def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """True if these dims can be addressed as one flat index with a single stride."""
+    dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
+    return all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1))
+
+
+def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
+    dims = [st for s, st in zip(shape, strides) if s != 1]
+    return dims[-1] if dims else 0
+
+
+def _row_layout(stride_sets, lead_shape):
+    """Express the leading dims of every operand as two levels of rows.
+
+    stride_sets holds each operand's strides (broadcast to the input's shape, last dim excluded).
+    Row r of the flattened [M, N] problem lives at (r // inner) * stride_o + (r % inner) * stride_i.
+    Up to two leading dims map directly ([B, S, D] and [M, D] cost nothing); more are collapsed
+    where every operand allows it. No copy is ever made; a layout that needs more than two levels
+    is rejected with a clear error.
+    """
+    nlead = len(lead_shape)
+    if nlead == 0:
+        return 1, [(0, 0) for _ in stride_sets]
+    if nlead == 1:
+        return lead_shape[0], [(0, st[0]) for st in stride_sets]
+    if nlead == 2:
+        return lead_shape[1], [(st[0], st[1]) for st in stride_sets]
+    for k in range(nlead, -1, -1):
+        layouts = []
+        for st in stride_sets:
+            if not (_mergeable(lead_shape[:k], st[:k]) and _mergeable(lead_shape[k:], st[k:])):
+                break
+            layouts.append((_flat_stride(lead_shape[:k], st[:k]), _flat_stride(lead_shape[k:], st[k:])))
+        else:
+            inner = 1
+            for s in lead_shape[k:]:
+                inner *= s
+            return max(inner, 1), layouts
+    raise ValueError(
+        "the leading dimensions of the inputs cannot be addressed with two strides "
+        f"(shape {tuple(lead_shape)}, strides {[tuple(st) for st in stride_sets]}); "
+        "call .contiguous() on the input first"
+    )
+
+
+def _launch_config(n_cols: int, n_rows: int, warp_size: int):
+    return _launch_config_cached(n_cols, n_rows, warp_size, _MAX_FUSED_N, _CHUNK_N)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: int, chunk: int):
+    """(BLOCK_M, BLOCK_N, single pass?, num_warps).
+
+    Reasons: each lane should hold about 8 consecutive elements of a row (one 16-byte bf16 vector),
+    so the warp count follows from the tile size and the warp size (32 lanes on NVIDIA and RDNA
+    wave32, 64 on CDNA wave64: a wave64 GPU gets half the warps for the same tile). Rows narrower
+    than ~4096 elements are packed several to a program, so that a program still moves about 8 KiB
+    of bf16 in and out (small programs leave bandwidth unused and pay scheduling costs per row).
+    SD3/FLUX rows are 1536-3072 wide: one or two rows per program.
+    """
+    single = n_cols <= max_fused
+    block_n = triton.next_power_of_2(n_cols) if single else chunk
+    block_m = max(1, min(16, 4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    num_warps = max(1, min(16, (block_m * block_n) // (warp_size * 8)))
+    num_warps = triton.next_power_of_2(num_warps)
+    return block_m, block_n, single, num_warps
+
+
+def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+    """Validate, pick the launch configuration and run the kernel.
+
+    Returns (h_out or None, out, out2 or None). h_out is x + gate * y when y is given (x is then the
+    residual stream h); out is the normalised (and modulated) row; out2 the second modulation.
+    """
+    _check_tensor("x", x)
+    device = x.device
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the normalised one)")
+    shape = x.shape
+    n = shape[-1]
+    if x.numel() > 0 and x.stride(-1) != 1 and n > 1:
+        raise ValueError(f"x must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    has_residual = y is not None
+    if has_residual:
+        _check_tensor("y", y, device)
+        if y.shape != shape:
+            raise ValueError(f"y has shape {tuple(y.shape)} but h has shape {tuple(shape)}; they must match")
+        if y.dtype != x.dtype:
+            raise TypeError(f"y has dtype {_dtype_name(y.dtype)} but h has dtype {_dtype_name(x.dtype)}; they must match")
+        if y.numel() > 0 and y.stride(-1) != 1 and n > 1:
+            raise ValueError(f"y must be contiguous in its last dimension (stride {y.stride(-1)}); call .contiguous()")
+    elif gate is not None:
+        raise ValueError("gate is only used with a residual branch y")
+    if gate is not None:
+        _check_tensor("gate", gate, device)
+        g_strides = _bcast_strides("gate", gate, shape)
+    for nm, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            _check_tensor(nm, p, device)
+            if p.dim() != 1 or p.shape[0] != n:
+                raise ValueError(f"{nm} must have shape [{n}] (the last dim of x), got {tuple(p.shape)}")
+            if p.stride(0) != 1 and n > 1:
+                raise ValueError(f"{nm} must be contiguous")
+    mods = []
+    for sc_name, sh_name, sc, sh in (("scale", "shift", scale, shift), ("scale2", "shift2", scale2, shift2)):
+        if (sc is None) != (sh is None):
+            raise ValueError(f"{sc_name} and {sh_name} must be given together")
+        if sc is None:
+            mods.append(None)
+            continue
+        _check_tensor(sc_name, sc, device)
+        _check_tensor(sh_name, sh, device)
+        mods.append((sc, sh, _bcast_strides(sc_name, sc, shape), _bcast_strides(sh_name, sh, shape)))
+    has_mod, has_mod2 = mods[0] is not None, mods[1] is not None
+    if has_mod2 and not has_mod:
+        raise ValueError("scale2/shift2 need scale/shift (the first modulation)")
+
+    out = torch.empty(shape, dtype=x.dtype, device=device)
+    out2 = torch.empty(shape, dtype=x.dtype, device=device) if has_mod2 else None
+    h_out = torch.empty(shape, dtype=x.dtype, device=device) if has_residual else None
+    if x.numel() == 0:
+        return h_out, out, out2
+    m = x.numel() // n
+    stride_sets = [x.stride()[:-1]]
+    if has_residual:
+        stride_sets.append(y.stride()[:-1])
+    if gate is not None:
+        stride_sets.append(g_strides[:-1])
+    for mod in mods:
+        if mod is not None:
+            stride_sets += [mod[2][:-1], mod[3][:-1]]
+    inner, layouts = _row_layout(stride_sets, list(shape[:-1]))
+    it = iter(layouts)
+    xs = next(it)
+    ys = next(it) if has_residual else (0, 0)
+    gs = next(it) if gate is not None else (0, 0)
+    ss, ts = (next(it), next(it)) if has_mod else ((0, 0), (0, 0))
+    s2, t2 = (next(it), next(it)) if has_mod2 else ((0, 0), (0, 0))
+    dummy = x  # never dereferenced: the constexpr flags remove the loads that would use it
+    sc, sh = (mods[0][0], mods[0][1]) if has_mod else (dummy, dummy)
+    sc2, sh2 = (mods[1][0], mods[1][1]) if has_mod2 else (dummy, dummy)
+
+    _, _, warp_size = _device_target(device)
+    block_m, block_n, single, num_warps = _launch_config(n, m, warp_size)
+    grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv costs microseconds per host call
+    _layer_norm_kernel[grid](
+        x, xs[0], xs[1],
+        y if has_residual else dummy, ys[0], ys[1],
+        gate if gate is not None else dummy, gs[0], gs[1],
+        h_out if has_residual else out,
+        weight if weight is not None else dummy,
+        bias if bias is not None else dummy,
+        sc, ss[0], ss[1],
+        sh, ts[0], ts[1],
+        sc2, s2[0], s2[1],
+        sh2, t2[0], t2[1],
+        out,
+        out2 if has_mod2 else out,
+        m, n, inner,
+        float(eps),
+        HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_MOD=has_mod, HAS_MOD2=has_mod2,
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
+        num_warps=num_warps,
+    )
+    return h_out, out, out2
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library custom op: torch.compile traces through it instead of breaking the graph.
+# --------------------------------------------------------------------------------------------
+_NS = "rocm_triton_kernels"
+
+
+def _op_exists(name: str) -> bool:
+    return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
+
+
+if not _op_exists("layer_norm_fused"):
+
+    @torch.library.custom_op(f"{_NS}::layer_norm_fused", mutates_args=())
+    def _layer_norm_fused_op(
+        x: torch.Tensor,
+        y: Optional[torch.Tensor],
+        gate: Optional[torch.Tensor],
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        scale: Optional[torch.Tensor],
+        shift: Optional[torch.Tensor],
+        scale2: Optional[torch.Tensor],
+        shift2: Optional[torch.Tensor],
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h_out, out, out2 = _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
+        # custom ops cannot return None: absent outputs are empty tensors
+        return (h_out if h_out is not None else x.new_empty(0), out, out2 if out2 is not None else x.new_empty(0))
+
+    @_layer_norm_fused_op.register_fake
+    def _(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        h_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is not None else x.new_empty(0)
+        out2 = torch.empty(x.shape, dtype=x.dtype, device=x.device) if scale2 is not None else x.new_empty(0)
+        return h_out, out, out2
+
+
+def _dispatch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+    if torch.compiler.is_compiling():
+        h_out, out, out2 = getattr(torch.ops, _NS).layer_norm_fused(
+            x, y, gate, weight, bias, scale, shift, scale2, shift2, float(eps)
+        )
+        return (h_out if y is not None else None), out, (out2 if scale2 is not None else None)
+    # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    return _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def layer_norm(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``: fp32 math, one rounding.
+
+    x: any leading shape, last dim contiguous (rows may be strided). weight/bias: [D] or None.
+    Output: x's dtype and shape, contiguous.
+    """
+    return _dispatch(x, None, None, weight, bias, None, None, None, None, eps)[1]
+
+
+def layer_norm_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """AdaLN: ``layer_norm(x, weight, bias) * (1 + scale) + shift`` in one pass, fp32 math, one rounding.
+
+    scale/shift: [B, D] (one row per sample of x [B, S, D], as diffusers' AdaLN chunks them), or any
+    shape broadcastable to x ([D], [B, 1, D], [B, S, D]). Strided views are read in place.
+    """
+    if scale is None or shift is None:
+        raise ValueError("scale and shift are required; use layer_norm() for a plain norm")
+    return _dispatch(x, None, None, weight, bias, scale, shift, None, None, eps)[1]
+
+
+def layer_norm_modulate_dual(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    scale2: torch.Tensor,
+    shift2: torch.Tensor,
+    eps: float = 1e-6,
+):
+    """Two modulations of one LayerNorm: ``(n * (1 + scale) + shift, n * (1 + scale2) + shift2)`` with
+    ``n = layer_norm(x)``, reading x once (diffusers ``SD35AdaLayerNormZeroX``). Returns (out, out2)."""
+    if scale is None or shift is None or scale2 is None or shift2 is None:
+        raise ValueError("scale, shift, scale2 and shift2 are all required")
+    _, out, out2 = _dispatch(x, None, None, None, None, scale, shift, scale2, shift2, eps)
+    return out, out2
+
+
+def gated_residual_layer_norm_modulate(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    gate: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    shift: Optional[torch.Tensor],
+    eps: float = 1e-6,
+    *,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+):
+    """h_new = h + gate * y (gate None: h + y), rounded to h's dtype; out = layer_norm_modulate(h_new).
+
+    The MMDiT step ``h = h + gate_msa[:, None] * attn; n = norm2(h) * (1 + scale_mlp[:, None]) +
+    shift_mlp[:, None]`` in one kernel. gate/scale/shift: [B, D] per sample (or broadcastable to h).
+    scale/shift may both be None (plain residual add + LayerNorm). Returns (h_new, out).
+    """
+    if y is None:
+        raise ValueError("y is required; use layer_norm_modulate() without a residual")
+    h_out, out, _ = _dispatch(h, y, gate, weight, bias, scale, shift, None, None, eps)
+    return h_out, out
+
+
+# --------------------------------------------------------------------------------------------
+# References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
+# --------------------------------------------------------------------------------------------
+def _f(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def layer_norm_ref(x, weight=None, bias=None, eps=1e-5):
+    """F.layer_norm math: in float64 for float64 input, else fp32 then rounded to x's dtype."""
+    f = _f(x)
+    xf = x.to(f)
+    mean = xf.mean(-1, keepdim=True)
+    var = (xf - mean).pow(2).mean(-1, keepdim=True)
+    y = (xf - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(f)
+    if bias is not None:
+        y = y + bias.to(f)
+    return y.to(x.dtype)
+
+
+def layer_norm_modulate_ref(x, scale, shift, eps=1e-6, weight=None, bias=None):
+    f = _f(x)
+    n = layer_norm_ref(x.to(f), weight, bias, eps)
+    sc, sh = _per_sample(scale, x.dim()).to(f), _per_sample(shift, x.dim()).to(f)
+    return (n * (1 + sc) + sh).to(x.dtype)
+
+
+def layer_norm_modulate_dual_ref(x, scale, shift, scale2, shift2, eps=1e-6):
+    return layer_norm_modulate_ref(x, scale, shift, eps), layer_norm_modulate_ref(x, scale2, shift2, eps)
+
+
+def gated_residual_layer_norm_modulate_ref(h, y, gate, scale, shift, eps=1e-6, weight=None, bias=None):
+    f = _f(h)
+    upd = y.to(f) if gate is None else _per_sample(gate, h.dim()).to(f) * y.to(f)
+    h_new = (h.to(f) + upd).to(h.dtype)
+    if scale is None:
+        return h_new, layer_norm_ref(h_new, weight, bias, eps)
+    return h_new, layer_norm_modulate_ref(h_new, scale, shift, eps, weight, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check: python layernorm.py [--rows R] [--width N] [--dtype bf16]
+# --------------------------------------------------------------------------------------------
+def _main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(
+        description="Check the LayerNorm / AdaLN / gated-residual kernels against a float64 reference on random inputs."
+    )
+    p.add_argument("--rows", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--width", type=int, default=3072, help="normalised width (default 3072, FLUX)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
+    if device == "cpu" and not _interpreting():
+        print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)
+        return 2
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    D = args.width
+
+    def rnd(*shape, scale=1.0, offset=0.0):
+        return (torch.randn(*shape, generator=g) * scale + offset).to(device, dtype)
+
+    x = rnd(2, args.rows, D, scale=2.0, offset=0.3)
+    y = rnd(2, args.rows, D)
+    emb = rnd(2, 6 * D, scale=0.3)  # diffusers AdaLN: chunks of one [B, 6D] projection
+    shift, scale, gate, shift2, scale2, _ = emb.chunk(6, dim=1)
+    w, b = rnd(D, scale=0.2, offset=1.0), rnd(D, scale=0.2)
+    d = {k: v.double() for k, v in dict(x=x, y=y, shift=shift, scale=scale, gate=gate, shift2=shift2,
+                                        scale2=scale2, w=w, b=b).items()}
+    h_new, out = gated_residual_layer_norm_modulate(x, y, gate, scale, shift)
+    o1, o2 = layer_norm_modulate_dual(x, scale, shift, scale2, shift2)
+    r1, r2 = layer_norm_modulate_dual_ref(d["x"], d["scale"], d["shift"], d["scale2"], d["shift2"])
+    checks = {
+        "layer_norm": (layer_norm(x, w, b), layer_norm_ref(d["x"], d["w"], d["b"])),
+        "layer_norm_modulate": (layer_norm_modulate(x, scale, shift),
+                                layer_norm_modulate_ref(d["x"], d["scale"], d["shift"])),
+        "layer_norm_modulate_dual": (torch.stack([o1, o2]), torch.stack([r1, r2])),
+        "gated_residual_h": (h_new, gated_residual_layer_norm_modulate_ref(
+            d["x"], d["y"], d["gate"], d["scale"], d["shift"])[0].to(dtype)),
+        "gated_residual_out": (out, layer_norm_modulate_ref(h_new.double(), d["scale"], d["shift"])),
+    }
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
+    report, ok = {}, True
+    for name, (got, ref) in checks.items():
+        err = ((got.double() - ref.double()).abs() / (1 + ref.double().abs())).max().item()
+        good = bool(err <= tol)
+        report[name] = {"max_rel_err": err, "ok": good}
+        ok &= good
+    print(json.dumps({"device": str(device), "dtype": args.dtype, "width": D, "checks": report, "ok": bool(ok)}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,957 @@
+"""Put the project's Triton kernels into diffusers' MMDiT transformers (SD3 / SD3.5 and FLUX), and take
+them out again.
+
+    counts = inject_mmdit_kernels(pipe)      # or a bare SD3Transformer2DModel / FluxTransformer2DModel
+    ...                                      # pipe(...) now runs the kernels
+    remove_mmdit_kernels(pipe)               # original forwards and processors are back
+
+``diffusers_injection.inject_optimized_kernels`` calls these functions too, for the SD3 / FLUX
+transformers it finds. What is replaced, per kind (counts on SD3.5-medium / FLUX.1-dev):
+
+* ``mmdit_adaln_zero`` (34 / 38): ``AdaLayerNormZero``: its linear layer as before, then LayerNorm +
+  ``* (1 + scale_msa) + shift_msa`` in one kernel (``layernorm.layer_norm_modulate``).
+* ``mmdit_adaln_zero_x`` (13 / 0): SD3.5's ``SD35AdaLayerNormZeroX``: one LayerNorm, two modulations,
+  one kernel reading x once (``layernorm.layer_norm_modulate_dual``).
+* ``mmdit_adaln_zero_single`` (0 / 38): FLUX's ``AdaLayerNormZeroSingle``.
+* ``mmdit_adaln_continuous`` (2 / 1): ``AdaLayerNormContinuous`` (``norm_out``, and SD3's last
+  ``norm1_context``): note its chunk order is (scale, shift), not (shift, scale).
+* ``mmdit_fused_blocks`` (24 / 57): ``JointTransformerBlock`` / ``FluxTransformerBlock`` /
+  ``FluxSingleTransformerBlock`` forwards: ``h + gate * attn`` then norm2 + MLP modulation in one kernel
+  (``layernorm.gated_residual_layer_norm_modulate``, returning both the residual and the normalised
+  input of the feed-forward), the same for the text stream, and ``rmsnorm.gated_residual_add`` for
+  the other gated residual adds.
+* ``mmdit_qk_norm_fused`` (37 / 0): SD3 attention processors (``JointAttnProcessor2_0`` with
+  ``qk_norm="rms_norm"``): the per-head q/k RMSNorms of the image and text streams in one launch,
+  written straight into the concatenated ``[B, S_img + S_txt, H, D]`` buffers that SDPA reads
+  (``head_norm_rope.joint_head_rms_norm_rope``); the SDPA call is unchanged.
+* ``mmdit_qk_norm_rope_fused`` (0 / 57): FLUX processors (``FluxAttnProcessor``): per-head q/k RMSNorms
+  of text and image, concatenation and the rotary embedding in one launch; ``dispatch_attention_fn`` as
+  before.
+* ``mmdit_gelu_tanh`` (47 / 76): diffusers ``GELU(approximate="tanh")`` (feed-forwards) and
+  ``torch.nn.GELU(approximate="tanh")`` (FLUX single blocks): ``activations.gelu_tanh``.
+
+Modules are recognised by exact class; anything else is left untouched. Every patched forward reads its
+parameters when it runs and falls back to the original operations for inputs the kernels do not cover
+(autograd, a device the kernels cannot run on, unusual dtype mixes, FF chunking). Injecting twice
+changes nothing; removal restores the original forwards and processors, so outputs become bit-identical
+to the unpatched model.
+
+Also here: ``build_sd3_transformer`` / ``build_flux_transformer`` (tiny test models, or the released
+SD3.5-medium / SD3-medium / FLUX.1-dev architectures with random weights, no hub access) and
+``make_mmdit_inputs`` (the keyword arguments of one transformer forward, as the pipelines build them).
+Run ``python mmdit_injection.py`` for the counts on the real architectures (meta device, no memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Optional
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # the leaf kernels live beside this file
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import activations  # noqa: E402
+import head_norm_rope  # noqa: E402
+import injection_common as ic  # noqa: E402
+import layernorm  # noqa: E402
+import rmsnorm  # noqa: E402
+
+from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
+from diffusers.models.attention import JointTransformerBlock  # noqa: E402
+from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
+from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0  # noqa: E402
+from diffusers.models.embeddings import apply_rotary_emb  # noqa: E402
+from diffusers.models.normalization import (  # noqa: E402
+    AdaLayerNormContinuous,
+    AdaLayerNormZero,
+    AdaLayerNormZeroSingle,
+    FP32LayerNorm,
+    SD35AdaLayerNormZeroX,
+)
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
+from diffusers.models.transformers.transformer_flux import (  # noqa: E402
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxSingleTransformerBlock,
+    FluxTransformer2DModel,
+    FluxTransformerBlock,
+)
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel  # noqa: E402
+
+__all__ = [
+    "inject_mmdit_kernels",
+    "remove_mmdit_kernels",
+    "mmdit_injected_counts",
+    "find_mmdit_models",
+    "SD3FusedJointAttnProcessor",
+    "FluxFusedAttnProcessor",
+    "build_sd3_transformer",
+    "build_flux_transformer",
+    "make_mmdit_inputs",
+    "SD3_CONFIGS",
+    "FLUX_CONFIGS",
+    "KINDS",
+]
+
+logger = logging.getLogger("mmdit_injection")
+
+KINDS = (
+    "mmdit_adaln_zero",
+    "mmdit_adaln_zero_x",
+    "mmdit_adaln_zero_single",
+    "mmdit_adaln_continuous",
+    "mmdit_fused_blocks",
+    "mmdit_qk_norm_fused",
+    "mmdit_qk_norm_rope_fused",
+    "mmdit_gelu_tanh",
+)
+
+# Per-module record of what was patched and how to undo it. A key of its own (not the one of
+# diffusers_injection.py), so the two injectors never undo each other's patches.
+_STATE = "_rtk_mmdit_injection"
+_HALF = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PROCESSOR_KINDS = ("mmdit_qk_norm_fused", "mmdit_qk_norm_rope_fused")
+
+
+# --------------------------------------------------------------------------------------------
+# When may a kernel run?
+# --------------------------------------------------------------------------------------------
+_interpreting = ic.interpreting
+_device_ok = ic.device_ok
+_usable = ic.usable
+
+
+# torch.nn.RMSNorm (FLUX's q/k norms) multiplies the weight in fp32 and rounds once in current torch
+# releases; others rounded to the input dtype before the weight multiply. Probed at injection time.
+_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
+
+
+_probe_torch_rmsnorm = ic.probe_torch_rmsnorm
+
+
+# --------------------------------------------------------------------------------------------
+# Patching instance forwards, reversibly (the mechanism of diffusers_injection.py, own state key)
+# --------------------------------------------------------------------------------------------
+def _patch_forward(module: nn.Module, fn, kind: str) -> bool:
+    """Make fn(module, ...) the module's forward (see injection_common.patch_forward)."""
+    return ic.patch_forward(module, fn, kind, _STATE)
+
+
+def _original_forward(module: nn.Module):
+    """The forward the module had before patching (used for inputs the kernels do not cover)."""
+    return ic.original_forward(module, _STATE)
+
+
+def _patch_processor(attn: nn.Module, proc, kind: str) -> bool:
+    if _STATE in attn.__dict__:
+        return False
+    prev = attn.processor
+    for name in ("_attention_backend", "_parallel_config"):  # keep backend / parallel choices
+        if name in getattr(prev, "__dict__", {}):
+            setattr(proc, name, getattr(prev, name))
+    attn.set_processor(proc)
+    attn.__dict__[_STATE] = {"kind": kind, "prev": prev}
+    return True
+
+
+def _unpatch(module: nn.Module) -> Optional[str]:
+    """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
+    state = module.__dict__.pop(_STATE, None)
+    if state is None:
+        return None
+    if state["kind"] in _PROCESSOR_KINDS:
+        if type(module.processor) in (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor):
+            module.set_processor(state["prev"])  # not if someone replaced it since
+        return state["kind"]
+    ic.restore_forward(module, state)
+    return state["kind"]
+
+
+# --------------------------------------------------------------------------------------------
+# Norm + modulation building blocks: the kernel when it reproduces the module, else the original ops
+# --------------------------------------------------------------------------------------------
+def _ln_args(norm, x: torch.Tensor):
+    """(weight, bias, eps) if `norm` is a LayerNorm over x's last dim that the kernel reproduces, else None.
+
+    nn.LayerNorm computes in fp32 and rounds once (with its weight in x's dtype); diffusers'
+    FP32LayerNorm does the same explicitly (any weight dtype). Both are the kernel's math.
+    """
+    if type(norm) not in (nn.LayerNorm, FP32LayerNorm) or len(norm.normalized_shape) != 1:
+        return None
+    if norm.normalized_shape[0] != x.shape[-1]:
+        return None
+    w, b = norm.weight, norm.bias
+    if type(norm) is nn.LayerNorm and any(p is not None and p.dtype != x.dtype for p in (w, b)):
+        return None
+    return w, b, float(norm.eps)
+
+
+def _per_sample_ok(x: torch.Tensor, *vectors) -> bool:
+    """x [B, S, D] and every vector [B, D] of x's dtype: the AdaLN chunks the kernels read in place."""
+    if x.dim() != 3:
+        return False
+    b, _, d = x.shape
+    return all(v.dim() == 2 and v.shape[0] in (1, b) and v.shape[1] == d and v.dtype == x.dtype for v in vectors)
+
+
+def _norm_modulate(norm, x, scale, shift):
+    """norm(x) * (1 + scale[:, None]) + shift[:, None]."""
+    args = _ln_args(norm, x)
+    if args is not None and _per_sample_ok(x, scale, shift) and _usable(x, scale, shift, args[0], args[1]):
+        return layernorm.layer_norm_modulate(x, scale, shift, args[2], weight=args[0], bias=args[1])
+    return norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _residual_norm_modulate(h, y, gate, norm, scale, shift):
+    """h = h + gate[:, None] * y, then norm(h) * (1 + scale[:, None]) + shift[:, None]; returns both."""
+    args = _ln_args(norm, h)
+    if (
+        args is not None
+        and y.shape == h.shape
+        and y.dtype == h.dtype
+        and _per_sample_ok(h, gate, scale, shift)
+        and _usable(h, y, gate, scale, shift, args[0], args[1])
+    ):
+        return layernorm.gated_residual_layer_norm_modulate(
+            h, y, gate, scale, shift, args[2], weight=args[0], bias=args[1]
+        )
+    h = h + gate.unsqueeze(1) * y
+    return h, norm(h) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _gated_add(h, gate, y):
+    """h + gate[:, None] * y: rmsnorm.gated_residual_add (fp32 math, one rounding) when the dtypes agree
+    and the kernel can run (torch's addcmul with a broadcast gate reached about half the memory
+    bandwidth on an H200), else one torch.addcmul, else the plain expression."""
+    if h.dtype == gate.dtype == y.dtype and gate.dim() == 2 and h.shape == y.shape:
+        if _usable(h, gate, y):
+            return rmsnorm.gated_residual_add(h, y, gate.unsqueeze(1))
+        return torch.addcmul(h, gate.unsqueeze(1), y)
+    return h + gate.unsqueeze(1) * y
+
+
+# --------------------------------------------------------------------------------------------
+# Replacement forwards: AdaLN modules
+# --------------------------------------------------------------------------------------------
+def _adaln_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+    """AdaLayerNormZero.forward with the norm and the MSA modulation in one kernel."""
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    x = _norm_modulate(self.norm, x, scale_msa, shift_msa)
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _adaln_zero_single_forward(self, x, emb=None):
+    """AdaLayerNormZeroSingle.forward (FLUX single-stream blocks)."""
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+    return _norm_modulate(self.norm, x, scale_msa, shift_msa), gate_msa
+
+
+def _adaln_zero_x_forward(self, hidden_states, emb=None):
+    """SD35AdaLayerNormZeroX.forward: one LayerNorm, two modulations, x read once."""
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = emb.chunk(
+        9, dim=1
+    )
+    args = _ln_args(self.norm, hidden_states)
+    mods = (scale_msa, shift_msa, scale_msa2, shift_msa2)
+    if (
+        args is not None
+        and args[0] is None
+        and args[1] is None
+        and _per_sample_ok(hidden_states, *mods)
+        and _usable(hidden_states, *mods)
+    ):
+        out, out2 = layernorm.layer_norm_modulate_dual(hidden_states, *mods, args[2])
+    else:
+        norm_hidden_states = self.norm(hidden_states)
+        out = norm_hidden_states * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        out2 = norm_hidden_states * (1 + scale_msa2[:, None]) + shift_msa2[:, None]
+    return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2
+
+
+def _adaln_continuous_forward(self, x, conditioning_embedding):
+    """AdaLayerNormContinuous.forward (chunk order: scale, then shift)."""
+    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    args = _ln_args(self.norm, x)
+    if args is not None and _per_sample_ok(x, scale, shift) and _usable(x, scale, shift, args[0], args[1]):
+        return layernorm.layer_norm_modulate(x, scale, shift, args[2], weight=args[0], bias=args[1])
+    return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+# --------------------------------------------------------------------------------------------
+# Replacement forwards: activations
+# --------------------------------------------------------------------------------------------
+def _diffusers_gelu_tanh_forward(self, hidden_states):
+    """diffusers GELU(approximate="tanh"): keep the projection, run the activation kernel."""
+    hidden_states = self.proj(hidden_states)
+    if not _usable(hidden_states):
+        return self.gelu(hidden_states)
+    return activations.gelu_tanh(hidden_states)
+
+
+def _torch_gelu_tanh_forward(self, x):
+    """torch.nn.GELU(approximate="tanh")."""
+    if not _usable(x):
+        return _original_forward(self)(x)
+    return activations.gelu_tanh(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Replacement forwards: transformer blocks
+# --------------------------------------------------------------------------------------------
+def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
+    """JointTransformerBlock.forward (SD3 / SD3.5) with the residual + norm2 + modulation steps fused.
+
+    Same math as diffusers' block; the kernels compute each fused step in fp32 and round once.
+    """
+    if self._chunk_size is not None:  # chunked feed-forward: the original code
+        return _original_forward(self)(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    if self.use_dual_attention:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
+            hidden_states, emb=temb
+        )
+    else:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    if self.context_pre_only:
+        norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb
+        )
+
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        **joint_attention_kwargs,
+    )
+    if self.use_dual_attention:
+        hidden_states = _gated_add(hidden_states, gate_msa, attn_output)
+        attn_output2 = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
+        hidden_states, norm_hidden_states = _residual_norm_modulate(
+            hidden_states, attn_output2, gate_msa2, self.norm2, scale_mlp, shift_mlp
+        )
+    else:
+        hidden_states, norm_hidden_states = _residual_norm_modulate(
+            hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
+        )
+    ff_output = self.ff(norm_hidden_states)
+    hidden_states = _gated_add(hidden_states, gate_mlp, ff_output)
+
+    if self.context_pre_only:
+        encoder_hidden_states = None
+    else:
+        encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
+            encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
+        )
+        context_ff_output = self.ff_context(norm_encoder_hidden_states)
+        encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    return encoder_hidden_states, hidden_states
+
+
+def _flux_block_forward(
+    self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None
+):
+    """FluxTransformerBlock.forward (double stream) with the residual + norm2 + modulation steps fused."""
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attention_outputs = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    ip_attn_output = None
+    if len(attention_outputs) == 3:
+        attn_output, context_attn_output, ip_attn_output = attention_outputs
+    else:
+        attn_output, context_attn_output = attention_outputs
+
+    hidden_states, norm_hidden_states = _residual_norm_modulate(
+        hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
+    )
+    ff_output = self.ff(norm_hidden_states)
+    hidden_states = _gated_add(hidden_states, gate_mlp, ff_output)
+    if ip_attn_output is not None:
+        hidden_states = hidden_states + ip_attn_output
+
+    encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
+        encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
+    )
+    context_ff_output = self.ff_context(norm_encoder_hidden_states)
+    encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _flux_single_block_forward(
+    self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None
+):
+    """FluxSingleTransformerBlock.forward with the gated residual as one kernel (see _gated_add)."""
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    hidden_states = _gated_add(residual, gate, self.proj_out(hidden_states))
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return encoder_hidden_states, hidden_states
+
+
+# --------------------------------------------------------------------------------------------
+# Attention processors
+# --------------------------------------------------------------------------------------------
+_torch_rmsnorm_eps = ic.torch_rmsnorm_eps
+
+
+def _fusable_parts(parts, head_dim, dtype, norm_cls):
+    """(weights per part, eps per part, cast_before_weight) if every (q, k, norm_q, norm_k) part can go
+    through head_norm_rope with the modules' exact numerics, else None.
+
+    norm_cls torch.nn.RMSNorm (FLUX): weight in q's dtype; rounding probed from the installed torch.
+    norm_cls diffusers RMSNorm (SD3): no bias; a half weight rounds before the multiply; an fp32 weight
+    needs fp32 activations (the module would promote bf16 activations to an fp32 output).
+    """
+    weights, eps_list, dtypes = [], [], set()
+    for q, k, nq, nk in parts:
+        if type(nq) is not norm_cls or type(nk) is not norm_cls or q.shape != k.shape or q.dtype != dtype:
+            return None
+        if norm_cls is nn.RMSNorm:
+            if tuple(nq.normalized_shape) != (head_dim,) or tuple(nk.normalized_shape) != (head_dim,):
+                return None
+            eq, ek = _torch_rmsnorm_eps(nq), _torch_rmsnorm_eps(nk)
+        else:
+            if tuple(nq.dim) != (head_dim,) or tuple(nk.dim) != (head_dim,) or nq.bias is not None or nk.bias is not None:
+                return None
+            eq, ek = float(nq.eps), float(nk.eps)
+        if eq != ek or (nq.weight is None) != (nk.weight is None):
+            return None
+        for w in (nq.weight, nk.weight):
+            if w is not None:
+                dtypes.add(w.dtype)
+        weights.append((nq.weight, nk.weight))
+        eps_list.append(eq)
+    if len({w[0] is None for w in weights}) != 1 or len(dtypes) > 1:
+        return None
+    wdtype = next(iter(dtypes)) if dtypes else dtype
+    if norm_cls is nn.RMSNorm:
+        if wdtype != dtype:
+            return None
+        cbw = _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
+    else:
+        if dtypes and wdtype != dtype:
+            return None
+        cbw = wdtype in _HALF
+    return weights, eps_list, cbw
+
+
+class SD3FusedJointAttnProcessor:
+    """JointAttnProcessor2_0 (SD3 / SD3.5 with ``qk_norm="rms_norm"``) with the per-head q/k RMSNorms of
+    the image and the text stream in ONE launch, written into the concatenated [B, S_img + S_txt, H, D]
+    buffers SDPA reads (no transposed copies, no torch.cat of q and k). The SDPA call and the output
+    projections are diffusers'. Inputs the kernel does not cover run the original operations."""
+
+    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        residual = hidden_states
+        batch_size = hidden_states.shape[0]
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+        inner_dim = key.shape[-1]
+        head_dim = inner_dim // attn.heads
+        # [B, S, H, D] views of the projections (the original transposes them to [B, H, S, D])
+        query = query.view(batch_size, -1, attn.heads, head_dim)
+        key = key.view(batch_size, -1, attn.heads, head_dim)
+        value = value.view(batch_size, -1, attn.heads, head_dim)
+        parts = [(query, key, attn.norm_q, attn.norm_k)]
+        values = [value]
+        if encoder_hidden_states is not None:
+            shape = (batch_size, -1, attn.heads, head_dim)
+            parts.append((
+                attn.add_q_proj(encoder_hidden_states).view(shape),
+                attn.add_k_proj(encoder_hidden_states).view(shape),
+                attn.norm_added_q,
+                attn.norm_added_k,
+            ))
+            values.append(attn.add_v_proj(encoder_hidden_states).view(shape))
+
+        fusable = _fusable_parts(parts, head_dim, query.dtype, DiffusersRMSNorm)
+        if fusable is not None and _usable(*(t for p in parts for t in p[:2]), *(w for pw in fusable[0] for w in pw)):
+            weights, eps, cbw = fusable
+            q_out, k_out = head_norm_rope.joint_head_rms_norm_rope(
+                [(p[0], p[1], w[0], w[1]) for p, w in zip(parts, weights)], eps, cast_before_weight=cbw
+            )
+            value = torch.cat(values, dim=1) if len(values) > 1 else values[0]
+            query, key, value = q_out.transpose(1, 2), k_out.transpose(1, 2), value.transpose(1, 2)
+        else:  # the original sequence
+            qs, ks = [], []
+            for q, k, nq, nk in parts:
+                q, k = q.transpose(1, 2), k.transpose(1, 2)
+                qs.append(nq(q) if nq is not None else q)
+                ks.append(nk(k) if nk is not None else k)
+            query, key = torch.cat(qs, dim=2), torch.cat(ks, dim=2)
+            value = torch.cat([v.transpose(1, 2) for v in values], dim=2)
+
+        hidden_states = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = (
+                hidden_states[:, : residual.shape[1]],
+                hidden_states[:, residual.shape[1] :],
+            )
+            if not attn.context_pre_only:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+def _flux_projections(attn, hidden_states, encoder_hidden_states):
+    """FLUX's q/k/v (and text q/k/v) projections, fused or not, as diffusers' processor makes them."""
+    if getattr(attn, "fused_projections", False):
+        query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        eq = ek = ev = None
+        if encoder_hidden_states is not None and hasattr(attn, "to_added_qkv"):
+            eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
+        return query, key, value, eq, ek, ev
+    query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    eq = ek = ev = None
+    if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+        eq = attn.add_q_proj(encoder_hidden_states)
+        ek = attn.add_k_proj(encoder_hidden_states)
+        ev = attn.add_v_proj(encoder_hidden_states)
+    return query, key, value, eq, ek, ev
+
+
+class FluxFusedAttnProcessor:
+    """FluxAttnProcessor with the per-head q/k RMSNorms of the text and image streams, their
+    concatenation and the rotary embedding in ONE launch (head_norm_rope.joint_head_rms_norm_rope),
+    writing the [B, S_txt + S_img, H, D] q and k that dispatch_attention_fn takes. Attention and the
+    output projections are diffusers'. Inputs the kernel does not cover run the original operations."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(
+        self,
+        attn: FluxAttention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        image_rotary_emb=None,
+    ) -> torch.Tensor:
+        query, key, value, encoder_query, encoder_key, encoder_value = _flux_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        parts = [(query, key, attn.norm_q, attn.norm_k)]
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            parts.insert(0, (encoder_query, encoder_key, attn.norm_added_q, attn.norm_added_k))
+
+        fused = self._fused_qk(parts, attn.head_dim, image_rotary_emb)
+        if fused is not None:
+            query, key = fused
+            if attn.added_kv_proj_dim is not None:
+                value = torch.cat([encoder_value, value], dim=1)
+        else:  # the original sequence
+            query = attn.norm_q(query)
+            key = attn.norm_k(key)
+            if attn.added_kv_proj_dim is not None:
+                encoder_query = attn.norm_added_q(encoder_query)
+                encoder_key = attn.norm_added_k(encoder_key)
+                query = torch.cat([encoder_query, query], dim=1)
+                key = torch.cat([encoder_key, key], dim=1)
+                value = torch.cat([encoder_value, value], dim=1)
+            if image_rotary_emb is not None:
+                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+        hidden_states = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[0](hidden_states.contiguous())
+            hidden_states = attn.to_out[1](hidden_states)
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+    @staticmethod
+    def _fused_qk(parts, head_dim, image_rotary_emb):
+        """(q, k) from the kernel, or None when it would not reproduce the modules."""
+        fusable = _fusable_parts(parts, head_dim, parts[0][0].dtype, nn.RMSNorm)
+        if fusable is None:
+            return None
+        cos = sin = None
+        if image_rotary_emb is not None:
+            if not (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2):
+                return None
+            cos, sin = image_rotary_emb
+            total = sum(p[0].shape[1] for p in parts)
+            if not all(isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) == (total, head_dim)
+                       for t in (cos, sin)):
+                return None
+        weights, eps, cbw = fusable
+        if not _usable(*(t for p in parts for t in p[:2]), *(w for pw in weights for w in pw), cos, sin):
+            return None
+        return head_norm_rope.joint_head_rms_norm_rope(
+            [(p[0], p[1], w[0], w[1]) for p, w in zip(parts, weights)], eps, cos, sin, cast_before_weight=cbw
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Discovery and counts
+# --------------------------------------------------------------------------------------------
+def _roots(pipe_or_model):
+    """The nn.Modules to search: the model itself, or a pipeline's module components."""
+    if isinstance(pipe_or_model, nn.Module):
+        return [pipe_or_model]
+    components = getattr(pipe_or_model, "components", None)
+    if isinstance(components, dict):
+        return [m for m in components.values() if isinstance(m, nn.Module)]
+    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
+
+
+def _unique_modules(pipe_or_model):
+    seen = set()
+    for root in _roots(pipe_or_model):
+        for m in root.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                yield m
+
+
+def find_mmdit_models(pipe_or_model) -> list:
+    """Every SD3Transformer2DModel / FluxTransformer2DModel inside the input, each once."""
+    return [m for m in _unique_modules(pipe_or_model) if isinstance(m, (SD3Transformer2DModel, FluxTransformer2DModel))]
+
+
+def _empty_counts() -> dict:
+    return {k: 0 for k in KINDS}
+
+
+def mmdit_injected_counts(pipe_or_model) -> dict:
+    """Counts per kind of what is currently injected in pipe_or_model."""
+    counts = _empty_counts()
+    for m in _unique_modules(pipe_or_model):
+        state = m.__dict__.get(_STATE)
+        if state is not None:
+            counts[state["kind"]] += 1
+    return counts
+
+
+_FORWARDS = {
+    AdaLayerNormZero: ("mmdit_adaln_zero", _adaln_zero_forward),
+    SD35AdaLayerNormZeroX: ("mmdit_adaln_zero_x", _adaln_zero_x_forward),
+    AdaLayerNormZeroSingle: ("mmdit_adaln_zero_single", _adaln_zero_single_forward),
+    AdaLayerNormContinuous: ("mmdit_adaln_continuous", _adaln_continuous_forward),
+    JointTransformerBlock: ("mmdit_fused_blocks", _joint_block_forward),
+    FluxTransformerBlock: ("mmdit_fused_blocks", _flux_block_forward),
+    FluxSingleTransformerBlock: ("mmdit_fused_blocks", _flux_single_block_forward),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+    """Replace the AdaLN norms, gated residual + norm steps, per-head q/k norms (+ RoPE) and tanh-GELUs
+    of every SD3Transformer2DModel / FluxTransformer2DModel in pipe_or_model with the kernels.
+
+    pipe_or_model: a diffusers pipeline (only its SD3 / FLUX transformers are touched), a transformer,
+    or any module containing them. Returns the counts per kind of what is injected after the call (a
+    second call returns the same counts and wraps nothing twice).
+    """
+    global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
+    _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
+    models = find_mmdit_models(pipe_or_model)
+    new = _empty_counts()
+    skipped = []
+    for model in models:
+        for m in model.modules():
+            entry = _FORWARDS.get(type(m))
+            if entry is not None:
+                new[entry[0]] += _patch_forward(m, entry[1], entry[0])
+            elif type(m) is DiffusersGELU and getattr(m, "approximate", None) == "tanh":
+                new["mmdit_gelu_tanh"] += _patch_forward(m, _diffusers_gelu_tanh_forward, "mmdit_gelu_tanh")
+            elif type(m) is nn.GELU and m.approximate == "tanh":
+                new["mmdit_gelu_tanh"] += _patch_forward(m, _torch_gelu_tanh_forward, "mmdit_gelu_tanh")
+            elif type(m) is Attention and isinstance(getattr(m, "norm_q", None), DiffusersRMSNorm):
+                if _STATE in m.__dict__:
+                    continue
+                if type(m.processor) is not JointAttnProcessor2_0:
+                    skipped.append(f"SD3 attention with processor {type(m.processor).__name__}")
+                    continue
+                new["mmdit_qk_norm_fused"] += _patch_processor(m, SD3FusedJointAttnProcessor(), "mmdit_qk_norm_fused")
+            elif type(m) is FluxAttention:
+                if _STATE in m.__dict__:
+                    continue
+                if type(m.processor) is not FluxAttnProcessor:
+                    skipped.append(f"FLUX attention with processor {type(m.processor).__name__}")
+                    continue
+                new["mmdit_qk_norm_rope_fused"] += _patch_processor(
+                    m, FluxFusedAttnProcessor(), "mmdit_qk_norm_rope_fused"
+                )
+    counts = mmdit_injected_counts(pipe_or_model)
+    msg = "injected MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+    already = sum(counts.values()) - sum(new.values())
+    if already:
+        msg += f" ({already} were already in place)"
+    if not models:
+        msg += " (no SD3 or FLUX transformer found: nothing replaced)"
+    if skipped:
+        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return counts
+
+
+def remove_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+    """Undo inject_mmdit_kernels: restore the original forwards and attention processors.
+    Returns the counts per kind of what was restored."""
+    restored = _empty_counts()
+    for m in _unique_modules(pipe_or_model):
+        kind = _unpatch(m)
+        if kind is not None:
+            restored[kind] += 1
+    msg = "removed MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return restored
+
+
+# --------------------------------------------------------------------------------------------
+# Model builders (random weights, no hub) and forward inputs
+# --------------------------------------------------------------------------------------------
+# The released transformer configurations (transformer/config.json of each checkpoint).
+SD3_CONFIGS = {
+    # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks of 24 x 64 = 1536, q/k RMSNorm,
+    # a second (image-only) attention in blocks 0-12; about 2.24 B parameters
+    "sd3.5-medium": dict(
+        sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+        joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+        pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+    ),
+    # stabilityai/stable-diffusion-3-medium-diffusers: same widths, no q/k norm, no dual attention
+    "sd3-medium": dict(
+        sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+        joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+        pos_embed_max_size=192, dual_attention_layers=(), qk_norm=None,
+    ),
+    # 2 blocks of 2 x 16 = 32: block 0 has the dual attention, block 1 is the context_pre_only last block
+    "tiny": dict(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+    ),
+}
+FLUX_CONFIGS = {
+    # black-forest-labs/FLUX.1-dev: 19 double + 38 single blocks of 24 x 128 = 3072, guidance embedding,
+    # RoPE axes 16 + 56 + 56; about 11.9 B parameters
+    "flux.1-dev": dict(
+        patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    # 1 double + 1 single block of 2 x 16 = 32, RoPE axes 4 + 6 + 6
+    "tiny": dict(
+        patch_size=1, in_channels=16, out_channels=None, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=16, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ),
+}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Create parameters directly in dtype (half the memory and time of fp32-then-cast for bf16)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build(cls, cfg: dict, dtype, device, seed: int):
+    device = torch.device(device)
+    if device.type != "meta":
+        torch.manual_seed(seed)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(**cfg)
+        if device.type != "meta":
+            # trained checkpoints have non-unit norm weights; unit weights would hide a swapped weight
+            with torch.no_grad():
+                for m in model.modules():
+                    if isinstance(m, (nn.RMSNorm, DiffusersRMSNorm)) and m.weight is not None:
+                        m.weight.normal_(1.0, 0.1)
+    # torch's own Module.to: ModelMixin.to warns about fp32 modules (none here) on every cast
+    return nn.Module.to(model, dtype).eval()
+
+
+def build_sd3_transformer(size: str = "tiny", dtype=torch.float32, device="cpu", *, variant: str = "sd3.5-medium",
+                          seed: int = 0):
+    """An SD3Transformer2DModel with random weights, built directly on `device` in `dtype`.
+
+    size="real": the released architecture of `variant` ("sd3.5-medium", default, or "sd3-medium");
+    size="tiny": 2 blocks of width 32 for CPU tests (dual attention in block 0, q/k RMSNorm).
+    device="meta" builds it without memory (for counting modules).
+    """
+    if size not in ("tiny", "real"):
+        raise ValueError(f"size must be 'tiny' or 'real', got {size!r}")
+    key = "tiny" if size == "tiny" else variant
+    if key not in SD3_CONFIGS or key == "tiny" and size != "tiny":
+        raise ValueError(f"unknown SD3 variant {variant!r}; choose 'sd3.5-medium' or 'sd3-medium'")
+    return _build(SD3Transformer2DModel, SD3_CONFIGS[key], dtype, device, seed)
+
+
+def build_flux_transformer(size: str = "tiny", dtype=torch.float32, device="cpu", *, seed: int = 0):
+    """A FluxTransformer2DModel with random weights, built directly on `device` in `dtype`.
+
+    size="real": FLUX.1-dev's architecture (19 + 38 blocks, 3072 wide, guidance embedding);
+    size="tiny": 1 double + 1 single block of width 32 for CPU tests. device="meta": no memory.
+    """
+    if size not in ("tiny", "real"):
+        raise ValueError(f"size must be 'tiny' or 'real', got {size!r}")
+    return _build(FluxTransformer2DModel, FLUX_CONFIGS["tiny" if size == "tiny" else "flux.1-dev"], dtype, device, seed)
+
+
+def make_mmdit_inputs(model, batch: int = 1, height: int = 1024, width: int = 1024, text_len: Optional[int] = None,
+                      dtype=torch.bfloat16, device="cuda", seed: int = 0) -> dict:
+    """Keyword arguments of one transformer forward, shaped as the diffusers pipelines build them.
+
+    height/width: the image size in pixels (the VAE downsamples 8x). SD3: latents [B, C, H/8, W/8]
+    (the model patchifies 2x2: (H/16) * (W/16) image tokens), text_len default 333 (77 CLIP + 256 T5
+    tokens), timestep in [0, 1000). FLUX: packed latents [B, (H/16) * (W/16), 64], text_len default 512
+    (T5), timestep in (0, 1), img_ids / txt_ids [S, 3], guidance 3.5 when the model embeds it.
+    return_dict=False: the model returns a tuple.
+    """
+    if not isinstance(model, (SD3Transformer2DModel, FluxTransformer2DModel)):
+        raise TypeError(f"expected an SD3Transformer2DModel or a FluxTransformer2DModel, got {type(model).__name__}")
+    cfg = model.config
+    g = torch.Generator("cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    if isinstance(model, SD3Transformer2DModel):
+        factor = 8 * cfg.patch_size
+        if height % factor or width % factor:
+            raise ValueError(f"height and width must be multiples of {factor} for this SD3 model")
+        text_len = 333 if text_len is None else text_len
+        return dict(
+            hidden_states=rnd(batch, cfg.in_channels, height // 8, width // 8),
+            encoder_hidden_states=rnd(batch, text_len, cfg.joint_attention_dim),
+            pooled_projections=rnd(batch, cfg.pooled_projection_dim),
+            timestep=(torch.rand(batch, generator=g) * 1000).to(device),
+            return_dict=False,
+        )
+    if height % 16 or width % 16:
+        raise ValueError("height and width must be multiples of 16 for FLUX (8x VAE, 2x2 packing)")
+    text_len = 512 if text_len is None else text_len
+    lh, lw = height // 16, width // 16
+    img_ids = torch.zeros(lh, lw, 3)
+    img_ids[..., 1] += torch.arange(lh)[:, None]
+    img_ids[..., 2] += torch.arange(lw)[None, :]
+    return dict(
+        hidden_states=rnd(batch, lh * lw, cfg.in_channels),
+        encoder_hidden_states=rnd(batch, text_len, cfg.joint_attention_dim),
+        pooled_projections=rnd(batch, cfg.pooled_projection_dim),
+        timestep=torch.rand(batch, generator=g).clamp_min(1e-3).to(device=device, dtype=dtype),
+        img_ids=img_ids.reshape(lh * lw, 3).to(device=device, dtype=dtype),
+        txt_ids=torch.zeros(text_len, 3, device=device, dtype=dtype),
+        guidance=torch.full((batch,), 3.5, device=device) if cfg.guidance_embeds else None,
+        return_dict=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Command line: counts on the released architectures (meta device)
+# --------------------------------------------------------------------------------------------
+def _meta_report() -> dict:
+    report = {}
+    for name, build in (("sd3.5-medium", lambda: build_sd3_transformer("real", device="meta")),
+                        ("sd3-medium", lambda: build_sd3_transformer("real", device="meta", variant="sd3-medium")),
+                        ("flux.1-dev", lambda: build_flux_transformer("real", device="meta"))):
+        model = build()
+        counts = inject_mmdit_kernels(model, verbose=False)
+        again = inject_mmdit_kernels(model, verbose=False)
+        restored = remove_mmdit_kernels(model, verbose=False)
+        left = mmdit_injected_counts(model)
+        report[name] = {"injected": counts, "ok": counts == again == restored and not any(left.values())}
+    return report
+
+
+def _main(argv=None) -> int:
+    import argparse
+    import json
+
+    report = _meta_report()
+    summary = "; ".join(
+        f"{name}: " + ", ".join(f"{k.replace('mmdit_', '')}={v}" for k, v in r["injected"].items() if v)
+        for name, r in report.items()
+    )
+    p = argparse.ArgumentParser(
+        description="Inject the kernels into the released SD3.5-medium, SD3-medium and FLUX.1-dev transformer "
+        "architectures (built on the meta device: no memory, no weights), remove them again, and print the counts "
+        "per kind as JSON. Library use: inject_mmdit_kernels(pipe) / remove_mmdit_kernels(pipe).",
+        epilog=f"Counts on the meta device: {summary}.",
+    )
+    p.parse_args(argv)
+    ok = all(r["ok"] for r in report.values())
+    print(json.dumps({"models": report, "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

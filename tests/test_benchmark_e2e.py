@@ -1,0 +1,87 @@
+"""scripts/benchmark_e2e.py without a GPU: the command line, the parity rule that decides the exit
+status, the kernel classification of the profile, and one tiny end-to-end run through the interpreter
+(timings mean nothing there; the run checks that every part of the script works)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmark_e2e as be
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_modes_and_bad_command_lines():
+    assert be.parse_args([]).modes == be.MODES
+    assert be.parse_args(["--mode", "triton,compile"]).modes == ("triton", "compile")
+    assert be.parse_args(["--model", "flux"]).transformer_only  # SD3 / FLUX: one transformer forward
+    for argv in (["--mode", "fast"], ["--num-frames", "24"], ["--height", "500"], ["--repeats", "0"],
+                 ["--model", "sd3", "--height", "1000"], ["--model", "wan"]):
+        with pytest.raises(SystemExit) as exc:
+            be.parse_args(argv)
+        assert exc.value.code == 2
+
+
+def test_parity_rule_flags_a_diverging_mode():
+    g = torch.Generator().manual_seed(0)
+    ref32 = {"output": torch.randn(4, 64, generator=g, dtype=torch.float64)}
+    base = {"output": ref32["output"] + 1e-3 * torch.randn(4, 64, generator=g, dtype=torch.float64)}
+    close = {"output": ref32["output"] + 1.2e-3 * torch.randn(4, 64, generator=g, dtype=torch.float64)}
+    far = {"output": ref32["output"] + 1e-2 * torch.randn(4, 64, generator=g, dtype=torch.float64)}
+    nan = {"output": close["output"].clone()}
+    nan["output"][0, 0] = float("nan")
+    v = be.judge({"baseline": base, "triton": close, "compile": far, "triton+compile": nan}, ref32, 30.0)
+    assert v["baseline"]["ok"] and v["triton"]["ok"]
+    assert not v["compile"]["ok"] and not v["triton+compile"]["ok"]
+    # without the fp32 reference: PSNR against the baseline
+    v = be.judge({"baseline": base, "triton": base, "compile": far}, None, 60.0)
+    assert v["triton"]["ok"] and not v["compile"]["ok"]
+
+
+def test_kernel_classification():
+    assert be.classify_kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert be.classify_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert be.classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert be.classify_kernel("Cijk_Ailk_Bljk_BBS_BH_MT128x128x64") == "gemm"  # hipBLASLt
+    # inductor kernels are named after the ops they fuse: not attention
+    assert be.classify_kernel("triton_red_fused__scaled_dot_product_cudnn_attention__to_copy_9") == "other"
+    assert be.classify_kernel("_rms_norm_kernel") == "other"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+def test_tiny_run_end_to_end(tmp_path):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--mode", "baseline,triton", "--output-json", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary == json.loads(out.read_text())
+    assert summary["ok"] and set(summary["results"]) == {"baseline", "triton"}
+    tri = summary["results"]["triton"]
+    assert tri["injected"]["adaln_fused_blocks"] == 2 and tri["injected"]["qk_norm_rope_fused"] == 2
+    assert tri["parity"]["vs_baseline"]["latents"]["rel_l2"] < 1e-5
+    assert len(tri["step_ms_all"]) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+@pytest.mark.parametrize("model,kind", [("sd3", "mmdit_qk_norm_fused"), ("flux", "mmdit_qk_norm_rope_fused")])
+def test_tiny_mmdit_run(model, kind):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", model, "--mode", "baseline,triton"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["ok"] and summary["transformer_only"] and summary["config"]["model"] == model
+    tri = summary["results"]["triton"]
+    assert tri["injected"][kind] > 0 and tri["injected"]["mmdit_fused_blocks"] > 0
+    assert tri["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5

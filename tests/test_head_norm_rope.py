@@ -1,0 +1,308 @@
+"""Per-head q/k RMSNorm (+ interleaved RoPE) against float64 references and against the real modules:
+FLUX's torch.nn.RMSNorm(head_dim) + diffusers apply_rotary_emb(sequence_dim=1) with FluxPosEmbed tables,
+and SD3's diffusers RMSNorm(head_dim) on the [B, H, S, D] view."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import head_norm_rope as hnr
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn, rel_l2
+
+
+@pytest.fixture
+def gen():
+    return make_generator()
+
+
+def _tables(seq, dim, gen, device=DEVICE):
+    """fp32 interleaved cos/sin [S, D] (repeat_interleave(2) of per-pair angles, as FluxPosEmbed makes them)."""
+    ang = torch.randn(seq, dim // 2, generator=gen, dtype=torch.float64) * 20
+    return (ang.cos().repeat_interleave(2, -1).float().to(device), ang.sin().repeat_interleave(2, -1).float().to(device))
+
+
+def _w(dim, dtype, gen):
+    return randn((dim,), dtype, gen, scale=0.3, offset=1.0)
+
+
+SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 7, 2, 130), (2, 3, 5, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rope", [False, True])
+def test_matches_float64(shape, dtype, rope, gen):
+    """fp16/bf16: the kernel rounds the norm output to the dtype before RoPE (as the modules return it)
+    and the float64 reference does not; that ulp of a unit-scale value is inside TOL's absolute term."""
+    B, S, H, D = shape
+    q = randn(shape, dtype, gen, scale=3.0, offset=0.2)
+    k = randn(shape, dtype, gen, scale=0.5)
+    qw, kw = _w(D, dtype, gen), _w(D, dtype, gen)
+    cos, sin = _tables(S, D, gen) if rope else (None, None)
+    for cbw in (False, True):
+        with poisoned_outputs():
+            qo, ko = hnr.head_rms_norm_rope(q, k, qw, kw, 1e-6, cos, sin, cast_before_weight=cbw)
+        assert qo.shape == ko.shape == shape and qo.dtype == ko.dtype == dtype and qo.is_contiguous()
+        qr, kr = hnr.head_rms_norm_rope_ref(q.double(), k.double(), qw.double(), kw.double(), 1e-6,
+                                            None if cos is None else cos.double(), None if sin is None else sin.double())
+        # With RoPE in fp16/bf16 the norm output is rounded (and with cbw also the value before the
+        # weight) before the rotation mixes two channels: up to two extra half-ulps of values up to ~4,
+        # scaled by |w| <= 1.6 and |cos| + |sin| <= 1.42, i.e. about 3x TOL's absolute term.
+        f = 3.0 if (rope and dtype != torch.float32) else 1.0
+        tol = {k2: v * f for k2, v in TOL[dtype].items()}
+        assert_close(qo, qr, dtype, name=f"q (cbw={cbw})", seed=gen.seed_value, **tol)
+        assert_close(ko, kr, dtype, name=f"k (cbw={cbw})", seed=gen.seed_value, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_weights_and_odd_head_dim(dtype, gen):
+    """No weights (elementwise_affine=False) and, without RoPE, an odd, non-power-of-two head dim."""
+    q = randn((2, 4, 3, 7), dtype, gen, scale=2.0)
+    k = randn((2, 4, 3, 7), dtype, gen)
+    with poisoned_outputs():
+        qo, ko = hnr.head_rms_norm_rope(q, k, None, None, 1e-5)
+    qr, kr = hnr.head_rms_norm_rope_ref(q.double(), k.double(), None, None, 1e-5)
+    assert_close(qo, qr, dtype, seed=gen.seed_value)
+    assert_close(ko, kr, dtype, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_joint_parts_concatenate_along_tokens(dtype, gen):
+    """FLUX double-stream layout: text part (own weights, own eps) then image part; RoPE over the
+    concatenated tokens; inputs are strided slices of fused qkv projections [B, S, 3 * H * D]."""
+    B, H, D, St, Si = 2, 3, 32, 5, 11
+    txt = randn((B, St, 3 * H * D), dtype, gen, scale=2.0)
+    img = randn((B, Si, 3 * H * D), dtype, gen, scale=2.0)
+    tq, tk, _ = (t.unflatten(-1, (H, D)) for t in txt.chunk(3, dim=-1))
+    iq, ik, _ = (t.unflatten(-1, (H, D)) for t in img.chunk(3, dim=-1))
+    assert not tq.is_contiguous()
+    ws = [_w(D, dtype, gen) for _ in range(4)]
+    cos, sin = _tables(St + Si, D, gen)
+    parts = [(tq, tk, ws[0], ws[1]), (iq, ik, ws[2], ws[3])]
+    with poisoned_outputs():
+        qo, ko = hnr.joint_head_rms_norm_rope(parts, [1e-6, 1e-3], cos, sin)
+    assert qo.shape == (B, St + Si, H, D)
+    dparts = [tuple(t.double() for t in p) for p in parts]
+    qr, kr = hnr.joint_head_rms_norm_rope_ref(dparts, [1e-6, 1e-3], cos.double(), sin.double())
+    assert_close(qo, qr, dtype, name="q", seed=gen.seed_value)
+    assert_close(ko, kr, dtype, name="k", seed=gen.seed_value)
+    # the same as normalising each part separately and concatenating (no RoPE)
+    with poisoned_outputs():
+        qj, kj = hnr.joint_head_rms_norm_rope(parts, 1e-6)
+        q0, k0 = hnr.head_rms_norm_rope(tq, tk, ws[0], ws[1], 1e-6)
+        q1, k1 = hnr.head_rms_norm_rope(iq, ik, ws[2], ws[3], 1e-6)
+    assert torch.equal(qj, torch.cat([q0, q1], dim=1)) and torch.equal(kj, torch.cat([k0, k1], dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_transposed_input_layout(dtype, gen):
+    """q given as a [B, H, S, D] tensor's transpose (a [B, S, H, D] view with the head stride largest)."""
+    B, H, S, D = 2, 4, 6, 64
+    q = randn((B, H, S, D), dtype, gen).transpose(1, 2)
+    k = randn((B, H, S, D), dtype, gen).transpose(1, 2)
+    qw, kw = _w(D, dtype, gen), _w(D, dtype, gen)
+    cos, sin = _tables(S, D, gen)
+    with poisoned_outputs():
+        qo, ko = hnr.head_rms_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    qr, kr = hnr.head_rms_norm_rope_ref(q.double(), k.double(), qw.double(), kw.double(), 1e-6, cos.double(), sin.double())
+    assert_close(qo, qr, dtype, seed=gen.seed_value)
+    assert_close(ko, kr, dtype, seed=gen.seed_value)
+
+
+def test_strided_cos_sin_rows(gen):
+    B, S, H, D = 1, 5, 2, 16
+    q = randn((B, S, H, D), torch.float32, gen)
+    k = randn((B, S, H, D), torch.float32, gen)
+    cs = _tables(S, 2 * D, gen)
+    cos, sin = cs[0][:, :D], cs[1][:, D:]
+    assert not cos.is_contiguous()
+    with poisoned_outputs():
+        qo, ko = hnr.head_rms_norm_rope(q, k, None, None, 1e-6, cos, sin)
+    qr, kr = hnr.head_rms_norm_rope_ref(q.double(), k.double(), None, None, 1e-6, cos.double(), sin.double())
+    assert_close(qo, qr, torch.float32, seed=gen.seed_value)
+    assert_close(ko, kr, torch.float32, seed=gen.seed_value)
+
+
+# ---- against the real modules ---------------------------------------------------------------
+def _torch_rmsnorm_casts_before_weight() -> bool:
+    """Whether F.rms_norm of the installed torch rounds to bf16 before the weight multiply."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g).to(DEVICE, torch.bfloat16)
+    w = (1 + torch.randn(64, generator=g)).to(DEVICE, torch.bfloat16)
+    got = F.rms_norm(x, (64,), w, 1e-6).float()
+    xf = x.float()
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    after = (n.to(torch.bfloat16) * w).float()
+    once = (n * w.float()).to(torch.bfloat16).float()
+    return bool((got - after).abs().max() < (got - once).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_flux_processor_steps(dtype, gen):
+    """FluxAttnProcessor's q/k path: torch.nn.RMSNorm(128, eps=1e-6) per head on [B, S, H, D], text before
+    image, then apply_rotary_emb(sequence_dim=1) with FluxPosEmbed's (cos, sin)."""
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    B, H, D, St, Si = 1, 2, 128, 4, 12
+    norms = [torch.nn.RMSNorm(D, eps=1e-6) for _ in range(4)]
+    for n in norms:
+        with torch.no_grad():
+            n.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
+        n.to(DEVICE, dtype)
+    nq, nk, naq, nak = norms
+    q, k = randn((B, Si, H, D), dtype, gen, scale=2.0), randn((B, Si, H, D), dtype, gen)
+    eq, ek = randn((B, St, H, D), dtype, gen, scale=2.0), randn((B, St, H, D), dtype, gen)
+    ids = torch.cat([torch.zeros(St, 3), torch.stack([torch.zeros(Si), torch.arange(Si) // 4, torch.arange(Si) % 4], -1)])
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids.to(DEVICE))
+    with torch.no_grad():
+        want_q = apply_rotary_emb(torch.cat([naq(eq), nq(q)], dim=1), (cos, sin), sequence_dim=1)
+        want_k = apply_rotary_emb(torch.cat([nak(ek), nk(k)], dim=1), (cos, sin), sequence_dim=1)
+    cbw = dtype != torch.float32 and _torch_rmsnorm_casts_before_weight()
+    with poisoned_outputs():
+        got_q, got_k = hnr.joint_head_rms_norm_rope(
+            [(eq, ek, naq.weight, nak.weight), (q, k, nq.weight, nk.weight)], 1e-6, cos, sin, cast_before_weight=cbw
+        )
+    if dtype == torch.float32:
+        assert_close(got_q, want_q.double(), dtype, rtol=2e-6, atol=2e-6, seed=gen.seed_value)
+        assert_close(got_k, want_k.double(), dtype, rtol=2e-6, atol=2e-6, seed=gen.seed_value)
+    else:
+        # same rounding points; natively within an ulp of the summation order, the interpreter truncates
+        ulps = 3 if INTERPRET else 2
+        for got, want in ((got_q, want_q), (got_k, want_k)):
+            diff = (got.double() - want.double()).abs()
+            bound = ulps * torch.finfo(dtype).eps * (1 + want.double().abs().max())
+            assert float(diff.max()) <= bound, f"max diff {float(diff.max()):.3e} > {bound:.3e} (seed {gen.seed_value})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_sd3_rmsnorm_on_transposed_heads(dtype, gen):
+    """JointAttnProcessor2_0 with qk_norm="rms_norm": diffusers RMSNorm(64, eps=1e-6) (weight in the model
+    dtype) on q.view(B, S, H, D).transpose(1, 2), image before text, no RoPE."""
+    from diffusers.models.normalization import RMSNorm
+
+    B, H, D, Si, St = 2, 3, 64, 9, 5
+    norms = [RMSNorm(D, eps=1e-6) for _ in range(4)]
+    for n in norms:
+        with torch.no_grad():
+            n.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
+        n.to(DEVICE, dtype)
+    proj = randn((B, Si, 2 * H * D), dtype, gen, scale=2.0)
+    eproj = randn((B, St, 2 * H * D), dtype, gen, scale=2.0)
+    q, k = (t.view(B, Si, H, D) for t in proj.chunk(2, dim=-1))
+    eq, ek = (t.view(B, St, H, D) for t in eproj.chunk(2, dim=-1))
+    with torch.no_grad():
+        want_q = torch.cat([norms[0](q.transpose(1, 2)), norms[2](eq.transpose(1, 2))], dim=2)
+        want_k = torch.cat([norms[1](k.transpose(1, 2)), norms[3](ek.transpose(1, 2))], dim=2)
+    with poisoned_outputs():
+        got_q, got_k = hnr.joint_head_rms_norm_rope(
+            [(q, k, norms[0].weight, norms[1].weight), (eq, ek, norms[2].weight, norms[3].weight)], 1e-6,
+            cast_before_weight=dtype != torch.float32,
+        )
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else TOL[dtype]
+    assert_close(got_q.transpose(1, 2), want_q.double(), dtype, **tol, name="q", seed=gen.seed_value)
+    assert_close(got_k.transpose(1, 2), want_k.double(), dtype, **tol, name="k", seed=gen.seed_value)
+    if dtype != torch.float32:
+        assert rel_l2(got_q.transpose(1, 2), want_q) < torch.finfo(dtype).eps
+
+
+# ---- empty and bad input --------------------------------------------------------------------
+def test_empty_inputs(gen):
+    e = torch.empty((2, 0, 3, 16), device=DEVICE)
+    t = torch.empty(0, 16, device=DEVICE)
+    qo, ko = hnr.head_rms_norm_rope(e, e, None, None, 1e-6, t, t)
+    assert qo.shape == ko.shape == (2, 0, 3, 16)
+    # an empty part next to a non-empty one
+    x = randn((2, 4, 3, 16), torch.float32, gen)
+    with poisoned_outputs():
+        qo, ko = hnr.joint_head_rms_norm_rope([(e, e, None, None), (x, x, None, None)], 1e-6)
+    assert_close(qo, hnr.head_rms_norm_rope_ref(x.double(), x.double(), None, None, 1e-6)[0], torch.float32,
+                 seed=gen.seed_value)
+    b0 = torch.empty((0, 5, 3, 16), device=DEVICE)
+    assert hnr.head_rms_norm_rope(b0, b0, None, None, 1e-6)[0].shape == (0, 5, 3, 16)
+
+
+def test_errors(gen):
+    x = randn((2, 4, 3, 16), torch.float32, gen)
+    w = torch.ones(16, device=DEVICE)
+    cos, sin = _tables(4, 16, gen)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        hnr.head_rms_norm_rope([1.0], x, None, None, 1e-6)
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        hnr.head_rms_norm_rope(x.double(), x, None, None, 1e-6)
+    with pytest.raises(ValueError, match=r"q must be \[B, S, H, D\]"):
+        hnr.head_rms_norm_rope(x[0], x[0], None, None, 1e-6)
+    with pytest.raises(ValueError, match=r"k has shape \(2, 4, 3, 8\)"):
+        hnr.head_rms_norm_rope(x, x[..., :8], None, None, 1e-6)
+    with pytest.raises(TypeError, match="every q and k must have the dtype float32"):
+        hnr.head_rms_norm_rope(x, x.half(), None, None, 1e-6)
+    with pytest.raises(ValueError, match="both be tensors or both be None"):
+        hnr.head_rms_norm_rope(x, x, w, None, 1e-6)
+    with pytest.raises(ValueError, match=r"q_weight must have shape \[16\]"):
+        hnr.head_rms_norm_rope(x, x, torch.ones(15, device=DEVICE), torch.ones(15, device=DEVICE), 1e-6)
+    with pytest.raises(TypeError, match="q_weight has dtype int64"):
+        hnr.head_rms_norm_rope(x, x, torch.ones(16, dtype=torch.long, device=DEVICE), w, 1e-6)
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        hnr.head_rms_norm_rope(x, x, None, None, -1.0)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        hnr.head_rms_norm_rope(x.transpose(2, 3), x.transpose(2, 3), None, None, 1e-6)
+    with pytest.raises(ValueError, match="cos and sin must be given together"):
+        hnr.head_rms_norm_rope(x, x, None, None, 1e-6, cos, None)
+    with pytest.raises(ValueError, match=r"cos has shape \(3, 16\); expected \[4, 16\]"):
+        hnr.head_rms_norm_rope(x, x, None, None, 1e-6, cos[:3], sin[:3])
+    with pytest.raises(ValueError, match="interleaved RoPE needs an even head dim"):
+        y = randn((1, 4, 2, 7), torch.float32, gen)
+        hnr.head_rms_norm_rope(y, y, None, None, 1e-6, cos[:, :7], sin[:, :7])
+    with pytest.raises(ValueError, match="supports at most"):
+        big = torch.empty((1, 1, 1, 8192), device=DEVICE)
+        hnr.head_rms_norm_rope(big, big, None, None, 1e-6)
+    with pytest.raises(ValueError, match=r"q \(part 1\) has shape \(2, 4, 2, 16\)"):
+        hnr.joint_head_rms_norm_rope([(x, x, None, None), (x[:, :, :2], x[:, :, :2], None, None)], 1e-6)
+    with pytest.raises(ValueError, match="in every part"):
+        hnr.joint_head_rms_norm_rope([(x, x, None, None), (x, x, w, w)], 1e-6)
+    with pytest.raises(ValueError, match="eps has 1 values for 2 parts"):
+        hnr.joint_head_rms_norm_rope([(x, x, None, None), (x, x, None, None)], [1e-6])
+    with pytest.raises(ValueError, match="each part must be a"):
+        hnr.joint_head_rms_norm_rope([(x, x, None)], 1e-6)
+    with pytest.raises(TypeError, match="parts must be a sequence"):
+        hnr.joint_head_rms_norm_rope((x, x, None, None), 1e-6)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        hnr.joint_head_rms_norm_rope([], 1e-6)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.ones(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        hnr.head_rms_norm_rope(x, x, None, None, 1e-6)
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+def test_device_mismatch(gen):
+    x = randn((1, 2, 2, 8), torch.float32, gen)
+    with pytest.raises(ValueError, match="q_weight is on cpu"):
+        hnr.head_rms_norm_rope(x, x, torch.ones(8), torch.ones(8), 1e-6)
+
+
+def test_custom_op_under_torch_compile(gen):
+    """torch.compile traces through the registered op (aot_eager keeps it cheap on the CPU)."""
+    B, S, H, D = 1, 6, 2, 16
+    a = randn((B, 2, H, D), torch.float32, gen)
+    x = randn((B, S - 2, H, D), torch.float32, gen)
+    w = _w(D, torch.float32, gen)
+    cos, sin = _tables(S, D, gen)
+
+    def f(a, x, w, cos, sin):
+        q, k = hnr.joint_head_rms_norm_rope([(a, a * 2, w, w), (x, x * 3, w, w)], [1e-6, 1e-5], cos, sin)
+        q2, k2 = hnr.head_rms_norm_rope(q, k, None, None, 1e-6)
+        return q2 - k2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    assert_close(compiled(a, x, w, cos, sin), f(a, x, w, cos, sin).double(), torch.float32, seed=gen.seed_value)
+    torch.library.opcheck(
+        torch.ops.rocm_triton_kernels.head_rms_norm_rope.default,
+        ([a, x], [a * 2, x * 3], [w, w], [w, w], [1e-6, 1e-6], cos, sin, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )

@@ -1,0 +1,376 @@
+"""LayerNorm, AdaLN-modulated LayerNorm (single and dual) and gated-residual + LayerNorm + modulation,
+against float64 references and against the real diffusers / torch modules (AdaLayerNormZero,
+AdaLayerNormZeroSingle, AdaLayerNormContinuous, SD35AdaLayerNormZeroX, nn.LayerNorm)."""
+
+import pytest
+import torch
+
+import layernorm
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn, rel_l2
+
+SHAPES = [(1, 1), (1, 127), (3, 2049), (2, 5, 64), (2, 3, 7, 96)]
+
+
+@pytest.fixture
+def gen():
+    return make_generator()
+
+
+def _module_tol(dtype):
+    """Kernel vs a module that rounds at the same places: natively within 1 ulp (fp32 summation order);
+    the interpreter truncates fp32 -> bf16 casts instead of rounding: full TOL there."""
+    t = TOL[dtype]
+    return t if (INTERPRET and dtype == torch.bfloat16) else {k: v / 2 for k, v in t.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("affine", [False, True])
+def test_layer_norm_matches_float64(shape, dtype, affine, gen):
+    x = randn(shape, dtype, gen, scale=3.0, offset=1.5)  # an offset: the mean subtraction matters
+    w = randn((shape[-1],), dtype, gen, scale=0.2, offset=1.0) if affine else None
+    b = randn((shape[-1],), dtype, gen, scale=0.2) if affine else None
+    with poisoned_outputs():
+        out = layernorm.layer_norm(x, w, b, eps=1e-5)
+    ref = layernorm.layer_norm_ref(x.double(), None if w is None else w.double(), None if b is None else b.double(), 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mod_shape", ["BD", "B1D", "BSD", "D", "1D"])
+def test_layer_norm_modulate(dtype, mod_shape, gen):
+    B, S, D = 3, 5, 131
+    x = randn((B, S, D), dtype, gen, scale=2.0, offset=-0.7)
+    shape = {"BD": (B, D), "B1D": (B, 1, D), "BSD": (B, S, D), "D": (D,), "1D": (1, D)}[mod_shape]
+    sc = randn(shape, dtype, gen, scale=0.5)
+    sh = randn(shape, dtype, gen, scale=0.5)
+    with poisoned_outputs():
+        out = layernorm.layer_norm_modulate(x, sc, sh, eps=1e-6)
+    ref = layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double(), eps=1e-6)
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+
+
+def test_per_sample_rule_for_2d_modulation(gen):
+    """[B, D] scale/shift with a 3-D x means one row per sample: the same as [B, 1, D]."""
+    B, S, D = 2, 4, 40
+    x = randn((B, S, D), torch.float32, gen)
+    sc, sh = randn((B, D), torch.float32, gen), randn((B, D), torch.float32, gen)
+    a = layernorm.layer_norm_modulate(x, sc, sh)
+    b = layernorm.layer_norm_modulate(x, sc[:, None], sh[:, None])
+    assert torch.equal(a, b)
+    # for a 2-D x, [M, D] is per row (ordinary broadcasting)
+    x2 = randn((B, D), torch.float32, gen)
+    assert_close(layernorm.layer_norm_modulate(x2, sc, sh),
+                 layernorm.layer_norm_ref(x2.double(), eps=1e-6) * (1 + sc.double()) + sh.double(),
+                 torch.float32, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_modulate_with_adaln_chunk_views(dtype, gen):
+    """scale/shift/gate as diffusers' AdaLN makes them: emb.chunk(6, dim=1) of [B, 6D], row stride 6D."""
+    B, S, D = 2, 7, 96
+    x = randn((B, S, D), dtype, gen, scale=2.0)
+    y = randn((B, S, D), dtype, gen)
+    emb = randn((B, 6 * D), dtype, gen, scale=0.3)
+    shift, scale, gate, shift2, scale2, _ = emb.chunk(6, dim=1)
+    assert not scale.is_contiguous()
+    with poisoned_outputs():
+        out = layernorm.layer_norm_modulate(x, scale, shift)
+        o1, o2 = layernorm.layer_norm_modulate_dual(x, scale, shift, scale2, shift2)
+        h_new, o3 = layernorm.gated_residual_layer_norm_modulate(x, y, gate, scale, shift)
+    d = {k: v.double() for k, v in dict(x=x, y=y, shift=shift, scale=scale, gate=gate, shift2=shift2,
+                                        scale2=scale2).items()}
+    ref = layernorm.layer_norm_modulate_ref(d["x"], d["scale"], d["shift"])
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+    assert_close(o1, ref, dtype, name="out", seed=gen.seed_value)
+    assert_close(o2, layernorm.layer_norm_modulate_ref(d["x"], d["scale2"], d["shift2"]), dtype, name="out2",
+                 seed=gen.seed_value)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(d["x"], d["y"], d["gate"], d["scale"], d["shift"])
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    assert_close(o3, layernorm.layer_norm_modulate_ref(h_new.double(), d["scale"], d["shift"]), dtype, name="out",
+                 seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_shape", [None, "BD", "B1D", "BSD"])
+def test_gated_residual_layer_norm_modulate(dtype, gate_shape, gen):
+    B, S, D = 2, 6, 131
+    h = randn((B, S, D), dtype, gen, scale=2.0, offset=0.5)
+    y = randn((B, S, D), dtype, gen)
+    gate = None
+    if gate_shape is not None:
+        gate = randn({"BD": (B, D), "B1D": (B, 1, D), "BSD": (B, S, D)}[gate_shape], dtype, gen)
+    sc = randn((B, D), dtype, gen, scale=0.5)
+    sh = randn((B, D), dtype, gen, scale=0.5)
+    with poisoned_outputs():
+        h_new, out = layernorm.gated_residual_layer_norm_modulate(h, y, gate, sc, sh)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(
+        h.double(), y.double(), None if gate is None else gate.double(), sc.double(), sh.double()
+    )
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    # normalise the kernel's own rounded h (as the model does), so only the norm's error is compared
+    assert_close(out, layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double()), dtype, name="out",
+                 seed=gen.seed_value)
+
+
+def test_residual_with_affine_and_without_modulation(gen):
+    h = randn((4, 100), torch.float16, gen)
+    y = randn((4, 100), torch.float16, gen)
+    w = randn((100,), torch.float16, gen, scale=0.2, offset=1.0)
+    b = randn((100,), torch.float16, gen, scale=0.2)
+    with poisoned_outputs():
+        h_new, out = layernorm.gated_residual_layer_norm_modulate(h, y, None, None, None, 1e-5, weight=w, bias=b)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), None, None, None, 1e-5)
+    assert_close(h_new, h_ref, torch.float16, seed=gen.seed_value)
+    assert_close(out, layernorm.layer_norm_ref(h_new.double(), w.double(), b.double(), 1e-5), torch.float16,
+                 seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("width", [1, 127, 2049])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_path_for_wide_rows(width, dtype, gen, monkeypatch):
+    """Rows wider than one block take the three-pass chunked path; shrink the limits to reach it cheaply."""
+    monkeypatch.setattr(layernorm, "_MAX_FUSED_N", 64)
+    monkeypatch.setattr(layernorm, "_CHUNK_N", 32)
+    x = randn((3, width), dtype, gen, scale=2.0, offset=3.0)
+    h = randn((3, width), dtype, gen)
+    w = randn((width,), dtype, gen, scale=0.2, offset=1.0)
+    b = randn((width,), dtype, gen, scale=0.2)
+    gate = randn((3, width), dtype, gen)
+    sc, sh = randn((3, width), dtype, gen, scale=0.3), randn((width,), dtype, gen, scale=0.3)
+    sc2, sh2 = randn((3, width), dtype, gen, scale=0.3), randn((3, width), dtype, gen, scale=0.3)
+    with poisoned_outputs():
+        out = layernorm.layer_norm(x, w, b)
+        o1, o2 = layernorm.layer_norm_modulate_dual(x, sc, sh, sc2, sh2)
+        h_new, mod = layernorm.gated_residual_layer_norm_modulate(h, x, gate, sc, sh, weight=w)
+    assert_close(out, layernorm.layer_norm_ref(x.double(), w.double(), b.double()), dtype, seed=gen.seed_value)
+    assert_close(o1, layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), dtype,
+                 seed=gen.seed_value)
+    assert_close(o2, layernorm.layer_norm_modulate_ref(x.double(), sc2.double(), sh2.double()), dtype,
+                 seed=gen.seed_value)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), x.double(), gate.double(), sc.double(),
+                                                                sh.double(), weight=w.double())
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    mod_ref = layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double(), weight=w.double())
+    assert_close(mod, mod_ref, dtype, name="out", seed=gen.seed_value)
+
+
+def test_wide_row_20000_default_chunking(gen):
+    x = randn((1, 20000), torch.float32, gen, offset=5.0)
+    with poisoned_outputs():
+        out = layernorm.layer_norm(x)
+    assert_close(out, layernorm.layer_norm_ref(x.double()), torch.float32, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_without_copy(dtype, gen):
+    """Rows sliced out of a wider tensor, and a transposed leading layout ([S, B, D] viewed as [B, S, D])."""
+    big = randn((2, 9, 3 * 96), dtype, gen)
+    x = big[:, :, 96:192]
+    assert not x.is_contiguous()
+    sc = randn((2, 96), dtype, gen, scale=0.3)
+    sh = randn((2, 96), dtype, gen, scale=0.3)
+    with poisoned_outputs():
+        out = layernorm.layer_norm_modulate(x, sc, sh)
+    assert_close(out, layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), dtype,
+                 seed=gen.seed_value)
+    y = randn((9, 2, 96), dtype, gen).transpose(0, 1)
+    h = randn((9, 2, 96), dtype, gen).transpose(0, 1)
+    with poisoned_outputs():
+        h_new, out = layernorm.gated_residual_layer_norm_modulate(h, y, sc, sc, sh)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), sc.double(), sc.double(),
+                                                                sh.double())
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    assert_close(out, layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double()), dtype,
+                 seed=gen.seed_value)
+
+
+# ---- against the real modules ---------------------------------------------------------------
+def _rand_module(m, gen):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_diffusers_adaln_modules(dtype, gen):
+    """The kernels applied to the modules' own linear outputs reproduce AdaLayerNormZero,
+    AdaLayerNormZeroSingle, AdaLayerNormContinuous and SD35AdaLayerNormZeroX. fp32: elementwise, tight.
+    fp16/bf16: the modules round after every op (norm, 1 + scale, product, sum), so an element's error
+    follows the intermediates' magnitude, not the output's; compared by relative L2 within 4 ulps (a
+    wrong chunk order or a missing term is an O(1) error)."""
+    from diffusers.models.normalization import (
+        AdaLayerNormContinuous,
+        AdaLayerNormZero,
+        AdaLayerNormZeroSingle,
+        SD35AdaLayerNormZeroX,
+    )
+
+    B, S, D = 2, 5, 48
+    x = randn((B, S, D), dtype, gen, scale=2.0, offset=0.5)
+    temb = randn((B, D), dtype, gen)
+    def check(got, want, name):
+        if dtype == torch.float32:
+            assert_close(got, want.double(), dtype, rtol=2e-6, atol=2e-6, name=name, seed=gen.seed_value)
+        else:
+            err = rel_l2(got, want)
+            assert err <= 4 * torch.finfo(dtype).eps, f"{name}: relative L2 {err:.3e} (seed {gen.seed_value})"
+
+    with torch.no_grad():
+        m = _rand_module(AdaLayerNormZero(D), gen).to(DEVICE, dtype)
+        want = m(x, emb=temb)
+        shift, scale, *_ = m.linear(m.silu(temb)).chunk(6, dim=1)
+        got = layernorm.layer_norm_modulate(x, scale, shift, m.norm.eps)
+        check(got, want[0], "AdaLayerNormZero")
+
+        m = _rand_module(AdaLayerNormZeroSingle(D), gen).to(DEVICE, dtype)
+        want = m(x, emb=temb)
+        shift, scale, _ = m.linear(m.silu(temb)).chunk(3, dim=1)
+        got = layernorm.layer_norm_modulate(x, scale, shift, m.norm.eps)
+        check(got, want[0], "AdaLayerNormZeroSingle")
+
+        m = _rand_module(AdaLayerNormContinuous(D, D, elementwise_affine=False, eps=1e-6), gen).to(DEVICE, dtype)
+        want = m(x, temb)
+        scale, shift = m.linear(m.silu(temb)).chunk(2, dim=1)  # scale first in this module
+        got = layernorm.layer_norm_modulate(x, scale, shift, m.norm.eps)
+        check(got, want, "AdaLayerNormContinuous")
+
+        m = _rand_module(SD35AdaLayerNormZeroX(D), gen).to(DEVICE, dtype)
+        want = m(x, emb=temb)
+        c = m.linear(m.silu(temb)).chunk(9, dim=1)
+        o1, o2 = layernorm.layer_norm_modulate_dual(x, c[1], c[0], c[7], c[6], m.norm.eps)
+        check(o1, want[0], "SD35AdaLayerNormZeroX out")
+        check(o2, want[5], "SD35AdaLayerNormZeroX out2")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", [False, True])
+def test_matches_torch_layernorm(dtype, affine, gen):
+    """nn.LayerNorm computes in fp32 and rounds once, as the kernel does."""
+    D = 150
+    m = torch.nn.LayerNorm(D, eps=1e-6, elementwise_affine=affine)
+    if affine:
+        _rand_module(m, gen)
+    m = m.to(DEVICE, dtype)
+    x = randn((3, 4, D), dtype, gen, scale=2.0, offset=1.0)
+    with torch.no_grad():
+        want = m(x)
+    with poisoned_outputs():
+        got = layernorm.layer_norm(x, m.weight, m.bias, m.eps)
+    assert_close(got, want.double(), dtype, **_module_tol(dtype), seed=gen.seed_value)
+
+
+def test_matches_mmdit_block_step_in_fp32(gen):
+    """The FLUX/SD3 block step: h = h + gate[:, None] * attn; norm2(h) * (1 + scale[:, None]) + shift[:, None]."""
+    B, S, D = 2, 9, 64
+    h = randn((B, S, D), torch.float32, gen)
+    attn = randn((B, S, D), torch.float32, gen)
+    gate, scale, shift = (randn((B, D), torch.float32, gen, scale=0.5) for _ in range(3))
+    norm2 = torch.nn.LayerNorm(D, elementwise_affine=False, eps=1e-6).to(DEVICE)
+    want_h = h + gate.unsqueeze(1) * attn
+    want = norm2(want_h) * (1 + scale[:, None]) + shift[:, None]
+    with poisoned_outputs():
+        got_h, got = layernorm.gated_residual_layer_norm_modulate(h, attn, gate, scale, shift, 1e-6)
+    assert_close(got_h, want_h.double(), torch.float32, rtol=1e-6, atol=1e-6, seed=gen.seed_value)
+    assert_close(got, want.double(), torch.float32, rtol=2e-6, atol=2e-6, seed=gen.seed_value)
+
+
+# ---- empty and bad input --------------------------------------------------------------------
+def test_empty_inputs():
+    x = torch.empty((0, 64), device=DEVICE)
+    assert layernorm.layer_norm(x).shape == (0, 64)
+    x3 = torch.empty((2, 0, 64), device=DEVICE)
+    sc = torch.ones((2, 64), device=DEVICE)
+    assert layernorm.layer_norm_modulate(x3, sc, sc).shape == (2, 0, 64)
+    o1, o2 = layernorm.layer_norm_modulate_dual(x3, sc, sc, sc, sc)
+    assert o1.shape == o2.shape == (2, 0, 64)
+    h_new, out = layernorm.gated_residual_layer_norm_modulate(x3, x3, sc, sc, sc)
+    assert h_new.shape == out.shape == (2, 0, 64)
+
+
+def test_errors(gen):
+    x = randn((2, 4, 64), torch.float32, gen)
+    one = torch.ones(64, device=DEVICE)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layernorm.layer_norm([1.0, 2.0])
+    with pytest.raises(TypeError, match="x has dtype int32"):
+        layernorm.layer_norm(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="x has dtype float64"):
+        layernorm.layer_norm(x.double())
+    with pytest.raises(ValueError, match=r"weight must have shape \[64\]"):
+        layernorm.layer_norm(x, torch.ones(63, device=DEVICE))
+    with pytest.raises(ValueError, match=r"bias must have shape \[64\]"):
+        layernorm.layer_norm(x, None, torch.ones(2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        layernorm.layer_norm(x.transpose(1, 2))
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        layernorm.layer_norm(x, eps=-1.0)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        layernorm.layer_norm(torch.tensor(1.0, device=DEVICE))
+    with pytest.raises(ValueError, match=r"scale of shape \(3, 64\) does not broadcast"):
+        layernorm.layer_norm_modulate(x, torch.ones(3, 64, device=DEVICE), torch.ones(2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"shift of shape \(2, 1, 32\) does not broadcast"):
+        layernorm.layer_norm_modulate(x, torch.ones(2, 1, 64, device=DEVICE), torch.ones(2, 1, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="scale must be contiguous in its last dimension"):
+        layernorm.layer_norm_modulate(x, torch.ones(2, 64, 2, device=DEVICE)[..., 0], one)
+    with pytest.raises(ValueError, match="scale and shift are required"):
+        layernorm.layer_norm_modulate(x, None, None)
+    with pytest.raises(ValueError, match="scale, shift, scale2 and shift2 are all required"):
+        layernorm.layer_norm_modulate_dual(x, one, one, None, one)
+    with pytest.raises(ValueError, match="scale and shift must be given together"):
+        layernorm.gated_residual_layer_norm_modulate(x, x, None, one, None)
+    with pytest.raises(ValueError, match=r"y has shape \(2, 4, 63\)"):
+        layernorm.gated_residual_layer_norm_modulate(x, x[..., :63], None, None, None)
+    with pytest.raises(TypeError, match="y has dtype float16"):
+        layernorm.gated_residual_layer_norm_modulate(x, x.half(), None, None, None)
+    with pytest.raises(ValueError, match="y is required"):
+        layernorm.gated_residual_layer_norm_modulate(x, None, None, None, None)
+    with pytest.raises(ValueError, match=r"gate of shape \(5, 64\) does not broadcast"):
+        layernorm.gated_residual_layer_norm_modulate(x, x, torch.ones(5, 64, device=DEVICE), None, None)
+    with pytest.raises(TypeError, match="scale has dtype int64"):
+        layernorm.layer_norm_modulate(x, torch.ones(64, dtype=torch.int64, device=DEVICE), one)
+    with pytest.raises(ValueError, match="gate is only used with a residual"):
+        layernorm._launch(x, None, one, None, None, None, None, None, None, 1e-6)
+    with pytest.raises(ValueError, match="scale2/shift2 need scale/shift"):
+        layernorm._launch(x, None, None, None, None, None, None, one, one, 1e-6)
+    odd = randn((4, 3, 5, 64), torch.float32, gen).permute(1, 0, 2, 3)[:, :, ::2]
+    with pytest.raises(ValueError, match="cannot be addressed with two strides"):
+        layernorm.layer_norm(odd)
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+def test_device_mismatch(gen):
+    x = randn((2, 64), torch.float32, gen)
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        layernorm.layer_norm(x, torch.ones(64))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CPU tensor"):
+        layernorm.layer_norm(torch.ones(2, 8))
+
+
+def test_custom_op_under_torch_compile(gen):
+    """torch.compile traces through the registered op (aot_eager keeps it cheap on the CPU)."""
+    x = randn((2, 3, 64), torch.float32, gen)
+    sc = randn((2, 64), torch.float32, gen, scale=0.2)
+    sh = randn((2, 64), torch.float32, gen, scale=0.2)
+
+    def f(x, sc, sh):
+        h, out = layernorm.gated_residual_layer_norm_modulate(x, x * 2, sc, sc, sh)
+        o1, o2 = layernorm.layer_norm_modulate_dual(out + h, sc, sh, sh, sc)
+        return layernorm.layer_norm(o1 - o2) * 3
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = compiled(x, sc, sh)
+    assert_close(got, f(x, sc, sh).double(), torch.float32, seed=gen.seed_value)
+    torch.library.opcheck(
+        torch.ops.rocm_triton_kernels.layer_norm_fused.default,
+        (x, x * 2, sc, None, None, sc, sh, sh, sc, 1e-6),
+        test_utils=("test_schema", "test_faketensor"),
+    )

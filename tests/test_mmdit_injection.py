@@ -1,0 +1,312 @@
+"""inject_mmdit_kernels / remove_mmdit_kernels on diffusers' SD3 (SD3.5 MMDiT-X) and FLUX transformers:
+parity with the unpatched model in fp32 and bf16 (tiny random models through the interpreter), counts
+on the released architectures (meta device), exact restoration, idempotence, fallbacks, fused qkv
+projections, torch.compile, the dispatch from diffusers_injection, the input builder and the command line."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+import activations
+import diffusers_injection as di
+import head_norm_rope
+import layernorm
+import mmdit_injection as mi
+from kernel_testing import DEVICE, make_generator, rel_l2
+
+# fp32: each fused step is the same math with one rounding and another summation order: a few fp32
+# ulps per op, far below 1e-5 of the output's magnitude through the tiny models.
+FP32_REL = 1e-5
+
+EXPECTED_TINY = {
+    "sd3": {"mmdit_adaln_zero": 2, "mmdit_adaln_zero_x": 1, "mmdit_adaln_zero_single": 0, "mmdit_adaln_continuous": 2,
+            "mmdit_fused_blocks": 2, "mmdit_qk_norm_fused": 3, "mmdit_qk_norm_rope_fused": 0, "mmdit_gelu_tanh": 3},
+    "flux": {"mmdit_adaln_zero": 2, "mmdit_adaln_zero_x": 0, "mmdit_adaln_zero_single": 1, "mmdit_adaln_continuous": 1,
+             "mmdit_fused_blocks": 2, "mmdit_qk_norm_fused": 0, "mmdit_qk_norm_rope_fused": 2, "mmdit_gelu_tanh": 3},
+}
+# kernel calls in one forward of each tiny model
+EXPECTED_CALLS = {
+    # block 0: norm1 (dual), norm1_context, residual+norm2 (after attn2), text residual+norm2; block 1: norm1,
+    # norm1_context (continuous), residual+norm2; norm_out; q/k: block 0 joint + attn2, block 1 joint
+    "sd3": {"layer_norm_modulate": 4, "layer_norm_modulate_dual": 1, "gated_residual_layer_norm_modulate": 3,
+            "joint_head_rms_norm_rope": 3, "gelu_tanh": 3},
+    # double block: norm1, norm1_context, 2 x residual+norm2, q/k of text+image; single block: norm, q/k;
+    # norm_out; GELU: ff, ff_context, act_mlp
+    "flux": {"layer_norm_modulate": 4, "layer_norm_modulate_dual": 0, "gated_residual_layer_norm_modulate": 2,
+             "joint_head_rms_norm_rope": 2, "gelu_tanh": 3},
+}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls of the leaf kernels the integration uses (proves the kernels, not torch, ran)."""
+    calls = Counter()
+    for mod, name in (
+        (layernorm, "layer_norm_modulate"),
+        (layernorm, "layer_norm_modulate_dual"),
+        (layernorm, "gated_residual_layer_norm_modulate"),
+        (head_norm_rope, "joint_head_rms_norm_rope"),
+        (activations, "gelu_tanh"),
+    ):
+        fn = getattr(mod, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+def _model(kind, dtype=torch.float32, seed=0):
+    build = mi.build_sd3_transformer if kind == "sd3" else mi.build_flux_transformer
+    return build("tiny", dtype=dtype, device=DEVICE, seed=seed)
+
+
+def _inputs(model, dtype=torch.float32, seed=0):
+    # 64x64 pixels: 16 image tokens in both models; 7 text tokens
+    return mi.make_mmdit_inputs(model, batch=2, height=64, width=64, text_len=7, dtype=dtype, device=DEVICE, seed=seed)
+
+
+def _run(model, kw):
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+def _rel_max(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _no_injection_left(model):
+    for m in model.modules():
+        assert mi._STATE not in m.__dict__, f"{type(m).__name__} still marked as patched"
+        assert "forward" not in m.__dict__ or hasattr(m, "_hf_hook"), f"{type(m).__name__} keeps a patched forward"
+        assert type(getattr(m, "processor", None)) not in (mi.SD3FusedJointAttnProcessor, mi.FluxFusedAttnProcessor)
+
+
+# --------------------------------------------------------------------------------------------
+# Parity and exact restoration
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_fp32_parity_and_exact_restore(kind, kernel_calls):
+    gen = make_generator()
+    model = _model(kind, seed=gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
+    ref = _run(model, kw)
+    counts = mi.inject_mmdit_kernels(model, verbose=False)
+    assert counts == EXPECTED_TINY[kind]
+    out = _run(model, kw)
+    assert dict(kernel_calls) == {k: v for k, v in EXPECTED_CALLS[kind].items() if v}
+    assert torch.isfinite(out).all()
+    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    restored = mi.remove_mmdit_kernels(model, verbose=False)
+    assert restored == counts
+    _no_injection_left(model)
+    assert torch.equal(_run(model, kw), ref)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_bf16_parity(kind):
+    """bf16: the unpatched model is itself away from its fp32 run (bf16 rounding after every op). The
+    kernels round less often (fp32 inside each fused step), so the patched model must be no further
+    from fp32 than 1.5x the unpatched distance (the interpreter's truncating casts included), and
+    patched vs unpatched within 2^-5 relative L2 (a wrong result is of order 1)."""
+    gen = make_generator()
+    model = _model(kind, seed=gen.seed_value % 1000)
+    kw32 = _inputs(model, seed=gen.seed_value)
+    ref32 = _run(model, kw32).double()
+    torch.nn.Module.to(model, torch.bfloat16)
+    kw = _inputs(model, dtype=torch.bfloat16, seed=gen.seed_value)
+    stock = _run(model, kw)
+    mi.inject_mmdit_kernels(model, verbose=False)
+    patched = _run(model, kw)
+    assert patched.dtype == stock.dtype == torch.bfloat16
+    e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
+    assert e_patched <= 1.5 * e_stock, f"patched {e_patched:.3e} vs stock {e_stock:.3e} (seed {gen.seed_value})"
+    assert rel_l2(patched, stock) <= 2.0**-5
+    mi.remove_mmdit_kernels(model, verbose=False)
+    assert torch.equal(_run(model, kw), stock)
+
+
+def test_injecting_twice_is_harmless(kernel_calls):
+    gen = make_generator()
+    model = _model("flux")
+    kw = _inputs(model, seed=gen.seed_value)
+    ref = _run(model, kw)
+    first = mi.inject_mmdit_kernels(model, verbose=False)
+    once = _run(model, kw)
+    calls_once = dict(kernel_calls)
+    assert mi.inject_mmdit_kernels(model, verbose=False) == first
+    for m in model.modules():  # nothing wrapped twice
+        state = m.__dict__.get(mi._STATE)
+        if state is not None and state["kind"] not in mi._PROCESSOR_KINDS:
+            assert state["prev"] is None
+        if state is not None and state["kind"] in mi._PROCESSOR_KINDS:
+            assert type(state["prev"]) is not mi.FluxFusedAttnProcessor
+    kernel_calls.clear()
+    assert torch.equal(_run(model, kw), once)
+    assert dict(kernel_calls) == calls_once
+    mi.remove_mmdit_kernels(model, verbose=False)
+    _no_injection_left(model)
+    assert torch.equal(_run(model, kw), ref)
+    assert mi.remove_mmdit_kernels(model, verbose=False) == {k: 0 for k in mi.KINDS}
+
+
+def test_fused_qkv_projections(kernel_calls):
+    """model.fuse_qkv_projections(): q/k/v are chunks of one projection, read in place (strided)."""
+    gen = make_generator()
+    model = _model("flux")
+    kw = _inputs(model, seed=gen.seed_value)
+    model.fuse_qkv_projections()
+    ref = _run(model, kw)
+    mi.inject_mmdit_kernels(model, verbose=False)
+    out = _run(model, kw)
+    assert kernel_calls["joint_head_rms_norm_rope"] == 2
+    assert _rel_max(out, ref) <= FP32_REL
+
+
+def test_autograd_runs_the_original_code(kernel_calls):
+    """The kernels have no backward: with gradients wanted, the original operations run and backward works."""
+    gen = make_generator()
+    model = _model("sd3")
+    kw = _inputs(model, seed=gen.seed_value)
+    ref = model(**kw)[0]
+    mi.inject_mmdit_kernels(model, verbose=False)
+    out = model(**kw)[0]
+    assert sum(kernel_calls.values()) == 0
+    assert _rel_max(out, ref) <= FP32_REL  # torch.addcmul instead of mul + add: an ulp here and there
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in model.transformer_blocks[0].norm1.linear.parameters())
+
+
+def test_other_processor_and_ff_chunking_left_to_the_original():
+    """A processor set by the user is not replaced (and not restored over); FF chunking runs the original block."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    model = _model("sd3")
+    attn2 = model.transformer_blocks[0].attn2
+    attn2.set_processor(AttnProcessor2_0())
+    counts = mi.inject_mmdit_kernels(model, verbose=False)
+    assert counts["mmdit_qk_norm_fused"] == 2 and type(attn2.processor) is AttnProcessor2_0
+    model.enable_forward_chunking(chunk_size=1, dim=0)
+    gen = make_generator()
+    kw = _inputs(model, seed=gen.seed_value)
+    out = _run(model, kw)
+    mi.remove_mmdit_kernels(model, verbose=False)
+    assert _rel_max(out, _run(model, kw)) <= FP32_REL
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_torch_compile_fullgraph_traces_the_kernels(kind):
+    """The patched model compiles without graph breaks (the kernels are torch.library custom ops)."""
+    gen = make_generator()
+    model = _model(kind)
+    kw = _inputs(model, seed=gen.seed_value)
+    ref = _run(model, kw)
+    mi.inject_mmdit_kernels(model, verbose=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(**kw)[0]
+    torch._dynamo.reset()
+    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+
+
+# --------------------------------------------------------------------------------------------
+# Real architectures on the meta device (no memory, no interpreter)
+# --------------------------------------------------------------------------------------------
+REAL_COUNTS = {
+    "sd3.5-medium": {"mmdit_adaln_zero": 34, "mmdit_adaln_zero_x": 13, "mmdit_adaln_zero_single": 0,
+                     "mmdit_adaln_continuous": 2, "mmdit_fused_blocks": 24, "mmdit_qk_norm_fused": 37,
+                     "mmdit_qk_norm_rope_fused": 0, "mmdit_gelu_tanh": 47},
+    "sd3-medium": {"mmdit_adaln_zero": 47, "mmdit_adaln_zero_x": 0, "mmdit_adaln_zero_single": 0,
+                   "mmdit_adaln_continuous": 2, "mmdit_fused_blocks": 24, "mmdit_qk_norm_fused": 0,
+                   "mmdit_qk_norm_rope_fused": 0, "mmdit_gelu_tanh": 47},
+    "flux.1-dev": {"mmdit_adaln_zero": 38, "mmdit_adaln_zero_x": 0, "mmdit_adaln_zero_single": 38,
+                   "mmdit_adaln_continuous": 1, "mmdit_fused_blocks": 57, "mmdit_qk_norm_fused": 0,
+                   "mmdit_qk_norm_rope_fused": 57, "mmdit_gelu_tanh": 76},
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_COUNTS))
+def test_real_architecture_counts(name):
+    if name == "flux.1-dev":
+        model = mi.build_flux_transformer("real", device="meta")
+        assert model.inner_dim == 3072 and model.config.guidance_embeds
+    else:
+        model = mi.build_sd3_transformer("real", device="meta", variant=name)
+        assert model.inner_dim == 1536
+    params = sum(p.numel() for p in model.parameters())
+    assert params == {"sd3.5-medium": 2_243_171_520, "sd3-medium": 2_028_328_000, "flux.1-dev": 11_901_408_320}[name]
+    assert mi.inject_mmdit_kernels(model, verbose=False) == REAL_COUNTS[name]
+    assert mi.remove_mmdit_kernels(model, verbose=False) == REAL_COUNTS[name]
+    _no_injection_left(model)
+
+
+def test_make_inputs_at_1024():
+    """The token counts at 1024x1024: SD3 (128 / 2)^2 = 4096 image tokens + 333 text tokens; FLUX 4096 + 512."""
+    sd3 = mi.build_sd3_transformer("real", device="meta")
+    kw = mi.make_mmdit_inputs(sd3, batch=2, device="meta")
+    assert kw["hidden_states"].shape == (2, 16, 128, 128) and kw["encoder_hidden_states"].shape == (2, 333, 4096)
+    assert kw["pooled_projections"].shape == (2, 2048) and kw["timestep"].shape == (2,)
+    flux = mi.build_flux_transformer("real", device="meta")
+    kw = mi.make_mmdit_inputs(flux, device="meta")
+    assert kw["hidden_states"].shape == (1, 4096, 64) and kw["encoder_hidden_states"].shape == (1, 512, 4096)
+    assert kw["img_ids"].shape == (4096, 3) and kw["txt_ids"].shape == (512, 3) and kw["guidance"].shape == (1,)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mi.make_mmdit_inputs(flux, height=1000, device="meta")
+    with pytest.raises(TypeError, match="SD3Transformer2DModel or a FluxTransformer2DModel"):
+        mi.make_mmdit_inputs(torch.nn.Linear(2, 2), device="meta")
+    with pytest.raises(ValueError, match="unknown SD3 variant"):
+        mi.build_sd3_transformer("real", device="meta", variant="sd4")
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch from diffusers_injection, other models, the command line
+# --------------------------------------------------------------------------------------------
+def test_dispatch_from_inject_optimized_kernels(kernel_calls):
+    """inject_optimized_kernels on an object with a FLUX transformer (a pipeline-like .components)
+    injects the MMDiT kernels and reports their kinds next to the LTX kinds; removal restores it."""
+    gen = make_generator()
+    model = _model("flux")
+    kw = _inputs(model, seed=gen.seed_value)
+    ref = _run(model, kw)
+
+    class Pipe:
+        components = {"transformer": model, "scheduler": object()}
+
+    counts = di.inject_optimized_kernels(Pipe(), verbose=False)
+    assert {k: counts[k] for k in mi.KINDS} == EXPECTED_TINY["flux"]
+    assert all(counts[k] == 0 for k in di.KINDS)
+    assert di.injected_counts(Pipe()) == counts
+    assert _rel_max(_run(model, kw), ref) <= FP32_REL and kernel_calls["joint_head_rms_norm_rope"] == 2
+    restored = di.remove_optimized_kernels(Pipe(), verbose=False)
+    assert restored == counts
+    _no_injection_left(model)
+    assert torch.equal(_run(model, kw), ref)
+    assert set(di.injected_counts(model).values()) == {0}
+
+
+def test_non_mmdit_model_untouched():
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
+                                       cross_attention_dim=16, num_layers=1, caption_channels=8)
+    assert mi.inject_mmdit_kernels(model, verbose=False) == {k: 0 for k in mi.KINDS}
+    _no_injection_left(model)
+    with pytest.raises(TypeError, match="diffusers pipeline or a torch.nn.Module"):
+        mi.inject_mmdit_kernels(object(), verbose=False)
+
+
+def test_command_line(capsys):
+    assert mi._main([]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and {k: v["injected"] for k, v in report["models"].items()} == REAL_COUNTS
+    with pytest.raises(SystemExit) as exc:
+        mi._main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "usage" in out and "qk_norm_rope_fused=57" in out
