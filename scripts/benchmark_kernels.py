@@ -19,8 +19,9 @@ bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + w
 JSON on stdout (or --output-json), a table on stderr, a PNG chart with --png when matplotlib is
 installed. Works unchanged on ROCm (the device's gfx arch is recorded instead of sm_XY).
 
-Suites (--suite): "ltx" (default: the LTX-Video transformer's norms, RoPE and activations at B=2 and
---shapes tokens), "decode" (LLM decoder-layer fusions: fused residual add + RMSNorm and SwiGLU, with and
+Suites (--suite): "ltx" (default: the LTX-Video transformer's norms, gated residual, RoPE and activations
+at B=2 and --shapes tokens), "mmdit" (SD3.5-medium and FLUX.1-dev at 1024x1024: LayerNorm + modulation,
+gated residual + LayerNorm + modulation, per-head q/k RMSNorm (+ FLUX's RoPE)), "decode" (LLM decoder-layer fusions: fused residual add + RMSNorm and SwiGLU, with and
 without FP8 output, at --rows tokens in flight and --widths hidden sizes; the skinny GEMM at --gemm-rows
 on Llama-3 8B/70B projection shapes, bf16 and FP8, with the weight bandwidth), or "all".
 
@@ -204,6 +205,26 @@ def case_residual_adaln(B, S, dtype):
     return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, h, h, scale, shift))
 
 
+def case_gated_residual(B, S, dtype):
+    import rmsnorm
+
+    h = _rand((B, S, HIDDEN), dtype, 2.0)
+    y = _rand((B, S, HIDDEN), dtype)
+    gate = _rand((B, 1, HIDDEN), dtype, 0.5)
+
+    def eager():  # LTX block as diffusers writes it: h + attn * gate_msa
+        return h + y * gate
+
+    providers = {
+        "triton": lambda: rmsnorm.gated_residual_add(h, y, gate),
+        "eager": eager,
+        "torch.addcmul": lambda: torch.addcmul(h, y, gate),
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double())
+    return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, gate, h))
+
+
 def _ltx_rope_inputs(B, S, dtype):
     import rope
 
@@ -314,6 +335,7 @@ CASES = {
     "residual_rmsnorm_modulate": case_residual_adaln,
     "ltx_rope": case_ltx_rope,
     "ltx_qk_rmsnorm_rope": case_ltx_qk_norm_rope,
+    "gated_residual": case_gated_residual,
     "gelu_tanh": case_gelu,
     "geglu_tanh": case_geglu,
 }
@@ -504,6 +526,109 @@ GEMM_CASES = {
     "skinny_gemm_fp8": lambda M, N, K, dt: case_skinny_gemm(M, N, K, dt, fp8=True),
 }
 
+# ---------------------------------------------------------------------------------------------
+# SD3 / FLUX cases at 1024x1024: SD3.5-medium (B=2 with guidance, 4096 image tokens, width 1536, 24
+# heads x 64, 333 text tokens) and FLUX.1-dev (B=1, 4096 image + 512 text tokens, width 3072, 24 heads x 128)
+# ---------------------------------------------------------------------------------------------
+MMDIT_SHAPES = {"sd3": dict(B=2, S=4096, T=333, D=1536, H=24), "flux": dict(B=1, S=4096, T=512, D=3072, H=24)}
+
+
+def case_layernorm_modulate(model, dtype):
+    import layernorm
+
+    c = MMDIT_SHAPES[model]
+    B, S, D = c["B"], c["S"], c["D"]
+    x = _rand((B, S, D), dtype, 2.0, 0.3)
+    emb = _rand((B, 2 * D), dtype, 0.3)
+    shift, scale = emb.chunk(2, dim=1)  # [B, D] views, as AdaLayerNormZero's chunk gives them
+    eps = 1e-6
+
+    def eager():  # AdaLayerNormZero: LayerNorm without affine, then * (1 + scale[:, None]) + shift[:, None]
+        return torch.nn.functional.layer_norm(x, (D,), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+    providers = {
+        "triton": lambda: layernorm.layer_norm_modulate(x, scale, shift, eps),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    ref = layernorm.layer_norm_modulate_ref(x.double(), scale.double(), shift.double(), eps)
+    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, scale, shift))
+
+
+def case_residual_layernorm_modulate(model, dtype):
+    import layernorm
+
+    c = MMDIT_SHAPES[model]
+    B, S, D = c["B"], c["S"], c["D"]
+    h = _rand((B, S, D), dtype, 2.0)
+    y = _rand((B, S, D), dtype)
+    emb = _rand((B, 3 * D), dtype, 0.3)
+    gate, shift, scale = emb.chunk(3, dim=1)
+    eps = 1e-6
+
+    def eager():  # JointTransformerBlock / FluxTransformerBlock: h + gate * attn, then norm2 + MLP modulation
+        hn = h + gate[:, None] * y
+        return hn, torch.nn.functional.layer_norm(hn, (D,), eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+    providers = {
+        "triton": lambda: layernorm.gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), gate.double(),
+                                                                scale.double(), shift.double(), eps)
+    out_ref = layernorm.layer_norm_modulate_ref(h_ref.to(dtype).double(), scale.double(), shift.double(), eps)
+    return dict(providers=providers, ref=(h_ref, out_ref), bytes=_nbytes(h, y, gate, scale, shift, h, h))
+
+
+def case_head_qk_norm(model, dtype):
+    """Per-head q/k RMSNorm with a weight; FLUX also applies its interleaved RoPE (cos/sin [S, 128] fp32)."""
+    import head_norm_rope
+
+    c = MMDIT_SHAPES[model]
+    B, S, H = c["B"], c["S"] + c["T"], c["H"]
+    Dh = c["D"] // H
+    q = _rand((B, S, H, Dh), dtype, 2.0)
+    k = _rand((B, S, H, Dh), dtype, 2.0)
+    wq = _rand((Dh,), dtype, 0.1, 1.0)
+    wk = _rand((Dh,), dtype, 0.1, 1.0)
+    eps = 1e-6
+    rope = model == "flux"
+    cos = sin = None
+    if rope:
+        ang = torch.rand(S, Dh // 2, device=DEVICE) * 100
+        cos = ang.cos().repeat_interleave(2, -1)
+        sin = ang.sin().repeat_interleave(2, -1)
+
+    def rot(x):  # diffusers apply_rotary_emb(sequence_dim=1), interleaved pairs, fp32 math
+        xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
+        xrot = torch.stack([-xi, xr], dim=-1).flatten(-2)
+        return (x.float() * cos[None, :, None] + xrot.float() * sin[None, :, None]).to(x.dtype)
+
+    # FLUX's norm_q / norm_k are torch.nn.RMSNorm (F.rms_norm); SD3's are diffusers RMSNorm, which rounds
+    # before its half-precision weight: the same bytes and nearly the same math, timed with F.rms_norm here.
+    def eager():  # the processors' norm_q / norm_k on [B, S, H, Dh] (FLUX: then RoPE)
+        qn = torch.nn.functional.rms_norm(q, (Dh,), wq, eps)
+        kn = torch.nn.functional.rms_norm(k, (Dh,), wk, eps)
+        return (rot(qn), rot(kn)) if rope else (qn, kn)
+
+    providers = {
+        "triton": lambda: head_norm_rope.head_rms_norm_rope(q, k, wq, wk, eps, cos, sin),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    ref = head_norm_rope.head_rms_norm_rope_ref(q.double(), k.double(), wq.double(), wk.double(), eps,
+                                                None if cos is None else cos.double(),
+                                                None if sin is None else sin.double())
+    return dict(providers=providers, ref=ref, bytes=_nbytes(q, k, q, k, wq, wk, cos, sin))
+
+
+MMDIT_CASES = {
+    "layernorm_modulate": case_layernorm_modulate,
+    "residual_layernorm_modulate": case_residual_layernorm_modulate,
+    "head_qk_rmsnorm_rope": case_head_qk_norm,
+}
+
 # output tolerance against the float64 reference, max |out - ref| / (1 + |ref|)
 MAX_ERR = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
 
@@ -548,6 +673,13 @@ def work_items(args):
                 B, S = LTX_SHAPES[s]
                 items.append((name, lambda name=name, B=B, S=S: CASES[name](B, S, args.torch_dtype),
                               {"suite": "ltx", "tokens": S, "batch": B, "width": None}, f"B={B} S={S}", True))
+    if args.suite in ("mmdit", "all"):
+        for name in [k for k in MMDIT_CASES if not flt or any(f in k for f in flt)]:
+            for model in MMDIT_SHAPES:
+                c = MMDIT_SHAPES[model]
+                items.append((name, lambda name=name, model=model: MMDIT_CASES[name](model, args.torch_dtype),
+                              {"suite": "mmdit", "tokens": c["S"], "batch": c["B"], "width": c["D"], "model": model},
+                              f"{model} B={c['B']} S={c['S']}", True))
     if args.suite in ("decode", "all"):
         for name in [k for k in DECODE_CASES if not flt or any(f in k for f in flt)]:
             for h in args.widths:
@@ -703,11 +835,12 @@ def _int_list(text, what):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["ltx", "decode", "all"], default="ltx",
-                   help="ltx: LTX-Video kernels at --shapes (default); decode: LLM decode fusions at "
-                   "--rows x --widths; all: both")
+    p.add_argument("--suite", choices=["ltx", "mmdit", "decode", "all"], default="ltx",
+                   help="ltx: LTX-Video kernels at --shapes (default); mmdit: SD3.5-medium and FLUX.1-dev kernels "
+                   "at 1024x1024; decode: LLM decode fusions at --rows x --widths and the skinny GEMM; all: every suite")
     p.add_argument("--kernel", action="append", default=[],
                    help=f"substring filter, repeatable; ltx kernels: {', '.join(CASES)}; "
+                   f"mmdit kernels: {', '.join(MMDIT_CASES)}; "
                    f"decode kernels: {', '.join(DECODE_CASES)}, {', '.join(GEMM_CASES)}")
     p.add_argument("--shapes", default="1320,6144",
                    help="ltx suite: token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)")

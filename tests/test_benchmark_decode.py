@@ -23,7 +23,10 @@ def test_suite_selection():
     assert {it[3] for it in bk.work_items(gemm)} == {"8B_o M=1", "8B_o M=32"}
     full = bk.parse_args(["--suite", "all"])
     n_decode = len(bk.DECODE_CASES) * len(bk.DECODE_ROWS) * len(bk.DECODE_WIDTHS)
-    assert len(bk.work_items(full)) == len(bk.CASES) * 2 + n_decode + n_gemm
+    n_mmdit = len(bk.MMDIT_CASES) * len(bk.MMDIT_SHAPES)
+    assert len(bk.work_items(full)) == len(bk.CASES) * 2 + n_mmdit + n_decode + n_gemm
+    mm = bk.parse_args(["--suite", "mmdit"])
+    assert {it[3] for it in bk.work_items(mm)} == {"sd3 B=2 S=4096", "flux B=1 S=4096"}
     only = bk.parse_args(["--suite", "decode", "--kernel", "swiglu_fp8"])
     assert {it[0] for it in bk.work_items(only)} == {"swiglu_fp8_per_token", "swiglu_fp8_per_tensor"}
 
@@ -68,3 +71,27 @@ def test_gemm_case_providers_run(name, monkeypatch):
     errs, failures = bk.check_case(name, "M=3 N=96 K=320", case, torch.bfloat16)
     assert not failures, failures
     assert all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("model", ["sd3", "flux"])
+@pytest.mark.parametrize("name", ["layernorm_modulate", "residual_layernorm_modulate", "head_qk_rmsnorm_rope"])
+def test_mmdit_case_providers_run(name, model, monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    tiny = {"sd3": dict(B=2, S=6, T=3, D=96, H=3), "flux": dict(B=1, S=5, T=3, D=128, H=2)}
+    monkeypatch.setattr(bk, "MMDIT_SHAPES", tiny)
+    torch.manual_seed(0)
+    case = bk.MMDIT_CASES[name](model, torch.bfloat16)
+    assert case["bytes"] > 0 and {"triton", "eager", "compile"} <= set(case["providers"])
+    case["providers"] = {k: v for k, v in case["providers"].items() if k in ("triton", "eager")}
+    errs, failures = bk.check_case(name, model, case, torch.bfloat16)
+    assert not failures, failures
+    assert all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs
+
+
+def test_gated_residual_case_runs(monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    monkeypatch.setattr(bk, "HIDDEN", 96)
+    case = bk.CASES["gated_residual"](2, 5, torch.bfloat16)
+    case["providers"] = {k: v for k, v in case["providers"].items() if k != "compile"}
+    errs, failures = bk.check_case("gated_residual", "tiny", case, torch.bfloat16)
+    assert not failures and all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs
