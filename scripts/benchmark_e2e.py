@@ -268,8 +268,8 @@ def profile_forward(model, inputs, gpu: bool, top_n: int = 12):
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         us = float(getattr(evt, "self_device_time_total", 0.0) or 0.0)
-        if us <= 0:
-            continue
+        if us <= 0 or evt.key.startswith("nccl:"):
+            continue  # "nccl:all_to_all" etc. annotate the NCCL kernels' span: counting both would count it twice
         cls = classify_kernel(evt.key)
         split[cls] += us / 1e3
         launches += evt.count

@@ -15,6 +15,10 @@ What is replaced, per kind (the default LTX-Video transformer has 28 blocks):
 * ``qk_norm_rope_fused`` (28): a self-attention processor (diffusers' processor API) that runs the
   q and k RMSNorms and the rotary embedding in one launch, with cos/sin computed in the kernel from
   the token coordinates (the model's ``rope`` module is patched to hand those over: ``rope_coords``).
+* ``cross_attn`` (28): the cross-attention processors: the same processor class, without RoPE; the
+  prompt mask is broadcast over the heads instead of copied once per head. Same result; it is also
+  what lets a padded prompt run under Ulysses context parallelism, where diffusers 0.42.1 hands the
+  attention a per-head mask with all heads after the all-to-all left each rank some of them.
 * ``gelu_tanh`` (28): the activation of each feed-forward's ``GELU(approximate="tanh")``.
 * ``vae_rmsnorm``: the ``RMSNorm`` layers of ``AutoencoderKLLTXVideo`` (eps 1e-8, channel-last).
 * ``mmdit_*``: SD3 and FLUX transformers are handed to ``mmdit_injection.py`` (its counts are merged
@@ -79,11 +83,13 @@ KINDS = (
     "rmsnorm_weighted",
     "adaln_fused_blocks",
     "qk_norm_rope_fused",
+    "cross_attn",
     "rope_coords",
     "gelu_tanh",
     "vae_rmsnorm",
 )
 
+_PROCESSOR_KINDS = ("qk_norm_rope_fused", "cross_attn")
 _STATE = "_rtk_injection"  # per-module record of what was patched and how to undo it
 _HALF = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -125,8 +131,9 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
     state = ic.pop_state(module, _STATE)
     if state is None:
         return None
-    if state["kind"] == "qk_norm_rope_fused":
+    if state["kind"] in _PROCESSOR_KINDS:
         if type(module.processor) is LTXFusedSelfAttnProcessor:  # not if someone replaced it since
+            ic.carry_processor_settings(module.processor, state["prev"])  # e.g. enable_parallelism since
             module.set_processor(state["prev"])
         return state["kind"]
     module.__dict__.pop("_rtk_attn1_modules", None)
@@ -319,6 +326,30 @@ def _is_coords_form(image_rotary_emb, width: int) -> bool:
     return first.shape[-1] == 3 and width != 3
 
 
+def _install_processor(attn, kind: str) -> int:
+    """Put an LTXFusedSelfAttnProcessor on `attn`, keeping the replaced one (and its backend /
+    parallel settings) for removal."""
+    prev = attn.processor
+    proc = LTXFusedSelfAttnProcessor()
+    ic.carry_processor_settings(prev, proc)  # keep backend / parallel choices
+    attn.set_processor(proc)
+    attn.__dict__[_STATE] = {"kind": kind, "prev": prev}
+    return 1
+
+
+def _broadcast_mask(attn, mask, sequence_length: int, batch_size: int):
+    """The attention mask as [B, 1, 1, T] (one copy, broadcast over the heads) where diffusers'
+    processor makes [B, heads, 1, T] (prepare_attention_mask repeats it per head). The values are
+    the same. Under Ulysses context parallelism each rank attends with heads / degree heads, and
+    diffusers 0.42.1 gathers the mask over the tokens but not its head axis: the per-head copy then
+    fails to broadcast (huggingface/diffusers#14316), the single copy does not. Masks of other
+    shapes go through diffusers' own preparation."""
+    if mask.dim() == 3 and mask.shape[0] == batch_size and mask.shape[1] == 1 and mask.shape[-1] == sequence_length:
+        return mask.unsqueeze(1)
+    mask = attn.prepare_attention_mask(mask, sequence_length, batch_size)
+    return mask.view(batch_size, attn.heads, -1, mask.shape[-1])
+
+
 class LTXFusedSelfAttnProcessor:
     """Self-attention processor for LTXAttention: to_q/to_k/to_v, ONE kernel for the q and k
     RMSNorms (across heads) plus the rotary embedding, diffusers' dispatch_attention_fn, to_out.
@@ -326,8 +357,9 @@ class LTXFusedSelfAttnProcessor:
     Accepts the rotary embedding in either form: (cos, sin) as diffusers' rope module returns it,
     or (coords, freqs) as the patched rope module returns it (angles computed in the kernel).
     Without a rotary embedding (cross-attention) it runs the module's q/k norms (patched to the
-    RMSNorm kernel) and behaves like LTXVideoAttnProcessor. Inputs the kernel does not cover run
-    the original sequence of operations.
+    RMSNorm kernel) and behaves like LTXVideoAttnProcessor, except that a prompt mask stays one
+    copy broadcast over the heads (see _broadcast_mask). Inputs the kernel does not cover run the
+    original sequence of operations.
     """
 
     _attention_backend = None
@@ -345,8 +377,7 @@ class LTXFusedSelfAttnProcessor:
             hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
         )
         if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+            attention_mask = _broadcast_mask(attn, attention_mask, sequence_length, batch_size)
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
 
@@ -520,27 +551,22 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             elif isinstance(m, LTXVideoTransformerBlock):
                 new["adaln_fused_blocks"] += _patch_forward(m, _ltx_block_forward, "adaln_fused_blocks")
 
-        # Self-attention processors: only where diffusers' own LTX processor is in place.
+        # Attention processors, only where diffusers' own LTX processor is in place: self-attention
+        # (q/k norm + RoPE fused) and cross-attention (same class, no RoPE, mask broadcast over heads).
         attn1s = []
         for block in model.modules():
-            if not isinstance(block, LTXVideoTransformerBlock) or not isinstance(block.attn1, LTXAttention):
+            if not isinstance(block, LTXVideoTransformerBlock):
                 continue
-            attn = block.attn1
-            if _STATE in attn.__dict__:
-                attn1s.append(attn)
-                continue
-            prev = attn.processor
-            if type(prev) is not LTXVideoAttnProcessor:
-                skipped.append(f"self-attention with processor {type(prev).__name__}")
-                continue
-            proc = LTXFusedSelfAttnProcessor()
-            for name in ("_attention_backend", "_parallel_config"):  # keep backend / parallel choices
-                if name in getattr(prev, "__dict__", {}):
-                    setattr(proc, name, getattr(prev, name))
-            attn.set_processor(proc)
-            attn.__dict__[_STATE] = {"kind": "qk_norm_rope_fused", "prev": prev}
-            attn1s.append(attn)
-            new["qk_norm_rope_fused"] += 1
+            for attn, kind, what in ((block.attn1, "qk_norm_rope_fused", "self"), (block.attn2, "cross_attn", "cross")):
+                if not isinstance(attn, LTXAttention):
+                    continue
+                if _STATE not in attn.__dict__:
+                    if type(attn.processor) is not LTXVideoAttnProcessor:
+                        skipped.append(f"{what}-attention with processor {type(attn.processor).__name__}")
+                        continue
+                    new[kind] += _install_processor(attn, kind)
+                if kind == "qk_norm_rope_fused":
+                    attn1s.append(attn)
 
         rope_mod = getattr(model, "rope", None)
         if isinstance(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:

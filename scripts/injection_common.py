@@ -80,24 +80,50 @@ def torch_rmsnorm_eps(module: torch.nn.RMSNorm) -> float:
 # --------------------------------------------------------------------------------------------
 # Patching instance forwards, reversibly
 # --------------------------------------------------------------------------------------------
+def _diffusers_hook_slot(module: torch.nn.Module):
+    """(function reference, attribute) holding the forward that diffusers' hooks wrap (the innermost
+    one of the module's HookRegistry), or None if the module has no diffusers hook. diffusers'
+    hooks (context-parallel splits and gathers, offloading, caching) replace module.forward with a
+    wrapper that calls this reference at each call."""
+    refs = getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None)
+    if not refs:
+        return None
+    ref = refs[0]
+    return (ref, "original_forward") if getattr(ref, "original_forward", None) is not None else (ref, "forward")
+
+
 def patch_forward(module: torch.nn.Module, fn, kind: str, state_key: str, **extra) -> bool:
     """Make fn(module, ...) the module's forward. False if the module is already patched (under
     this state key).
 
     If accelerate already hooked the module (its hook calls module._old_forward), the hooked
-    function is replaced instead, so the hook keeps running around the kernel. The record kept
-    under state_key holds the kind, the replaced function and any `extra` entries.
+    function is replaced instead, so the hook keeps running around the kernel; the same for
+    diffusers' hooks (enable_parallelism's context-parallel splits, for one), whose innermost
+    function reference is replaced. The record kept under state_key holds the kind, the replaced
+    function and any `extra` entries.
     """
     if state_key in module.__dict__:
         return False
-    slot = "_old_forward" if ("_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")) else "forward"
-    prev = module.__dict__.get(slot)
     patched = types.MethodType(fn, module)
+    hook_slot = None
+    if "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
+        slot = "_old_forward"
+        prev = module.__dict__.get(slot)
+    elif _diffusers_hook_slot(module) is not None:
+        slot = "diffusers_hook"
+        hook_slot = _diffusers_hook_slot(module)
+        prev = getattr(*hook_slot)
+    else:
+        slot = "forward"
+        prev = module.__dict__.get(slot)
     original = prev if prev is not None else types.MethodType(type(module).forward, module)
     module.__dict__[state_key] = {
         "kind": kind, "slot": slot, "prev": prev, "patched": patched, "original": original, **extra
     }
-    module.__dict__[slot] = patched
+    if hook_slot is not None:
+        setattr(*hook_slot, patched)
+    else:
+        module.__dict__[slot] = patched
     return True
 
 
@@ -106,22 +132,47 @@ def original_forward(module: torch.nn.Module, state_key: str):
     return module.__dict__[state_key]["original"]
 
 
+def _is_class_forward(fn, module) -> bool:
+    return getattr(fn, "__self__", None) is module and getattr(fn, "__func__", None) is type(module).forward
+
+
 def restore_forward(module: torch.nn.Module, state: dict) -> None:
     """Put back the forward that patch_forward replaced (state: the record it kept, already removed
-    from the module). A hook added after injection may have moved the patched function to
-    _old_forward (accelerate does): it is restored wherever it now is."""
+    from the module), wherever the patched function now is: a hook added after injection may have
+    moved it to _old_forward (accelerate does) or into its function reference (diffusers' hooks do),
+    and removing a diffusers hook moves it back to forward."""
     patched, prev = state["patched"], state["prev"]
+    replacement = prev if prev is not None else types.MethodType(type(module).forward, module)
     for slot in ("forward", "_old_forward"):
         if module.__dict__.get(slot) is patched:
-            if prev is None and slot == "forward":
+            if slot == "forward" and (prev is None or _is_class_forward(prev, module)):
                 del module.__dict__["forward"]
             else:
-                module.__dict__[slot] = prev if prev is not None else types.MethodType(type(module).forward, module)
-            break
+                module.__dict__[slot] = replacement
+            return
+    for ref in getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ():
+        for attr in ("forward", "original_forward"):
+            if getattr(ref, attr, None) is patched:
+                setattr(ref, attr, replacement)
+                return
 
 
 def pop_state(module: torch.nn.Module, state_key: str) -> Optional[dict]:
     return module.__dict__.pop(state_key, None)
+
+
+# Attention-processor settings that diffusers stores on processor instances: the backend
+# (set_attention_backend) and the parallel config (enable_parallelism). They must follow the
+# processor that is in place, in both directions, or a model parallelised after injection would
+# get back processors that attend over their local tokens only once the kernels are removed.
+PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
+
+
+def carry_processor_settings(src, dst) -> None:
+    """Copy the per-instance attention settings of processor `src` onto processor `dst`."""
+    for name in PROCESSOR_SETTINGS:
+        if name in getattr(src, "__dict__", {}):
+            setattr(dst, name, getattr(src, name))
 
 
 if __name__ == "__main__":

@@ -155,9 +155,7 @@ def _patch_processor(attn: nn.Module, proc, kind: str) -> bool:
     if _STATE in attn.__dict__:
         return False
     prev = attn.processor
-    for name in ("_attention_backend", "_parallel_config"):  # keep backend / parallel choices
-        if name in getattr(prev, "__dict__", {}):
-            setattr(proc, name, getattr(prev, name))
+    ic.carry_processor_settings(prev, proc)  # keep backend / parallel choices
     attn.set_processor(proc)
     attn.__dict__[_STATE] = {"kind": kind, "prev": prev}
     return True
@@ -169,8 +167,9 @@ def _unpatch(module: nn.Module) -> Optional[str]:
     if state is None:
         return None
     if state["kind"] in _PROCESSOR_KINDS:
-        if type(module.processor) in (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor):
-            module.set_processor(state["prev"])  # not if someone replaced it since
+        if type(module.processor) in (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor):  # not if replaced since
+            ic.carry_processor_settings(module.processor, state["prev"])  # e.g. enable_parallelism since
+            module.set_processor(state["prev"])
         return state["kind"]
     ic.restore_forward(module, state)
     return state["kind"]
