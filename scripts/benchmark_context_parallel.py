@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -177,6 +178,7 @@ def main(argv=None) -> int:
     try:
         return _run(args, torch, dist, device, gpu, rank, world)
     finally:
+        gc.collect()  # drop collective work objects while their process group still exists
         dist.destroy_process_group()
 
 
@@ -275,6 +277,12 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
                 counts, out, times, peak = timed(mode, parallel=True)
             except Exception as exc:  # every rank runs the same shapes, so every rank fails at the same place
                 runs[mode]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                del exc
+                # the failed forward may leave collective work objects referenced from its frames:
+                # free them now and resynchronise, rather than at interpreter exit after the
+                # process group is gone (seen once as an abort of a gloo rank at exit)
+                gc.collect()
+                dist.barrier()
                 continue
             gathered = [None] * world
             dist.all_gather_object(gathered, times)
