@@ -367,6 +367,19 @@ def _quant_per_tensor(y, scale, fp8_dtype):
     return (y.float() / scale).clamp(-fmax, fmax).to(fp8_dtype)
 
 
+def _integer_fp8(module, fn):
+    """fn with the module's FP8 output forced to the integer encoder (its `_native_fp8` answering False):
+    the side-by-side that shows what the native FP8 cast is worth on this GPU."""
+    def run():
+        saved = module._native_fp8
+        module._native_fp8 = lambda device, fp8_dtype: False
+        try:
+            return fn()
+        finally:
+            module._native_fp8 = saved
+    return run
+
+
 def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
     import rmsnorm
 
@@ -403,6 +416,8 @@ def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
+    if fp8 is not None and rmsnorm._native_fp8(x.device, fp8_dtype):
+        providers["triton(integer FP8)"] = _integer_fp8(rmsnorm, providers["triton"])
     lo = _liger()
     if fp8 is None and lo is not None and hasattr(lo, "LigerFusedAddRMSNormFunction"):
         providers["liger"] = lambda: lo.LigerFusedAddRMSNormFunction.apply(x, res, w, eps, 0.0, "llama", False)
@@ -441,6 +456,8 @@ def case_swiglu(M, H, dtype, fp8=None):
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
+    if fp8 is not None and activations._native_fp8(x.device, fp8_dtype):
+        providers["triton(integer FP8)"] = _integer_fp8(activations, providers["triton"])
     lo = _liger()
     if fp8 is None and lo is not None and hasattr(lo, "LigerSiLUMulFunction"):
         # Liger takes gate and up as two contiguous tensors (it would copy strided views on every call)
@@ -725,6 +742,10 @@ def run(args):
     records, failures = [], []
     for name, build, fields, label, graph in work_items(args):
         torch.manual_seed(0)
+        # Every case compiles its own closure `eager`; one code object per case function, so without a
+        # reset Dynamo stops recompiling after config.recompile_limit (8) shapes and silently runs the
+        # later shapes eagerly under the "compile" label.
+        torch._dynamo.reset()
         try:
             case = build()
         except (ImportError, AttributeError) as e:

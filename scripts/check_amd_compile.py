@@ -13,6 +13,7 @@ Reported per kernel launch and target:
           register-based figure), wave size, LDS bytes (Triton's LDS is dynamic: read from the kernel's metadata).
   NVIDIA: registers, spill stores/loads, local/stack bytes (cuobjdump / ptxas -v on the real cubin/PTX, if
           those tools exist in the triton wheel), shared memory bytes.
+  Both:   the FP8 conversion instructions in the code (``fp8_conversions``; empty for a software encoder).
 Fails (exit 1) when a kernel does not compile, spills or uses scratch on an AMD target, or needs more
 LDS/shared memory than one workgroup/block may use. NVIDIA spills are reported as warnings.
 
@@ -191,7 +192,7 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         for tag, kw in (("", dict), ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
                         ("+fp8 per_token", lambda: dict(fp8="per_token")))
     },
-    # each FP8 format forced on every target (the kernels encode FP8 with integer arithmetic: any format anywhere)
+    # each FP8 format forced on every target (the native cast where the target has it, else the integer encoder)
     **{
         f"fused_add_rms_norm+fp8 {mode} {name}[32x{h}]": (
             "rmsnorm",
@@ -681,6 +682,9 @@ def _jsonable(v):
     return str(v)
 
 
+_FP8_CVT = re.compile(r"\b(v_cvt\w*_(?:fp8|bf8)\w*|cvt\.\w+(?:\.\w+)*\.e[45]m[23]x2\.\w+)")
+
+
 def compile_launch(launch: Launch, target_name: str) -> dict:
     """Compile one captured launch for one target and return its record."""
     from triton.backends.compiler import GPUTarget
@@ -725,6 +729,10 @@ def compile_launch(launch: Launch, target_name: str) -> dict:
         rec["problems"].append("did not compile: " + (msg if len(msg) <= 2000 else msg[:1000] + " ... " + msg[-1000:]))
         return rec
     rec["compile_s"] = round(time.perf_counter() - t0, 3)
+    # FP8 conversion instructions in the code (e.g. v_cvt_pk_fp8_f32, cvt.rn.satfinite.e4m3x2.f32): shows
+    # whether an FP8 kernel got the target's hardware conversion or a software sequence
+    asm_text = compiled.asm.get("amdgcn", "") if backend_name == "hip" else compiled.asm.get("ptx", "")
+    rec["fp8_conversions"] = sorted(set(_FP8_CVT.findall(asm_text or "")))
     lds = getattr(compiled.metadata, "shared", None)
     rec["lds_bytes"] = lds
     rec["lds_limit_bytes"] = LDS_LIMIT_BYTES.get(target_name)

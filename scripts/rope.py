@@ -158,6 +158,29 @@ def _rms_norm_rows(x, W, cols, C, eps, DTYPE: tl.constexpr, HAS_WEIGHT: tl.const
 
 
 @triton.jit
+def _sincos(a):
+    """(sin(a), cos(a)) of fp32 a, |a| < 2**22, sharing one argument reduction: a = j * pi/2 + r with
+    |r| <= pi/4 (pi/2 split in three fp32 parts, fused multiply-adds), then minimax polynomials of sin and
+    cos on [-pi/4, pi/4] and the quadrant j mod 4. Within 2 ulp of the correctly rounded fp32 results for
+    the angles of video RoPE (|a| <= ~2e4); about half the instructions of tl.sin plus tl.cos, whose
+    libdevice/OCML versions also carry a slow path for huge arguments."""
+    j = (a * 0.6366197723675814 + 12582912.0) - 12582912.0  # round(a * 2/pi): 1.5 * 2**23 trick
+    r = tl.fma(j, -1.5707963705062866, a)
+    r = tl.fma(j, 4.371138828673793e-08, r)
+    r = tl.fma(j, 1.7151245100058819e-15, r)
+    r2 = r * r
+    s = tl.fma(tl.fma(tl.fma(r2, -1.9515295891e-4, 8.3321608736e-3), r2, -1.6666654611e-1) * r2, r, r)
+    c = tl.fma(tl.fma(tl.fma(tl.fma(r2, 2.443315711809948e-5, -1.388731625493765e-3), r2, 4.166664568298827e-2),
+                      r2, -0.5), r2, 1.0)
+    q = j.to(tl.int32) & 3
+    sin_a = tl.where((q & 1) == 0, s, c)
+    cos_a = tl.where((q & 1) == 0, c, s)
+    sin_a = tl.where(q >= 2, -sin_a, sin_a)
+    cos_a = tl.where((q == 1) | (q == 2), -cos_a, cos_a)
+    return sin_a, cos_a
+
+
+@triton.jit
 def _rope_by_pair(y, cp, sp, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Interleaved RoPE of [BLOCK_M, BLOCK_C] rows with one (cos, sin) per pair, [BLOCK_M, BLOCK_C // 2]."""
     even, odd = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_C // 2, 2]))
@@ -216,10 +239,12 @@ def _ltx_qk_norm_rope_kernel(
         axis = (pair % 3)[None, :]
         coord = tl.where(axis == 0, g0, tl.where(axis == 1, g1, g2))
         angle = freq[None, :] * (coord * 2.0 - 1.0)
-        # tl.cos/tl.sin are the libdevice/OCML functions, as torch's own: on NVIDIA the result
-        # matches diffusers' cos/sin bit for bit.
-        cp = tl.where(valid[None, :], tl.cos(angle), 1.0)
-        sp = tl.where(valid[None, :], tl.sin(angle), 0.0)
+        # sin and cos share one argument reduction (_sincos): the q/k kernel is memory-bound again,
+        # where libdevice/OCML tl.sin + tl.cos left it issue-bound (H200: 80 % vs 68 % of copy bandwidth
+        # at [2, 6144, 2048]); the results are within 2 ulp of fp32 sin/cos, far below bf16 rounding.
+        sa, ca = _sincos(angle)
+        cp = tl.where(valid[None, :], ca, 1.0)
+        sp = tl.where(valid[None, :], sa, 0.0)
         y = _rms_norm_rows(xq, QW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
         qo = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
         y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
@@ -473,10 +498,13 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
     if q.numel() == 0:
         return q_out, k_out
     m = bsz * seq
-    # 16 elements per lane (two 16-byte vectors of each of q and k per lane, half the warps of the
-    # plain RoPE kernels): on an H200 at [2, 6144, 2048] bf16, 4 warps per row ran 2-8 % faster
-    # than 8 (fewer warps in each row's cross-warp reduction) and 20 % faster than 2.
-    block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_NORM_WIDTH, per_lane=16)
+    # About 4096 elements of each of q and k per program (two LTX rows) and 16 per lane (two 16-byte
+    # vectors of each per lane): on an H200 at [2, 6144, 2048] and [2, 1320, 2048] bf16 (coordinates
+    # path) this beat 2048 elements per program by 12-16 %, and 8 or 32 elements per lane, or 8192
+    # and 16384 elements per program, by 15-45 %.
+    block_m, block_c, num_warps = _launch_config(
+        ch, m, _device_target(dev)[2], _MAX_NORM_WIDTH, 2 * _ELEMS_PER_PROGRAM, per_lane=16
+    )
     grid = (_cdiv(m, block_m),)
     has_w = q_weight is not None
     dummy = q  # never dereferenced: the constexpr flags remove the loads that would use it

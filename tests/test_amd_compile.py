@@ -171,6 +171,28 @@ def test_records_are_sane(full_report):
             assert r.get("spill_store_bytes", 0) == 0 and r.get("spill_load_bytes", 0) == 0, where
 
 
+def test_fp8_kernels_use_the_conversion_instruction_where_chosen(full_report):
+    """The FP8 cases take Triton's cast on gfx942 (e4m3fnuz), gfx950 (e4m3fn, Triton >= 3.9) and sm90
+    (e4m3fn), and the compiled code then holds the hardware conversion; elsewhere the integer encoder
+    leaves none."""
+    _, report = full_report
+    expect = {"gfx942": "v_cvt_pk_fp8_f32", "gfx950": "v_cvt_scalef32_pk_fp8_f32", "sm90": "cvt.rn.satfinite.e4m3x2.f32"}
+    tv = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    checked = 0
+    for r in report["records"]:
+        if not r["constexprs"].get("FP8_MODE"):
+            continue
+        fnuz = r["constexprs"]["FP8_MAX"] == 240.0
+        native_expected = (r["target"] == "gfx942" and fnuz) or (r["target"] == "sm90" and not fnuz) or (
+            r["target"] == "gfx950" and not fnuz and tv >= (3, 9))
+        where = f"{r['case']} / {r['target']}"
+        assert r["constexprs"]["NATIVE_FP8"] is native_expected, where
+        if native_expected:
+            assert expect[r["target"]] in r["fp8_conversions"], (where, r["fp8_conversions"])
+        checked += 1
+    assert checked >= 40
+
+
 # --------------------------------------------------------------------------------------------
 # The detector
 # --------------------------------------------------------------------------------------------

@@ -114,6 +114,35 @@ def test_gated_residual_layer_norm_modulate(dtype, gate_shape, gen):
                  seed=gen.seed_value)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(13, 192), (3, 1536), (2, 3072)])
+def test_three_chunk_rows(rows, width, dtype, gen):
+    """Widths 3 * 2**k are held as three chunks (SD3's 1536, FLUX's 3072) when there is no residual
+    branch: every variant, with a partial last program of rows, against float64."""
+    block_m, block_n, single, nch, _ = layernorm._launch_config(width, rows, 32)
+    assert single and nch == 3 and 3 * block_n == width  # the path under test is the one taken
+    assert layernorm._launch_config(width, rows, 32, residual=True)[3] == 1
+    x = randn((rows, width), dtype, gen, scale=2.0, offset=0.8)
+    y = randn((rows, width), dtype, gen)
+    w = randn((width,), dtype, gen, scale=0.2, offset=1.0)
+    b = randn((width,), dtype, gen, scale=0.2)
+    emb = randn((rows, 5 * width), dtype, gen, scale=0.3)
+    sc, sh, gate, sc2, sh2 = emb.chunk(5, dim=1)
+    d = {k: v.double() for k, v in dict(x=x, y=y, w=w, b=b, sc=sc, sh=sh, gate=gate, sc2=sc2, sh2=sh2).items()}
+    with poisoned_outputs():
+        out = layernorm.layer_norm(x, w, b, eps=1e-5)
+        o1, o2 = layernorm.layer_norm_modulate_dual(x, sc, sh, sc2, sh2)
+        h_new, o3 = layernorm.gated_residual_layer_norm_modulate(x, y, gate, sc, sh)
+    assert_close(out, layernorm.layer_norm_ref(d["x"], d["w"], d["b"], 1e-5), dtype, seed=gen.seed_value)
+    assert_close(o1, layernorm.layer_norm_modulate_ref(d["x"], d["sc"], d["sh"]), dtype, name="out", seed=gen.seed_value)
+    assert_close(o2, layernorm.layer_norm_modulate_ref(d["x"], d["sc2"], d["sh2"]), dtype, name="out2",
+                 seed=gen.seed_value)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(d["x"], d["y"], d["gate"], d["sc"], d["sh"])
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    assert_close(o3, layernorm.layer_norm_modulate_ref(h_new.double(), d["sc"], d["sh"]), dtype, name="out",
+                 seed=gen.seed_value)
+
+
 def test_residual_with_affine_and_without_modulation(gen):
     h = randn((4, 100), torch.float16, gen)
     y = randn((4, 100), torch.float16, gen)

@@ -516,3 +516,32 @@ def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
 
 def test_supported_dtypes():
     assert set(DTYPES) == set(rope._SUPPORTED_DTYPES)
+
+
+def test_sincos_over_video_rope_angles():
+    """The kernel's shared-reduction sin/cos (_sincos) against float64 over |angle| <= 2e4 (LTX-Video's
+    largest frequency is 10000 * pi / 2 times coordinates in [-1, 1]) and around the quadrant edges."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(A, S, C, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        s, c = rope._sincos(tl.load(A + offs, mask=m, other=0.0))
+        tl.store(S + offs, s, mask=m)
+        tl.store(C + offs, c, mask=m)
+
+    gen = torch.Generator().manual_seed(7)
+    edges = torch.arange(-40, 41, dtype=torch.float64) * (math.pi / 4)
+    a = torch.cat([
+        (torch.rand(20000, generator=gen, dtype=torch.float64) * 2 - 1) * 2e4,
+        torch.randn(5000, generator=gen, dtype=torch.float64) * 3,
+        (edges[:, None] + torch.linspace(-1e-5, 1e-5, 11, dtype=torch.float64)).flatten(),
+    ]).float().to(DEVICE)
+    s = torch.full_like(a, float("nan"))
+    c = torch.full_like(a, float("nan"))
+    _probe[(triton.cdiv(a.numel(), 1024),)](a, s, c, a.numel(), BLOCK=1024)
+    ad = a.double()
+    err = max((s.double() - torch.sin(ad)).abs().max().item(), (c.double() - torch.cos(ad)).abs().max().item())
+    assert err < 2.5e-7, f"max |error| {err:.3g} (fp32 ulp at 1 is 1.2e-7)"
