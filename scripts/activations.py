@@ -23,7 +23,8 @@ Public functions:
   float8_e4m3fnuz (max 240) on gfx942, OCP float8_e4m3fn (max 448) elsewhere, or forced by
   ``fp8_dtype=``; values are saturated to +-fp8_max and rounded to nearest (ties to even), so a finite
   input never gives NaN: Triton's FP8 cast where the GPU has a conversion instruction for the format
-  (NVIDIA sm_89+, gfx942, gfx950 from Triton 3.9), else an integer-arithmetic encoder, with the same bytes.
+  (NVIDIA sm_89+, gfx942, gfx950 from Triton 3.9), else an integer-arithmetic encoder with the same bytes
+  (checked on an NVIDIA H200; the AMD cast paths are compiled, not yet run on AMD hardware).
 
 One row kernel serves GELU on strided rows, GEGLU and SwiGLU (a constexpr picks the activation).
 All are overflow-safe: the output is finite and correct for any finite input in every dtype
@@ -446,9 +447,10 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
     Only where the compiled code was checked to use a conversion instruction for that format (Triton
     3.6 and 3.9 ahead-of-time output): NVIDIA sm_89+ for e4m3fn, gfx942 (CDNA3) for e4m3fnuz, gfx950
-    (CDNA4) for e4m3fn with Triton 3.9 or later. Elsewhere (gfx1201, whose Triton lowering is itself a software sequence; other formats;
-    the interpreter, whose FP8 casts round differently) the integer encoder is used. Both give the same
-    bits (tests/test_fp8_native.py on a GPU).
+    (CDNA4) for e4m3fn with Triton 3.9 or later. Elsewhere (gfx1201, whose Triton lowering is itself a
+    software sequence; other formats; the interpreter, whose FP8 casts round differently) the integer
+    encoder is used. tests/test_fp8_native.py checks on a GPU that both give the same bytes: passed on an
+    NVIDIA H200; the AMD paths are compiled (scripts/check_amd_compile.py) but not yet run on AMD hardware.
     """
     backend, arch, _ = _device_target(device)
     if backend == "interpreter" or (device.type != "cpu" and _interpreting()):

@@ -25,8 +25,9 @@ and the OCP float8_e4m3fn (max 448) everywhere else (gfx950, gfx12, NVIDIA); ``f
 Values are saturated to +-fp8_max and rounded to nearest (ties to even): a finite input never gives NaN.
 Where the GPU has an FP8 conversion instruction that Triton emits for the format (NVIDIA sm_89+ e4m3fn,
 gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.9) the kernel uses Triton's cast; elsewhere, and in the
-interpreter, an integer-arithmetic encoder stored through a uint8 view. Both give the same bytes (tested
-on a GPU); on an H200 the cast took 7-35 % less time than the encoder.
+interpreter, an integer-arithmetic encoder stored through a uint8 view. Both gave the same bytes on an
+NVIDIA H200 (tests/test_fp8_native.py; not yet run on AMD hardware, where the AMD instructions were only
+compiled); on the H200 the cast took 7-35 % less time than the encoder.
 
 Each ``*_ref`` function beside them is the plain-PyTorch math the kernel replaces. The file depends on
 torch and triton only; copy it into another project as is. Run ``python rmsnorm.py --help``.
@@ -434,9 +435,10 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
     Only where the compiled code was checked to use a conversion instruction for that format (Triton
     3.6 and 3.9 ahead-of-time output): NVIDIA sm_89+ for e4m3fn, gfx942 (CDNA3) for e4m3fnuz, gfx950
-    (CDNA4) for e4m3fn with Triton 3.9 or later. Elsewhere (gfx1201, whose Triton lowering is itself a software sequence; other formats;
-    the interpreter, whose FP8 casts round differently) the integer encoder is used. Both give the same
-    bits (tests/test_fp8_native.py on a GPU).
+    (CDNA4) for e4m3fn with Triton 3.9 or later. Elsewhere (gfx1201, whose Triton lowering is itself a
+    software sequence; other formats; the interpreter, whose FP8 casts round differently) the integer
+    encoder is used. tests/test_fp8_native.py checks on a GPU that both give the same bytes: passed on an
+    NVIDIA H200; the AMD paths are compiled (scripts/check_amd_compile.py) but not yet run on AMD hardware.
     """
     backend, arch, _ = _device_target(device)
     if backend == "interpreter" or (device.type != "cpu" and _interpreting()):
