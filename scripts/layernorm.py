@@ -94,14 +94,30 @@ def _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
 
 
 @triton.jit
+def _load_mod(SCALE, SHIFT, s_row, t_row, cols, mask, PRE: tl.constexpr):
+    """fp32 tiles of scale and shift when PRE (requested early), else 0.0 placeholders."""
+    sc = 0.0
+    sh = 0.0
+    if PRE:
+        sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return sc, sh
+
+
+@triton.jit
 def _finish_rows(y, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row, out_row,
                  rows, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr,
-                 HAS_MOD2: tl.constexpr):
-    """Normalised fp32 rows y (columns `cols`) -> affine, modulation(s), stores to OUT (and OUT2)."""
+                 HAS_MOD2: tl.constexpr, sc=0.0, sh=0.0, PRE: tl.constexpr = False):
+    """Normalised fp32 rows y (columns `cols`) -> affine, modulation(s), stores to OUT (and OUT2).
+    PRE: the modulation's scale and shift are the tiles sc, sh loaded earlier (_load_mod)."""
     if HAS_MOD2:
         y2 = _affine_modulate(y, W, BIAS, SCALE2, SHIFT2, s2_row, t2_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, True)
         tl.store(OUT2 + out_row[:, None] + cols[None, :], y2.to(OUT2.dtype.element_ty), mask=mask)
-    y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+    if PRE:
+        y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, False)
+        y = y * (1.0 + sc) + sh
+    else:
+        y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
     tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -162,13 +178,21 @@ def _layer_norm_kernel(
         c1 = cols0 + BLOCK_N
         c2 = cols0 + 2 * BLOCK_N
         m0 = row_mask[:, None] & (cols0 < N)[None, :]
+        # With a residual, scale and shift are requested before the reductions so that their latency
+        # overlaps them (on an H200 the gated residual + norm + modulation took about 2 % less time at
+        # SD3's and FLUX's shapes). Without a residual that was 1-2 % slower, so they are loaded after,
+        # in _finish_rows.
+        PRE: tl.constexpr = HAS_RESIDUAL and HAS_MOD and not HAS_MOD2
         x0 = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
+        sc0, sh0 = _load_mod(SCALE, SHIFT, s_row, t_row, cols0, m0, PRE)
         tot = x0
         if NCH == 3:
             m1 = row_mask[:, None] & (c1 < N)[None, :]
             m2 = row_mask[:, None] & (c2 < N)[None, :]
             x1 = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, c1, m1, HAS_RESIDUAL, HAS_GATE)
             x2 = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, c2, m2, HAS_RESIDUAL, HAS_GATE)
+            sc1, sh1 = _load_mod(SCALE, SHIFT, s_row, t_row, c1, m1, PRE)
+            sc2, sh2 = _load_mod(SCALE, SHIFT, s_row, t_row, c2, m2, PRE)
             tot = x0 + x1 + x2
         mean = tl.sum(tot, axis=1)[:, None] / N
         d0 = tl.where(m0, x0 - mean, 0.0)
@@ -179,12 +203,12 @@ def _layer_norm_kernel(
             ss = ss + d1 * d1 + d2 * d2
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1)[:, None] / N + eps)
         _finish_rows(d0 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                     out_row, rows, cols0, m0, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
+                     out_row, rows, cols0, m0, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc0, sh0, PRE)
         if NCH == 3:
             _finish_rows(d1 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                         out_row, rows, c1, m1, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
+                         out_row, rows, c1, m1, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc1, sh1, PRE)
             _finish_rows(d2 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                         out_row, rows, c2, m2, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
+                         out_row, rows, c2, m2, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc2, sh2, PRE)
     else:
         # Pass 1: the mean (and the residual update, stored once).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
