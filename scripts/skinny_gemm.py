@@ -28,6 +28,11 @@ Design (reasons beside each choice in the code):
 * 4 < M <= 32: ``tl.dot`` with M padded to 16 or 32 (16 is the smallest M of the matrix-instruction
   tiles Triton emits: 16x16 MFMA on CDNA, 16x16 WMMA on RDNA4, m16n8 MMA on NVIDIA), fp32 accumulation.
   FP8 weights are widened to x's dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value).
+  FP8 x with FP8 W in the GPU's own FP8 format go to ``tl.dot`` as they are: in the ahead-of-time check
+  an FP8 matrix instruction (gfx942 ``v_mfma_f32_32x32x16_fp8_fp8``, gfx950 ``v_mfma_f32_32x32x64_f8f6f4``)
+  with no conversions, where widening took 96 conversion instructions beside the bf16 MFMAs. Not on
+  NVIDIA: at M < 64 (no wgmma) Triton converts FP8 operands to fp16 for ``mma.sync`` anyway, and
+  that form spilled 4 bytes on sm_90, so the widening stays there.
 * split-K: programs = N tiles x SPLIT_K, enough to fill every CU; each program writes its fp32 partial to
   a [SPLIT_K, M, N] workspace, and the last program of an N tile to arrive (an atomic counter per tile)
   sums the partials in split order 0, 1, ..., SPLIT_K - 1 and applies scales, bias and the cast. One
@@ -156,8 +161,9 @@ def _fma_step(acc, x_rows, w_rows, k, k_end, kk, m3, n3,
 
 @triton.jit
 def _dot_step(acc, x_rows, w_rows, k, k_end, kk, MASKED: tl.constexpr, W_BITS: tl.constexpr,
-              X_BITS: tl.constexpr, FNUZ: tl.constexpr, DOT_DT: tl.constexpr):
-    """acc[BLOCK_M, BLOCK_N] += x[BLOCK_M, BLOCK_K] @ W[BLOCK_N, BLOCK_K]^T (fp32 accumulation)."""
+              X_BITS: tl.constexpr, FNUZ: tl.constexpr, DOT_DT: tl.constexpr, FP8_DOT: tl.constexpr):
+    """acc[BLOCK_M, BLOCK_N] += x[BLOCK_M, BLOCK_K] @ W[BLOCK_N, BLOCK_K]^T (fp32 accumulation).
+    FP8_DOT: x and W are FP8 of the GPU's own matrix format and go to tl.dot as loaded."""
     cols = (k + kk)[None, :]
     if MASKED:
         mask = cols < k_end
@@ -166,6 +172,8 @@ def _dot_step(acc, x_rows, w_rows, k, k_end, kk, MASKED: tl.constexpr, W_BITS: t
     else:
         w = tl.load(w_rows[:, None] + cols)
         x = tl.load(x_rows[:, None] + cols)
+    if FP8_DOT:
+        return tl.dot(x, tl.trans(w), acc)
     return tl.dot(_widen(x, X_BITS, FNUZ, DOT_DT), tl.trans(_widen(w, W_BITS, FNUZ, DOT_DT)), acc)
 
 
@@ -208,6 +216,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,  # tl.dot with DOT_DT operands, else fp32 multiply-add
     DOT_DT: tl.constexpr,
+    FP8_DOT: tl.constexpr,  # USE_DOT with FP8 x and W in the GPU's matrix format: no widening
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masked tail block
     IS_SPLIT: tl.constexpr,  # SPLIT_K > 1
     HAS_BIAS: tl.constexpr, W_SCALE_MODE: tl.constexpr, HAS_X_SCALE: tl.constexpr,
@@ -239,10 +248,10 @@ def _skinny_gemm_kernel(
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_lo, k_full, BLOCK_K):
-            acc = _dot_step(acc, x_rows, w_rows, k, k_hi, kk, False, W_BITS, X_BITS, FNUZ, DOT_DT)
+            acc = _dot_step(acc, x_rows, w_rows, k, k_hi, kk, False, W_BITS, X_BITS, FNUZ, DOT_DT, FP8_DOT)
         if not EVEN_K:
             if k_full < k_hi:
-                acc = _dot_step(acc, x_rows, w_rows, k_full, k_hi, kk, True, W_BITS, X_BITS, FNUZ, DOT_DT)
+                acc = _dot_step(acc, x_rows, w_rows, k_full, k_hi, kk, True, W_BITS, X_BITS, FNUZ, DOT_DT, FP8_DOT)
     else:
         m3 = tl.arange(0, BLOCK_M)[:, None, None]
         n3 = tl.arange(0, BLOCK_N)[None, :, None]
@@ -620,6 +629,10 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     dot_dt = tl.bfloat16 if (x_fp8 or x.dtype == torch.bfloat16) else tl.float16
     if backend == "interpreter":
         dot_dt = tl.float32
+    # FP8 x and W in an AMD GPU's own matrix FP8 format (e4m3fnuz on gfx94x, e4m3fn on gfx95x) feed
+    # tl.dot directly: an FP8 MFMA, no widening. Not on NVIDIA: at these tile sizes (M < 64, no wgmma)
+    # Triton 3.6 converts both operands to fp16 for mma.sync anyway, and that form spilled on sm_90.
+    fp8_dot = cfg.use_dot and x_fp8 and not x_bits and not w_bits and backend in ("hip", "interpreter")
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device)
         counters = _counters(device, n_tiles)
@@ -637,7 +650,7 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         m * n,
         cfg.k_per_split, cfg.split_k, num_programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=cfg.use_dot, DOT_DT=dot_dt,
+        USE_DOT=cfg.use_dot, DOT_DT=dot_dt, FP8_DOT=fp8_dot,
         EVEN_K=k % cfg.block_k == 0, IS_SPLIT=cfg.split_k > 1,
         HAS_BIAS=bias is not None, W_SCALE_MODE=w_scale_mode, HAS_X_SCALE=x_fp8,
         W_BITS=w_bits, X_BITS=x_bits, FNUZ=fnuz,

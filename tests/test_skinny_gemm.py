@@ -203,6 +203,55 @@ def test_fp8_x_and_weight_against_scaled_mm(f8, m, gen):
                  seed=gen.seed_value)
 
 
+class _LaunchSpy:
+    """Stands in for a kernel object: records each launch's keyword arguments, then runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.launches.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
+
+
+def _expects_fp8_dot(f8) -> bool:
+    """Where FP8 x and W should reach tl.dot as FP8: the interpreter, gfx94x (e4m3fnuz), gfx95x (e4m3fn);
+    never on NVIDIA (widened there)."""
+    backend, arch, _ = sg._device_target(torch.device(DEVICE))
+    fnuz = f8 == torch.float8_e4m3fnuz
+    if backend == "interpreter":
+        return True
+    if backend == "cuda":
+        return False
+    return str(arch).startswith("gfx94") if fnuz else str(arch).startswith("gfx95")
+
+
+@pytest.mark.parametrize("f8", FP8, ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("m", [1, 5, 32])
+def test_fp8_x_and_weight_take_the_fp8_dot_path(f8, m, gen, monkeypatch):
+    """FP8 x and W of the device's matrix format go to tl.dot unwidened on the matrix path (M > 4), and
+    the result still matches float64; the multiply-add path (M <= 4) never sets the flag."""
+    spy = _LaunchSpy(sg._skinny_gemm_kernel)
+    monkeypatch.setattr(sg, "_skinny_gemm_kernel", spy)
+    monkeypatch.setattr(sg, "_KERNEL_MAX_M", {})  # always the kernel, whatever was measured on this GPU
+    n, k = 80, 384
+    x32 = torch.randn((m, k), generator=gen)
+    xs = (x32.abs().max() / torch.finfo(f8).max).reshape(1).float()
+    xq = (x32 / xs).to(f8).to(DEVICE)
+    xs = xs.to(DEVICE)
+    wq, ws = _quantize(torch.randn((n, k), generator=gen), f8, per_channel=True)
+    with poisoned_outputs():
+        y = sg.skinny_gemm(xq, wq, weight_scale=ws, x_scale=xs, out_dtype=torch.float32)
+    _check(y, xq, wq, weight_scale=ws, x_scale=xs, seed=gen.seed_value)
+    assert len(spy.launches) == 1
+    assert spy.launches[0]["USE_DOT"] == (m > sg._FMA_MAX_M)
+    assert spy.launches[0]["FP8_DOT"] == (m > sg._FMA_MAX_M and _expects_fp8_dot(f8))
+
+
 @pytest.mark.parametrize("f8", FP8, ids=["e4m3fn", "e4m3fnuz"])
 @pytest.mark.parametrize("m", [1, 16])
 def test_fp8_decoded_from_bits_every_code(f8, m, monkeypatch):
