@@ -17,7 +17,9 @@ warm-up time), then --repeats timed calls; step medians with 20th/80th percentil
 --transformer-only: one transformer forward (B = 2, the guidance batch) at the latent size of the
 requested video, timed --repeats times: for fast iteration.
 --profile: one transformer forward per mode under torch.profiler; device time split into GEMM,
-attention and everything else, with the largest "everything else" kernels listed.
+attention and everything else, with the largest "everything else" kernels listed. With a timed
+forward (--transformer-only, --model sd3|flux) also gpu_busy_share: that device time over the median
+forward time; well below 1 means the GPU waited on the host for launches.
 
 Parity: a float32 run of the same model (--no-fp32-reference to skip) is the yardstick. A mode
 passes when its final latents (and decoded frames) are no further from the float32 result than
@@ -412,6 +414,11 @@ def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress):
         fwd_inputs = inputs if pipe is None else capture.get("kwargs")
         if fwd_inputs is not None:
             res["profile"] = profile_forward(model, fwd_inputs, gpu)
+            if gpu and key == "forward_ms" and res[key]["median"] > 0:
+                # well below 1: the GPU idles inside the forward, waiting for the host to launch work
+                res["gpu_busy_share"] = round(res["profile"]["total_device_ms"] / res[key]["median"], 3)
+                res["what_gpu_busy_share_is"] = ("device time of the profiled forward / median timed forward; "
+                                                 "well below 1 means the forward waits on the host (launches)")
     return res, outs
 
 
@@ -571,6 +578,7 @@ def main(argv=None) -> int:
     for mode, r in results.items():
         log(f"{mode:>15}: {key} median {r[key]['median']:.2f} (p20 {r[key]['p20']:.2f}, p80 {r[key]['p80']:.2f})"
             + (f", peak {r['peak_memory_gb']:.2f} GB" if "peak_memory_gb" in r else "")
+            + (f", GPU busy {100 * r['gpu_busy_share']:.0f} %" if "gpu_busy_share" in r else "")
             + f", parity {'ok' if r['parity']['ok'] else 'FAILED'}")
     text = json.dumps(summary, indent=2, default=str)
     print(text)
