@@ -21,7 +21,7 @@ def test_modes_and_bad_command_lines():
     assert be.parse_args(["--mode", "triton,compile"]).modes == ("triton", "compile")
     assert be.parse_args(["--model", "flux"]).transformer_only  # SD3 / FLUX: one transformer forward
     for argv in (["--mode", "fast"], ["--num-frames", "24"], ["--height", "500"], ["--repeats", "0"],
-                 ["--model", "sd3", "--height", "1000"], ["--model", "wan"]):
+                 ["--model", "sd3", "--height", "1000"], ["--model", "wan"], ["--heat-seconds", "-1"]):
         with pytest.raises(SystemExit) as exc:
             be.parse_args(argv)
         assert exc.value.code == 2
@@ -76,12 +76,14 @@ def test_tiny_run_end_to_end(tmp_path):
 def test_tiny_mmdit_run(model, kind):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", model, "--mode", "baseline,triton"],
+        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", model, "--mode", "baseline,triton",
+         "--heat-seconds", "0.1"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["ok"] and summary["transformer_only"] and summary["config"]["model"] == model
+    assert summary["config"]["heat_seconds"] == 0.1 and "heating the GPU" in r.stderr
     tri = summary["results"]["triton"]
     assert tri["injected"][kind] > 0 and tri["injected"]["mmdit_fused_blocks"] > 0
     assert tri["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5
