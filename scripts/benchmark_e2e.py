@@ -549,7 +549,7 @@ def main(argv=None) -> int:
 
     if args.heat_seconds > 0:
         # The first mode would otherwise run on a cool GPU: in one recorded LTX-Video run without this, the
-        # same GEMM and attention kernels took 12-19 % longer in the modes timed after the baseline.
+        # same GEMM and attention kernels took 3-21 % longer in the modes timed after the baseline.
         log(f"heating the GPU with baseline calls for {args.heat_seconds:.0f} s")
         heat_calls, t_end = 0, time.perf_counter() + args.heat_seconds
         while time.perf_counter() < t_end:
