@@ -409,8 +409,9 @@ def _whole_row_config(n_cols: int, n_rows: int, warp_size: int, max_whole: int, 
     row maximum's cross-warp reduction shorter; on an H200 (bf16, FP8 output, CUDA graphs) 8 warps
     for a 4096-wide row took 7-9 % less time than 16 (8 elements per lane), and 16 warps stayed the
     fastest for 8192. For 16384 the rule asks for 32 warps of 32 lanes; that took 11 % less time than
-    16 at 1024 rows (1-7 % less at 4096 rows, two runs). Short rows are packed several to a program so that each
-    program still moves a few KiB; at most 1024 lanes (a workgroup's limit: 16 wave64 warps on CDNA).
+    16 at 1024 rows (1-7 % less at 4096 rows, two runs). Short rows are packed several to a program
+    so that each program still moves a few KiB; at most 1024 lanes (a workgroup's limit: 16 wave64
+    warps on CDNA).
     """
     single = n_cols <= max_whole
     block_n = _next_pow2(n_cols) if single else chunk
