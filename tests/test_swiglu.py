@@ -188,6 +188,24 @@ def test_fp8_per_token_two_pass_rows(h, gen, monkeypatch):
     assert_close(s, s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
 
 
+@pytest.mark.parametrize("warp_size", [32, 64])
+def test_whole_row_config_fits_a_workgroup(warp_size):
+    """Per-token FP8 rows are whole-row programs: the block covers the row (single pass) or the chunk,
+    and the lanes per program never exceed 1024 (the workgroup limit on AMD and NVIDIA), for every
+    width up to past the single-pass limit and several row counts."""
+    widths = sorted({1, 2, 3, 64, 127, 1000, 4096, 8191, 8192, 14336, 16384, 16385, 28672}
+                    | {1 << k for k in range(15)})
+    for h in widths:
+        for m in (1, 5, 32, 1024, 4096):
+            block_m, block_n, single, warps = act._whole_row_config(h, m, warp_size, act._MAX_WHOLE_ROW,
+                                                                    act._ROW_CHUNK)
+            assert 1 <= warps and warps * warp_size <= 1024, (h, m, warps)
+            assert warps & (warps - 1) == 0, (h, m, warps)  # Triton needs a power of two
+            assert single == (h <= act._MAX_WHOLE_ROW), (h, m)
+            assert (block_n >= h) if single else (block_n == act._ROW_CHUNK), (h, m, block_n)
+            assert block_m >= 1 and block_m * block_n <= max(4096, block_n), (h, m, block_m)
+
+
 def test_default_fp8_dtype_here():
     q = act.swiglu(torch.ones((2, 64), device=DEVICE), fp8="per_token")[0]
     assert q.dtype == act._fp8_dtype_for(torch.device(DEVICE))
