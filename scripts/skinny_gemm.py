@@ -393,7 +393,8 @@ def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, pro
       drop gfx942 to one wave per SIMD at M = 32). Two pipeline stages prefetch the next W block while
       the matrix unit consumes the current one (gfx950 and NVIDIA copy it straight to LDS/shared);
       FP8 weights on AMD use one stage: the widening between load and dot doubles the registers the
-      prefetched block holds (2 stages: up to 232 VGPRs on gfx942 and SGPR spills on gfx950).
+      prefetched block holds (2 stages: up to 232 VGPRs on gfx942 and SGPR spills on gfx950). FP8 x
+      with FP8 W skips the widening there but keeps the one stage (two not measured).
     * SPLIT_K: enough programs to give each CU _PROGRAMS_PER_CU of them, up to ``_split_cap``. When
       even the cap leaves CUs idle on the tl.dot path (small N), BLOCK_N drops to 32 for more tiles.
     * 4 warps: enough lanes for a 16 KiB tile at 4 vectors per lane (wave64) and small programs, so
