@@ -28,7 +28,7 @@ Design (reasons beside each choice in the code):
 * 4 < M <= 32: ``tl.dot`` with M padded to 16 or 32 (16 is the smallest M of the matrix-instruction
   tiles Triton emits: 16x16 MFMA on CDNA, 16x16 WMMA on RDNA4, m16n8 MMA on NVIDIA), fp32 accumulation.
   FP8 weights are widened to x's dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value).
-  FP8 x with FP8 W in the GPU's own FP8 format go to ``tl.dot`` as they are: in the ahead-of-time check
+  FP8 x with FP8 W in the GPU's own FP8 format go to ``tl.dot`` as they are: in the ahead-of-time check (Triton 3.9)
   an FP8 matrix instruction (gfx942 ``v_mfma_f32_32x32x16_fp8_fp8``, gfx950 ``v_mfma_f32_32x32x64_f8f6f4``)
   with no conversions, where widening took 96 conversion instructions beside the bf16 MFMAs. Not on
   NVIDIA: at M < 64 (no wgmma) Triton converts FP8 operands to fp16 for ``mma.sync`` anyway, and
