@@ -5,7 +5,7 @@ Modes (same prompt, seed, size, frames and steps for each):
   baseline        eager diffusers, as shipped
   triton          eager + inject_optimized_kernels (scripts/diffusers_injection.py)
   compile         torch.compile(transformer)
-  triton+compile  the kernels injected, then torch.compile (the kernels are custom ops it traces)
+  triton+compile  the kernels injected, then torch.compile (Inductor launches them: torch.library.triton_op)
 
 Pipeline mode (default): the LTX-Video pipeline from the local Hugging Face cache when present
 (offline), else the real-size transformer with random weights, a small random T5 of the real

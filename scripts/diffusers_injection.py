@@ -530,7 +530,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     an LTXVideoTransformer3DModel, an AutoencoderKLLTXVideo, or any module containing them.
     Returns the counts per kind of what is injected after the call (a second call returns the same
     counts and wraps nothing twice). Call it before enable_model_cpu_offload() or after, and
-    before torch.compile (the kernels are torch.library custom ops, so compile traces them).
+    before torch.compile (the kernels are torch.library ops, so compile traces them).
     """
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()

@@ -145,6 +145,7 @@ def _layer_norm_kernel(
     SINGLE_PASS: tl.constexpr,
     NCH: tl.constexpr = 1,  # SINGLE_PASS: chunks per row, 1 or 3
 ):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -480,7 +481,7 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, has_residual)
     grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv costs microseconds per host call
-    _layer_norm_kernel[grid](
+    _as_launched(_layer_norm_kernel)[grid](
         x, xs[0], xs[1],
         y if has_residual else dummy, ys[0], ys[1],
         gate if gate is not None else dummy, gs[0], gs[1],
@@ -504,7 +505,7 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
 
 
 # --------------------------------------------------------------------------------------------
-# torch.library custom op: torch.compile traces through it instead of breaking the graph.
+# torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
 _NS = "rocm_triton_kernels"
 
@@ -513,36 +514,93 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
-if not _op_exists("layer_norm_fused"):
+# Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
+# the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
+# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
+# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
+# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
+# launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
+_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
+_TRACING = False  # True while a triton_op body runs: kernels are then launched through wrap_triton
 
-    @torch.library.custom_op(f"{_NS}::layer_norm_fused", mutates_args=())
-    def _layer_norm_fused_op(
-        x: torch.Tensor,
-        y: Optional[torch.Tensor],
-        gate: Optional[torch.Tensor],
-        weight: Optional[torch.Tensor],
-        bias: Optional[torch.Tensor],
-        scale: Optional[torch.Tensor],
-        shift: Optional[torch.Tensor],
-        scale2: Optional[torch.Tensor],
-        shift2: Optional[torch.Tensor],
-        eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h_out, out, out2 = _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
-        # custom ops cannot return None: absent outputs are empty tensors
-        return (h_out if h_out is not None else x.new_empty(0), out, out2 if out2 is not None else x.new_empty(0))
 
-    @_layer_norm_fused_op.register_fake
-    def _(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        h_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is not None else x.new_empty(0)
-        out2 = torch.empty(x.shape, dtype=x.dtype, device=x.device) if scale2 is not None else x.new_empty(0)
-        return h_out, out, out2
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if _TRACING else fn
+
+
+def _symbolic(args) -> bool:
+    """Whether a tensor among args (or in a list among args) has a symbolic size or stride."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride())):
+                return True
+    return False
+
+
+def _triton_twin(impl, name: str):
+    """The body of the triton_op registration: impl with its kernels launched through wrap_triton.
+    Traced with symbolic sizes (dynamic shapes) it defers to the custom op, which runs the launcher
+    on real tensors at run time."""
+
+    @functools.wraps(impl)
+    def body(*args, **kwargs):
+        global _TRACING
+        if _symbolic(args) or _symbolic(kwargs.values()):
+            return getattr(getattr(torch.ops, _NS), name)(*args, **kwargs)
+        outer, _TRACING = _TRACING, True
+        try:
+            return impl(*args, **kwargs)
+        finally:
+            _TRACING = outer
+
+    return body
+
+
+def _register(name: str, impl, fake):
+    """Register impl as custom op NS::name (with its fake) and, where available, as triton op
+    NS::name_triton. Re-importing the module (as importlib.reload does) keeps the first registration."""
+    if not _op_exists(name):
+        torch.library.custom_op(f"{_NS}::{name}", mutates_args=())(impl).register_fake(fake)
+    if _TRITON_OP and not _op_exists(name + "_triton"):
+        torch.library.triton_op(f"{_NS}::{name}_triton", mutates_args=())(_triton_twin(impl, name))
+
+
+def _compile_op(name: str):
+    """The op that torch.compile records (see _TRITON_OP)."""
+    return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
+def _layer_norm_fused_op(
+    x: torch.Tensor,
+    y: Optional[torch.Tensor],
+    gate: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    shift: Optional[torch.Tensor],
+    scale2: Optional[torch.Tensor],
+    shift2: Optional[torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h_out, out, out2 = _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
+    # custom ops cannot return None: absent outputs are empty tensors
+    return (h_out if h_out is not None else x.new_empty(0), out, out2 if out2 is not None else x.new_empty(0))
+
+
+def _layer_norm_fused_op_fake(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if y is not None else x.new_empty(0)
+    out2 = torch.empty(x.shape, dtype=x.dtype, device=x.device) if scale2 is not None else x.new_empty(0)
+    return h_out, out, out2
+
+
+_register("layer_norm_fused", _layer_norm_fused_op, _layer_norm_fused_op_fake)
 
 
 def _dispatch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     if torch.compiler.is_compiling():
-        h_out, out, out2 = getattr(torch.ops, _NS).layer_norm_fused(
+        h_out, out, out2 = _compile_op("layer_norm_fused")(
             x, y, gate, weight, bias, scale, shift, scale2, shift2, float(eps)
         )
         return (h_out if y is not None else None), out, (out2 if scale2 is not None else None)

@@ -206,6 +206,7 @@ def _ltx_qk_norm_rope_kernel(
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # >= C (whole rows)
 ):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     # One program normalises and rotates the same rows of q AND k: the cos/sin of those rows are
     # read (or computed) once and used twice.
     pid = tl.program_id(0)
@@ -372,7 +373,7 @@ def _ltx_rope_launch(x, cos, sin):
     m = bsz * seq
     block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_CHUNK)
     grid = (_cdiv(m, block_m), _cdiv(ch, block_c))
-    _ltx_rope_kernel[grid](
+    _as_launched(_ltx_rope_kernel)[grid](
         x, x.stride(0), x.stride(1),
         cos, cos.stride(0), cos.stride(1),
         sin, sin.stride(0), sin.stride(1),
@@ -428,7 +429,7 @@ def _rope_rotate_half_launch(x, cos, sin):
         half, m, _device_target(dev)[2], _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2
     )
     grid = (_cdiv(m, block_m), _cdiv(half, block_h))
-    _rope_rotate_half_kernel[grid](
+    _as_launched(_rope_rotate_half_kernel)[grid](
         x, x.stride(0), x.stride(1), x.stride(2),
         cos, cos.stride(0), cos.stride(1), cos.stride(2),
         sin, sin.stride(0), sin.stride(1), sin.stride(2),
@@ -508,7 +509,7 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
     grid = (_cdiv(m, block_m),)
     has_w = q_weight is not None
     dummy = q  # never dereferenced: the constexpr flags remove the loads that would use it
-    _ltx_qk_norm_rope_kernel[grid](
+    _as_launched(_ltx_qk_norm_rope_kernel)[grid](
         q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1),
         q_weight if has_w else dummy, k_weight if has_w else dummy,
@@ -526,7 +527,7 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
 
 
 # --------------------------------------------------------------------------------------------
-# torch.library custom ops: torch.compile traces through them instead of breaking the graph.
+# torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
 _NS = "rocm_triton_kernels"
 
@@ -535,70 +536,123 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
-if not _op_exists("ltx_rope"):
-
-    @torch.library.custom_op(f"{_NS}::ltx_rope", mutates_args=())
-    def _ltx_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return _ltx_rope_launch(x, cos, sin)
-
-    @_ltx_rope_op.register_fake
-    def _(x, cos, sin):
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-if not _op_exists("rope_rotate_half"):
-
-    @torch.library.custom_op(f"{_NS}::rope_rotate_half", mutates_args=())
-    def _rope_rotate_half_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return _rope_rotate_half_launch(x, cos, sin)
-
-    @_rope_rotate_half_op.register_fake
-    def _(x, cos, sin):
-        return torch.empty_like(x)
+# Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
+# the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
+# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
+# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
+# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
+# launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
+_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
+_TRACING = False  # True while a triton_op body runs: kernels are then launched through wrap_triton
 
 
-if not _op_exists("ltx_qk_rmsnorm_rope"):
-
-    @torch.library.custom_op(f"{_NS}::ltx_qk_rmsnorm_rope", mutates_args=())
-    def _ltx_qk_rmsnorm_rope_op(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_weight: Optional[torch.Tensor],
-        k_weight: Optional[torch.Tensor],
-        eps: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cast_before_weight: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
-
-    @_ltx_qk_rmsnorm_rope_op.register_fake
-    def _(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight):
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if _TRACING else fn
 
 
-if not _op_exists("ltx_qk_rmsnorm_rope_coords"):
-
-    @torch.library.custom_op(f"{_NS}::ltx_qk_rmsnorm_rope_coords", mutates_args=())
-    def _ltx_qk_rmsnorm_rope_coords_op(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_weight: Optional[torch.Tensor],
-        k_weight: Optional[torch.Tensor],
-        eps: float,
-        coords: torch.Tensor,
-        freqs: torch.Tensor,
-        cast_before_weight: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
-
-    @_ltx_qk_rmsnorm_rope_coords_op.register_fake
-    def _(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight):
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+def _symbolic(args) -> bool:
+    """Whether a tensor among args (or in a list among args) has a symbolic size or stride."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride())):
+                return True
+    return False
 
 
-def _ops():
-    return getattr(torch.ops, _NS)
+def _triton_twin(impl, name: str):
+    """The body of the triton_op registration: impl with its kernels launched through wrap_triton.
+    Traced with symbolic sizes (dynamic shapes) it defers to the custom op, which runs the launcher
+    on real tensors at run time."""
+
+    @functools.wraps(impl)
+    def body(*args, **kwargs):
+        global _TRACING
+        if _symbolic(args) or _symbolic(kwargs.values()):
+            return getattr(getattr(torch.ops, _NS), name)(*args, **kwargs)
+        outer, _TRACING = _TRACING, True
+        try:
+            return impl(*args, **kwargs)
+        finally:
+            _TRACING = outer
+
+    return body
+
+
+def _register(name: str, impl, fake):
+    """Register impl as custom op NS::name (with its fake) and, where available, as triton op
+    NS::name_triton. Re-importing the module (as importlib.reload does) keeps the first registration."""
+    if not _op_exists(name):
+        torch.library.custom_op(f"{_NS}::{name}", mutates_args=())(impl).register_fake(fake)
+    if _TRITON_OP and not _op_exists(name + "_triton"):
+        torch.library.triton_op(f"{_NS}::{name}_triton", mutates_args=())(_triton_twin(impl, name))
+
+
+def _compile_op(name: str):
+    """The op that torch.compile records (see _TRITON_OP)."""
+    return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
+def _ltx_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _ltx_rope_launch(x, cos, sin)
+
+
+def _ltx_rope_op_fake(x, cos, sin):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_register("ltx_rope", _ltx_rope_op, _ltx_rope_op_fake)
+
+
+def _rope_rotate_half_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rope_rotate_half_launch(x, cos, sin)
+
+
+def _rope_rotate_half_op_fake(x, cos, sin):
+    return torch.empty_like(x)
+
+
+_register("rope_rotate_half", _rope_rotate_half_op, _rope_rotate_half_op_fake)
+
+
+def _ltx_qk_rmsnorm_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cast_before_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
+
+
+def _ltx_qk_rmsnorm_rope_op_fake(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+_register("ltx_qk_rmsnorm_rope", _ltx_qk_rmsnorm_rope_op, _ltx_qk_rmsnorm_rope_op_fake)
+
+
+def _ltx_qk_rmsnorm_rope_coords_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    eps: float,
+    coords: torch.Tensor,
+    freqs: torch.Tensor,
+    cast_before_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
+
+
+def _ltx_qk_rmsnorm_rope_coords_op_fake(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+_register("ltx_qk_rmsnorm_rope_coords", _ltx_qk_rmsnorm_rope_coords_op, _ltx_qk_rmsnorm_rope_coords_op_fake)
 
 
 # --------------------------------------------------------------------------------------------
@@ -612,7 +666,7 @@ def ltx_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     from LTXVideoRotaryPosEmbed). Returns a contiguous [B, S, C] tensor of x's dtype.
     """
     if torch.compiler.is_compiling():
-        return _ops().ltx_rope(x, cos, sin)
+        return _compile_op("ltx_rope")(x, cos, sin)
     return _ltx_rope_launch(x, cos, sin)  # eager: skip the custom-op dispatcher's overhead
 
 
@@ -625,7 +679,7 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     has x's dtype, and x's layout when x is dense.
     """
     if torch.compiler.is_compiling():
-        return _ops().rope_rotate_half(x, cos, sin)
+        return _compile_op("rope_rotate_half")(x, cos, sin)
     return _rope_rotate_half_launch(x, cos, sin)
 
 
@@ -652,7 +706,9 @@ def ltx_qk_rmsnorm_rope(
     cos/sin: [B or 1, S, C] or [S, C]. Returns contiguous (q_out, k_out).
     """
     if torch.compiler.is_compiling():
-        return _ops().ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, float(eps), cos, sin, bool(cast_before_weight))
+        return _compile_op("ltx_qk_rmsnorm_rope")(
+            q, k, q_weight, k_weight, float(eps), cos, sin, bool(cast_before_weight)
+        )
     return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
 
 
@@ -675,7 +731,7 @@ def ltx_qk_rmsnorm_rope_coords(
     channels are identity (cos 1, sin 0); channel pair p after them uses freqs[p // 3] on axis p % 3.
     """
     if torch.compiler.is_compiling():
-        return _ops().ltx_qk_rmsnorm_rope_coords(
+        return _compile_op("ltx_qk_rmsnorm_rope_coords")(
             q, k, q_weight, k_weight, float(eps), coords, freqs, bool(cast_before_weight)
         )
     return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)

@@ -671,6 +671,9 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
+# Registered with custom_op only (the other kernel files also register a torch.library.triton_op
+# twin for Inductor): the split-K path keeps a per-stream counter buffer across calls, which a graph
+# traced once could not own, and large M falls back to torch.matmul.
 if not _op_exists("skinny_gemm"):
 
     @torch.library.custom_op(f"{_NS}::skinny_gemm", mutates_args=())
