@@ -782,11 +782,16 @@ def compile_cases(
     cases: Dict[str, Tuple[str, Callable]],
     targets: Optional[Iterable[str]] = None,
     kernel_filter: Optional[str] = None,
+    num_warps: Optional[int] = None,
+    waves_per_eu: Optional[int] = None,
 ) -> List[dict]:
     """Capture each case's launches for each target and compile them. One record per launch x target.
 
     ``cases`` maps a case name to (module name, function(module) that calls the public launcher).
     ``kernel_filter`` keeps the cases whose name, or the launches whose kernel name, contains it.
+    ``num_warps`` replaces the launchers' choice in every compiled launch (what-if: registers, occupancy
+    and LDS at another warp count; the records say "num_warps_override"). ``waves_per_eu`` likewise sets
+    the AMD occupancy hint on every launch for the hip targets ("waves_per_eu_override").
     """
     if _interpreting_env():
         raise RuntimeError(
@@ -825,7 +830,16 @@ def compile_cases(
             if not launches and case_matches:
                 records.append(_failed(case_name, module_name, tname, "the case launched no Triton kernel"))
             for launch in selected:
+                if num_warps is not None:
+                    launch.kwargs["num_warps"] = num_warps
+                hint = waves_per_eu is not None and TARGETS[tname][0] == "hip"
+                if hint:
+                    launch.kwargs["waves_per_eu"] = waves_per_eu
                 rec = compile_launch(launch, tname)
+                if num_warps is not None:
+                    rec["num_warps_override"] = num_warps
+                if hint:
+                    rec["waves_per_eu_override"] = waves_per_eu
                 records.append({"case": case_name, "module": module_name, **rec})
     return records
 
@@ -836,9 +850,14 @@ def _failed(case: str, module: str, target: str, problem: str) -> dict:
             "warp_size": warp, "ok": False, "problems": [problem], "warnings": [], "notes": []}
 
 
-def compile_all(targets: Optional[Iterable[str]] = None, kernel_filter: Optional[str] = None) -> List[dict]:
+def compile_all(
+    targets: Optional[Iterable[str]] = None,
+    kernel_filter: Optional[str] = None,
+    num_warps: Optional[int] = None,
+    waves_per_eu: Optional[int] = None,
+) -> List[dict]:
     """Compile every case of ``CASES`` for ``targets`` (default: all); see ``compile_cases``."""
-    return compile_cases(CASES, targets, kernel_filter)
+    return compile_cases(CASES, targets, kernel_filter, num_warps, waves_per_eu)
 
 
 def tool_versions() -> dict:
@@ -908,6 +927,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"comma-separated targets among {','.join(TARGETS)} (default: all)")
     p.add_argument("--kernel", default=None, metavar="NAME",
                    help="only cases whose name, or kernels whose name, contains NAME (case-insensitive)")
+    p.add_argument("--num-warps", type=int, default=None, metavar="N",
+                   help="compile every selected launch with N warps instead of the launcher's choice (a what-if: "
+                   "registers, occupancy and LDS at another warp count; a power of two, 1-32)")
+    p.add_argument("--waves-per-eu", type=int, default=None, metavar="N",
+                   help="compile every selected launch for the AMD targets with the occupancy hint waves_per_eu=N "
+                   "(a what-if; 1-16; NVIDIA targets are compiled without it)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also write the JSON report to PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     args = p.parse_args(argv)
@@ -915,6 +940,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [t for t in targets if t not in TARGETS]
     if bad or not targets:
         p.error(f"unknown target(s) {bad}; choose among {','.join(TARGETS)}")
+    if args.num_warps is not None and (args.num_warps < 1 or args.num_warps > 32 or args.num_warps & (args.num_warps - 1)):
+        p.error(f"--num-warps must be a power of two from 1 to 32, got {args.num_warps}")
+    if args.waves_per_eu is not None and not 1 <= args.waves_per_eu <= 16:
+        p.error(f"--waves-per-eu must be from 1 to 16, got {args.waves_per_eu}")
     if args.list:
         for name, (module, _) in CASES.items():
             print(f"{module:14s} {name}")
@@ -923,13 +952,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _reexec_without_interpreter(argv)  # does not return
 
     t0 = time.perf_counter()
-    records = compile_all(targets, args.kernel)
+    records = compile_all(targets, args.kernel, args.num_warps, args.waves_per_eu)
     elapsed = time.perf_counter() - t0
     failures = [r for r in records if not r["ok"]]
     report = {
         "tools": tool_versions(),
         "targets": {t: {"backend": TARGETS[t][0], "arch": TARGETS[t][1], "warp_size": TARGETS[t][2]} for t in targets},
         "kernel_filter": args.kernel,
+        "num_warps_override": args.num_warps,
+        "waves_per_eu_override": args.waves_per_eu,
         "records": records,
         "n_records": len(records),
         "n_failed": len(failures),

@@ -144,6 +144,8 @@ def _layer_norm_kernel(
     BLOCK_N: tl.constexpr,  # columns per step (SINGLE_PASS: per chunk, NCH * BLOCK_N >= N)
     SINGLE_PASS: tl.constexpr,
     NCH: tl.constexpr = 1,  # SINGLE_PASS: chunks per row, 1 or 3
+    X_DENSE: tl.constexpr = False,  # row r of X starts at r * x_stride_i (no division by INNER)
+    Y_DENSE: tl.constexpr = False,  # the same for Y
 ):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
@@ -152,7 +154,8 @@ def _layer_norm_kernel(
     rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
     outer = (rows // INNER).to(tl.int64)
     inner = (rows % INNER).to(tl.int64)
-    x_row = outer * x_stride_o + inner * x_stride_i
+    # dense rows: the address of the first load does not wait for the integer division by INNER
+    x_row = rows.to(tl.int64) * x_stride_i if X_DENSE else outer * x_stride_o + inner * x_stride_i
     out_row = rows.to(tl.int64) * N
     y_row = out_row  # placeholders, used only under the matching flag
     g_row = out_row
@@ -161,7 +164,7 @@ def _layer_norm_kernel(
     s2_row = out_row
     t2_row = out_row
     if HAS_RESIDUAL:
-        y_row = outer * y_stride_o + inner * y_stride_i
+        y_row = rows.to(tl.int64) * y_stride_i if Y_DENSE else outer * y_stride_o + inner * y_stride_i
         if HAS_GATE:
             g_row = outer * g_stride_o + inner * g_stride_i
     if HAS_MOD:
@@ -366,6 +369,12 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
 
 
+def _dense(layout, m: int, inner: int) -> bool:
+    """Whether rows at layout (stride_o, stride_i) sit at r * stride_i: one level of rows, or the outer
+    stride spanning exactly INNER inner rows."""
+    return m <= inner or layout[0] == inner * layout[1]
+
+
 def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = False):
     return _launch_config_cached(n_cols, n_rows, warp_size, _MAX_FUSED_N, _CHUNK_N, residual)
 
@@ -499,6 +508,7 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
         HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_MOD=has_mod, HAS_MOD2=has_mod2,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
+        X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
         num_warps=num_warps,
     )
     return h_out, out, out2

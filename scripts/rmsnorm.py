@@ -196,6 +196,8 @@ def _rms_norm_kernel(
     BLOCK_N: tl.constexpr,  # columns per step; >= N when SINGLE_PASS
     SINGLE_PASS: tl.constexpr,
     HAS_NORM: tl.constexpr = True,  # False: only the residual update h = x + y * gate (OUT unused)
+    X_DENSE: tl.constexpr = False,  # row r of X starts at r * x_stride_i (no division by INNER)
+    Y_DENSE: tl.constexpr = False,  # the same for Y
 ):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
@@ -204,10 +206,11 @@ def _rms_norm_kernel(
     rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
     outer = (rows // INNER).to(tl.int64)
     inner = (rows % INNER).to(tl.int64)
-    x_row = outer * x_stride_o + inner * x_stride_i
+    # dense rows: the address of the first load does not wait for the integer division by INNER
+    x_row = rows.to(tl.int64) * x_stride_i if X_DENSE else outer * x_stride_o + inner * x_stride_i
     out_row = rows.to(tl.int64) * N
     if HAS_RESIDUAL:
-        y_row = outer * y_stride_o + inner * y_stride_i
+        y_row = rows.to(tl.int64) * y_stride_i if Y_DENSE else outer * y_stride_o + inner * y_stride_i
         if HAS_GATE:
             g_row = outer * g_stride_o + inner * g_stride_i
     s_row = out_row  # placeholders, used only when HAS_MOD
@@ -416,6 +419,12 @@ def _row_layout(stride_sets, lead_shape):
     )
 
 
+def _dense(layout, m: int, inner: int) -> bool:
+    """Whether rows at layout (stride_o, stride_i) sit at r * stride_i: one level of rows, or the outer
+    stride spanning exactly INNER inner rows."""
+    return m <= inner or layout[0] == inner * layout[1]
+
+
 def _launch_config(n_cols: int, n_rows: int, warp_size: int):
     return _launch_config_cached(n_cols, n_rows, warp_size, _MAX_FUSED_N, _CHUNK_N)
 
@@ -613,6 +622,7 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
         FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
         MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native_fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, HAS_NORM=norm,
+        X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
         num_warps=num_warps,
     )
     return h_out, out, row_scales

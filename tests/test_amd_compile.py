@@ -322,3 +322,22 @@ def test_command_line(capsys):
     # a filter that matches nothing is a failure (nothing was checked)
     res, _ = _run([SCRIPT, "--kernel", "no-such-kernel", "--targets", "gfx942"], _env_without_interpreter())
     assert res.returncode == 1 and json.loads(res.stdout)["n_records"] == 0
+
+
+def test_what_if_overrides():
+    """--num-warps and --waves-per-eu reach the compiled kernel and are recorded; bad values are refused."""
+    res, _ = _run([SCRIPT, "--kernel", "rms_norm[2x6144", "--targets", "gfx942,gfx1201", "--num-warps", "8",
+                   "--waves-per-eu", "2"], _env_without_interpreter())
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(res.stdout)
+    assert report["num_warps_override"] == 8 and report["waves_per_eu_override"] == 2
+    assert report["n_records"] == 2
+    for r in report["records"]:
+        assert r["num_warps"] == 8 and r["num_warps_override"] == 8
+        assert r["waves_per_eu"] == 2 and r["waves_per_eu_override"] == 2
+    # on CDNA the hint caps the reported occupancy at 2 waves per SIMD (without it: 8)
+    assert [r["occupancy_waves_per_simd"] for r in report["records"] if r["target"] == "gfx942"] == [2]
+    for bad in (["--num-warps", "3"], ["--num-warps", "64"], ["--waves-per-eu", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cac.main(bad)
+        assert exc.value.code == 2
