@@ -287,6 +287,12 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         lambda m: m.gated_residual_layer_norm_modulate(
             _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 3 * 1536).chunk(3, dim=1)),
     ),
+    # a block's last gated residual + the next block's SD35AdaLayerNormZeroX (two modulations)
+    "gated_residual_layer_norm_modulate_dual[sd3.5 2x4096x1536]": (
+        "layernorm",
+        lambda m: m.gated_residual_layer_norm_modulate_dual(
+            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 5 * 1536).chunk(5, dim=1)),
+    ),
     "gated_residual_layer_norm_modulate[flux 1x4096x3072]": (
         "layernorm",
         lambda m: m.gated_residual_layer_norm_modulate(

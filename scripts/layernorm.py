@@ -693,6 +693,26 @@ def gated_residual_layer_norm_modulate(
     return h_out, out
 
 
+def gated_residual_layer_norm_modulate_dual(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    gate: Optional[torch.Tensor],
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    scale2: torch.Tensor,
+    shift2: torch.Tensor,
+    eps: float = 1e-6,
+):
+    """h_new = h + gate * y (gate None: h + y), rounded to h's dtype; then the two modulations of
+    ``layer_norm_modulate_dual(h_new)``. One kernel for a block's last gated residual and the next
+    block's ``SD35AdaLayerNormZeroX`` (SD3.5). Returns (h_new, out, out2)."""
+    if y is None:
+        raise ValueError("y is required; use layer_norm_modulate_dual() without a residual")
+    if scale is None or shift is None or scale2 is None or shift2 is None:
+        raise ValueError("scale, shift, scale2 and shift2 are all required")
+    return _dispatch(h, y, gate, None, None, scale, shift, scale2, shift2, eps)
+
+
 # --------------------------------------------------------------------------------------------
 # References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
 # --------------------------------------------------------------------------------------------
@@ -732,6 +752,11 @@ def gated_residual_layer_norm_modulate_ref(h, y, gate, scale, shift, eps=1e-6, w
     if scale is None:
         return h_new, layer_norm_ref(h_new, weight, bias, eps)
     return h_new, layer_norm_modulate_ref(h_new, scale, shift, eps, weight, bias)
+
+
+def gated_residual_layer_norm_modulate_dual_ref(h, y, gate, scale, shift, scale2, shift2, eps=1e-6):
+    h_new, _ = gated_residual_layer_norm_modulate_ref(h, y, gate, None, None, eps)
+    return (h_new, *layer_norm_modulate_dual_ref(h_new, scale, shift, scale2, shift2, eps))
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ transformers it finds. What is replaced, per kind (counts on SD3.5-medium / FLUX
   ``FluxSingleTransformerBlock`` forwards: ``h + gate * attn`` then norm2 + MLP modulation in one kernel
   (``layernorm.gated_residual_layer_norm_modulate``, returning both the residual and the normalised
   input of the feed-forward), the same for the text stream, and ``rmsnorm.gated_residual_add`` for
-  the other gated residual adds.
+  the other gated residual adds. Between two blocks of one kind, a block's last gated residual also
+  computes the next block's norm1 (and AdaLayerNormZero norm1_context) in the same kernel; the next
+  block uses that result only if it receives the very same hidden states (see _NEXT / _CARRY).
 * ``mmdit_qk_norm_fused`` (37 / 0): SD3 attention processors (``JointAttnProcessor2_0`` with
   ``qk_norm="rms_norm"``): the per-head q/k RMSNorms of the image and text streams in one launch,
   written straight into the concatenated ``[B, S_img + S_txt, H, D]`` buffers that SDPA reads
@@ -195,8 +197,10 @@ def _ln_args(norm, x: torch.Tensor):
 
 
 def _per_sample_ok(x: torch.Tensor, *vectors) -> bool:
-    """x [B, S, D] and every vector [B, D] of x's dtype: the AdaLN chunks the kernels read in place."""
-    if x.dim() != 3:
+    """x [B, S, D] with contiguous rows (stride 1 along D: the kernels read rows in place, e.g. not
+    PatchEmbed's transposed output) and every vector [B, D] of x's dtype: the AdaLN chunks the kernels
+    read in place."""
+    if x.dim() != 3 or x.stride(-1) != 1:
         return False
     b, _, d = x.shape
     return all(v.dim() == 2 and v.shape[0] in (1, b) and v.shape[1] == d and v.dtype == x.dtype for v in vectors)
@@ -217,6 +221,7 @@ def _residual_norm_modulate(h, y, gate, norm, scale, shift):
         args is not None
         and y.shape == h.shape
         and y.dtype == h.dtype
+        and y.stride(-1) == 1
         and _per_sample_ok(h, gate, scale, shift)
         and _usable(h, y, gate, scale, shift, args[0], args[1])
     ):
@@ -232,10 +237,95 @@ def _gated_add(h, gate, y):
     and the kernel can run (torch's addcmul with a broadcast gate reached about half the memory
     bandwidth on an H200), else one torch.addcmul, else the plain expression."""
     if h.dtype == gate.dtype == y.dtype and gate.dim() == 2 and h.shape == y.shape:
-        if _usable(h, gate, y):
+        if _usable(h, gate, y) and h.stride(-1) == 1 and y.stride(-1) == 1:
             return rmsnorm.gated_residual_add(h, y, gate.unsqueeze(1))
         return torch.addcmul(h, gate.unsqueeze(1), y)
     return h + gate.unsqueeze(1) * y
+
+
+# --------------------------------------------------------------------------------------------
+# A block's last gated residual fused with the next block's AdaLN norm
+# --------------------------------------------------------------------------------------------
+# Between two blocks the stream is h = h + gate_mlp * ff(...) (end of block i), then the next block's
+# norm1: LayerNorm(h) * (1 + scale_msa) + shift_msa. Apart that is two kernels and an extra read of h;
+# block i runs both in one (layernorm.gated_residual_layer_norm_modulate[_dual]) and leaves the norm's
+# outputs in the next block's carry dict. The next block takes them only if it receives that very h
+# and temb (identity), so anything done to h between the blocks (ControlNet residuals, skipped
+# blocks) makes it compute its norm itself. Set up by inject_mmdit_kernels for consecutive blocks of
+# one transformer: _NEXT on block i (plain attribute, not a submodule), _CARRY on every linked block.
+_NEXT = "_rtk_mmdit_next_block"
+_CARRY = "_rtk_mmdit_carry"
+
+
+def _residual_into_adaln(h, gate, y, norm, temb):
+    """(h + gate[:, None] * y, outputs of norm(h_new, emb=temb)) in one kernel, where norm is an
+    AdaLayerNormZero or SD35AdaLayerNormZeroX the kernel reproduces; else None."""
+    if type(norm) not in (AdaLayerNormZero, SD35AdaLayerNormZeroX) or getattr(norm, "emb", None) is not None:
+        return None
+    if not (h.dtype == y.dtype and y.shape == h.shape and gate.dim() == 2 and y.stride(-1) == 1):
+        return None
+    args = _ln_args(norm.norm, h)
+    if args is None:
+        return None
+    emb = norm.linear(norm.silu(temb))
+    if type(norm) is AdaLayerNormZero:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        if not (_per_sample_ok(h, gate, scale_msa, shift_msa) and _usable(h, y, gate, scale_msa, shift_msa, *args[:2])):
+            return None
+        h_new, out = layernorm.gated_residual_layer_norm_modulate(
+            h, y, gate, scale_msa, shift_msa, args[2], weight=args[0], bias=args[1]
+        )
+        return h_new, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp)
+    chunks = emb.chunk(9, dim=1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = chunks
+    mods = (scale_msa, shift_msa, scale_msa2, shift_msa2)
+    if args[0] is not None or args[1] is not None:
+        return None
+    if not (_per_sample_ok(h, gate, *mods) and _usable(h, y, gate, *mods)):
+        return None
+    h_new, out, out2 = layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, *mods, args[2])
+    return h_new, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2)
+
+
+def _gated_add_to_next(block, key, h, gate, y, temb):
+    """The block's last gated residual h + gate[:, None] * y; fused with the next block's norm1 (key "x")
+    or norm1_context (key "c") when the blocks are linked and the kernel reproduces that norm."""
+    nxt = getattr(block, _NEXT, None)
+    if nxt is not None:
+        fused = _residual_into_adaln(h, gate, y, nxt.norm1 if key == "x" else nxt.norm1_context, temb)
+        if fused is not None:
+            getattr(nxt, _CARRY)[key] = (fused[0], temb, fused[1])
+            return fused[0]
+    return _gated_add(h, gate, y)
+
+
+def _take_carry(block, key, h, temb):
+    """The norm outputs the previous block computed for this block's input h, or None (always clears)."""
+    carry = getattr(block, _CARRY, None)
+    if carry is None:
+        return None
+    pending = carry.pop(key, None)
+    if pending is not None and pending[0] is h and pending[1] is temb:
+        return pending[2]
+    return None
+
+
+def _link_blocks(model) -> None:
+    """Link consecutive patched blocks of one transformer for _gated_add_to_next (idempotent)."""
+    blocks = list(getattr(model, "transformer_blocks", None) or [])
+    for i, blk in enumerate(blocks):
+        if type(blk) not in (JointTransformerBlock, FluxTransformerBlock) or _STATE not in blk.__dict__:
+            continue
+        blk.__dict__.setdefault(_CARRY, {})
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        if nxt is not None and type(nxt) is type(blk) and _STATE in nxt.__dict__:
+            blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
+            nxt.__dict__.setdefault(_CARRY, {})
+
+
+def _unlink_block(module) -> None:
+    module.__dict__.pop(_NEXT, None)
+    module.__dict__.pop(_CARRY, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,20 +407,24 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
 
     Same math as diffusers' block; the kernels compute each fused step in fp32 and round once.
     """
+    carried_x = _take_carry(self, "x", hidden_states, temb)  # norm1 / norm1_context outputs the previous
+    carried_c = _take_carry(self, "c", encoder_hidden_states, temb)  # block computed with its residual
     if self._chunk_size is not None:  # chunked feed-forward: the original code
         return _original_forward(self)(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
     joint_attention_kwargs = joint_attention_kwargs or {}
     if self.use_dual_attention:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
-            hidden_states, emb=temb
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = (
+            carried_x if carried_x is not None and len(carried_x) == 7 else self.norm1(hidden_states, emb=temb)
         )
     else:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            carried_x if carried_x is not None and len(carried_x) == 5 else self.norm1(hidden_states, emb=temb)
+        )
     if self.context_pre_only:
         norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
     else:
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-            encoder_hidden_states, emb=temb
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+            carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
         )
 
     attn_output, context_attn_output = self.attn(
@@ -349,7 +443,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
             hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
         )
     ff_output = self.ff(norm_hidden_states)
-    hidden_states = _gated_add(hidden_states, gate_mlp, ff_output)
+    hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
 
     if self.context_pre_only:
         encoder_hidden_states = None
@@ -358,7 +452,9 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
             encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
         )
         context_ff_output = self.ff_context(norm_encoder_hidden_states)
-        encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
+        encoder_hidden_states = _gated_add_to_next(
+            self, "c", encoder_hidden_states, c_gate_mlp, context_ff_output, temb
+        )
     return encoder_hidden_states, hidden_states
 
 
@@ -366,9 +462,13 @@ def _flux_block_forward(
     self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None
 ):
     """FluxTransformerBlock.forward (double stream) with the residual + norm2 + modulation steps fused."""
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-        encoder_hidden_states, emb=temb
+    carried_x = _take_carry(self, "x", hidden_states, temb)
+    carried_c = _take_carry(self, "c", encoder_hidden_states, temb)
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        carried_x if carried_x is not None else self.norm1(hidden_states, emb=temb)
+    )
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+        carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
     )
     joint_attention_kwargs = joint_attention_kwargs or {}
     attention_outputs = self.attn(
@@ -387,15 +487,21 @@ def _flux_block_forward(
         hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
     )
     ff_output = self.ff(norm_hidden_states)
-    hidden_states = _gated_add(hidden_states, gate_mlp, ff_output)
-    if ip_attn_output is not None:
-        hidden_states = hidden_states + ip_attn_output
+    if ip_attn_output is not None:  # h changes after the gated residual: no fusion into the next norm
+        hidden_states = _gated_add(hidden_states, gate_mlp, ff_output) + ip_attn_output
+    else:
+        hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
 
     encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
     context_ff_output = self.ff_context(norm_encoder_hidden_states)
-    encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    if encoder_hidden_states.dtype == torch.float16:  # clipped below: no fusion into the next norm
+        encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    else:
+        encoder_hidden_states = _gated_add_to_next(
+            self, "c", encoder_hidden_states, c_gate_mlp, context_ff_output, temb
+        )
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
@@ -739,6 +845,8 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 new["mmdit_qk_norm_rope_fused"] += _patch_processor(
                     m, FluxFusedAttnProcessor(), "mmdit_qk_norm_rope_fused"
                 )
+    for model in models:
+        _link_blocks(model)
     counts = mmdit_injected_counts(pipe_or_model)
     msg = "injected MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     already = sum(counts.values()) - sum(new.values())
@@ -759,6 +867,7 @@ def remove_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     Returns the counts per kind of what was restored."""
     restored = _empty_counts()
     for m in _unique_modules(pipe_or_model):
+        _unlink_block(m)
         kind = _unpatch(m)
         if kind is not None:
             restored[kind] += 1

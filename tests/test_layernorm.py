@@ -115,6 +115,31 @@ def test_gated_residual_layer_norm_modulate(dtype, gate_shape, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [131, 1536])
+def test_gated_residual_layer_norm_modulate_dual(dtype, width, gen):
+    """A block's last gated residual fused with the next block's two modulations (SD3.5's
+    SD35AdaLayerNormZeroX): the per-sample chunks are strided views of one embedding, as the model makes them."""
+    B, S, D = 2, 7, width
+    h = randn((B, S, D), dtype, gen, scale=2.0, offset=0.5)
+    y = randn((B, S, D), dtype, gen)
+    emb = randn((B, 5 * D), dtype, gen, scale=0.5)
+    gate, sc, sh, sc2, sh2 = emb.chunk(5, dim=1)
+    with poisoned_outputs():
+        h_new, o1, o2 = layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, sc, sh, sc2, sh2)
+    d = [t.double() for t in (h, y, gate, sc, sh, sc2, sh2)]
+    h_ref, _, _ = layernorm.gated_residual_layer_norm_modulate_dual_ref(*d)
+    assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
+    # both modulations of the kernel's own rounded h (as the model normalises the stored h)
+    _, r1, r2 = layernorm.gated_residual_layer_norm_modulate_dual_ref(
+        h_new.double(), torch.zeros_like(d[1]), None, *d[3:]
+    )
+    assert_close(o1, r1, dtype, name="out", seed=gen.seed_value)
+    assert_close(o2, r2, dtype, name="out2", seed=gen.seed_value)
+    with pytest.raises(ValueError, match="all required"):
+        layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, sc, sh, None, sh2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, width", [(13, 192), (3, 1536), (2, 3072)])
 def test_three_chunk_rows(rows, width, dtype, gen):
     """Widths 3 * 2**k are held as three chunks (SD3's 1536, FLUX's 3072) when there is no residual

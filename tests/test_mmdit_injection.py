@@ -28,9 +28,10 @@ EXPECTED_TINY = {
 }
 # kernel calls in one forward of each tiny model
 EXPECTED_CALLS = {
-    # block 0: norm1 (dual), norm1_context, residual+norm2 (after attn2), text residual+norm2; block 1: norm1,
-    # norm1_context (continuous), residual+norm2; norm_out; q/k: block 0 joint + attn2, block 1 joint
-    "sd3": {"layer_norm_modulate": 4, "layer_norm_modulate_dual": 1, "gated_residual_layer_norm_modulate": 3,
+    # block 0: norm1 (dual), norm1_context, residual+norm2 (after attn2), text residual+norm2, last residual +
+    # block 1's norm1; block 1: norm1_context (continuous), residual+norm2; norm_out; q/k: block 0 joint +
+    # attn2, block 1 joint
+    "sd3": {"layer_norm_modulate": 3, "layer_norm_modulate_dual": 1, "gated_residual_layer_norm_modulate": 4,
             "joint_head_rms_norm_rope": 3, "gelu_tanh": 3},
     # double block: norm1, norm1_context, 2 x residual+norm2, q/k of text+image; single block: norm, q/k;
     # norm_out; GELU: ff, ff_context, act_mlp
@@ -47,6 +48,7 @@ def kernel_calls(monkeypatch):
         (layernorm, "layer_norm_modulate"),
         (layernorm, "layer_norm_modulate_dual"),
         (layernorm, "gated_residual_layer_norm_modulate"),
+        (layernorm, "gated_residual_layer_norm_modulate_dual"),
         (head_norm_rope, "joint_head_rms_norm_rope"),
         (activations, "gelu_tanh"),
     ):
@@ -129,6 +131,109 @@ def test_bf16_parity(kind):
     assert rel_l2(patched, stock) <= 2.0**-5
     mi.remove_mmdit_kernels(model, verbose=False)
     assert torch.equal(_run(model, kw), stock)
+
+
+# --------------------------------------------------------------------------------------------
+# A block's last gated residual fused with the next block's norm1 / norm1_context
+# --------------------------------------------------------------------------------------------
+def _deep_model(kind, seed):
+    """SD3: 3 blocks (dual, dual, context_pre_only); FLUX: 2 double + 1 single block (tiny widths)."""
+    if kind == "sd3":
+        cfg = dict(mi.SD3_CONFIGS["tiny"], num_layers=3, dual_attention_layers=(0, 1))
+        return mi._build(mi.SD3Transformer2DModel, cfg, torch.float32, DEVICE, seed)
+    cfg = dict(mi.FLUX_CONFIGS["tiny"], num_layers=2)
+    return mi._build(mi.FluxTransformer2DModel, cfg, torch.float32, DEVICE, seed)
+
+
+def _count_norm_calls(model):
+    """Wrap every block's norm1 / norm1_context so that calls are counted per (block index, name).
+    Returns (counts, undo)."""
+    calls, wrapped = Counter(), []
+    for i, blk in enumerate(model.transformer_blocks):
+        for name in ("norm1", "norm1_context"):
+            norm = getattr(blk, name)
+            inner = norm.forward
+
+            def counted(*a, _inner=inner, _key=(i, name), **k):
+                calls[_key] += 1
+                return _inner(*a, **k)
+
+            norm.forward = counted
+            wrapped.append((norm, inner))
+
+    def undo():
+        for norm, inner in wrapped:
+            norm.forward = inner
+
+    return calls, undo
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_last_residual_fused_into_the_next_norm(kind, kernel_calls):
+    """Blocks after the first take their norm1 (and norm1_context where it is an AdaLayerNormZero) from
+    the previous block's fused residual kernel; the output stays within fp32 parity; removal unlinks."""
+    gen = make_generator()
+    model = _deep_model(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
+    ref = _run(model, kw)
+    mi.inject_mmdit_kernels(model, verbose=False)
+    calls, undo = _count_norm_calls(model)
+    out = _run(model, kw)
+    undo()
+    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    n = len(model.transformer_blocks)
+    # block 0 computes its own norms; the others only a norm the previous block cannot fuse
+    # (SD3's last block: norm1_context is an AdaLayerNormContinuous)
+    expected = {(0, "norm1"): 1, (0, "norm1_context"): 1}
+    if kind == "sd3":
+        expected[(n - 1, "norm1_context")] = 1
+        assert kernel_calls["gated_residual_layer_norm_modulate_dual"] == 1  # block 0 -> block 1 (both dual)
+    assert dict(calls) == expected
+    assert all(not blk.__dict__.get(mi._CARRY) for blk in model.transformer_blocks)  # nothing left behind
+    mi.remove_mmdit_kernels(model, verbose=False)
+    assert all(mi._NEXT not in b.__dict__ and mi._CARRY not in b.__dict__ for b in model.transformer_blocks)
+    assert torch.equal(_run(model, kw), ref)
+
+
+def test_carry_ignored_when_the_stream_changes_between_blocks():
+    """Anything done to h between two blocks (here: what a ControlNet residual does) makes the next block
+    compute its norm itself; the result equals the unpatched block on the same input."""
+    gen = make_generator()
+    model = _deep_model("sd3", gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
+    b0, b1 = model.transformer_blocks[0], model.transformer_blocks[1]
+    with torch.no_grad():
+        temb = model.time_text_embed(kw["timestep"], kw["pooled_projections"])
+        h = model.pos_embed(kw["hidden_states"]).contiguous()  # as the transformer's forward does
+        c = model.context_embedder(kw["encoder_hidden_states"])
+        c0, h0 = b0(h, c, temb)
+        # a new tensor, changed along the rows (LayerNorm ignores a constant offset or a common scale)
+        delta = torch.randn(h0.shape, generator=gen).to(h0) * h0.abs().mean()
+        c_ref, h_ref = b1(h0 + delta, c0, temb)
+        mi.inject_mmdit_kernels(model, verbose=False)
+        pc0, ph0 = b0(h, c, temb)
+        assert b1.__dict__[mi._CARRY]  # block 0 left block 1's norms
+        pc1, ph1 = b1(ph0 + delta, pc0, temb)
+        assert not b1.__dict__[mi._CARRY]  # taken off (and not used: h differs)
+    assert _rel_max(ph1, h_ref) <= FP32_REL and _rel_max(pc1, c_ref) <= FP32_REL
+
+
+def test_transposed_rows_fall_back_to_torch():
+    """A block input whose rows are not contiguous (PatchEmbed's output before the transformer's
+    .contiguous()) runs the original operations instead of raising."""
+    gen = make_generator()
+    model = _deep_model("sd3", gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
+    blk = model.transformer_blocks[0]
+    with torch.no_grad():
+        temb = model.time_text_embed(kw["timestep"], kw["pooled_projections"])
+        h = model.pos_embed(kw["hidden_states"])
+        assert h.stride(-1) != 1
+        c = model.context_embedder(kw["encoder_hidden_states"])
+        ref = blk(h, c, temb)
+        mi.inject_mmdit_kernels(model, verbose=False)
+        got = blk(h, c, temb)
+    assert _rel_max(got[1], ref[1]) <= FP32_REL and _rel_max(got[0], ref[0]) <= FP32_REL
 
 
 def test_injecting_twice_is_harmless(kernel_calls):
