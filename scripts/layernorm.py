@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -532,11 +533,11 @@ def _op_exists(name: str) -> bool:
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
-_TRACING = False  # True while a triton_op body runs: kernels are then launched through wrap_triton
+_TLS = threading.local()  # .tracing: a triton_op body runs in this thread (launch through wrap_triton)
 
 
 def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if _TRACING else fn
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 def _symbolic(args) -> bool:
@@ -555,14 +556,13 @@ def _triton_twin(impl, name: str):
 
     @functools.wraps(impl)
     def body(*args, **kwargs):
-        global _TRACING
         if _symbolic(args) or _symbolic(kwargs.values()):
             return getattr(getattr(torch.ops, _NS), name)(*args, **kwargs)
-        outer, _TRACING = _TRACING, True
+        outer, _TLS.tracing = getattr(_TLS, "tracing", False), True
         try:
             return impl(*args, **kwargs)
         finally:
-            _TRACING = outer
+            _TLS.tracing = outer
 
     return body
 

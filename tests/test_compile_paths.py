@@ -200,3 +200,21 @@ def test_triton_twin_defers_to_the_custom_op_on_symbolic_sizes():
     ref = rmsnorm.gated_residual_rms_norm_modulate_ref(h.double(), y.double(), None, sc.double(), sh.double())
     for o, r in zip(got, ref):
         assert_close(o, r, torch.float32, seed=gen.seed_value)
+
+
+def test_tracing_flag_is_per_thread():
+    """While one thread traces a triton_op body (kernels through wrap_triton), eager launches in other
+    threads keep the plain kernel."""
+    import threading
+
+    kernel = rmsnorm._rms_norm_kernel
+    seen = {}
+    rmsnorm._TLS.tracing = True
+    try:
+        t = threading.Thread(target=lambda: seen.setdefault("other", rmsnorm._as_launched(kernel)))
+        t.start()
+        t.join()
+    finally:
+        rmsnorm._TLS.tracing = False
+    assert seen["other"] is kernel
+    assert rmsnorm._as_launched(kernel) is kernel
