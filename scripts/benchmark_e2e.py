@@ -16,7 +16,12 @@ guidance, scheduler step), separately from text encoding and VAE decoding. Each 
 warm-up time), then --repeats timed calls; step medians with 20th/80th percentiles.
 --transformer-only: one transformer forward (B = 2, the guidance batch) at the latent size of the
 requested video, timed --repeats times: for fast iteration.
---profile: one transformer forward per mode under torch.profiler; device time split into GEMM,
+--rounds R: the whole sequence of modes R times, in alternating order (as given, then reversed, ...),
+each round with its own warm-up; the timings of all rounds are pooled per mode (per-round medians and
+clocks are listed too). A GPU's clocks drift during a run (in one recorded LTX-Video run they fell
+from 1,980 to 1,770-1,815 MHz between the first mode and the later ones), so a mode timed only after
+another pays for it; alternating the order spreads that over all modes.
+--profile: one transformer forward per mode under torch.profiler (in the last round); device time split into GEMM,
 attention and everything else, with the largest "everything else" kernels listed. With a timed
 forward (--transformer-only, --model sd3|flux) also gpu_busy_share: that device time over the median
 forward time; well below 1 means the GPU waited on the host for launches.
@@ -72,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help="denoising steps per pipeline call (default 4; CPU 2)")
     p.add_argument("--repeats", type=int, help="timed pipeline calls, or forwards with --transformer-only (default 3 / 10; CPU 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per mode before timing (default 1)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes this many times in alternating order and pool the timings (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (CPU fp32)")
     p.add_argument("--transformer-only", action="store_true", help="time one transformer forward instead of the pipeline")
@@ -93,7 +100,7 @@ def parse_args(argv=None):
     args.modes = modes
     if args.heat_seconds is not None and not args.heat_seconds >= 0:
         p.error(f"--heat-seconds must be >= 0, got {args.heat_seconds}")
-    for name in ("num_frames", "height", "width", "steps", "repeats", "warmup"):
+    for name in ("num_frames", "height", "width", "steps", "repeats", "warmup", "rounds"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {v}")
@@ -376,7 +383,7 @@ def stats(xs):
     return {"median": statistics.median(xs), "p20": percentile(xs, 0.2), "p80": percentile(xs, 0.8), "n": len(xs)} if xs else None
 
 
-def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress):
+def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress, profile=None):
     """Warm up, time, measure peak memory; returns (result dict, outputs dict, model used)."""
     def holder(m):
         if pipe is not None:
@@ -425,7 +432,7 @@ def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress):
     res["warmup_wall_s"] = [round(w, 3) for w in warm_wall]
     res["warmup_overhead_s"] = round(max(warm_wall) - steady, 3) if warm_wall else None
     res["what_warmup_overhead_is"] = "first call's wall time minus a timed call's: torch.compile / Triton compilation, autotuning, allocator"
-    if args.profile:
+    if args.profile if profile is None else profile:
         fwd_inputs = inputs if pipe is None else capture.get("kwargs")
         if fwd_inputs is not None:
             res["profile"] = profile_forward(model, fwd_inputs, gpu)
@@ -435,6 +442,29 @@ def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress):
                 res["what_gpu_busy_share_is"] = ("device time of the profiled forward / median timed forward; "
                                                  "well below 1 means the forward waits on the host (launches)")
     return res, outs
+
+
+def merge_rounds(prev: dict, new: dict, transformer_only: bool) -> dict:
+    """One mode's results of an earlier round (prev) and of the next (new), pooled: all timings, the
+    median of each round, the clock after each round, the highest peak memory; the first round's warm-up
+    overhead (compilation happens there); the newer round's everything else (e.g. its profile)."""
+    key = "forward_ms" if transformer_only else "step_ms"
+    merged = dict(new)
+    merged[key + "_all"] = prev[key + "_all"] + new[key + "_all"]
+    merged[key] = stats(merged[key + "_all"])
+    merged[key + "_round_medians"] = prev.get(key + "_round_medians", [prev[key]["median"]]) + [new[key]["median"]]
+    merged["sm_clock_mhz_after_rounds"] = (prev.get("sm_clock_mhz_after_rounds", [prev.get("sm_clock_mhz_after")])
+                                           + [new.get("sm_clock_mhz_after")])
+    peaks = [m for m in (prev.get("peak_memory_gb"), new.get("peak_memory_gb")) if m is not None]
+    if peaks:
+        merged["peak_memory_gb"] = max(peaks)
+    merged["warmup_overhead_s"] = prev.get("warmup_overhead_s")
+    merged["warmup_wall_s"] = prev.get("warmup_wall_s", []) + new.get("warmup_wall_s", [])
+    if "profile" not in merged and "profile" in prev:
+        merged["profile"] = prev["profile"]
+    if "profile" in merged and transformer_only and merged[key]["median"] > 0 and "gpu_busy_share" in merged:
+        merged["gpu_busy_share"] = round(merged["profile"]["total_device_ms"] / merged[key]["median"], 3)
+    return merged
 
 
 def targets(results: dict, transformer_only: bool) -> dict:
@@ -560,14 +590,18 @@ def main(argv=None) -> int:
             heat_calls += 1
         log(f"  {heat_calls} calls")
 
-    per_mode = args.warmup + args.repeats
+    per_mode = (args.warmup + args.repeats) * args.rounds
     progress = tqdm(total=per_mode * len(args.modes), file=sys.stderr, desc="benchmark") if tqdm else _NoBar()
     results, outputs = {}, {}
+    orders = [args.modes if r % 2 == 0 else tuple(reversed(args.modes)) for r in range(args.rounds)]
     try:
-        for mode in args.modes:
-            progress.set_description(mode)
-            res, outs = bench_mode(mode, args, gpu, clock, None if args.transformer_only else pipe, base_model, inputs, di, progress)
-            results[mode], outputs[mode] = res, outs
+        for r, order in enumerate(orders):
+            for mode in order:
+                progress.set_description(mode if args.rounds == 1 else f"{mode} (round {r + 1})")
+                res, outs = bench_mode(mode, args, gpu, clock, None if args.transformer_only else pipe, base_model,
+                                       inputs, di, progress, profile=args.profile and r == len(orders) - 1)
+                results[mode] = res if mode not in results else merge_rounds(results[mode], res, args.transformer_only)
+                outputs[mode] = outs
     finally:
         progress.close()
         di.remove_optimized_kernels(base_model, verbose=False)
@@ -596,7 +630,7 @@ def main(argv=None) -> int:
         "config": {"model": args.model, "variant": args.variant if args.model == "sd3" else None, "num_frames": args.num_frames, "height": args.height, "width": args.width,
                    "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
                    "seed": args.seed, "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2, "tokens": tokens, "compile_mode": args.compile_mode,
-                   "heat_seconds": args.heat_seconds},
+                   "heat_seconds": args.heat_seconds, "rounds": args.rounds},
         "timing": ("CUDA events around each transformer forward" if args.transformer_only else
                    "CUDA events per denoising step: transformer call (guidance batch 2) + guidance + scheduler step")
         if gpu else "host clock (interpreter)",

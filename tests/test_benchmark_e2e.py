@@ -21,7 +21,8 @@ def test_modes_and_bad_command_lines():
     assert be.parse_args(["--mode", "triton,compile"]).modes == ("triton", "compile")
     assert be.parse_args(["--model", "flux"]).transformer_only  # SD3 / FLUX: one transformer forward
     for argv in (["--mode", "fast"], ["--num-frames", "24"], ["--height", "500"], ["--repeats", "0"],
-                 ["--model", "sd3", "--height", "1000"], ["--model", "wan"], ["--heat-seconds", "-1"]):
+                 ["--model", "sd3", "--height", "1000"], ["--model", "wan"], ["--heat-seconds", "-1"],
+                 ["--rounds", "0"]):
         with pytest.raises(SystemExit) as exc:
             be.parse_args(argv)
         assert exc.value.code == 2
@@ -87,3 +88,34 @@ def test_tiny_mmdit_run(model, kind):
     tri = summary["results"]["triton"]
     assert tri["injected"][kind] > 0 and tri["injected"]["mmdit_fused_blocks"] > 0
     assert tri["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5
+
+
+def test_rounds_pool_the_timings():
+    """--rounds: per-mode timings of every round pooled, per-round medians and clocks kept, the highest
+    peak memory, the first round's warm-up overhead."""
+    def res(times, peak, clock, warm):
+        return {"forward_ms_all": times, "forward_ms": be.stats(times), "peak_memory_gb": peak,
+                "sm_clock_mhz_after": clock, "warmup_overhead_s": warm, "warmup_wall_s": [warm]}
+
+    a, b, c = res([3.0, 1.0], 2.0, 1980, 60.0), res([2.0, 4.0], 2.5, 1800, 0.5), res([5.0], 1.0, 1700, 0.4)
+    m = be.merge_rounds(be.merge_rounds(a, b, True), c, True)
+    assert m["forward_ms_all"] == [3.0, 1.0, 2.0, 4.0, 5.0] and m["forward_ms"]["median"] == 3.0
+    assert m["forward_ms_round_medians"] == [2.0, 3.0, 5.0]
+    assert m["sm_clock_mhz_after_rounds"] == [1980, 1800, 1700]
+    assert m["peak_memory_gb"] == 2.5 and m["warmup_overhead_s"] == 60.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+def test_tiny_run_in_two_rounds():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", "sd3", "--mode", "baseline,triton",
+         "--rounds", "2", "--repeats", "2", "--heat-seconds", "0"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["ok"] and summary["config"]["rounds"] == 2
+    for mode in ("baseline", "triton"):
+        res = summary["results"][mode]
+        assert len(res["forward_ms_all"]) == 4 and len(res["forward_ms_round_medians"]) == 2
