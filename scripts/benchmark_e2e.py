@@ -578,8 +578,9 @@ def main(argv=None) -> int:
                   for k, v in inputs.items()}
 
     if args.heat_seconds > 0:
-        # The first mode would otherwise run on a cool GPU: in one recorded LTX-Video run without this, the
-        # same GEMM and attention kernels took 3-21 % longer in the modes timed after the baseline.
+        # The first mode would otherwise run on a cool GPU. (Clocks can still fall later in the run: in the
+        # recorded LTX-Video run, after 20 s of this, the same GEMM and attention kernels took 6-15 % longer
+        # in the modes timed after the baseline; --rounds alternates the order.)
         log(f"heating the GPU with baseline calls for {args.heat_seconds:.0f} s")
         heat_calls, t_end = 0, time.perf_counter() + args.heat_seconds
         while time.perf_counter() < t_end:
