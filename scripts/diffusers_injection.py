@@ -11,7 +11,9 @@ What is replaced, per kind (the default LTX-Video transformer has 28 blocks):
   (diffusers ``RMSNorm`` with a weight is handled too; one with a bias is left alone).
 * ``adaln_fused_blocks`` (28): ``LTXVideoTransformerBlock.forward``: norm1 + AdaLN modulation in one
   kernel; ``h + attn2`` + norm2 + modulation in one kernel that returns both the residual and the
-  normalised output; the gated residuals ``h + y * gate`` are one kernel each (``gated_residual_add``).
+  normalised output; the gated residuals ``h + y * gate`` are one kernel each (``gated_residual_add``),
+  except a block's last one, which runs with the next block's norm1 + modulation in one kernel when
+  blocks follow each other (the next block uses that only if it receives the very same h).
 * ``qk_norm_rope_fused`` (28): a self-attention processor (diffusers' processor API) that runs the
   q and k RMSNorms and the rotary embedding in one launch, with cos/sin computed in the kernel from
   the token coordinates (the model's ``rope`` module is patched to hand those over: ``rope_coords``).
@@ -201,6 +203,63 @@ def _modulated_norm_args(norm, x):
     return None  # e.g. an fp32 weight on bf16 activations: the original promotes to fp32
 
 
+# A block's last gated residual h + ff * gate_mlp and the next block's norm1 + modulation run as one
+# kernel (rmsnorm.gated_residual_rms_norm_modulate): block i computes block i+1's ada values for it and
+# leaves the normalised output in block i+1's carry dict. Block i+1 takes it only if it receives that
+# very h and temb (identity), so anything done to h between blocks makes it compute its norm itself.
+# Linked at injection (_NEXT: a plain attribute, not a submodule), unlinked at removal.
+_NEXT = "_rtk_next_block"
+_CARRY = "_rtk_carry"
+
+
+def _ada_values(block, temb):
+    table = block.scale_shift_table
+    ada = table[None, None].to(temb.device) + temb.reshape(temb.size(0), temb.size(1), table.shape[0], -1)
+    return ada.unbind(dim=2)  # shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _residual_into_next_norm1(block, h, y, gate, temb):
+    """(h + y * gate, next block's norm1(h_new) * (1 + scale_msa) + shift_msa) in one kernel, the
+    norm left in the next block's carry; None when blocks are not linked or the kernel would not
+    reproduce the next block's norm."""
+    nxt = getattr(block, _NEXT, None)
+    if nxt is None:
+        return None
+    args = _modulated_norm_args(nxt.norm1, h)
+    table = nxt.scale_shift_table
+    if args is None or torch.promote_types(table.dtype, temb.dtype) != h.dtype or not _usable(h, y, table, args[0]):
+        return None
+    if y.shape != h.shape or y.dtype != h.dtype or y.stride(-1) != 1:
+        return None
+    shift_msa, scale_msa = _ada_values(nxt, temb)[:2]
+    h_new, norm = rmsnorm.gated_residual_rms_norm_modulate(
+        h, y, gate, scale_msa, shift_msa, args[0], nxt.norm1.eps, cast_before_weight=args[1]
+    )
+    getattr(nxt, _CARRY)["x"] = (h_new, temb, norm)
+    return h_new
+
+
+def _take_carry(block, h, temb):
+    """The normalised input the previous block computed for this block's h, or None (always clears)."""
+    carry = getattr(block, _CARRY, None)
+    pending = carry.pop("x", None) if carry is not None else None
+    if pending is not None and pending[0] is h and pending[1] is temb:
+        return pending[2]
+    return None
+
+
+def _link_blocks(model) -> None:
+    """Link consecutive patched LTX blocks of one transformer for _residual_into_next_norm1."""
+    blocks = list(getattr(model, "transformer_blocks", None) or [])
+    for i, blk in enumerate(blocks):
+        if type(blk) is not LTXVideoTransformerBlock or _STATE not in blk.__dict__:
+            continue
+        blk.__dict__.setdefault(_CARRY, {})
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        if type(nxt) is LTXVideoTransformerBlock and _STATE in nxt.__dict__:
+            blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
+
+
 def _ltx_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -216,6 +275,7 @@ def _ltx_block_forward(
     out = h2 + ff(norm2(h2) * (1 + scale_mlp) + shift_mlp) * gate_mlp. The kernels compute each
     fused step in fp32 and round once, where the original rounds after every op.
     """
+    carried = _take_carry(self, hidden_states, temb)
     table = self.scale_shift_table
     args1 = _modulated_norm_args(self.norm1, hidden_states)
     args2 = _modulated_norm_args(self.norm2, hidden_states)
@@ -230,14 +290,14 @@ def _ltx_block_forward(
             hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_attention_mask
         )
 
-    batch_size = hidden_states.size(0)
-    num_ada_params = table.shape[0]
-    ada_values = table[None, None].to(temb.device) + temb.reshape(batch_size, temb.size(1), num_ada_params, -1)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_values(self, temb)
 
-    norm_hidden_states = rmsnorm.rms_norm_modulate(
-        hidden_states, scale_msa, shift_msa, args1[0], self.norm1.eps, cast_before_weight=args1[1]
-    )
+    if carried is not None:  # norm1 + modulation, computed with the previous block's last residual
+        norm_hidden_states = carried
+    else:
+        norm_hidden_states = rmsnorm.rms_norm_modulate(
+            hidden_states, scale_msa, shift_msa, args1[0], self.norm1.eps, cast_before_weight=args1[1]
+        )
     attn_hidden_states = self.attn1(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=None,
@@ -263,7 +323,8 @@ def _ltx_block_forward(
         cast_before_weight=args2[1],
     )
     ff_output = self.ff(norm_hidden_states)
-    return rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
+    fused = _residual_into_next_norm1(self, hidden_states, ff_output, gate_mlp, temb)
+    return fused if fused is not None else rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 
 
 def _ltx_rope_forward(
@@ -568,6 +629,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 if kind == "qk_norm_rope_fused":
                     attn1s.append(attn)
 
+        _link_blocks(model)
         rope_mod = getattr(model, "rope", None)
         if isinstance(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
             if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):
@@ -613,6 +675,8 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             if id(m) in seen:
                 continue
             seen.add(id(m))
+            m.__dict__.pop(_NEXT, None)
+            m.__dict__.pop(_CARRY, None)
             kind = _unpatch(m)
             if kind is not None:
                 restored[kind] += 1

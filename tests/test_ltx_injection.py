@@ -105,10 +105,11 @@ def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
         "rope_coords": 1, "gelu_tanh": 2, "vae_rmsnorm": 0,
     }
     out = _run(tr, kw)
-    # every block used each fused kernel: norm1+mod, residual+norm2+mod, q/k norm+RoPE (coords), GELU,
-    # and the cross-attention q/k norms went through the RMSNorm kernel
-    assert kernel_calls["rms_norm_modulate"] == 2
-    assert kernel_calls["gated_residual_rms_norm_modulate"] == 2
+    # every block used each fused kernel: norm1+mod (block 1's together with block 0's last residual),
+    # residual+norm2+mod, q/k norm+RoPE (coords), GELU, and the cross-attention q/k norms went through
+    # the RMSNorm kernel
+    assert kernel_calls["rms_norm_modulate"] == 1
+    assert kernel_calls["gated_residual_rms_norm_modulate"] == 3
     assert kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 2
     assert kernel_calls["gelu_tanh"] == 2
     assert kernel_calls["rms_norm"] == 4
@@ -119,6 +120,64 @@ def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
     assert restored == counts
     _no_injection_left(tr)
     assert torch.equal(_run(tr, kw), ref)
+
+
+def test_last_residual_fused_into_the_next_norm1():
+    """Block i's last gated residual and block i+1's norm1 + modulation run as one kernel: with 3 blocks
+    only block 0 calls its norm1 itself; parity holds; removal unlinks the blocks."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=3)
+    kw = _inputs(gen)
+    ref = _run(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False)
+    blocks = list(tr.transformer_blocks)
+    assert [di._NEXT in b.__dict__ for b in blocks] == [True, True, False]
+    calls, seen_norm = Counter(), []
+    orig = rmsnorm.gated_residual_rms_norm_modulate
+
+    def spy(*a, **k):
+        calls["fused"] += 1
+        return orig(*a, **k)
+
+    fwd = rmsnorm.rms_norm_modulate
+
+    def spy_norm(*a, **k):
+        seen_norm.append(a[0].shape)
+        return fwd(*a, **k)
+
+    try:
+        rmsnorm.gated_residual_rms_norm_modulate, rmsnorm.rms_norm_modulate = spy, spy_norm
+        out = _run(tr, kw)
+    finally:
+        rmsnorm.gated_residual_rms_norm_modulate, rmsnorm.rms_norm_modulate = orig, fwd
+    assert len(seen_norm) == 1 and calls["fused"] == 3 + 2  # norm2 in 3 blocks + 2 block boundaries
+    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert all(not b.__dict__[di._CARRY] for b in blocks)  # nothing left behind
+    di.remove_optimized_kernels(tr, verbose=False)
+    assert all(di._NEXT not in b.__dict__ and di._CARRY not in b.__dict__ for b in blocks)
+    assert torch.equal(_run(tr, kw), ref)
+
+
+def test_carry_ignored_when_the_stream_changes_between_blocks():
+    """If h changes between two blocks, the next block computes its own norm1: the result equals the
+    unpatched block on that input."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    b0, b1 = tr.transformer_blocks
+    h = torch.randn(2, 16, b0.scale_shift_table.shape[1], generator=gen).to(DEVICE)
+    enc = torch.randn(2, 5, b0.scale_shift_table.shape[1], generator=gen).to(DEVICE)
+    temb = torch.randn(2, 1, 6 * b0.scale_shift_table.shape[1], generator=gen).to(DEVICE) * 0.3
+    with torch.no_grad():
+        h0 = b0(h, enc, temb)
+        delta = torch.randn(h0.shape, generator=gen).to(h0) * h0.abs().mean()  # changes each row's norm
+        ref = b1(h0 + delta, enc, temb)
+        di.inject_optimized_kernels(tr, verbose=False)
+        ph0 = b0(h, enc, temb)
+        assert b1.__dict__[di._CARRY]  # block 0 left block 1's normalised input
+        got = b1(ph0 + delta, enc, temb)
+        assert not b1.__dict__[di._CARRY]
+    assert _rel_max(got, ref) <= FP32_REL
+    di.remove_optimized_kernels(tr, verbose=False)
 
 
 def test_tiny_transformer_bf16_parity():
