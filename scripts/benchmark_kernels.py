@@ -598,6 +598,37 @@ def case_residual_layernorm_modulate(model, dtype):
     return dict(providers=providers, ref=(h_ref, out_ref), bytes=_nbytes(h, y, gate, scale, shift, h, h))
 
 
+def case_residual_layernorm_modulate_dual(model, dtype):
+    """A block's last gated residual with the next block's SD35AdaLayerNormZeroX (SD3.5: one LayerNorm, two
+    modulations): h + gate * ff, then both modulated norms of the new h (mmdit_injection's cross-block fusion)."""
+    import layernorm
+
+    c = MMDIT_SHAPES[model]
+    B, S, D = c["B"], c["S"], c["D"]
+    h = _rand((B, S, D), dtype, 2.0)
+    y = _rand((B, S, D), dtype)
+    emb = _rand((B, 5 * D), dtype, 0.3)
+    gate, scale, shift, scale2, shift2 = emb.chunk(5, dim=1)
+    eps = 1e-6
+
+    def eager():
+        hn = h + gate[:, None] * y
+        n = torch.nn.functional.layer_norm(hn, (D,), eps=eps)
+        return hn, n * (1 + scale[:, None]) + shift[:, None], n * (1 + scale2[:, None]) + shift2[:, None]
+
+    providers = {
+        "triton": lambda: layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2, shift2,
+                                                                            eps),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    d = [t.double() for t in (h, y, gate, scale, shift, scale2, shift2)]
+    h_ref, _, _ = layernorm.gated_residual_layer_norm_modulate_dual_ref(*d, eps)
+    o1, o2 = layernorm.layer_norm_modulate_dual_ref(h_ref.to(dtype).double(), *d[3:], eps)
+    return dict(providers=providers, ref=(h_ref, o1, o2),
+                bytes=_nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h))
+
+
 def case_head_qk_norm(model, dtype):
     """Per-head q/k RMSNorm with a weight; FLUX also applies its interleaved RoPE (cos/sin [S, 128] fp32)."""
     import head_norm_rope
@@ -643,6 +674,7 @@ def case_head_qk_norm(model, dtype):
 MMDIT_CASES = {
     "layernorm_modulate": case_layernorm_modulate,
     "residual_layernorm_modulate": case_residual_layernorm_modulate,
+    "residual_layernorm_modulate_dual": case_residual_layernorm_modulate_dual,
     "head_qk_rmsnorm_rope": case_head_qk_norm,
 }
 

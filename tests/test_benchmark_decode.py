@@ -74,7 +74,8 @@ def test_gemm_case_providers_run(name, monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["sd3", "flux"])
-@pytest.mark.parametrize("name", ["layernorm_modulate", "residual_layernorm_modulate", "head_qk_rmsnorm_rope"])
+@pytest.mark.parametrize("name", ["layernorm_modulate", "residual_layernorm_modulate", "residual_layernorm_modulate_dual",
+                                  "head_qk_rmsnorm_rope"])
 def test_mmdit_case_providers_run(name, model, monkeypatch):
     monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
     tiny = {"sd3": dict(B=2, S=6, T=3, D=96, H=3), "flux": dict(B=1, S=5, T=3, D=128, H=2)}
