@@ -205,6 +205,34 @@ def case_residual_adaln(B, S, dtype):
     return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, h, h, scale, shift))
 
 
+def case_gated_residual_adaln(B, S, dtype):
+    """A block's last gated residual with the next block's norm1 + modulation (the injection's cross-block
+    fusion): h + ff * gate_mlp, then rms_norm(h) * (1 + scale_msa) + shift_msa of the new h."""
+    import rmsnorm
+
+    h = _rand((B, S, HIDDEN), dtype, 2.0)
+    y = _rand((B, S, HIDDEN), dtype)
+    gate = _rand((B, 1, HIDDEN), dtype, 0.5)
+    scale = _rand((B, 1, HIDDEN), dtype, 0.3)
+    shift = _rand((B, 1, HIDDEN), dtype, 0.3)
+    eps = 1e-6
+
+    def eager():
+        hn = h + y * gate
+        var = hn.float().pow(2).mean(-1, keepdim=True)
+        n = (hn * torch.rsqrt(var + eps)).to(hn.dtype)
+        return hn, n * (1 + scale) + shift
+
+    providers = {
+        "triton": lambda: rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift, None, eps),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    h_ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()).to(dtype)
+    ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
+    return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, gate, h, h, scale, shift))
+
+
 def case_gated_residual(B, S, dtype):
     import rmsnorm
 
@@ -336,6 +364,7 @@ CASES = {
     "ltx_rope": case_ltx_rope,
     "ltx_qk_rmsnorm_rope": case_ltx_qk_norm_rope,
     "gated_residual": case_gated_residual,
+    "gated_residual_rmsnorm_modulate": case_gated_residual_adaln,
     "gelu_tanh": case_gelu,
     "geglu_tanh": case_geglu,
 }

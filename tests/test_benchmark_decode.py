@@ -89,10 +89,11 @@ def test_mmdit_case_providers_run(name, model, monkeypatch):
     assert all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs
 
 
-def test_gated_residual_case_runs(monkeypatch):
+@pytest.mark.parametrize("name", ["gated_residual", "gated_residual_rmsnorm_modulate"])
+def test_gated_residual_case_runs(name, monkeypatch):
     monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
     monkeypatch.setattr(bk, "HIDDEN", 96)
-    case = bk.CASES["gated_residual"](2, 5, torch.bfloat16)
+    case = bk.CASES[name](2, 5, torch.bfloat16)
     case["providers"] = {k: v for k, v in case["providers"].items() if k != "compile"}
-    errs, failures = bk.check_case("gated_residual", "tiny", case, torch.bfloat16)
+    errs, failures = bk.check_case(name, "tiny", case, torch.bfloat16)
     assert not failures and all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs
