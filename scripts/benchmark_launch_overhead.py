@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     import rmsnorm
 
     if not rmsnorm._TRITON_OP:
-        print("error: this PyTorch has no torch.library.triton_op / wrap_triton (PyTorch 2.6 or later)", file=sys.stderr)
+        print("error: this PyTorch has no torch.library.triton_op / wrap_triton", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = (args.batch, args.tokens, args.hidden)

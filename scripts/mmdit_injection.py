@@ -214,14 +214,17 @@ def _norm_modulate(norm, x, scale, shift):
     return norm(x) * (1 + scale[:, None]) + shift[:, None]
 
 
+def _same_rows(h, y) -> bool:
+    """y can be added to h by a kernel: same shape and dtype, contiguous rows."""
+    return y.shape == h.shape and y.dtype == h.dtype and y.stride(-1) == 1
+
+
 def _residual_norm_modulate(h, y, gate, norm, scale, shift):
     """h = h + gate[:, None] * y, then norm(h) * (1 + scale[:, None]) + shift[:, None]; returns both."""
     args = _ln_args(norm, h)
     if (
         args is not None
-        and y.shape == h.shape
-        and y.dtype == h.dtype
-        and y.stride(-1) == 1
+        and _same_rows(h, y)
         and _per_sample_ok(h, gate, scale, shift)
         and _usable(h, y, gate, scale, shift, args[0], args[1])
     ):
@@ -258,33 +261,16 @@ _CARRY = "_rtk_mmdit_carry"
 
 
 def _residual_into_adaln(h, gate, y, norm, temb):
-    """(h + gate[:, None] * y, outputs of norm(h_new, emb=temb)) in one kernel, where norm is an
-    AdaLayerNormZero or SD35AdaLayerNormZeroX the kernel reproduces; else None."""
-    if type(norm) not in (AdaLayerNormZero, SD35AdaLayerNormZeroX) or getattr(norm, "emb", None) is not None:
+    """(h + gate[:, None] * y, the outputs of norm(h_new, emb=temb)) for an AdaLayerNormZero or
+    SD35AdaLayerNormZeroX norm whose embedding comes from temb (one kernel where it reproduces the
+    module, the original operations otherwise); None for any other norm."""
+    if getattr(norm, "emb", None) is not None:
         return None
-    if not (h.dtype == y.dtype and y.shape == h.shape and gate.dim() == 2 and y.stride(-1) == 1):
-        return None
-    args = _ln_args(norm.norm, h)
-    if args is None:
-        return None
-    emb = norm.linear(norm.silu(temb))
     if type(norm) is AdaLayerNormZero:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        if not (_per_sample_ok(h, gate, scale_msa, shift_msa) and _usable(h, y, gate, scale_msa, shift_msa, *args[:2])):
-            return None
-        h_new, out = layernorm.gated_residual_layer_norm_modulate(
-            h, y, gate, scale_msa, shift_msa, args[2], weight=args[0], bias=args[1]
-        )
-        return h_new, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp)
-    chunks = emb.chunk(9, dim=1)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = chunks
-    mods = (scale_msa, shift_msa, scale_msa2, shift_msa2)
-    if args[0] is not None or args[1] is not None:
-        return None
-    if not (_per_sample_ok(h, gate, *mods) and _usable(h, y, gate, *mods)):
-        return None
-    h_new, out, out2 = layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, *mods, args[2])
-    return h_new, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2)
+        return _adaln_zero_apply(norm, h, temb, y, gate)
+    if type(norm) is SD35AdaLayerNormZeroX:
+        return _adaln_zero_x_apply(norm, h, temb, y, gate)
+    return None
 
 
 def _gated_add_to_next(block, key, h, gate, y, temb):
@@ -331,14 +317,23 @@ def _unlink_block(module) -> None:
 # --------------------------------------------------------------------------------------------
 # Replacement forwards: AdaLN modules
 # --------------------------------------------------------------------------------------------
+def _adaln_zero_apply(norm, x, emb, y=None, gate=None):
+    """AdaLayerNormZero's projection of emb, then LayerNorm + MSA modulation of x in one kernel, or, with
+    y, of h = x + gate[:, None] * y (the residual and the norm in one kernel). Returns (h, outputs) with
+    the outputs as the module returns them; h is x when there is no y."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(6, dim=1)
+    if y is None:
+        h, out = x, _norm_modulate(norm.norm, x, scale_msa, shift_msa)
+    else:
+        h, out = _residual_norm_modulate(x, y, gate, norm.norm, scale_msa, shift_msa)
+    return h, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp)
+
+
 def _adaln_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
     """AdaLayerNormZero.forward with the norm and the MSA modulation in one kernel."""
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = _norm_modulate(self.norm, x, scale_msa, shift_msa)
-    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+    return _adaln_zero_apply(self, x, emb)[1]
 
 
 def _adaln_zero_single_forward(self, x, emb=None):
@@ -348,27 +343,29 @@ def _adaln_zero_single_forward(self, x, emb=None):
     return _norm_modulate(self.norm, x, scale_msa, shift_msa), gate_msa
 
 
+def _adaln_zero_x_apply(norm, x, emb, y=None, gate=None):
+    """SD35AdaLayerNormZeroX: one LayerNorm, two modulations, x read once; with y, of h = x + gate[:, None]
+    * y, in the same kernel. Returns (h, outputs as the module returns them); h is x without y."""
+    chunks = norm.linear(norm.silu(emb)).chunk(9, dim=1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = chunks
+    mods = (scale_msa, shift_msa, scale_msa2, shift_msa2)
+    args = _ln_args(norm.norm, x)
+    fused = args is not None and args[0] is None and args[1] is None and _per_sample_ok(x, *mods) and _usable(x, *mods)
+    if y is None and fused:
+        h, (out, out2) = x, layernorm.layer_norm_modulate_dual(x, *mods, args[2])
+    elif y is not None and fused and _usable(y, gate) and _per_sample_ok(x, gate) and _same_rows(x, y):
+        h, out, out2 = layernorm.gated_residual_layer_norm_modulate_dual(x, y, gate, *mods, args[2])
+    else:
+        h = x if y is None else x + gate.unsqueeze(1) * y
+        n = norm.norm(h)
+        out = n * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        out2 = n * (1 + scale_msa2[:, None]) + shift_msa2[:, None]
+    return h, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2)
+
+
 def _adaln_zero_x_forward(self, hidden_states, emb=None):
     """SD35AdaLayerNormZeroX.forward: one LayerNorm, two modulations, x read once."""
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = emb.chunk(
-        9, dim=1
-    )
-    args = _ln_args(self.norm, hidden_states)
-    mods = (scale_msa, shift_msa, scale_msa2, shift_msa2)
-    if (
-        args is not None
-        and args[0] is None
-        and args[1] is None
-        and _per_sample_ok(hidden_states, *mods)
-        and _usable(hidden_states, *mods)
-    ):
-        out, out2 = layernorm.layer_norm_modulate_dual(hidden_states, *mods, args[2])
-    else:
-        norm_hidden_states = self.norm(hidden_states)
-        out = norm_hidden_states * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        out2 = norm_hidden_states * (1 + scale_msa2[:, None]) + shift_msa2[:, None]
-    return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2
+    return _adaln_zero_x_apply(self, hidden_states, emb)[1]
 
 
 def _adaln_continuous_forward(self, x, conditioning_embedding):
