@@ -21,7 +21,9 @@ What is replaced, per kind (the default LTX-Video transformer has 28 blocks):
   prompt mask is broadcast over the heads instead of copied once per head. Same result; it is also
   what lets a padded prompt run under Ulysses context parallelism, where diffusers 0.42.1 hands the
   attention a per-head mask with all heads after the all-to-all left each rank some of them.
-* ``gelu_tanh`` (28): the activation of each feed-forward's ``GELU(approximate="tanh")``.
+* ``gelu_tanh`` (28): each feed-forward's ``GELU(approximate="tanh")``: on a GPU whose BLAS computes
+  the tanh form in a GEMM epilogue (checked once per device and dtype), the projection and the
+  activation are one ``torch._addmm_activation`` call; elsewhere the projection, then the kernel.
 * ``vae_rmsnorm``: the ``RMSNorm`` layers of ``AutoencoderKLLTXVideo`` (eps 1e-8, channel-last).
 * ``mmdit_*``: SD3 and FLUX transformers are handed to ``mmdit_injection.py`` (its counts are merged
   in under ``mmdit_`` keys).
@@ -183,7 +185,12 @@ def _torch_rmsnorm_forward(self, x):
 
 
 def _gelu_tanh_forward(self, hidden_states):
-    """diffusers GELU(approximate="tanh"): keep the projection, run the activation kernel."""
+    """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where
+    the device's BLAS verifiably computes the tanh form (see injection_common.linear_gelu_tanh),
+    else the projection, then the activation kernel."""
+    fused = ic.linear_gelu_tanh(hidden_states, self.proj)
+    if fused is not None:
+        return fused
     hidden_states = self.proj(hidden_states)
     if not _usable(hidden_states):
         return self.gelu(hidden_states)
@@ -630,6 +637,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                     attn1s.append(attn)
 
         _link_blocks(model)
+        ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m))
         rope_mod = getattr(model, "rope", None)
         if isinstance(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
             if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):

@@ -51,6 +51,110 @@ def usable(*tensors) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# Linear + GELU(tanh) as one BLAS call
+# --------------------------------------------------------------------------------------------
+# cuBLASLt and hipBLASLt can apply GELU to a GEMM's fp32 accumulator before the store, which
+# saves the activation kernel's read and write of the [tokens, 4 * dim] tensor;
+# torch._addmm_activation(bias, x, w.t(), use_gelu=True) reaches that epilogue where PyTorch's
+# own conditions allow (else it runs addmm, then gelu). Which GELU the library computes is not
+# part of that private API's contract: the CPU build of torch 2.13 computes the exact (erf) form.
+# So the form is checked once per device and dtype (probe_gemm_gelu_tanh), and the path is used
+# only where the check passed. RTK_GEMM_GELU=0 turns it off.
+_GEMM_GELU_TANH: dict = {}
+
+
+def gemm_gelu_enabled() -> bool:
+    return os.environ.get("RTK_GEMM_GELU", "1") not in ("", "0")
+
+
+def _gemm_gelu_outputs(device, dtype):
+    """(y, z): torch._addmm_activation(..., use_gelu=True) on device in dtype for known
+    pre-activations z (an exact GEMM: identity times a diagonal, plus a bias), y as float64 on the CPU."""
+    k = torch.arange(-72, 33, dtype=torch.float64) / 16  # -4.5 ... 2.0, exact in fp16 / bf16
+    n = k.numel()
+    bias = torch.full((n,), 0.25, dtype=torch.float64)
+    w = torch.diag(k - 0.25)  # z_ii = k_i; off-diagonal z = 0.25
+    eye = torch.eye(n, dtype=torch.float64)
+    y = torch._addmm_activation(bias.to(device, dtype), eye.to(device, dtype), w.to(device, dtype).t(), use_gelu=True)
+    return y.double().cpu(), eye * (k - 0.25) + 0.25
+
+
+def gelu_forms_matched(y: torch.Tensor, z: torch.Tensor, dtype) -> tuple:
+    """(matches tanh form, matches erf form) for y computed in dtype from pre-activations z.
+
+    "Matches": every element within one rounding of the output (eps * |ref|) plus an absolute
+    eps / 16 (fp32 cancellation in 1 + tanh for very negative z). At fp16's precision the two forms
+    are told apart (they differ by up to 4.7e-4 for z in [-3, -2]); at bf16's both may match.
+    """
+    eps = torch.finfo(dtype).eps
+    out = []
+    for ref in (F.gelu(z, approximate="tanh"), F.gelu(z)):
+        out.append(bool(((y - ref).abs() <= eps * ref.abs() + eps / 16).all()))
+    return tuple(out)
+
+
+def probe_gemm_gelu_tanh(device, dtype) -> bool:
+    """True if torch._addmm_activation(..., use_gelu=True) computes GELU's tanh form on this device:
+    in fp16 it must match the tanh form and not the erf form, and in dtype the tanh form."""
+    if not hasattr(torch, "_addmm_activation"):
+        return False
+    try:
+        if gelu_forms_matched(*_gemm_gelu_outputs(device, torch.float16), torch.float16) != (True, False):
+            return False
+        return gelu_forms_matched(*_gemm_gelu_outputs(device, dtype), dtype)[0]
+    except RuntimeError:  # a dtype the device's addmm does not support
+        return False
+
+
+def gemm_gelu_tanh_ok(device, dtype) -> bool:
+    """Cached probe_gemm_gelu_tanh for a GPU device (False on the CPU, under the interpreter, and
+    while torch.compile traces a forward before any probe ran: tracing does not run the probe)."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting() or not gemm_gelu_enabled():
+        return False
+    key = (str(device), dtype)
+    ok = _GEMM_GELU_TANH.get(key)
+    if ok is None:
+        if torch.compiler.is_compiling():
+            return False
+        ok = _GEMM_GELU_TANH[key] = probe_gemm_gelu_tanh(device, dtype)
+    return ok
+
+
+def linear_gelu_tanh(x: torch.Tensor, proj: torch.nn.Module) -> Optional[torch.Tensor]:
+    """GELU-tanh(proj(x)) as one BLAS call with the activation in the epilogue, or None where that
+    path does not apply (then the caller runs proj and the activation kernel).
+
+    Applies to a plain nn.Linear with a bias (no hooks, forward not replaced), weights on x's GPU,
+    fp16/bf16 throughout, no autograd, and only where gemm_gelu_tanh_ok verified the form.
+    """
+    if type(proj) is not torch.nn.Linear or proj.bias is None:
+        return None
+    if proj._forward_hooks or proj._forward_pre_hooks or "forward" in proj.__dict__:
+        return None
+    w, b = proj.weight, proj.bias
+    if x.dtype not in HALF or w.dtype != x.dtype or b.dtype != x.dtype:
+        return None
+    if w.device != x.device or b.device != x.device or x.shape[-1] != w.shape[1]:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or b.requires_grad):
+        return None
+    if not gemm_gelu_tanh_ok(x.device, x.dtype):
+        return None
+    y = torch._addmm_activation(b, x.reshape(-1, x.shape[-1]), w.t(), use_gelu=True)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def probe_gelu_modules(modules) -> None:
+    """Run the GEMM-GELU probe at injection time for the devices/dtypes of these diffusers GELU
+    modules' projections, so a later torch.compile trace finds the result cached."""
+    for m in modules:
+        w = getattr(getattr(m, "proj", None), "weight", None)
+        if isinstance(w, torch.Tensor) and w.device.type == "cuda" and w.dtype in HALF:
+            gemm_gelu_tanh_ok(w.device, w.dtype)
+
+
+# --------------------------------------------------------------------------------------------
 # torch.nn.RMSNorm numerics
 # --------------------------------------------------------------------------------------------
 def probe_torch_rmsnorm() -> bool:

@@ -30,7 +30,9 @@ transformers it finds. What is replaced, per kind (counts on SD3.5-medium / FLUX
   of text and image, concatenation and the rotary embedding in one launch; ``dispatch_attention_fn`` as
   before.
 * ``mmdit_gelu_tanh`` (47 / 76): diffusers ``GELU(approximate="tanh")`` (feed-forwards) and
-  ``torch.nn.GELU(approximate="tanh")`` (FLUX single blocks): ``activations.gelu_tanh``.
+  ``torch.nn.GELU(approximate="tanh")`` (FLUX single blocks): ``activations.gelu_tanh``; a
+  feed-forward's projection + activation run as one GEMM with the activation in its epilogue where
+  the device's BLAS computes the tanh form (``injection_common.linear_gelu_tanh``).
 
 Modules are recognised by exact class; anything else is left untouched. Every patched forward reads its
 parameters when it runs and falls back to the original operations for inputs the kernels do not cover
@@ -382,7 +384,12 @@ def _adaln_continuous_forward(self, x, conditioning_embedding):
 # Replacement forwards: activations
 # --------------------------------------------------------------------------------------------
 def _diffusers_gelu_tanh_forward(self, hidden_states):
-    """diffusers GELU(approximate="tanh"): keep the projection, run the activation kernel."""
+    """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where
+    the device's BLAS verifiably computes the tanh form (see injection_common.linear_gelu_tanh),
+    else the projection, then the activation kernel."""
+    fused = ic.linear_gelu_tanh(hidden_states, self.proj)
+    if fused is not None:
+        return fused
     hidden_states = self.proj(hidden_states)
     if not _usable(hidden_states):
         return self.gelu(hidden_states)
@@ -504,15 +511,31 @@ def _flux_block_forward(
     return encoder_hidden_states, hidden_states
 
 
+def _plain_tanh_gelu(act) -> bool:
+    """act is a torch.nn.GELU(approximate="tanh") with no hooks and no forward but its own or ours."""
+    return (
+        type(act) is nn.GELU
+        and act.approximate == "tanh"
+        and not act._forward_hooks
+        and not act._forward_pre_hooks
+        and ("forward" not in act.__dict__ or _STATE in act.__dict__)
+    )
+
+
 def _flux_single_block_forward(
     self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None
 ):
-    """FluxSingleTransformerBlock.forward with the gated residual as one kernel (see _gated_add)."""
+    """FluxSingleTransformerBlock.forward with the gated residual as one kernel (see _gated_add), and
+    proj_mlp + its tanh-GELU as one GEMM where injection_common.linear_gelu_tanh applies."""
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+    mlp_hidden_states = None
+    if _plain_tanh_gelu(self.act_mlp):  # proj_mlp + act_mlp as one GEMM where verified (linear_gelu_tanh)
+        mlp_hidden_states = ic.linear_gelu_tanh(norm_hidden_states, self.proj_mlp)
+    if mlp_hidden_states is None:
+        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = self.attn(
         hidden_states=norm_hidden_states,
@@ -844,6 +867,7 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 )
     for model in models:
         _link_blocks(model)
+        ic.probe_gelu_modules(m for m in model.modules() if type(m) is DiffusersGELU and m.approximate == "tanh")
     counts = mmdit_injected_counts(pipe_or_model)
     msg = "injected MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     already = sum(counts.values()) - sum(new.values())

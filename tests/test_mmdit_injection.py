@@ -136,6 +136,37 @@ def test_bf16_parity(kind):
 # --------------------------------------------------------------------------------------------
 # A block's last gated residual fused with the next block's norm1 / norm1_context
 # --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_gemm_gelu_path_taken_where_verified(kind, kernel_calls, monkeypatch):
+    """With the GEMM-epilogue GELU verified (forced here: the CPU's _addmm_activation computes the erf
+    form, which bf16 cannot tell from the tanh one at this tolerance), every feed-forward and FLUX's
+    single-block proj_mlp + act_mlp go through injection_common.linear_gelu_tanh instead of
+    activations.gelu_tanh, and the output stays within the bf16 parity bound."""
+    import injection_common as ic
+
+    monkeypatch.setattr(ic, "gemm_gelu_tanh_ok", lambda device, dtype: True)
+    fused = Counter()
+    orig = ic.linear_gelu_tanh
+
+    def spy(x, proj):
+        y = orig(x, proj)
+        fused["fused" if y is not None else "declined"] += 1
+        return y
+
+    monkeypatch.setattr(ic, "linear_gelu_tanh", spy)
+    gen = make_generator()
+    model = _model(kind, dtype=torch.bfloat16, seed=gen.seed_value % 1000)
+    kw = _inputs(model, dtype=torch.bfloat16, seed=gen.seed_value)
+    stock = _run(model, kw)
+    mi.inject_mmdit_kernels(model, verbose=False)
+    patched = _run(model, kw)
+    assert fused == {"fused": EXPECTED_TINY[kind]["mmdit_gelu_tanh"]}
+    assert kernel_calls["gelu_tanh"] == 0
+    assert rel_l2(patched, stock) <= 2.0**-5
+    mi.remove_mmdit_kernels(model, verbose=False)
+    assert torch.equal(_run(model, kw), stock)
+
+
 def _deep_model(kind, seed):
     """SD3: 3 blocks (dual, dual, context_pre_only); FLUX: 2 double + 1 single block (tiny widths)."""
     if kind == "sd3":
