@@ -14,7 +14,10 @@ which otherwise dominates do_bench for small ops (no L2 flush between replays: i
 stay cached).
 Bandwidth: bytes each kernel must move (every input read once, every output written once, counted
 explicitly per kernel) over the median time, and that as a percentage of the device's copy
-bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes).
+bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes). For this
+bundle's kernels also against a copy that moves the kernel's own byte count, timed the same way
+(pct_same_size_copy, pct_same_size_copy_graph): at a few tens of MB a copy does not reach the large-copy
+bandwidth either (launch ramp, tail, L2 residency between replays).
 
 JSON on stdout (or --output-json), a table on stderr, a PNG chart with --png when matplotlib is
 installed. Works unchanged on ROCm (the device's gfx arch is recorded instead of sm_XY).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -106,6 +110,18 @@ def measure_copy_bandwidth():
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x), warmup=50, rep=200, return_mode="median")
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+
+
+@functools.lru_cache(maxsize=None)
+def same_size_copy(nbytes: int, graph: bool) -> dict:
+    """Timings of one device copy that moves nbytes in all (nbytes / 2 read, nbytes / 2 written),
+    timed like the kernels (time_provider): the roofline at a kernel's own size, where launch ramp,
+    tail and L2 residency between replays affect a copy as much as the kernel."""
+    n = max(1, nbytes // 4)  # bf16 elements per side
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    rec = time_provider(lambda: y.copy_(x), graph)
+    return {"ms": rec["ms"], "graph_ms": rec.get("graph_ms")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -847,6 +863,13 @@ def run(args):
             if rec["graph_ms"]:
                 rec["GBps_graph"] = case["bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
                 rec["pct_copy_graph"] = 100 * rec["GBps_graph"] / copy_gbs
+            if prov.startswith("triton") and "weight_bytes" not in case:
+                cp = same_size_copy(case["bytes"], graph)
+                rec["same_size_copy_ms"] = cp["ms"]
+                rec["pct_same_size_copy"] = 100 * cp["ms"] / ms
+                if rec["graph_ms"] and cp["graph_ms"]:
+                    rec["same_size_copy_graph_ms"] = cp["graph_ms"]
+                    rec["pct_same_size_copy_graph"] = 100 * cp["graph_ms"] / rec["graph_ms"]
             records.append(rec)
         del case
         torch.cuda.empty_cache()
@@ -865,9 +888,10 @@ def _print_rows(records, name, label):
         spg = f"{best_peer_g / r['graph_ms']:.2f}x" if best_peer_g and ours and r.get("graph_ms") else ""
         g = f"{r['graph_ms'] * 1e3:7.1f}" if r.get("graph_ms") else "      -"
         gp = f"{r['pct_copy_graph']:5.1f}%" if r.get("pct_copy_graph") else "    -"
+        ss = f"  same-size copy {r['pct_same_size_copy_graph']:.0f}%" if r.get("pct_same_size_copy_graph") else ""
         log(
             f"{name:32s} {label:14s} {r['provider']:27s} {r['ms'] * 1e3:8.1f} us {r['pct_copy']:5.1f}%  "
-            f"graph {g} us {gp}  err {r['max_err_vs_fp64']:.1e}  vs best peer {sp} (graph {spg})"
+            f"graph {g} us {gp}  err {r['max_err_vs_fp64']:.1e}  vs best peer {sp} (graph {spg}){ss}"
         )
 
 
