@@ -145,13 +145,27 @@ def linear_gelu_tanh(x: torch.Tensor, proj: torch.nn.Module) -> Optional[torch.T
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def probe_gelu_modules(modules) -> None:
+def probe_gelu_modules(modules) -> str:
     """Run the GEMM-GELU probe at injection time for the devices/dtypes of these diffusers GELU
-    modules' projections, so a later torch.compile trace finds the result cached."""
+    modules' projections, so a later torch.compile trace finds the result cached. Returns a note for
+    the injection message ("" when no projection is on a GPU in fp16/bf16)."""
+    results = {}
     for m in modules:
         w = getattr(getattr(m, "proj", None), "weight", None)
         if isinstance(w, torch.Tensor) and w.device.type == "cuda" and w.dtype in HALF:
-            gemm_gelu_tanh_ok(w.device, w.dtype)
+            key = (str(w.device), str(w.dtype).replace("torch.", ""))
+            if key not in results:
+                results[key] = gemm_gelu_tanh_ok(w.device, w.dtype)
+    if not results:
+        return ""
+    on = [f"{d} {t}" for (d, t), ok in results.items() if ok]
+    off = [f"{d} {t}" for (d, t), ok in results.items() if not ok]
+    parts = []
+    if on:
+        parts.append("feed-forward GELU in the GEMM epilogue on " + ", ".join(on))
+    if off:
+        parts.append("GELU kernel after the GEMM on " + ", ".join(off) + " (epilogue not verified or turned off)")
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------------------

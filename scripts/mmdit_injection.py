@@ -511,6 +511,11 @@ def _flux_block_forward(
     return encoder_hidden_states, hidden_states
 
 
+def _tanh_gelu_modules(model):
+    """diffusers GELU(approximate="tanh") modules of model (the ones with a projection)."""
+    return [m for m in model.modules() if type(m) is DiffusersGELU and m.approximate == "tanh"]
+
+
 def _plain_tanh_gelu(act) -> bool:
     """act is a torch.nn.GELU(approximate="tanh") with no hooks and no forward but its own or ours."""
     return (
@@ -865,9 +870,10 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 new["mmdit_qk_norm_rope_fused"] += _patch_processor(
                     m, FluxFusedAttnProcessor(), "mmdit_qk_norm_rope_fused"
                 )
+    gelu_note = ""
     for model in models:
         _link_blocks(model)
-        ic.probe_gelu_modules(m for m in model.modules() if type(m) is DiffusersGELU and m.approximate == "tanh")
+        gelu_note = ic.probe_gelu_modules(_tanh_gelu_modules(model)) or gelu_note
     counts = mmdit_injected_counts(pipe_or_model)
     msg = "injected MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     already = sum(counts.values()) - sum(new.values())
@@ -877,6 +883,8 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         msg += " (no SD3 or FLUX transformer found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
+    if gelu_note:
+        msg += "; " + gelu_note
     logger.info(msg)
     if verbose:
         print(msg, file=sys.stderr)

@@ -119,3 +119,23 @@ def test_gpu_result_against_float64(dtype, shape):
     assert y is not None and y.shape == (*shape[:-1], 4 * shape[-1])
     ref = F.gelu(x.double() @ lin.weight.double().t() + lin.bias.double(), approximate="tanh")
     assert_close(y, ref, dtype, name="linear_gelu_tanh", seed=5)
+
+
+def test_injection_note_empty_without_gpu_projections():
+    from diffusers.models.activations import GELU as DiffusersGELU
+
+    m = DiffusersGELU(16, 64, approximate="tanh").to(torch.bfloat16)
+    assert ic.probe_gelu_modules([m]) == ""
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU projection")
+def test_injection_note_names_the_device():
+    from diffusers.models.activations import GELU as DiffusersGELU
+
+    ic._GEMM_GELU_TANH.clear()
+    m = DiffusersGELU(16, 64, approximate="tanh").to(DEVICE, torch.bfloat16)
+    note = ic.probe_gelu_modules([m, m])
+    if ic.gemm_gelu_tanh_ok(DEVICE, torch.bfloat16):
+        assert note.startswith("feed-forward GELU in the GEMM epilogue on cuda") and "bfloat16" in note
+    else:
+        assert note.startswith("GELU kernel after the GEMM on cuda")
