@@ -606,7 +606,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     transformers, vaes = _ltx_models(pipe_or_model)
     new = _empty_counts()
     skipped = []
-    gelu_note = ""
+    gelu_notes = []
     for model in transformers:
         for m in model.modules():
             kind = _rmsnorm_kind(m)
@@ -638,7 +638,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                     attn1s.append(attn)
 
         _link_blocks(model)
-        gelu_note = ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)) or gelu_note
+        gelu_notes.append(ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)))
         rope_mod = getattr(model, "rope", None)
         if isinstance(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
             if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):
@@ -657,7 +657,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         after = mmdit.inject_mmdit_kernels(pipe_or_model, verbose=False)
         new.update({k: after[k] - before[k] for k in after})
         for model in mmdit.find_mmdit_models(pipe_or_model):
-            gelu_note = ic.probe_gelu_modules(mmdit._tanh_gelu_modules(model)) or gelu_note
+            gelu_notes.append(ic.probe_gelu_modules(mmdit._tanh_gelu_modules(model)))
 
     counts = injected_counts(pipe_or_model)
     msg = "injected kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
@@ -668,8 +668,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         msg += " (no LTX-Video, SD3 or FLUX model found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
-    if gelu_note:
-        msg += "; " + gelu_note
+    for note in dict.fromkeys(n for n in gelu_notes if n):
+        msg += "; " + note
     logger.info(msg)
     if verbose:
         print(msg, file=sys.stderr)

@@ -59,12 +59,39 @@ def usable(*tensors) -> bool:
 # own conditions allow (else it runs addmm, then gelu). Which GELU the library computes is not
 # part of that private API's contract: the CPU build of torch 2.13 computes the exact (erf) form.
 # So the form is checked once per device and dtype (probe_gemm_gelu_tanh), and the path is used
-# only where the check passed. RTK_GEMM_GELU=0 turns it off.
+# only where the check passed. Where PyTorch would not take its Lt path (gemm_gelu_lt_expected),
+# the call would be a GEMM followed by PyTorch's own GELU, so the bundle's GELU kernel is kept
+# there. RTK_GEMM_GELU=0 turns the path off.
 _GEMM_GELU_TANH: dict = {}
 
 
 def gemm_gelu_enabled() -> bool:
     return os.environ.get("RTK_GEMM_GELU", "1") not in ("", "0")
+
+
+# Architectures PyTorch routes addmm's bias/GELU epilogue to hipBLASLt on, by minimum ROCm version, as
+# read in aten/src/ATen/native/cuda/Blas.cpp (isSupportedHipLtROCmArch); other PyTorch releases may
+# list others. Elsewhere PyTorch runs the GEMM, then gelu_(..., "tanh").
+_HIPBLASLT_ARCHS = (((0, 0), ("gfx90a", "gfx942")),
+                    ((6, 3), ("gfx908", "gfx1100", "gfx1101", "gfx1200", "gfx1201")),
+                    ((7, 0), ("gfx950", "gfx1150", "gfx1151")))
+
+
+def gemm_gelu_lt_expected(device) -> bool:
+    """Whether PyTorch would run _addmm_activation on this GPU through cuBLASLt / hipBLASLt, so that
+    the GELU happens in the GEMM's epilogue: not when DISABLE_ADDMM_CUDA_LT=1 (or, on ROCm,
+    DISABLE_ADDMM_HIP_LT=1), and on ROCm only on the architectures listed above."""
+    for var in ("DISABLE_ADDMM_CUDA_LT", "DISABLE_ADDMM_HIP_LT"):
+        if os.environ.get(var) == "1":
+            return False
+    if torch.version.hip is None:
+        return True
+    try:
+        hip = tuple(int(v) for v in torch.version.hip.split(".")[:2])
+        arch = torch.cuda.get_device_properties(torch.device(device)).gcnArchName.split(":")[0]
+    except Exception:
+        return False
+    return any(hip >= need and arch in archs for need, archs in _HIPBLASLT_ARCHS)
 
 
 def _gemm_gelu_outputs(device, dtype):
@@ -102,7 +129,7 @@ def probe_gemm_gelu_tanh(device, dtype) -> bool:
         if gelu_forms_matched(*_gemm_gelu_outputs(device, torch.float16), torch.float16) != (True, False):
             return False
         return gelu_forms_matched(*_gemm_gelu_outputs(device, dtype), dtype)[0]
-    except RuntimeError:  # a dtype the device's addmm does not support
+    except Exception:  # a dtype the device's addmm lacks, or a changed private signature: no fused path
         return False
 
 
@@ -115,9 +142,11 @@ def gemm_gelu_tanh_ok(device, dtype) -> bool:
     key = (str(device), dtype)
     ok = _GEMM_GELU_TANH.get(key)
     if ok is None:
-        if torch.compiler.is_compiling():
+        # no probe while tracing, nor during CUDA-graph capture (its host copies are not allowed there)
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
-        ok = _GEMM_GELU_TANH[key] = probe_gemm_gelu_tanh(device, dtype)
+        ok = gemm_gelu_lt_expected(device) and probe_gemm_gelu_tanh(device, dtype)
+        _GEMM_GELU_TANH[key] = ok
     return ok
 
 
@@ -125,14 +154,20 @@ def linear_gelu_tanh(x: torch.Tensor, proj: torch.nn.Module) -> Optional[torch.T
     """GELU-tanh(proj(x)) as one BLAS call with the activation in the epilogue, or None where that
     path does not apply (then the caller runs proj and the activation kernel).
 
-    Applies to a plain nn.Linear with a bias (no hooks, forward not replaced), weights on x's GPU,
-    fp16/bf16 throughout, no autograd, and only where gemm_gelu_tanh_ok verified the form.
+    Applies to a plain nn.Linear with a bias (no hooks, forward not replaced, no global module hooks),
+    plain-tensor weights (not a quantized or distributed tensor subclass) on x's GPU, fp16/bf16
+    throughout, no autograd, and only where gemm_gelu_tanh_ok verified the form.
     """
     if type(proj) is not torch.nn.Linear or proj.bias is None:
         return None
     if proj._forward_hooks or proj._forward_pre_hooks or "forward" in proj.__dict__:
         return None
+    mm = torch.nn.modules.module
+    if getattr(mm, "_global_forward_hooks", None) or getattr(mm, "_global_forward_pre_hooks", None):
+        return None
     w, b = proj.weight, proj.bias
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, w, b)):
+        return None
     if x.dtype not in HALF or w.dtype != x.dtype or b.dtype != x.dtype:
         return None
     if w.device != x.device or b.device != x.device or x.shape[-1] != w.shape[1]:
@@ -150,7 +185,7 @@ def probe_gelu_modules(modules) -> str:
     modules' projections, so a later torch.compile trace finds the result cached. Returns a note for
     the injection message ("" when no projection is on a GPU in fp16/bf16)."""
     results = {}
-    for m in modules:
+    for m in modules:  # several models: the caller joins the notes
         w = getattr(getattr(m, "proj", None), "weight", None)
         if isinstance(w, torch.Tensor) and w.device.type == "cuda" and w.dtype in HALF:
             key = (str(w.device), str(w.dtype).replace("torch.", ""))

@@ -517,13 +517,15 @@ def _tanh_gelu_modules(model):
 
 
 def _plain_tanh_gelu(act) -> bool:
-    """act is a torch.nn.GELU(approximate="tanh") with no hooks and no forward but its own or ours."""
+    """act is a torch.nn.GELU(approximate="tanh") with no hooks and no forward but its own or ours
+    (ours may sit in the instance dict, or behind accelerate's hook as _old_forward: then act has a hook)."""
     return (
         type(act) is nn.GELU
         and act.approximate == "tanh"
         and not act._forward_hooks
         and not act._forward_pre_hooks
-        and ("forward" not in act.__dict__ or _STATE in act.__dict__)
+        and getattr(act.__dict__.get("forward", act.forward), "__func__", None)
+        in (type(act).forward, _torch_gelu_tanh_forward)
     )
 
 
@@ -870,10 +872,10 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 new["mmdit_qk_norm_rope_fused"] += _patch_processor(
                     m, FluxFusedAttnProcessor(), "mmdit_qk_norm_rope_fused"
                 )
-    gelu_note = ""
+    gelu_notes = []
     for model in models:
         _link_blocks(model)
-        gelu_note = ic.probe_gelu_modules(_tanh_gelu_modules(model)) or gelu_note
+        gelu_notes.append(ic.probe_gelu_modules(_tanh_gelu_modules(model)))
     counts = mmdit_injected_counts(pipe_or_model)
     msg = "injected MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     already = sum(counts.values()) - sum(new.values())
@@ -883,8 +885,8 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         msg += " (no SD3 or FLUX transformer found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
-    if gelu_note:
-        msg += "; " + gelu_note
+    for note in dict.fromkeys(n for n in gelu_notes if n):
+        msg += "; " + note
     logger.info(msg)
     if verbose:
         print(msg, file=sys.stderr)

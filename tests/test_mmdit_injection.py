@@ -133,15 +133,13 @@ def test_bf16_parity(kind):
     assert torch.equal(_run(model, kw), stock)
 
 
-# --------------------------------------------------------------------------------------------
-# A block's last gated residual fused with the next block's norm1 / norm1_context
-# --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_gemm_gelu_path_taken_where_verified(kind, kernel_calls, monkeypatch):
+@pytest.mark.parametrize("kind, hook_act_mlp", [("sd3", False), ("flux", False), ("flux", True)])
+def test_gemm_gelu_path_taken_where_verified(kind, hook_act_mlp, kernel_calls, monkeypatch):
     """With the GEMM-epilogue GELU verified (forced here: the CPU's _addmm_activation computes the erf
     form, which bf16 cannot tell from the tanh one at this tolerance), every feed-forward and FLUX's
     single-block proj_mlp + act_mlp go through injection_common.linear_gelu_tanh instead of
-    activations.gelu_tanh, and the output stays within the bf16 parity bound."""
+    activations.gelu_tanh, and the output stays within the bf16 parity bound. A hook on FLUX's act_mlp
+    keeps that one on the module (its hook must run), through the GELU kernel."""
     import injection_common as ic
 
     monkeypatch.setattr(ic, "gemm_gelu_tanh_ok", lambda device, dtype: True)
@@ -157,16 +155,26 @@ def test_gemm_gelu_path_taken_where_verified(kind, kernel_calls, monkeypatch):
     gen = make_generator()
     model = _model(kind, dtype=torch.bfloat16, seed=gen.seed_value % 1000)
     kw = _inputs(model, dtype=torch.bfloat16, seed=gen.seed_value)
+    hook_calls = Counter()
+    if hook_act_mlp:
+        for blk in model.single_transformer_blocks:
+            blk.act_mlp.register_forward_hook(lambda m, a, o: hook_calls.update(["act_mlp"]))
     stock = _run(model, kw)
+    hook_calls.clear()
     mi.inject_mmdit_kernels(model, verbose=False)
     patched = _run(model, kw)
-    assert fused == {"fused": EXPECTED_TINY[kind]["mmdit_gelu_tanh"]}
-    assert kernel_calls["gelu_tanh"] == 0
+    n_single = len(model.single_transformer_blocks) if hook_act_mlp else 0
+    assert fused == {"fused": EXPECTED_TINY[kind]["mmdit_gelu_tanh"] - n_single}
+    assert kernel_calls["gelu_tanh"] == n_single
+    assert hook_calls["act_mlp"] == n_single
     assert rel_l2(patched, stock) <= 2.0**-5
     mi.remove_mmdit_kernels(model, verbose=False)
     assert torch.equal(_run(model, kw), stock)
 
 
+# --------------------------------------------------------------------------------------------
+# A block's last gated residual fused with the next block's norm1 / norm1_context
+# --------------------------------------------------------------------------------------------
 def _deep_model(kind, seed):
     """SD3: 3 blocks (dual, dual, context_pre_only); FLUX: 2 double + 1 single block (tiny widths)."""
     if kind == "sd3":
