@@ -68,6 +68,19 @@ def log(*a, all_ranks: bool = False):
         print(f"[rank {_rank()}]", *a, file=sys.stderr, flush=True)
 
 
+_TINY_SIZES = dict(num_frames=9, height=32, width=32)
+_FULL_SIZES = dict(num_frames=121, height=512, width=768)
+
+
+def _use_tiny(args) -> None:
+    """Switch parsed arguments to --tiny (no GPU): the sizes not given on the command line become --tiny's."""
+    if not args.tiny:
+        args.tiny = True
+        for k, v in _TINY_SIZES.items():
+            if k not in args.sizes_given:
+                setattr(args, k, v)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ulysses-degree", type=int, help="Ulysses (all-to-all over heads) degree; default: the world size unless --ring-degree is given")
@@ -102,7 +115,8 @@ def parse_args(argv=None):
         p.error("--warmup must be >= 0")
     if args.ulysses_degree is not None and args.ulysses_degree < 1:
         p.error("--ulysses-degree must be >= 1")
-    defaults = dict(num_frames=9, height=32, width=32) if args.tiny else dict(num_frames=121, height=512, width=768)
+    args.sizes_given = tuple(k for k in _TINY_SIZES if getattr(args, k) is not None)
+    defaults = _TINY_SIZES if args.tiny else _FULL_SIZES
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -159,7 +173,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # CPU (a test): the kernels through Triton's interpreter
-        args.tiny = True
+        _use_tiny(args)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if gpu:

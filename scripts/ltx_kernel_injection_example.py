@@ -48,7 +48,16 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="GPU default bf16, CPU fp32")
     p.add_argument("--device-free", action="store_true", help="run the tiny CPU pipeline through Triton's interpreter even if a GPU is present")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.num_frames is not None and (args.num_frames < 1 or (args.num_frames - 1) % 8):
+        p.error(f"--num-frames must be 8k+1 (LTX-Video's temporal compression), got {args.num_frames}")
+    for name in ("height", "width"):
+        v = getattr(args, name)
+        if v is not None and (v < 32 or v % 32):
+            p.error(f"--{name} must be a positive multiple of 32 (LTX-Video's spatial compression), got {v}")
+    if args.steps is not None and args.steps < 2:
+        p.error(f"--steps must be at least 2 (diffusers' LTX scheduler fails with fewer), got {args.steps}")
+    return args
 
 
 def load_pipeline(gpu: bool, seed: int):

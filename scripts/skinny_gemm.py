@@ -790,6 +790,12 @@ def _main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench", action="store_true", help="GPU only: time against torch.matmul / torch._scaled_mm")
     args = p.parse_args(argv)
+    if not 1 <= args.m <= MAX_M:
+        p.error(f"--m must be 1..{MAX_M}, got {args.m}")
+    if args.n < 1 or args.k < 1:
+        p.error("--n and --k must be positive")
+    if args.split_k is not None and args.split_k < 1:
+        p.error(f"--split-k must be positive, got {args.split_k}")
     device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
     if device == "cpu" and not _interpreting():
         print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)

@@ -34,6 +34,13 @@ def test_command_line_and_layout_checks():
     a = bcp.parse_args([])
     assert a.modes == bcp.MODES and (a.num_frames, a.height, a.width) == (121, 512, 768)
     assert bcp.parse_args(["--tiny"]).num_frames == 9
+    # without a GPU the script switches to --tiny: the sizes not given become --tiny's
+    a = bcp.parse_args([])
+    bcp._use_tiny(a)
+    assert a.tiny and (a.num_frames, a.height, a.width) == (9, 32, 32)
+    a = bcp.parse_args(["--num-frames", "17"])
+    bcp._use_tiny(a)
+    assert (a.num_frames, a.height, a.width) == (17, 32, 32)
     for argv in (["--mode", "compile"], ["--num-frames", "24"], ["--width", "700"], ["--repeats", "0"], ["--rounds", "0"],
                  ["--ulysses-degree", "0"]):
         with pytest.raises(SystemExit) as exc:
