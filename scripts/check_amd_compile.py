@@ -276,6 +276,11 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         "layernorm",
         lambda m: m.layer_norm_modulate(_bf16(1, 4608, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)[1::-1]),
     ),
+    # no more row blocks than the persistent grid's programs: one program per row block
+    "layer_norm_modulate[3 rows of 1536]": (
+        "layernorm",
+        lambda m: m.layer_norm_modulate(_bf16(1, 3, 1536), *_bf16(1, 6 * 1536).chunk(6, dim=1)[1::-1]),
+    ),
     # SD35AdaLayerNormZeroX: one norm, two modulations
     "layer_norm_modulate_dual[sd3.5 2x4096x1536]": (
         "layernorm",

@@ -54,6 +54,10 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # per-lane register footprint bounded (16384 fp32 values over 16 warps is at most 32 per lane).
 _MAX_FUSED_N = 16384
 _CHUNK_N = 4096
+# LayerNorm + one modulation (no residual) over single-pass rows runs on a persistent grid when there
+# are more row blocks than programs (_persistent_config says why); False: one program per row block.
+_PERSISTENT = True
+_INTERPRETER_PROGRAMS = 3  # the persistent grid under the interpreter: CPU tests run its row loop
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,12 +86,31 @@ def _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
 def _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
                    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
     """fp32 rows of x, or of h = x + gate * y rounded to h's dtype (and stored to H_OUT)."""
-    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x, yv, g = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask, HAS_RESIDUAL, HAS_GATE)
+    return _residual(x, yv, g, H_OUT, out_row, cols, mask, HAS_RESIDUAL, HAS_GATE)
+
+
+@triton.jit
+def _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The tiles of x (and y, gate) as stored; 0.0 placeholders for the absent ones."""
+    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
+    yv = 0.0
+    g = 0.0
     if HAS_RESIDUAL:
-        yv = tl.load(Y + y_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        yv = tl.load(Y + y_row[:, None] + cols[None, :], mask=mask, other=0.0)
         if HAS_GATE:
-            g = tl.load(GATE + g_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            yv = g * yv
+            g = tl.load(GATE + g_row[:, None] + cols[None, :], mask=mask, other=0.0)
+    return x, yv, g
+
+
+@triton.jit
+def _residual(x, yv, g, H_OUT, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
+    """fp32 x, or h = x + gate * y rounded to h's dtype and stored to H_OUT (the value normalised)."""
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        yv = yv.to(tl.float32)
+        if HAS_GATE:
+            yv = g.to(tl.float32) * yv
         h = (x + yv).to(H_OUT.dtype.element_ty)
         tl.store(H_OUT + out_row[:, None] + cols[None, :], h, mask=mask)
         x = h.to(tl.float32)  # normalise the stored (rounded) h, as the unfused model does
@@ -123,34 +146,11 @@ def _finish_rows(y, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_r
 
 
 @triton.jit
-def _layer_norm_kernel(
-    X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
-    x_stride_o, x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
-    Y, y_stride_o, y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
-    GATE, g_stride_o, g_stride_i,  # gate multiplying Y (HAS_GATE), broadcast strides
-    H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
-    W,  # weight [N] (HAS_WEIGHT)
-    BIAS,  # bias [N] (HAS_BIAS)
-    SCALE, s_stride_o, s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
-    SHIFT, t_stride_o, t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
-    SCALE2, s2_stride_o, s2_stride_i,  # second modulation scale (HAS_MOD2), broadcast strides
-    SHIFT2, t2_stride_o, t2_stride_i,  # second modulation shift (HAS_MOD2), broadcast strides
-    OUT,  # contiguous [M, N] output
-    OUT2,  # contiguous [M, N] second output (HAS_MOD2)
-    M, N, INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
-    eps,  # epsilon added to the variance
-    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_N: tl.constexpr,  # columns per step (SINGLE_PASS: per chunk, NCH * BLOCK_N >= N)
-    SINGLE_PASS: tl.constexpr,
-    NCH: tl.constexpr = 1,  # SINGLE_PASS: chunks per row, 1 or 3
-    X_DENSE: tl.constexpr = False,  # row r of X starts at r * x_stride_i (no division by INNER)
-    Y_DENSE: tl.constexpr = False,  # the same for Y
-):
-    eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+def _row_offsets(rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride_i, g_stride_o, g_stride_i,
+                 s_stride_o, s_stride_i, t_stride_o, t_stride_i, s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
+                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
+                 X_DENSE: tl.constexpr, Y_DENSE: tl.constexpr):
+    """Row mask and the element offsets of each tensor's row for row indices `rows`."""
     row_mask = rows < M
     rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
     outer = (rows // INNER).to(tl.int64)
@@ -174,80 +174,187 @@ def _layer_norm_kernel(
     if HAS_MOD2:
         s2_row = outer * s2_stride_o + inner * s2_stride_i
         t2_row = outer * t2_stride_o + inner * t2_stride_i
-    cols0 = tl.arange(0, BLOCK_N)
+    return rows, row_mask, x_row, y_row, g_row, out_row, s_row, t_row, s2_row, t2_row
 
-    if SINGLE_PASS:
-        # The row in registers as NCH chunks of BLOCK_N columns: one chunk of the next power of two
-        # above N, or three (N = 3 * BLOCK_N, e.g. SD3's 1536 and FLUX's 3072) so that no lane idles.
-        # Each reduction runs once over the chunks' elementwise sum.
-        c1 = cols0 + BLOCK_N
-        c2 = cols0 + 2 * BLOCK_N
-        m0 = row_mask[:, None] & (cols0 < N)[None, :]
-        # With a residual, scale and shift are requested before the reductions so that their latency
-        # overlaps them (on an H200 the gated residual + norm + modulation took about 2 % less time at
-        # SD3's and FLUX's shapes). Without a residual that was 1-2 % slower, so they are loaded after,
-        # in _finish_rows.
-        PRE: tl.constexpr = HAS_RESIDUAL and HAS_MOD and not HAS_MOD2
-        x0 = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
-        sc0, sh0 = _load_mod(SCALE, SHIFT, s_row, t_row, cols0, m0, PRE)
-        tot = x0
-        if NCH == 3:
-            m1 = row_mask[:, None] & (c1 < N)[None, :]
-            m2 = row_mask[:, None] & (c2 < N)[None, :]
-            x1 = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, c1, m1, HAS_RESIDUAL, HAS_GATE)
-            x2 = _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, c2, m2, HAS_RESIDUAL, HAS_GATE)
-            sc1, sh1 = _load_mod(SCALE, SHIFT, s_row, t_row, c1, m1, PRE)
-            sc2, sh2 = _load_mod(SCALE, SHIFT, s_row, t_row, c2, m2, PRE)
-            tot = x0 + x1 + x2
-        mean = tl.sum(tot, axis=1)[:, None] / N
-        d0 = tl.where(m0, x0 - mean, 0.0)
-        ss = d0 * d0
-        if NCH == 3:
-            d1 = x1 - mean
-            d2 = x2 - mean
-            ss = ss + d1 * d1 + d2 * d2
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1)[:, None] / N + eps)
-        _finish_rows(d0 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                     out_row, rows, cols0, m0, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc0, sh0, PRE)
-        if NCH == 3:
-            _finish_rows(d1 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                         out_row, rows, c1, m1, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc1, sh1, PRE)
-            _finish_rows(d2 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                         out_row, rows, c2, m2, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc2, sh2, PRE)
+
+@triton.jit
+def _load_raw_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N,
+                     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """A single-pass row block as stored: x (y, gate) for chunk 0, and chunks 1, 2 when NCH == 3
+    (0.0 placeholders otherwise)."""
+    cols0 = tl.arange(0, BLOCK_N)
+    m0 = row_mask[:, None] & (cols0 < N)[None, :]
+    x0, y0, g0 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
+    x1 = 0.0
+    y1 = 0.0
+    g1 = 0.0
+    x2 = 0.0
+    y2 = 0.0
+    g2 = 0.0
+    if NCH == 3:
+        m1 = row_mask[:, None] & (cols0 + BLOCK_N < N)[None, :]
+        m2 = row_mask[:, None] & (cols0 + 2 * BLOCK_N < N)[None, :]
+        x1, y1, g1 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0 + BLOCK_N, m1, HAS_RESIDUAL, HAS_GATE)
+        x2, y2, g2 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0 + 2 * BLOCK_N, m2, HAS_RESIDUAL, HAS_GATE)
+    return x0, y0, g0, x1, y1, g1, x2, y2, g2
+
+
+@triton.jit
+def _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
+                      H_OUT, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
+                      rows, row_mask, out_row, s_row, t_row, s2_row, t2_row, N, eps,
+                      HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
+                      BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """Normalise a row block held in registers (the raw tiles of _load_raw_chunks): one chunk of the
+    next power of two above N, or three (N = 3 * BLOCK_N, e.g. SD3's 1536 and FLUX's 3072) so that no
+    lane idles. Each reduction runs once over the chunks' elementwise sum."""
+    cols0 = tl.arange(0, BLOCK_N)
+    c1 = cols0 + BLOCK_N
+    c2 = cols0 + 2 * BLOCK_N
+    m0 = row_mask[:, None] & (cols0 < N)[None, :]
+    m1 = row_mask[:, None] & (c1 < N)[None, :]
+    m2 = row_mask[:, None] & (c2 < N)[None, :]
+    # With a residual, scale and shift are requested before the reductions so that their latency
+    # overlaps them (on an H200 the gated residual + norm + modulation took about 2 % less time at
+    # SD3's and FLUX's shapes). Without a residual that was 1-2 % slower, so they are loaded after,
+    # in _finish_rows.
+    PRE: tl.constexpr = HAS_RESIDUAL and HAS_MOD and not HAS_MOD2
+    x0 = _residual(x0, y0, g0, H_OUT, out_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
+    sc0, sh0 = _load_mod(SCALE, SHIFT, s_row, t_row, cols0, m0, PRE)
+    tot = x0
+    if NCH == 3:
+        x1 = _residual(x1, y1, g1, H_OUT, out_row, c1, m1, HAS_RESIDUAL, HAS_GATE)
+        x2 = _residual(x2, y2, g2, H_OUT, out_row, c2, m2, HAS_RESIDUAL, HAS_GATE)
+        sc1, sh1 = _load_mod(SCALE, SHIFT, s_row, t_row, c1, m1, PRE)
+        sc2, sh2 = _load_mod(SCALE, SHIFT, s_row, t_row, c2, m2, PRE)
+        tot = x0 + x1 + x2
+    mean = tl.sum(tot, axis=1)[:, None] / N
+    d0 = tl.where(m0, x0 - mean, 0.0)
+    ss = d0 * d0
+    if NCH == 3:
+        d1 = x1 - mean
+        d2 = x2 - mean
+        ss = ss + d1 * d1 + d2 * d2
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1)[:, None] / N + eps)
+    _finish_rows(d0 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
+                 out_row, rows, cols0, m0, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc0, sh0, PRE)
+    if NCH == 3:
+        _finish_rows(d1 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
+                     out_row, rows, c1, m1, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc1, sh1, PRE)
+        _finish_rows(d2 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
+                     out_row, rows, c2, m2, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc2, sh2, PRE)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
+    x_stride_o, x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
+    Y, y_stride_o, y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
+    GATE, g_stride_o, g_stride_i,  # gate multiplying Y (HAS_GATE), broadcast strides
+    H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
+    W,  # weight [N] (HAS_WEIGHT)
+    BIAS,  # bias [N] (HAS_BIAS)
+    SCALE, s_stride_o, s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
+    SHIFT, t_stride_o, t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
+    SCALE2, s2_stride_o, s2_stride_i,  # second modulation scale (HAS_MOD2), broadcast strides
+    SHIFT2, t2_stride_o, t2_stride_i,  # second modulation shift (HAS_MOD2), broadcast strides
+    OUT,  # contiguous [M, N] output
+    OUT2,  # contiguous [M, N] second output (HAS_MOD2)
+    M, N, INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
+    eps,  # epsilon added to the variance
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program (per step when PERSISTENT)
+    BLOCK_N: tl.constexpr,  # columns per step (SINGLE_PASS: per chunk, NCH * BLOCK_N >= N)
+    SINGLE_PASS: tl.constexpr,
+    NCH: tl.constexpr = 1,  # SINGLE_PASS: chunks per row, 1 or 3
+    X_DENSE: tl.constexpr = False,  # row r of X starts at r * x_stride_i (no division by INNER)
+    Y_DENSE: tl.constexpr = False,  # the same for Y
+    PERSISTENT: tl.constexpr = False,  # SINGLE_PASS: program p takes row blocks p, p + G, ... (G programs)
+):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SINGLE_PASS and PERSISTENT:
+        # A fixed number of programs, each looping over row blocks; the next block's inputs are
+        # requested before this block's reductions, so a program keeps loads in flight while it
+        # reduces and stores (one launch-sized grid would leave that gap to other programs only).
+        G = tl.num_programs(0)
+        n_blocks = tl.cdiv(M, BLOCK_M)
+        rr, rm, xr, yr, gr, orow, sr, tr, s2r, t2r = _row_offsets(
+            rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride_i, g_stride_o, g_stride_i,
+            s_stride_o, s_stride_i, t_stride_o, t_stride_i, s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
+            HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_MOD2, X_DENSE, Y_DENSE)
+        x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(X, Y, GATE, xr, yr, gr, rm, N,
+                                                             HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH)
+        for blk0 in range(pid, n_blocks, G):
+            blk = blk0 + 0 * pid  # a tensor under the interpreter too
+            rr, rm, xr, yr, gr, orow, sr, tr, s2r, t2r = _row_offsets(
+                blk * BLOCK_M + tl.arange(0, BLOCK_M), M, N, INNER, x_stride_o, x_stride_i, y_stride_o,
+                y_stride_i, g_stride_o, g_stride_i, s_stride_o, s_stride_i, t_stride_o, t_stride_i,
+                s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
+                HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_MOD2, X_DENSE, Y_DENSE)
+            # the next block (all masked off past the last one)
+            _nr, nm, nxr, nyr, ngr, _no, _ns, _nt, _ns2, _nt2 = _row_offsets(
+                (blk + G) * BLOCK_M + tl.arange(0, BLOCK_M), M, N, INNER, x_stride_o, x_stride_i, y_stride_o,
+                y_stride_i, g_stride_o, g_stride_i, s_stride_o, s_stride_i, t_stride_o, t_stride_i,
+                s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
+                HAS_RESIDUAL, HAS_GATE, False, False, X_DENSE, Y_DENSE)
+            n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2 = _load_raw_chunks(X, Y, GATE, nxr, nyr, ngr, nm, N,
+                                                                       HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH)
+            _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
+                              H_OUT, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
+                              rr, rm, orow, sr, tr, s2r, t2r, N, eps,
+                              HAS_RESIDUAL, HAS_GATE, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, BLOCK_N, NCH)
+            x0, y0, g0, x1, y1, g1, x2, y2, g2 = n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2
     else:
-        # Pass 1: the mean (and the residual update, stored once).
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = row_mask[:, None] & (cols < N)[None, :]
-            acc += _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
-                                  HAS_RESIDUAL, HAS_GATE)
-        mean = tl.sum(acc, axis=1) / N
-        if HAS_RESIDUAL:
-            tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
-        # Pass 2: the variance around the mean.
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = row_mask[:, None] & (cols < N)[None, :]
+        rows, row_mask, x_row, y_row, g_row, out_row, s_row, t_row, s2_row, t2_row = _row_offsets(
+            rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride_i, g_stride_o, g_stride_i,
+            s_stride_o, s_stride_i, t_stride_o, t_stride_i, s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
+            HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_MOD2, X_DENSE, Y_DENSE)
+        cols0 = tl.arange(0, BLOCK_N)
+        if SINGLE_PASS:
+            x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N,
+                                                                 HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH)
+            _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
+                              H_OUT, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
+                              rows, row_mask, out_row, s_row, t_row, s2_row, t2_row, N, eps,
+                              HAS_RESIDUAL, HAS_GATE, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, BLOCK_N, NCH)
+        else:
+            # Pass 1: the mean (and the residual update, stored once).
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                acc += _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
+                                      HAS_RESIDUAL, HAS_GATE)
+            mean = tl.sum(acc, axis=1) / N
             if HAS_RESIDUAL:
-                x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            acc += xc * xc
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
-        # Pass 3: normalise, affine, modulate, store.
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = row_mask[:, None] & (cols < N)[None, :]
-            if HAS_RESIDUAL:
-                x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            _finish_rows((x - mean[:, None]) * rstd[:, None], W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
-                         s_row, t_row, s2_row, t2_row, out_row, rows, cols, mask,
-                         HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
+                tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
+            # Pass 2: the variance around the mean.
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                if HAS_RESIDUAL:
+                    x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+                acc += xc * xc
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+            # Pass 3: normalise, affine, modulate, store.
+            for start in range(0, N, BLOCK_N):
+                cols = start + cols0
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                if HAS_RESIDUAL:
+                    x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                else:
+                    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                _finish_rows((x - mean[:, None]) * rstd[:, None], W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
+                             s_row, t_row, s2_row, t2_row, out_row, rows, cols, mask,
+                             HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +377,18 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (NVIDIA) or compute units (AMD) of the device; 0 under the interpreter."""
+    if device.type == "cpu":
+        return 0
+    return _gpu_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -412,6 +531,39 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
     return block_m, block_n, single, 1, _next_pow2(num_warps)
 
 
+def _persistent_variant(has_residual: bool, has_mod: bool, has_mod2: bool) -> bool:
+    """Which variants may use the persistent grid: LayerNorm + one modulation without a residual (the
+    others were slower on it; see _persistent_config)."""
+    return has_mod and not has_mod2 and not has_residual
+
+
+@functools.lru_cache(maxsize=1024)
+def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int, n_sms: int):
+    """(programs, num_warps) for the persistent form of the single-pass kernel, or (0, 0) to launch
+    one program per row block.
+
+    Reasons, measured on an H200 (bf16, CUDA-graph timing, LayerNorm + modulation, rows of 1536, 2048
+    and 3072 at SD3.5-medium, LTX-Video and FLUX.1-dev sizes; grids of 4-32 programs per SM x 1-8
+    warps; examples/layernorm_grid_h200.json, rerun with scripts/benchmark_layernorm_grid.py): the
+    fastest had 16-24 elements of a row block per lane (the rule asks for at most 24), with about 1024
+    lanes per SM in total (32 warps of 32), that is half the SM's warp slots, since each lane holds two
+    row blocks (the one it reduces and the next one); they took 10-12 % less
+    time than one program per row (80-85 % of the speed of an elementwise kernel moving the same bytes
+    -> 90-95 %). Used for LayerNorm + one modulation only (_persistent_variant): in the same comparison
+    the plain norm changed by -3 to +4 % in time, and the variants holding more tiles per row (two
+    modulations; the gated residual's x, y and gate) took 12-39 % more time at SD3's and FLUX's shapes
+    (also slower with twice the warps, or half or twice the programs). The same lane count per compute
+    unit is used on AMD, where it is untuned. With no more row blocks than programs there is nothing
+    to prefetch and the grid is one program per block.
+    """
+    num_warps = _next_pow2(max(1, -(-(block_m * n_cols) // (warp_size * 24))))
+    num_warps = min(num_warps, 16)
+    programs = n_sms * max(1, 1024 // (num_warps * warp_size)) if n_sms else _INTERPRETER_PROGRAMS
+    if n_blocks <= programs:
+        return 0, 0
+    return programs, num_warps
+
+
 def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     """Validate, pick the launch configuration and run the kernel.
 
@@ -490,7 +642,13 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
 
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, has_residual)
-    grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv costs microseconds per host call
+    n_blocks = (m + block_m - 1) // block_m  # plain Python: triton.cdiv costs microseconds per host call
+    programs = 0
+    if single and _PERSISTENT and _persistent_variant(has_residual, has_mod, has_mod2):
+        programs, p_warps = _persistent_config(n_blocks, block_m, n, warp_size, _num_sms(device))
+        if programs:
+            num_warps = p_warps
+    grid = (programs or n_blocks,)
     _as_launched(_layer_norm_kernel)[grid](
         x, xs[0], xs[1],
         y if has_residual else dummy, ys[0], ys[1],
@@ -510,6 +668,7 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
         HAS_BIAS=bias is not None, HAS_MOD=has_mod, HAS_MOD2=has_mod2,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
         X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
+        PERSISTENT=programs > 0,
         num_warps=num_warps,
     )
     return h_out, out, out2

@@ -52,6 +52,7 @@ import contextlib
 import logging
 import os
 import sys
+import types
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -519,14 +520,17 @@ def _tanh_gelu_modules(model):
 def _plain_tanh_gelu(act) -> bool:
     """act is a torch.nn.GELU(approximate="tanh") with no hooks and no forward but its own or ours
     (ours may sit in the instance dict, or behind accelerate's hook as _old_forward: then act has a hook)."""
-    return (
-        type(act) is nn.GELU
-        and act.approximate == "tanh"
-        and not act._forward_hooks
-        and not act._forward_pre_hooks
-        and getattr(act.__dict__.get("forward", act.forward), "__func__", None)
-        in (type(act).forward, _torch_gelu_tanh_forward)
-    )
+    if type(act) is not nn.GELU or act.approximate != "tanh" or act._forward_hooks or act._forward_pre_hooks:
+        return False
+    # Read through the instance dict with an isinstance check: under torch.compile, torch 2.11 traced
+    # act.forward.__func__, and getattr(f, "__func__", None), to a different answer than eager (False
+    # for our forward: FLUX's single blocks ran GEMM + GELU kernel under compile instead of the fused
+    # call), and torch 2.13 to False for the class's own forward. This form traced to eager's answer
+    # in both (tests/test_mmdit_injection.py checks it under the installed torch).
+    if "forward" not in act.__dict__:
+        return True
+    fwd = act.__dict__["forward"]
+    return isinstance(fwd, types.MethodType) and fwd.__func__ is _torch_gelu_tanh_forward
 
 
 def _flux_single_block_forward(

@@ -168,6 +168,65 @@ def test_three_chunk_rows(rows, width, dtype, gen):
                  seed=gen.seed_value)
 
 
+def _spy_persistent(monkeypatch):
+    """Record what the launcher's persistent-grid rule returns (programs, warps) on each launch."""
+    seen = []
+    real = layernorm._persistent_config
+
+    def spy(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(layernorm, "_persistent_config", spy)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 2048, 100])
+def test_persistent_grid_layer_norm_modulate(width, dtype, gen, monkeypatch):
+    """LayerNorm + one modulation with more row blocks than programs runs on the persistent grid
+    (each program loops over row blocks, prefetching the next): per-sample scale/shift ([B, D] views of
+    an AdaLN embedding) change inside a program's loop, the last block is partial; against float64, and
+    the same call with the persistent grid switched off."""
+    seen = _spy_persistent(monkeypatch)
+    warp_size = 32 if DEVICE.type == "cpu" else layernorm._device_target(DEVICE)[2]
+    block_m = layernorm._launch_config(width, 1 << 20, warp_size)[0]  # rows per block at many rows
+    if DEVICE.type == "cpu":
+        b, s = 2, 4 * block_m + 1  # the interpreter's persistent grid is 3 programs: 9 blocks
+    else:
+        b, s = 3, block_m * layernorm._num_sms(DEVICE) * 16 + 7  # more blocks than the rule's programs
+    x = randn((b, s, width), dtype, gen, scale=2.0, offset=0.8)
+    emb = randn((b, 6 * width), dtype, gen, scale=0.3)
+    sc, sh = emb.chunk(6, dim=1)[:2]
+    ref = layernorm.layer_norm_modulate_ref(x.double(), sc.double()[:, None], sh.double()[:, None])
+    with poisoned_outputs():
+        out = layernorm.layer_norm_modulate(x, sc, sh)
+    programs, _ = seen[-1]
+    assert 0 < programs < -(-b * s // block_m)  # the persistent path, with several blocks per program
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+    monkeypatch.setattr(layernorm, "_PERSISTENT", False)
+    with poisoned_outputs():
+        plain = layernorm.layer_norm_modulate(x, sc, sh)
+    assert_close(plain, ref, dtype, seed=gen.seed_value)
+
+
+def test_persistent_grid_only_for_one_modulation_without_residual(gen, monkeypatch):
+    """The rule is applied to LayerNorm + one modulation only (the residual and dual variants were
+    slower on it): those launches do not consult it."""
+    seen = _spy_persistent(monkeypatch)
+    x = randn((2, 9, 192), torch.float32, gen)
+    y = randn((2, 9, 192), torch.float32, gen)
+    sc, sh, sc2, sh2 = randn((2, 4 * 192), torch.float32, gen, scale=0.3).chunk(4, dim=1)
+    with poisoned_outputs():
+        layernorm.layer_norm(x)
+        layernorm.layer_norm_modulate_dual(x, sc, sh, sc2, sh2)
+        layernorm.gated_residual_layer_norm_modulate(x, y, None, sc, sh)
+    assert seen == []
+    with poisoned_outputs():
+        layernorm.layer_norm_modulate(x, sc, sh)
+    assert len(seen) == 1
+
+
 def test_residual_with_affine_and_without_modulation(gen):
     h = randn((4, 100), torch.float16, gen)
     y = randn((4, 100), torch.float16, gen)

@@ -172,6 +172,37 @@ def test_gemm_gelu_path_taken_where_verified(kind, hook_act_mlp, kernel_calls, m
     assert torch.equal(_run(model, kw), stock)
 
 
+def test_plain_tanh_gelu_check_traces_like_eager():
+    """FLUX's single block decides per call whether act_mlp may be folded into the GEMM; under
+    torch.compile that check must give eager's answer (a form that read act.forward.__func__ traced to
+    False for the patched forward under torch 2.11, and for the class's own forward under 2.13, which
+    silently kept the fused path off under compile). Checked with fullgraph compilation."""
+    import types
+
+    ours = torch.nn.GELU(approximate="tanh")
+    mi._patch_forward(ours, mi._torch_gelu_tanh_forward, "mmdit_gelu_tanh")
+    replaced = torch.nn.GELU(approximate="tanh")
+    replaced.forward = types.MethodType(lambda self, x: x * 2, replaced)
+    hooked = torch.nn.GELU(approximate="tanh")
+    hooked.register_forward_hook(lambda m, a, o: None)
+    lam = torch.nn.GELU(approximate="tanh")
+    lam.forward = lambda x: x
+    cases = [("ours", ours, True), ("class forward", torch.nn.GELU(approximate="tanh"), True),
+             ("replaced method", replaced, False), ("hooked", hooked, False), ("plain function", lam, False),
+             ("erf", torch.nn.GELU(), False)]
+    for name, act, want in cases:
+        assert mi._plain_tanh_gelu(act) is want, name
+        torch._dynamo.reset()
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def probe(x, act=act):
+            return x + 1 if mi._plain_tanh_gelu(act) else x - 1
+
+        traced = bool(probe(torch.zeros(1)).item() == 1)
+        assert traced is want, f"{name}: compiled check gave {traced}, eager {want}"
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------------------------
 # A block's last gated residual fused with the next block's norm1 / norm1_context
 # --------------------------------------------------------------------------------------------
