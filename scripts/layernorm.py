@@ -91,6 +91,15 @@ def _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
 
 
 @triton.jit
+def _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """fp32 tiles of the normalised input again (a later pass of the chunked path): the stored h when
+    a residual was added in pass 1, else x."""
+    if HAS_RESIDUAL:
+        return tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
     """The tiles of x (and y, gate) as stored; 0.0 placeholders for the absent ones."""
     x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
@@ -337,10 +346,7 @@ def _layer_norm_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                if HAS_RESIDUAL:
-                    x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL)
                 xc = tl.where(mask, x - mean[:, None], 0.0)
                 acc += xc * xc
             rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
@@ -348,10 +354,7 @@ def _layer_norm_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                if HAS_RESIDUAL:
-                    x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL)
                 _finish_rows((x - mean[:, None]) * rstd[:, None], W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
                              s_row, t_row, s2_row, t2_row, out_row, rows, cols, mask,
                              HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
