@@ -158,7 +158,10 @@ def _check(outs, refs) -> float:
         if o.shape != r.shape:
             return float("inf")
         step = torch.clamp(r.abs(), min=2.0**-6) * 2.0**-7
-        worst = max(worst, ((o.double() - r).abs() / step).max().item())
+        err = (o.double() - r).abs() / step
+        if not torch.isfinite(err).all():  # NaN or inf: an unwritten or overflowed element
+            return float("inf")
+        worst = max(worst, err.max().item())
     return worst
 
 

@@ -7,7 +7,7 @@ import torch
 
 import benchmark_layernorm_grid as blg
 import layernorm
-from kernel_testing import DEVICE
+from kernel_testing import DEVICE, poisoned_outputs
 
 
 def test_command_line():
@@ -32,7 +32,8 @@ def _run(argv, monkeypatch):
     # the 20 row blocks of 2x80x192
     monkeypatch.setattr(layernorm, "_num_sms", lambda device: 1)
     warp_size = 32 if DEVICE.type == "cpu" else layernorm._device_target(DEVICE)[2]
-    return blg.run(args, DEVICE, lambda fn: (fn(), 1.0)[1], 1, warp_size, 1000.0)
+    with poisoned_outputs():  # every output the kernels leave unwritten is NaN: the check would fail
+        return blg.run(args, DEVICE, lambda fn: (fn(), 1.0)[1], 1, warp_size, 1000.0)
 
 
 def test_every_configuration_checked_against_float64(monkeypatch):
@@ -54,3 +55,10 @@ def test_wrong_kernel_is_a_failure(monkeypatch):
     monkeypatch.setattr(layernorm, "layer_norm_modulate", lambda x, sc, sh: real(x, sh, sc))  # swapped
     _, failures = _run(["--shapes", "2x80x192", "--only", "sweep", "--warps", "1", "--per-sm", "1"], monkeypatch)
     assert failures and all("ln_mod" in f for f in failures)
+
+
+def test_unwritten_output_is_a_failure(monkeypatch):
+    """An output the kernel never writes (NaN under poisoned_outputs) fails the check."""
+    monkeypatch.setattr(layernorm, "layer_norm_modulate", lambda x, sc, sh: torch.empty_like(x))
+    _, failures = _run(["--shapes", "2x80x192", "--only", "sweep", "--warps", "1", "--per-sm", "1"], monkeypatch)
+    assert failures and all("inf bf16 steps" in f for f in failures)
