@@ -248,11 +248,7 @@ def _residual_into_next_norm1(block, h, y, gate, temb):
 
 def _take_carry(block, h, temb):
     """The normalised input the previous block computed for this block's h, or None (always clears)."""
-    carry = getattr(block, _CARRY, None)
-    pending = carry.pop("x", None) if carry is not None else None
-    if pending is not None and pending[0] is h and pending[1] is temb:
-        return pending[2]
-    return None
+    return ic.take_carry(block, _CARRY, "x", h, temb)
 
 
 def _link_blocks(model) -> None:

@@ -321,6 +321,19 @@ def pop_state(module: torch.nn.Module, state_key: str) -> Optional[dict]:
 PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 
 
+def take_carry(block: torch.nn.Module, attr: str, key: str, h, temb):
+    """What the previous block left in block.<attr>[key] for this block: a (h, temb, value) entry
+    gives value only if h and temb are the very tensors this block received, else None. The entry
+    is removed either way, so a stale one is never used twice."""
+    carry = getattr(block, attr, None)
+    if carry is None:
+        return None
+    pending = carry.pop(key, None)
+    if pending is not None and pending[0] is h and pending[1] is temb:
+        return pending[2]
+    return None
+
+
 def carry_processor_settings(src, dst) -> None:
     """Copy the per-instance attention settings of processor `src` onto processor `dst`."""
     for name in PROCESSOR_SETTINGS:

@@ -290,13 +290,7 @@ def _gated_add_to_next(block, key, h, gate, y, temb):
 
 def _take_carry(block, key, h, temb):
     """The norm outputs the previous block computed for this block's input h, or None (always clears)."""
-    carry = getattr(block, _CARRY, None)
-    if carry is None:
-        return None
-    pending = carry.pop(key, None)
-    if pending is not None and pending[0] is h and pending[1] is temb:
-        return pending[2]
-    return None
+    return ic.take_carry(block, _CARRY, key, h, temb)
 
 
 def _link_blocks(model) -> None:
