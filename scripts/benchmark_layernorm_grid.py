@@ -86,6 +86,9 @@ def _parse(argv):
     args = p.parse_args(argv)
     if args.rep < 1:
         p.error("--rep must be positive")
+    bad = [w for w in args.warps if w & (w - 1) or w > 32]
+    if bad:
+        p.error(f"--warps: {bad} are not powers of two up to 32 (Triton's num_warps)")
     return args
 
 

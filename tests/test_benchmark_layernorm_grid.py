@@ -19,7 +19,8 @@ def test_command_line():
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "2x40"], ["--shapes", "0x4x8"], ["--warps", "0"],
-                                  ["--per-sm", "a"], ["--only", "both"], ["--rep", "0"]])
+                                  ["--per-sm", "a"], ["--only", "both"], ["--rep", "0"],
+                                  ["--warps", "3"], ["--warps", "64"]])
 def test_bad_command_lines(argv):
     with pytest.raises(SystemExit) as exc:
         blg._parse(argv)
