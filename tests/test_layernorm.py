@@ -210,6 +210,24 @@ def test_persistent_grid_layer_norm_modulate(width, dtype, gen, monkeypatch):
     assert_close(plain, ref, dtype, seed=gen.seed_value)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_persistent_grid_strided_rows_and_token_modulation(dtype, gen, monkeypatch):
+    """The persistent loop with rows read in place from a wider tensor (the two-level row addressing,
+    a row stride that is not the width) and a per-token [B, S, D] modulation, against float64."""
+    seen = _spy_persistent(monkeypatch)
+    width = 192
+    b, s = (2, 41) if DEVICE.type == "cpu" else (2, 128 * layernorm._num_sms(DEVICE) + 3)
+    wide = randn((b, s + 3, 2 * width + 5), dtype, gen, scale=2.0, offset=0.5)
+    x = wide[:, 1 : s + 1, 3 : width + 3]  # strided rows, offset start
+    sc = randn((b, s, width), dtype, gen, scale=0.3)
+    sh = randn((b, s, width), dtype, gen, scale=0.3)
+    with poisoned_outputs():
+        out = layernorm.layer_norm_modulate(x, sc, sh)
+    assert seen and seen[-1][0] > 0  # the persistent path ran
+    ref = layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double())
+    assert_close(out, ref, dtype, seed=gen.seed_value)
+
+
 def test_persistent_grid_only_for_one_modulation_without_residual(gen, monkeypatch):
     """The rule is applied to LayerNorm + one modulation only (the residual and dual variants were
     slower on it): those launches do not consult it."""
