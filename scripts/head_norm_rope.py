@@ -52,38 +52,36 @@ _ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # A head is normalised from registers in one pass; 4096 channels of q and k over 16 warps is at most
 # 8 fp32 values per lane and tensor. MMDiT heads are 64 (SD3) or 128 (FLUX) wide.
 _MAX_HEAD_DIM = 4096
-# Elements of q (and as many of k) per program: 16 FLUX heads of 128, or 32 SD3 heads of 64.
-_ELEMS_PER_PROGRAM = 1024
+# Elements of q (and as many of k) per step of a token's program: at most 8 FLUX heads of 128, or 16 SD3
+# heads of 64 (both models have 24 heads: 3 steps of 8).
+_ELEMS_PER_STEP = 1024
 
 
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _norm_rows(x, W, rows, cols, mask, D, eps, DT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-               CAST_BEFORE_WEIGHT: tl.constexpr):
-    """RMSNorm of fp32 rows x [BLOCK_M, BLOCK_D] (zeros past D), rounded to DT where the module rounds;
-    returns fp32 holding DT values."""
+def _norm_heads(x, w, D, eps, DT: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """RMSNorm of fp32 heads x [BLOCK_H, BLOCK_D] (zeros past D) with the fp32 weight tile w, rounded to DT
+    where the module rounds; returns fp32 holding DT values."""
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None]
     if HAS_WEIGHT:
         if CAST_BEFORE_WEIGHT:
             y = y.to(DT).to(tl.float32)
-        # loaded at the tile's full shape so it shares the tile's register layout
-        w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
         y = y * w
     return y.to(DT).to(tl.float32)  # the norm module's output is in the input dtype
 
 
 @triton.jit
-def _rotate_pairs(y, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[BLOCK_M, BLOCK_D] -> the interleaved partner of every channel: (-y[2i+1], y[2i]).
+def _rotate_pairs(y, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_H, BLOCK_D] -> the interleaved partner of every channel: (-y[2i+1], y[2i]).
 
     The reshape keeps each lane's pairs together (a lane holds consecutive channels), so split/join
     move no data between lanes.
     """
-    even, odd = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_D // 2, 2]))
-    return tl.reshape(tl.join(-odd, even), [BLOCK_M, BLOCK_D])
+    even, odd = tl.split(tl.reshape(y, [BLOCK_H, BLOCK_D // 2, 2]))
+    return tl.reshape(tl.join(-odd, even), [BLOCK_H, BLOCK_D])
 
 
 @triton.jit
@@ -94,43 +92,68 @@ def _head_rms_norm_rope_kernel(
     COS, c_ss,  # cos [S_OUT, D] (HAS_ROPE): token stride; channels contiguous
     SIN, s_ss,  # sin [S_OUT, D] (HAS_ROPE)
     QO, KO,  # contiguous [B, S_OUT, H, D] outputs; this launch writes tokens SEQ_OFF .. SEQ_OFF + S - 1
-    M, S, H, D,  # rows (B * S * H), tokens of this segment, heads, head dim
+    S, H, D,  # tokens of this segment, heads, head dim
     S_OUT, SEQ_OFF,  # tokens of the output, first output token of this segment
     eps,  # RMSNorm epsilon
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
     HAS_ROPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows (heads) per program
+    BLOCK_H: tl.constexpr,  # heads per step
+    N_STEPS: tl.constexpr,  # cdiv(H, BLOCK_H): a program covers all H heads of one token
     BLOCK_D: tl.constexpr,  # >= D (whole heads)
 ):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
+    # One program per token: the norm weights and the token's cos/sin row are loaded once and serve
+    # all its heads (with 8 heads per program they were loaded three times per FLUX token, as many
+    # load instructions as q and k themselves).
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
-    # Heads vary fastest: the H rows of one token share their cos/sin row, so a program's cos/sin
-    # loads hit the same cache lines, and the output rows of a program are contiguous.
-    h = (rows % H).to(tl.int64)
-    t = rows // H
-    s = (t % S).to(tl.int64)
-    b = (t // S).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = row_mask[:, None] & (cols < D)[None, :]
-    # Issue both row loads first: their latency then overlaps the rest.
-    xq = tl.load(Q + (b * q_sb + s * q_ss + h * q_sh)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xk = tl.load(K + (b * k_sb + s * k_ss + h * k_sh)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    DT: tl.constexpr = Q.dtype.element_ty
-    yq = _norm_rows(xq, QW, rows, cols, mask, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-    yk = _norm_rows(xk, KW, rows, cols, mask, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    b = (pid // S).to(tl.int64)
+    s = (pid % S).to(tl.int64)
     tok = SEQ_OFF + s  # token index in the output (and in the cos/sin tables)
+    hh = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    # per-token operands are loaded at the tile's full shape so they share its register layout
+    tile = cols[None, :] + 0 * hh[:, None]
+    col_mask = tile < D
+    DT: tl.constexpr = Q.dtype.element_ty
+    wq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    wk = wq
+    if HAS_WEIGHT:
+        wq = tl.load(QW + tile, mask=col_mask, other=0.0).to(tl.float32)
+        wk = tl.load(KW + tile, mask=col_mask, other=0.0).to(tl.float32)
+    c = wq
+    sn = wq
     if HAS_ROPE:
-        c = tl.load(COS + (tok * c_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + (tok * s_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        yq = yq * c + _rotate_pairs(yq, BLOCK_M, BLOCK_D) * sn
-        yk = yk * c + _rotate_pairs(yk, BLOCK_M, BLOCK_D) * sn
-    out_row = ((b * S_OUT + tok) * H + h) * D
-    tl.store(QO + out_row[:, None] + cols[None, :], yq.to(QO.dtype.element_ty), mask=mask)
-    tl.store(KO + out_row[:, None] + cols[None, :], yk.to(KO.dtype.element_ty), mask=mask)
+        c = tl.load(COS + tok * c_ss + tile, mask=col_mask, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + tok * s_ss + tile, mask=col_mask, other=0.0).to(tl.float32)
+    q_tok = Q + b * q_sb + s * q_ss
+    k_tok = K + b * k_sb + s * k_ss
+    out_tok = (b * S_OUT + tok) * H * D
+    # N_STEPS steps of BLOCK_H heads (unrolled); the next step's heads are loaded before this step's are
+    # stored, so their latency overlaps the arithmetic
+    heads = hh.to(tl.int64)
+    mask = col_mask & (heads < H)[:, None]
+    xq = tl.load(q_tok + heads[:, None] * q_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xk = tl.load(k_tok + heads[:, None] * k_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    for step in tl.static_range(N_STEPS):
+        if step + 1 < N_STEPS:
+            nxt = heads + BLOCK_H
+            nmask = col_mask & (nxt < H)[:, None]
+            xq_next = tl.load(q_tok + nxt[:, None] * q_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
+            xk_next = tl.load(k_tok + nxt[:, None] * k_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
+        yq = _norm_heads(xq, wq, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        yk = _norm_heads(xk, wk, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        if HAS_ROPE:
+            yq = yq * c + _rotate_pairs(yq, BLOCK_H, BLOCK_D) * sn
+            yk = yk * c + _rotate_pairs(yk, BLOCK_H, BLOCK_D) * sn
+        out = out_tok + heads[:, None] * D + cols[None, :]
+        tl.store(QO + out, yq.to(QO.dtype.element_ty), mask=mask)
+        tl.store(KO + out, yk.to(KO.dtype.element_ty), mask=mask)
+        if step + 1 < N_STEPS:
+            heads = nxt
+            mask = nmask
+            xq = xq_next
+            xk = xk_next
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,22 +207,31 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_config(head_dim: int, n_rows: int, warp_size: int):
-    """(BLOCK_M, BLOCK_D, num_warps).
+def _launch_config(head_dim: int, heads: int, warp_size: int):
+    """(BLOCK_H, BLOCK_D, num_warps): heads per step of a token's program, padded head dim, warps.
 
-    Reasons: a program handles whole heads (the norm needs the full head before anything is
-    written) and moves about _ELEMS_PER_PROGRAM elements of each of q and k, so narrow heads are
-    packed several to a program; each lane holds about 8 consecutive elements of a tile (one
-    16-byte bf16 vector per tensor). The warp count follows from the lane count (32 on NVIDIA and
-    RDNA wave32, 64 on CDNA wave64). Measured on an H200 (bf16, CUDA-graph timing, SD3.5-medium
-    [2, 4429, 24, 64] and FLUX.1-dev [1, 4608, 24, 128] q/k): 16 x 64 and 8 x 128 heads with 4 warps
-    were the fastest of 1-8 warps x 8-64 heads (27.7 and 33.5 us), 9-12 % less time than the
-    previous 2048-element, 16-elements-per-lane programs.
+    Reasons: a step normalises whole heads (the norm needs the full head before anything is written)
+    and moves about _ELEMS_PER_STEP elements of each of q and k; BLOCK_H is the largest power of two
+    within that budget that divides the head count (no masked rows; FLUX's and SD3's 24 heads: 3 steps
+    of 8), unless only a small one would (then a masked last step). Each lane holds about 8 consecutive
+    elements of a tile (one 16-byte bf16 vector per tensor); the warp count follows from the lane
+    count (32 on NVIDIA and RDNA wave32, 64 on CDNA wave64). Measured on an H200 (bf16, CUDA-graph
+    timing, the mmdit suite of scripts/benchmark_kernels.py; examples/benchmark_kernels_mmdit_h200.json
+    against ..._before_qk_token_programs.json): FLUX.1-dev [1, 4608, 24, 128] q/k with fp32 cos/sin took
+    31.6 us against 34.6 us with the previous programs of 8 heads, which loaded the weights and the
+    token's cos/sin row three times per token; SD3.5's [2, 4429, 24, 64] q/k without RoPE 28.7 against
+    28.0 us (no table to share there).
     """
     block_d = _next_pow2(max(head_dim, 2))
-    block_m = max(1, min(64, _ELEMS_PER_PROGRAM // block_d, _next_pow2(max(n_rows, 1))))
-    num_warps = max(1, min(16, (block_m * block_d) // (warp_size * 8)))
-    return block_m, block_d, _next_pow2(num_warps)
+    cap = max(1, _ELEMS_PER_STEP // block_d)
+    block_h = min(cap, _next_pow2(max(heads, 1)))
+    cand = block_h
+    while cand >= max(1, cap // 4) and heads % cand:
+        cand //= 2
+    if cand >= max(1, cap // 4) and heads % cand == 0:
+        block_h = cand
+    num_warps = max(1, min(16, (block_h * block_d) // (warp_size * 8)))
+    return block_h, block_d, _next_pow2(num_warps)
 
 
 def _eps_list(eps, n: int):
@@ -283,8 +315,8 @@ def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
         if m == 0:
             offset += seq
             continue
-        block_m, block_d, num_warps = _launch_config(dim, m, warp_size)
-        grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv costs microseconds per host call
+        block_h, block_d, num_warps = _launch_config(dim, heads, warp_size)
+        grid = (bsz * seq,)  # one program per token
         _as_launched(_head_rms_norm_rope_kernel)[grid](
             q, q.stride(0), q.stride(1), q.stride(2),
             k, k.stride(0), k.stride(1), k.stride(2),
@@ -292,11 +324,11 @@ def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             cos if has_rope else dummy, cos.stride(0) if has_rope else 0,
             sin if has_rope else dummy, sin.stride(0) if has_rope else 0,
             q_out, k_out,
-            m, seq, heads, dim,
+            seq, heads, dim,
             total, offset,
             e,
             HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
-            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+            BLOCK_H=block_h, N_STEPS=(heads + block_h - 1) // block_h, BLOCK_D=block_d, num_warps=num_warps,
         )
         offset += seq
     return q_out, k_out

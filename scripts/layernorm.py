@@ -550,12 +550,13 @@ def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int,
     warps; examples/layernorm_grid_h200.json, rerun with scripts/benchmark_layernorm_grid.py): the
     fastest had 16-24 elements of a row block per lane (the rule asks for at most 24), with about 1024
     lanes per SM in total (32 warps of 32), that is half the SM's warp slots, since each lane holds two
-    row blocks (the one it reduces and the next one); they took 10-12 % less
-    time than one program per row (80-85 % of the speed of an elementwise kernel moving the same bytes
-    -> 90-95 %). Used for LayerNorm + one modulation only (_persistent_variant): in the same comparison
-    the plain norm changed by -3 to +4 % in time, and the variants holding more tiles per row (two
-    modulations; the gated residual's x, y and gate) took 12-39 % more time at SD3's and FLUX's shapes
-    (also slower with twice the warps, or half or twice the programs). The same lane count per compute
+    row blocks (the one it reduces and the next one); they took about 10 % less
+    time than one program per row (82-85 % of the speed of an elementwise kernel moving the same bytes
+    -> 91-95 %). Used for LayerNorm + one modulation only (_persistent_variant): in the same comparison
+    the plain norm changed by -1 to +4 % in time, and the variants holding more tiles per row (two
+    modulations; the gated residual's x, y and gate) took 8-39 % more time at SD3's and FLUX's shapes
+    (none faster with twice the warps, or half or twice the programs; at the LTX-Video width the
+    two-modulation variant was 3 % faster, the gated-residual ones 28-32 % slower). The same lane count per compute
     unit is used on AMD, where it is untuned. With no more row blocks than programs there is nothing
     to prefetch and the grid is one program per block.
     """
