@@ -361,6 +361,12 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         lambda m: m.head_rms_norm_rope(_bf16(1, 4096, 16, 256), _bf16(1, 4096, 16, 256), _bf16(256), _bf16(256), 1e-6,
                                        _f32(4096, 256), _f32(4096, 256)),
     ),
+    # more head steps than the kernel unrolls (64 heads of 256: 16 steps of 4): the looped form
+    "head_rms_norm_rope[looped head steps 1x1024x64x256]": (
+        "head_norm_rope",
+        lambda m: m.head_rms_norm_rope(_bf16(1, 1024, 64, 256), _bf16(1, 1024, 64, 256), _bf16(256), _bf16(256), 1e-6,
+                                       _f32(1024, 256), _f32(1024, 256)),
+    ),
     # ---- scripts/xcd_remap.py ----
     # the XCD tile remap helper inside its demo kernel: 1003 programs (not a multiple of 8) over 8 XCDs
     "xcd_remap_demo[1003 programs, 8 XCDs]": ("xcd_remap", lambda m: m.xcd_remap_table(1003, 8)),

@@ -55,6 +55,9 @@ _MAX_HEAD_DIM = 4096
 # Elements of q (and as many of k) per step of a token's program: at most 8 FLUX heads of 128, or 16 SD3
 # heads of 64 (both models have 24 heads: 3 steps of 8).
 _ELEMS_PER_STEP = 1024
+# Head steps unrolled up to this many (more would only grow the code and its compile time: e.g. 128 heads
+# of 256 take 32 steps); beyond it the kernel loops.
+_MAX_UNROLL = 8
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +88,22 @@ def _rotate_pairs(y, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
+                     HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Normalise (and rotate) one step's heads of q and k and store them at their output rows."""
+    DT: tl.constexpr = QO.dtype.element_ty
+    yq = _norm_heads(xq, wq, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    yk = _norm_heads(xk, wk, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    if HAS_ROPE:
+        yq = yq * c + _rotate_pairs(yq, BLOCK_H, BLOCK_D) * sn
+        yk = yk * c + _rotate_pairs(yk, BLOCK_H, BLOCK_D) * sn
+    out = out_tok + heads[:, None] * D + cols[None, :]
+    tl.store(QO + out, yq.to(DT), mask=mask)
+    tl.store(KO + out, yk.to(DT), mask=mask)
+
+
+@triton.jit
 def _head_rms_norm_rope_kernel(
     Q, q_sb, q_ss, q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
     K, k_sb, k_ss, k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
@@ -100,6 +119,7 @@ def _head_rms_norm_rope_kernel(
     HAS_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per step
     N_STEPS: tl.constexpr,  # cdiv(H, BLOCK_H): a program covers all H heads of one token
+    MAX_UNROLL: tl.constexpr,  # unroll the steps when N_STEPS <= MAX_UNROLL (see _MAX_UNROLL)
     BLOCK_D: tl.constexpr,  # >= D (whole heads)
 ):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
@@ -115,7 +135,6 @@ def _head_rms_norm_rope_kernel(
     # per-token operands are loaded at the tile's full shape so they share its register layout
     tile = cols[None, :] + 0 * hh[:, None]
     col_mask = tile < D
-    DT: tl.constexpr = Q.dtype.element_ty
     wq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     wk = wq
     if HAS_WEIGHT:
@@ -129,27 +148,35 @@ def _head_rms_norm_rope_kernel(
     q_tok = Q + b * q_sb + s * q_ss
     k_tok = K + b * k_sb + s * k_ss
     out_tok = (b * S_OUT + tok) * H * D
-    # N_STEPS steps of BLOCK_H heads (unrolled); the next step's heads are loaded before this step's are
-    # stored, so their latency overlaps the arithmetic
+    # N_STEPS steps of BLOCK_H heads; the next step's heads are loaded before this step's are stored, so
+    # their latency overlaps the arithmetic. Up to _MAX_UNROLL steps the loop is unrolled (it was faster
+    # at FLUX's and SD3's 3 steps); beyond, a loop whose last "next" load is fully masked (no traffic).
     heads = hh.to(tl.int64)
     mask = col_mask & (heads < H)[:, None]
     xq = tl.load(q_tok + heads[:, None] * q_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xk = tl.load(k_tok + heads[:, None] * k_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    for step in tl.static_range(N_STEPS):
-        if step + 1 < N_STEPS:
+    if N_STEPS <= MAX_UNROLL:
+        for step in tl.static_range(N_STEPS):
+            if step + 1 < N_STEPS:
+                nxt = heads + BLOCK_H
+                nmask = col_mask & (nxt < H)[:, None]
+                xq_next = tl.load(q_tok + nxt[:, None] * q_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
+                xk_next = tl.load(k_tok + nxt[:, None] * k_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
+            _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
+                             HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D)
+            if step + 1 < N_STEPS:
+                heads = nxt
+                mask = nmask
+                xq = xq_next
+                xk = xk_next
+    else:
+        for _ in range(0, N_STEPS):
             nxt = heads + BLOCK_H
             nmask = col_mask & (nxt < H)[:, None]
             xq_next = tl.load(q_tok + nxt[:, None] * q_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
             xk_next = tl.load(k_tok + nxt[:, None] * k_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
-        yq = _norm_heads(xq, wq, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-        yk = _norm_heads(xk, wk, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-        if HAS_ROPE:
-            yq = yq * c + _rotate_pairs(yq, BLOCK_H, BLOCK_D) * sn
-            yk = yk * c + _rotate_pairs(yk, BLOCK_H, BLOCK_D) * sn
-        out = out_tok + heads[:, None] * D + cols[None, :]
-        tl.store(QO + out, yq.to(QO.dtype.element_ty), mask=mask)
-        tl.store(KO + out, yk.to(KO.dtype.element_ty), mask=mask)
-        if step + 1 < N_STEPS:
+            _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
+                             HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D)
             heads = nxt
             mask = nmask
             xq = xq_next
@@ -328,7 +355,8 @@ def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             total, offset,
             e,
             HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
-            BLOCK_H=block_h, N_STEPS=(heads + block_h - 1) // block_h, BLOCK_D=block_d, num_warps=num_warps,
+            BLOCK_H=block_h, N_STEPS=(heads + block_h - 1) // block_h, MAX_UNROLL=_MAX_UNROLL, BLOCK_D=block_d,
+            num_warps=num_warps,
         )
         offset += seq
     return q_out, k_out

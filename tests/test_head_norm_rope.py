@@ -25,13 +25,15 @@ def _w(dim, dtype, gen):
     return randn((dim,), dtype, gen, scale=0.3, offset=1.0)
 
 
-# The last three take several head steps per token's program (see test_shapes_cover_head_steps).
-SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 7, 2, 130), (2, 3, 5, 128), (1, 3, 11, 128), (2, 2, 24, 64), (1, 2, 12, 128)]
+# The last five take several head steps per token's program (see test_shapes_cover_head_steps).
+SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 7, 2, 130), (2, 3, 5, 128), (1, 3, 11, 128), (2, 2, 24, 64), (1, 2, 12, 128),
+          (1, 2, 36, 256), (1, 2, 147, 64)]
 
 
 def test_shapes_cover_head_steps():
     """The launcher's head blocks for SHAPES include programs of several steps, with and without a masked
-    last step, so test_matches_float64 exercises the head loop and its prefetch of the next step."""
+    last step, unrolled and looped, so test_matches_float64 exercises both forms of the head loop and their
+    prefetch of the next step."""
     steps = {}
     for _, _, h, d in SHAPES:
         block_h = hnr._launch_config(d, h, 32)[0]
@@ -39,6 +41,9 @@ def test_shapes_cover_head_steps():
     assert steps[(11, 128)] == (2, True)  # 8 heads, then 3 of a masked block
     assert steps[(24, 64)] == (3, False)  # SD3 / FLUX head count: 3 steps of 8
     assert steps[(12, 128)] == (3, False)  # 4 heads per step: 8 does not divide 12
+    assert hnr._MAX_UNROLL < 9 < 10
+    assert steps[(36, 256)] == (9, False)  # looped: more steps than _MAX_UNROLL
+    assert steps[(147, 64)] == (10, True)  # looped, masked last step
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
