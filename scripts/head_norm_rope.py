@@ -104,6 +104,34 @@ def _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, 
 
 
 @triton.jit
+def _load_heads(q_tok, k_tok, q_sh, k_sh, heads, cols, mask):
+    """fp32 tiles [BLOCK_H, BLOCK_D] of q and k at the given heads of one token."""
+    xq = tl.load(q_tok + heads[:, None] * q_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xk = tl.load(k_tok + heads[:, None] * k_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return xq, xk
+
+
+@triton.jit
+def _head_step(q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D,
+               eps, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):
+    """One step of heads: load the next step's q and k (PREFETCH; a fully masked load past the last head
+    moves no data), then normalise, rotate and store this step's. Returns the next step's (heads, mask,
+    xq, xk)."""
+    nxt = heads
+    nmask = mask
+    xq_next = xq
+    xk_next = xk
+    if PREFETCH:
+        nxt = heads + BLOCK_H
+        nmask = col_mask & (nxt < H)[:, None]
+        xq_next, xk_next = _load_heads(q_tok, k_tok, q_sh, k_sh, nxt, cols, nmask)
+    _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
+                     HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D)
+    return nxt, nmask, xq_next, xk_next
+
+
+@triton.jit
 def _head_rms_norm_rope_kernel(
     Q, q_sb, q_ss, q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
     K, k_sb, k_ss, k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
@@ -153,34 +181,17 @@ def _head_rms_norm_rope_kernel(
     # at FLUX's and SD3's 3 steps); beyond, a loop whose last "next" load is fully masked (no traffic).
     heads = hh.to(tl.int64)
     mask = col_mask & (heads < H)[:, None]
-    xq = tl.load(q_tok + heads[:, None] * q_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xk = tl.load(k_tok + heads[:, None] * k_sh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xq, xk = _load_heads(q_tok, k_tok, q_sh, k_sh, heads, cols, mask)
     if N_STEPS <= MAX_UNROLL:
         for step in tl.static_range(N_STEPS):
-            if step + 1 < N_STEPS:
-                nxt = heads + BLOCK_H
-                nmask = col_mask & (nxt < H)[:, None]
-                xq_next = tl.load(q_tok + nxt[:, None] * q_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
-                xk_next = tl.load(k_tok + nxt[:, None] * k_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
-            _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
-                             HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D)
-            if step + 1 < N_STEPS:
-                heads = nxt
-                mask = nmask
-                xq = xq_next
-                xk = xk_next
+            heads, mask, xq, xk = _head_step(
+                q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D,
+                eps, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D, step + 1 < N_STEPS)
     else:
         for _ in range(0, N_STEPS):
-            nxt = heads + BLOCK_H
-            nmask = col_mask & (nxt < H)[:, None]
-            xq_next = tl.load(q_tok + nxt[:, None] * q_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
-            xk_next = tl.load(k_tok + nxt[:, None] * k_sh + cols[None, :], mask=nmask, other=0.0).to(tl.float32)
-            _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
-                             HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D)
-            heads = nxt
-            mask = nmask
-            xq = xq_next
-            xk = xk_next
+            heads, mask, xq, xk = _head_step(
+                q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D,
+                eps, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D, True)
 
 
 # --------------------------------------------------------------------------------------------
