@@ -673,7 +673,8 @@ def _op_exists(name: str) -> bool:
 
 # Registered with custom_op only (the other kernel files also register a torch.library.triton_op
 # twin for Inductor): the split-K path keeps a per-stream counter buffer across calls, which a graph
-# traced once could not own, and large M falls back to torch.matmul.
+# traced once could not own, and rows above the measured per-architecture bound go to F.linear /
+# torch._scaled_mm.
 if not _op_exists("skinny_gemm"):
 
     @torch.library.custom_op(f"{_NS}::skinny_gemm", mutates_args=())
