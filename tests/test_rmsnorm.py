@@ -271,6 +271,32 @@ def test_matches_llama_rmsnorm_bf16(gen):
     assert bool((diff <= ulps * ulp).all()), f"max diff {diff.max().item()} exceeds {ulps} bf16 ulp"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemma_offset_weight(dtype, gen):
+    """Gemma-style norms store the weight as an offset and compute norm(x) * (1 + w) in fp32 with one
+    rounding: rms_norm(x, 1 + w in fp32, cast_before_weight=False) reproduces Gemma2RMSNorm up to the
+    fp32 summation order (one ulp of fp16; in fp32 the order changes rstd by an ulp or two, which the
+    products carry: four ulps)."""
+    gemma2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    D = 256
+    m = gemma2.Gemma2RMSNorm(D, eps=1e-6)
+    m.weight.data = randn((D,), torch.float32, gen, scale=0.3, device="cpu")
+    m = m.to(DEVICE, dtype)
+    x = randn((8, D), dtype, gen, scale=2.0, offset=0.3)
+    expected = m(x)
+    with poisoned_outputs():
+        out = rmsnorm.rms_norm(x, 1.0 + m.weight.float(), 1e-6, cast_before_weight=False)
+    assert out.dtype == dtype and out.shape == x.shape
+    diff = (out.float() - expected.float()).abs()
+    ulps, frac_bits = (1, 10) if dtype == torch.float16 else (4, 23)
+    ulp = expected.float().abs().clamp_min(2.0**-14) * 2.0**-frac_bits
+    assert bool((diff <= ulps * ulp).all()), f"max diff {diff.max().item()} exceeds {ulps} ulp (seed {gen.seed_value})"
+    if dtype == torch.float16:
+        # one rounding, as Gemma: bit-equal nearly everywhere (rounding before the weight, the Llama
+        # convention, changes about a quarter of the elements by an ulp)
+        assert (out != expected).float().mean().item() <= 0.01
+
+
 # ---- empty and bad input --------------------------------------------------------------------
 def test_empty_inputs():
     x = torch.empty((0, 64), device=DEVICE)
