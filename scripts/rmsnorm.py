@@ -469,7 +469,7 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
     Only where the compiled code was checked to use a conversion instruction for that format (Triton
     3.6 and 3.9 ahead-of-time output): NVIDIA sm_89+ for e4m3fn, gfx942 (CDNA3) for e4m3fnuz, gfx950
-    (CDNA4) for e4m3fn with Triton 3.9 or later. Elsewhere (gfx1201, whose Triton lowering is itself a
+    (CDNA4) for e4m3fn from Triton 3.6 (earlier versions not checked). Elsewhere (gfx1201, whose Triton lowering is itself a
     software sequence; other formats; the interpreter, whose FP8 casts round differently) the integer
     encoder is used. tests/test_fp8_native.py checks on a GPU that both give the same bytes: passed on an
     NVIDIA H200; the AMD paths are compiled (scripts/check_amd_compile.py) but not yet run on AMD hardware.
@@ -483,8 +483,8 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
         gfx = str(arch).split(":")[0]
         if gfx in ("gfx940", "gfx941", "gfx942"):
             return fp8_dtype == torch.float8_e4m3fnuz
-        # gfx950: Triton 3.9 emits v_cvt_scalef32_pk_fp8_f32; Triton 3.6 a software sequence of its own
-        return gfx == "gfx950" and fp8_dtype == torch.float8_e4m3fn and _TRITON_VERSION >= (3, 9)
+        # gfx950: Triton 3.6 and 3.9 emit v_cvt_scalef32_pk_fp8_f32 (earlier versions not checked)
+        return gfx == "gfx950" and fp8_dtype == torch.float8_e4m3fn and _TRITON_VERSION >= (3, 6)
     return False
 
 

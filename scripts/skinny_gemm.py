@@ -30,7 +30,7 @@ Design (reasons beside each choice in the code):
   FP8 weights are widened to x's dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value).
   FP8 x with FP8 W in the GPU's own FP8 format go to ``tl.dot`` as they are: in the ahead-of-time check (Triton 3.9)
   an FP8 matrix instruction (gfx942 ``v_mfma_f32_32x32x16_fp8_fp8``, gfx950 ``v_mfma_f32_32x32x64_f8f6f4``)
-  with no conversions, where widening took 96 conversion instructions beside the bf16 MFMAs. Not on
+  with no conversions, where widening took about 100 conversion instructions beside the bf16 MFMAs. Not on
   NVIDIA: at M < 64 (no wgmma) Triton converts FP8 operands to fp16 for ``mma.sync`` anyway, and
   that form spilled 4 bytes on sm_90, so the widening stays there.
 * split-K: programs = N tiles x SPLIT_K, enough to fill every CU; each program writes its fp32 partial to
