@@ -439,9 +439,9 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
     reduction, and two loads in flight per lane keep enough bytes moving. Short rows are packed
     several to a program so that one program still covers about 2048 elements (small programs pay
     scheduling overhead per row); rows wider than _MAX_FUSED_N loop over _CHUNK_N-wide chunks.
-    Measured on an H200 (bf16, [12288, 2048], CUDA-graph timing; examples/README.md): one row and 4
-    warps per program beat 2 rows x 16 warps (the previous 8-elements-per-lane rule) by 10-20 % for
-    the plain, weighted and modulated norms, and tied for the residual variant.
+    Measured on an H200 (bf16, [12288, 2048], CUDA-graph timing; an earlier sweep whose output was not
+    kept): one row and 4 warps per program beat 2 rows x 16 warps (the previous 8-elements-per-lane
+    rule) by 10-20 % for the plain, weighted and modulated norms, and tied for the residual variant.
     """
     single = n_cols <= max_fused
     block_n = _next_pow2(n_cols) if single else chunk
