@@ -306,12 +306,18 @@ def test_deterministic_and_split_invariant(m, gen):
 
 @pytest.mark.parametrize("m,k", [(1, 1500), (3, 1500), (9, 1000), (32, 1000)])
 def test_odd_split_and_program_count_not_multiple_of_8(m, k, gen):
-    """split_k = 3 over 21 or 6 N tiles: 63 or 18 programs, remapped over 8 XCDs; every output written."""
+    """split_k = 3 over 21 or 6 N tiles: 63 or 18 programs, remapped over 8 XCDs where the launcher remaps
+    (the interpreter, CDNA3/CDNA4); every output written."""
     n = 333
     target = sg._device_target(DEVICE)
-    cfg = sg._launch_config(m, n, k, 2, target, sg._compute_units(DEVICE, target), 3)
+    cus = sg._compute_units(DEVICE, target)
+    cfg = sg._launch_config(m, n, k, 2, target, cus, 3)
     programs = -(-n // cfg.block_n) * cfg.split_k
-    assert cfg.split_k == 3 and programs % 8 != 0 and cfg.num_xcds == 8
+    assert cfg.split_k == 3 and programs % 8 != 0
+    remaps = target[0] == "interpreter" or (
+        target[0] == "hip" and str(target[1]).startswith(("gfx94", "gfx95")) and cus % 8 == 0)
+    if remaps:  # elsewhere (NVIDIA, RDNA, a partitioned MI300X) the launcher does not remap: num_xcds is 1
+        assert cfg.num_xcds == 8, cfg
     x = randn((m, k), torch.bfloat16, gen)
     w = randn((n, k), torch.bfloat16, gen, scale=k**-0.5)
     b = randn((n,), torch.bfloat16, gen)
