@@ -359,8 +359,9 @@ def _ltx_rope_forward(
         )
     batch_size = hidden_states.size(0)
     if video_coords is None:
-        # every sample of the batch has the same grid: build one and broadcast it (batch stride 0,
-        # which lets the kernel compute each token's angles once for the whole batch)
+        # every sample of the batch has the same grid: build one and broadcast it (batch stride 0: one
+        # [S, 3] grid in memory, read by the rows of every sample; the kernel still computes the angles
+        # per row)
         grid = self._prepare_video_coords(
             1,
             num_frames,
