@@ -95,11 +95,11 @@ def _gelu_flat_kernel(
 
 @triton.jit
 def _silu_f32(x):
-    """x * sigmoid(x) of an fp32 block, overflow-safe: exp(-|x|) lies in (0, 1], so nothing overflows;
-    silu(-large) = x * 0 = -0.0, as in torch."""
-    e = tl.exp(-tl.abs(x))
-    r = 1.0 / (1.0 + e)
-    return x * tl.where(x >= 0.0, r, e * r)
+    """x * sigmoid(x) = x / (1 + exp(-x)) of an fp32 block. Overflow-safe as written: below x = -88.7
+    exp(-x) is inf and x / inf = -0.0 (torch gives -0.0 too); above, the denominator is finite. One exp
+    and one division, no select: on an H200 (SwiGLU, bf16, CUDA graphs) it was faster than the exp(-|x|)
+    form with a select at 1,024 rows of 4096, where the data sits in L2 and instructions count."""
+    return x / (1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -159,11 +159,28 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
 
 
 @triton.jit
-def _act_tile(X, U, x_row, u_row, cols, mask, ACT: tl.constexpr, GATED: tl.constexpr):
-    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _load_tile(ptrs, mask, EVEN: tl.constexpr):
+    """EVEN: the tile lies wholly inside the tensor, so the load needs no mask (and no select)."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(ptrs, value, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def _act_tile(X, U, x_row, u_row, cols, mask, ACT: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr):
+    x = _load_tile(X + x_row[:, None] + cols[None, :], mask, EVEN).to(tl.float32)
     y = _act_f32(x, ACT)
     if GATED:
-        u = tl.load(U + u_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = _load_tile(U + u_row[:, None] + cols[None, :], mask, EVEN).to(tl.float32)
         y = u * y
     return y
 
@@ -177,7 +194,8 @@ def _act_rows_kernel(
     OUT,  # contiguous [M, N] output (FP8_MODE > 0: the FP8 output, or its uint8 view when not NATIVE_FP8)
     FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
     M, N, INNER,  # rows, output width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
-    # cdiv(N, BLOCK_N), 1 when WHOLE_ROWS: program p covers row block p // n_col_blocks, column block p % n_col_blocks
+    # cdiv(N, BLOCK_N), 1 when WHOLE_ROWS; used when not GRID_2D: program p covers row block
+    # p // n_col_blocks, column block p % n_col_blocks
     n_col_blocks,
     ACT: tl.constexpr,  # 0: GELU (erf); 1: GELU (tanh approximation); 2: SiLU
     GATED: tl.constexpr,  # True: out = U * act(X) (GEGLU, SwiGLU); False: out = act(X)
@@ -191,13 +209,20 @@ def _act_rows_kernel(
     BLOCK_N: tl.constexpr,  # columns per program (per step when WHOLE_ROWS)
     WHOLE_ROWS: tl.constexpr,  # FP8_MODE 2: each program covers whole rows (a row maximum is needed)
     SINGLE_PASS: tl.constexpr,  # WHOLE_ROWS and BLOCK_N >= N: the row is held in registers
+    GRID_2D: tl.constexpr,  # grid (column blocks, row blocks): no division of the program id
+    EVEN: tl.constexpr,  # M % BLOCK_M == 0 and N % BLOCK_N == 0: no masks on loads and stores
 ):
-    pid = tl.program_id(0)
-    pid_m = pid // n_col_blocks
-    pid_n = pid % n_col_blocks
+    if GRID_2D:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        pid_m = pid // n_col_blocks
+        pid_n = pid % n_col_blocks
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
+    if not EVEN:
+        rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
     outer = (rows // INNER).to(tl.int64)
     inner = (rows % INNER).to(tl.int64)
     x_row = outer * x_stride_o + inner * x_stride_i
@@ -208,41 +233,41 @@ def _act_rows_kernel(
     if not WHOLE_ROWS:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED)
+        y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED, EVEN)
         if FP8_MODE == 1:
             # read on the device (no host sync); capped: a zero scale saturates instead of making 0 * inf
             inv_scale = tl.minimum(1.0 / tl.load(FP8_SCALE).to(tl.float32), 3.0e38)
             q = _fp8_convert(y * inv_scale, OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
-            tl.store(OUT + out_row[:, None] + cols[None, :], q, mask=mask)
+            _store_tile(OUT + out_row[:, None] + cols[None, :], q, mask, EVEN)
         else:
-            tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+            _store_tile(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask, EVEN)
     else:
         cols0 = tl.arange(0, BLOCK_N)
         if SINGLE_PASS:
             # the whole row in registers: one read, one write
             mask = row_mask[:, None] & (cols0 < N)[None, :]
-            y = _act_tile(X, U, x_row, u_row, cols0, mask, ACT, GATED)
+            y = _act_tile(X, U, x_row, u_row, cols0, mask, ACT, GATED, EVEN)
             # masked-off elements are act(0) * 0 = 0: they do not change the maximum
             row_scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, MIN_SCALE)
-            tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
+            _store_tile(FP8_SCALE + rows, row_scale, row_mask, EVEN)
             q = _fp8_convert(y * (1.0 / row_scale)[:, None], OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
-            tl.store(OUT + out_row[:, None] + cols0[None, :], q, mask=mask)
+            _store_tile(OUT + out_row[:, None] + cols0[None, :], q, mask, EVEN)
         else:
             # wide rows: a first pass finds the row maximum, a second recomputes and quantises
             amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                amax = tl.maximum(amax, tl.abs(_act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED)))
+                amax = tl.maximum(amax, tl.abs(_act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED, EVEN)))
             row_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
-            tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
+            _store_tile(FP8_SCALE + rows, row_scale, row_mask, EVEN)
             inv_row_scale = 1.0 / row_scale
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED)
+                y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED, EVEN)
                 q = _fp8_convert(y * inv_row_scale[:, None], OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
-                tl.store(OUT + out_row[:, None] + cols[None, :], q, mask=mask)
+                _store_tile(OUT + out_row[:, None] + cols[None, :], q, mask, EVEN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,29 +395,55 @@ def _next_pow2(n: int) -> int:
 def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: int, flat: bool):
     """Block shape and warps: (BLOCK_M, BLOCK_N, num_warps); BLOCK_M is 1 for the flat kernel.
 
-    Reasons: every lane loads 16-byte vectors (8 bf16/fp16 or 4 fp32 elements), _VECTORS_PER_LANE of
-    them, so a full-size program covers _LANES * 16 B * 2 = 8 KiB of input (4096 bf16 or 2048 fp32
-    elements). Small inputs get a smaller block (fewer warps) so that several programs share the
-    work instead of one program running mostly masked lanes. The row kernel tiles [BLOCK_M, BLOCK_N]
-    with the same element budget: wide rows are split over column blocks, narrow rows are packed
-    several per program so each program still moves a few KiB.
+    Flat kernel (GELU of a contiguous input): every lane loads 16-byte vectors (8 bf16/fp16 or 4 fp32
+    elements), _VECTORS_PER_LANE of them, so a full-size program covers _LANES * 16 B * 2 = 8 KiB of
+    input (4096 bf16 or 2048 fp32 elements). Small inputs get a smaller block (fewer warps) so that
+    several programs share the work instead of one program running mostly masked lanes.
+
+    Row kernel (GEGLU, SwiGLU, GELU of strided rows), budgeted on the output: one 16-byte vector per
+    lane and operand (2048 bf16 outputs per program of 8 warps) and, while that leaves fewer than
+    _MIN_ROW_PROGRAMS programs, down to 4 bytes per lane (512 bf16 outputs): at decode sizes the time is
+    latency, and spreading a row over more programs with less work per lane shortens it. Narrow rows
+    are packed several to a program (BLOCK_M) to the same budget. Measured on an H200 (SwiGLU, bf16,
+    CUDA graphs, benchmark_decode_fusions_h200.json against its _before_row_grid twin): with this rule and
+    the kernel's 2D grid, unmasked tiles and SiLU form, 1 and 32 rows of 4096-16384 took 1.14-1.63 us
+    instead of 1.46-1.88 us and 1,024 x 4096 took 4.22 instead of 4.90 us; 4,096 rows did not change. In a
+    sweep of 64-4096 outputs x 1-8 warps per program, 2048 outputs beat 4096 at 1,024 rows and 512 beat
+    whole 16-byte vectors at one row. The threshold is the H200's (132 SMs); not measured on AMD GPUs.
     """
     vec = max(1, 16 // elem_bytes)
     num_warps = max(1, _LANES // warp_size)
-    target = _LANES * vec * _VECTORS_PER_LANE
-    # Keep at least ~1024 programs when the input allows it (4-8 per compute unit on GPUs with
-    # 132-304 SMs/CUs), but never go below one vector per lane.
-    while target > _LANES * vec and _cdiv(n_elements, target) < 1024:
-        target //= 2
     if flat:
+        target = _LANES * vec * _VECTORS_PER_LANE
+        # Keep at least ~1024 programs when the input allows it (4-8 per compute unit on GPUs with
+        # 132-304 SMs/CUs), but never go below one vector per lane.
+        while target > _LANES * vec and _cdiv(n_elements, target) < 1024:
+            target //= 2
         block = min(target, max(_next_pow2(n_elements), 16))
         warps = max(1, min(num_warps, block // (warp_size * vec)))
         return 1, block, warps
+    target = _LANES * vec
+    while target > _LANES * max(1, vec // 4) and _cdiv(n_elements, target) < _MIN_ROW_PROGRAMS:
+        target //= 2
     block_n = min(_next_pow2(max(row_width, 1)), target)
     n_rows = max(1, n_elements // max(row_width, 1))
     block_m = max(1, min(target // block_n, _next_pow2(n_rows)))
-    warps = max(1, min(num_warps, (block_m * block_n) // (warp_size * vec)))
+    warps = max(1, min(num_warps, (block_m * block_n) // warp_size))
     return block_m, block_n, warps
+
+
+# Row kernel: the smallest grid worth keeping before shrinking blocks further (see _launch_config).
+_MIN_ROW_PROGRAMS = 256
+# Largest second grid dimension (CUDA's gridDim.y limit; AMD's is larger): beyond it the row kernel
+# runs on a one-dimensional grid and divides the program id instead.
+_MAX_GRID_Y = 65535
+
+
+def _row_grid(n_row_blocks: int, n_col_blocks: int):
+    """(grid, GRID_2D) for _act_rows_kernel."""
+    if n_row_blocks <= _MAX_GRID_Y:
+        return (n_col_blocks, n_row_blocks), True
+    return (n_row_blocks * n_col_blocks,), False
 
 
 # Dynamic (per-row) FP8 scales need a row's maximum before any of it is quantised, so each program
@@ -517,11 +568,12 @@ def _gelu_launch(x: torch.Tensor, approximate: str) -> torch.Tensor:
     inner, stride_o, stride_i = _row_layout(x)
     block_m, block_n, warps = _launch_config(n_elements, n, x.element_size(), warp_size, flat=False)
     n_col_blocks = _cdiv(n, block_n)
-    grid = (_cdiv(m, block_m) * n_col_blocks,)
+    grid, grid_2d = _row_grid(_cdiv(m, block_m), n_col_blocks)
     _as_launched(_act_rows_kernel)[grid](
         x, stride_o, stride_i, x, 0, 0, out, None, m, n, inner, n_col_blocks,
         ACT=int(approx_tanh), GATED=False, FP8_MODE=0, FP8_MAX=0.0, FP8_MIN_EXP=0, FP8_NAN=0, MIN_SCALE=0.0,
-        NATIVE_FP8=False, BLOCK_M=block_m, BLOCK_N=block_n, WHOLE_ROWS=False, SINGLE_PASS=False, num_warps=warps,
+        NATIVE_FP8=False, BLOCK_M=block_m, BLOCK_N=block_n, WHOLE_ROWS=False, SINGLE_PASS=False,
+        GRID_2D=grid_2d, EVEN=m % block_m == 0 and n % block_n == 0, num_warps=warps,
     )
     return out
 
@@ -582,15 +634,15 @@ def _gated_launch(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtyp
         block_m, block_n, warps = _launch_config(out.numel(), h, gate.element_size(), warp_size, flat=False)
         single = False
         n_col_blocks = _cdiv(h, block_n)
-    grid = (_cdiv(m, block_m) * n_col_blocks,)
+    grid, grid_2d = _row_grid(_cdiv(m, block_m), n_col_blocks)
     _as_launched(_act_rows_kernel)[grid](
         gate, g_o, g_i, up, u_o, u_i, out.view(torch.uint8) if fp8_mode and not native_fp8 else out,
         fp8_scale if fp8_mode == 1 else row_scales,
         m, h, inner, n_col_blocks,
         ACT=act, GATED=True, FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
         MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native_fp8, BLOCK_M=block_m, BLOCK_N=block_n,
-        WHOLE_ROWS=fp8_mode == 2,
-        SINGLE_PASS=single, num_warps=warps,
+        WHOLE_ROWS=fp8_mode == 2, SINGLE_PASS=single, GRID_2D=grid_2d,
+        EVEN=m % block_m == 0 and h % block_n == 0, num_warps=warps,
     )
     return out, row_scales
 

@@ -206,6 +206,74 @@ def test_whole_row_config_fits_a_workgroup(warp_size):
             assert block_m >= 1 and block_m * block_n <= max(4096, block_n), (h, m, block_m)
 
 
+class _LaunchSpy:
+    """Stands in for act._act_rows_kernel: records each launch's grid and constexprs, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("max_grid_y", [65535, 2])
+@pytest.mark.parametrize("mode", [None, "per_tensor", "per_token"])
+@pytest.mark.parametrize("shape", [(1, 2 * 4096), (4, 2 * 512), (5, 2 * 2049), (3, 2 * 96)])
+def test_row_kernel_grid_and_mask_paths(shape, mode, max_grid_y, gen, monkeypatch):
+    """The row kernel's four paths agree with float64: a 2D grid or, past the grid's second-dimension
+    limit (lowered here to 2), a 1D grid that divides the program id; and tiles that fit the tensor
+    exactly (no masks, EVEN) or overhang it. The spy checks that each case took the path it should."""
+    monkeypatch.setattr(act, "_MAX_GRID_Y", max_grid_y)
+    spy = _LaunchSpy(act._act_rows_kernel)
+    monkeypatch.setattr(act, "_act_rows_kernel", spy)
+    dtype = torch.bfloat16
+    x = _inputs(shape, dtype, gen)
+    ref = act.swiglu_ref(x.double())
+    with poisoned_outputs():
+        if mode is None:
+            out = act.swiglu(x)
+            assert_close(out, ref, dtype, seed=gen.seed_value)
+        elif mode == "per_tensor":
+            scale = torch.tensor([float(ref.abs().max()) / FP8_MAX[torch.float8_e4m3fn]], device=DEVICE)
+            q = act.swiglu(x, fp8="per_tensor", fp8_scale=scale, fp8_dtype=torch.float8_e4m3fn)
+            q_ref, _ = act.fp8_quantize_ref(ref, torch.float8_e4m3fn, scale.double())
+            check_fp8(q, q_ref, torch.float8_e4m3fn, "per_tensor", gen.seed_value)
+        else:
+            q, s = act.swiglu(x, fp8="per_token", fp8_dtype=torch.float8_e4m3fn)
+            q_ref, s_ref = act.fp8_quantize_ref(ref, torch.float8_e4m3fn)
+            check_fp8(q, q_ref, torch.float8_e4m3fn, "per_token", gen.seed_value)
+            assert_close(s, s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
+    (grid, kw), = spy.launches
+    m, h = shape[0], shape[1] // 2
+    n_row_blocks = -(-m // kw["BLOCK_M"])
+    n_col_blocks = 1 if mode == "per_token" else -(-h // kw["BLOCK_N"])
+    assert kw["GRID_2D"] == (n_row_blocks <= max_grid_y)
+    assert grid == ((n_col_blocks, n_row_blocks) if kw["GRID_2D"] else (n_row_blocks * n_col_blocks,))
+    assert kw["EVEN"] == (m % kw["BLOCK_M"] == 0 and h % kw["BLOCK_N"] == 0)
+    assert kw["EVEN"] == (shape in ((1, 2 * 4096), (4, 2 * 512)))  # both paths are exercised
+
+
+@pytest.mark.parametrize("warp_size", [32, 64])
+def test_row_launch_config(warp_size):
+    """Row-kernel blocks for the (non-per-token) SwiGLU / GEGLU launches: powers of two, at most 256
+    lanes, never more outputs than the row has, one 16-byte vector per lane and operand (2048 bf16
+    outputs) for large inputs, down to 4 bytes per lane (512) while the grid has fewer than
+    _MIN_ROW_PROGRAMS programs, and narrow rows packed to the same budget."""
+    for m, h, want in [(1, 4096, (1, 512)), (32, 4096, (1, 512)), (32, 8192, (1, 1024)),
+                       (32, 16384, (1, 2048)), (1024, 4096, (1, 2048)), (4096, 14336, (1, 2048)),
+                       (4096, 64, (16, 64)), (65536, 64, (32, 64)), (1, 64, (1, 64)), (3, 100, (4, 128))]:
+        block_m, block_n, warps = act._launch_config(m * h, h, 2, warp_size, flat=False)
+        assert (block_m, block_n) == want, (m, h, block_m, block_n)
+        assert warps & (warps - 1) == 0 and 1 <= warps * warp_size <= 256, (m, h, warps)
+        assert warps * warp_size <= max(block_m * block_n, warp_size), (m, h, warps)
+    # fp32: the same bytes per lane, half the elements
+    assert act._launch_config(1024 * 4096, 4096, 4, warp_size, flat=False)[:2] == (1, 1024)
+    assert act._launch_config(4096, 4096, 4, warp_size, flat=False)[:2] == (1, 256)
+
+
 def test_default_fp8_dtype_here():
     q = act.swiglu(torch.ones((2, 64), device=DEVICE), fp8="per_token")[0]
     assert q.dtype == act._fp8_dtype_for(torch.device(DEVICE))
