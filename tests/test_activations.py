@@ -181,6 +181,23 @@ def test_geglu_strided_rows(dtype, approximate):
         _check_geglu(x, approximate, g.seed_value, name=f"geglu {what}")
 
 
+@pytest.mark.parametrize("max_grid_y", [65535, 1])
+@pytest.mark.parametrize("shape", [(3, 2 * 2048), (5, 2 * 700)])
+def test_row_kernel_one_dimensional_grid_fallback(shape, max_grid_y, monkeypatch):
+    """GEGLU and GELU of strided rows on both grids of the row kernel: (column blocks, row blocks), and
+    the one-dimensional grid used past the second dimension's limit (lowered here to 1), with tiles that
+    fit the tensor exactly (3 x 2048) and tiles that overhang it (5 x 700); row and column block counts
+    differ, so a swapped program-id split would miss tiles."""
+    monkeypatch.setattr(act, "_MAX_GRID_Y", max_grid_y)
+    gen = make_generator()
+    x = randn(shape, torch.bfloat16, gen, scale=3.0)
+    _check_geglu(x, "none", gen.seed_value)
+    _check_gelu(x[..., : shape[-1] // 2], "tanh", gen.seed_value, name="gelu strided rows")
+    block_m, block_n, _ = act._launch_config(x.numel() // 2, shape[-1] // 2, 2, 32, flat=False)
+    n_row_blocks = -(-shape[0] // block_m)
+    assert act._row_grid(n_row_blocks, 2)[1] == (n_row_blocks <= max_grid_y)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_geglu_large_magnitudes(dtype):
     g = make_generator()
