@@ -217,6 +217,8 @@ CASES: Dict[str, Tuple[str, Callable]] = {
                         ("+fp8 per_token", lambda: dict(fp8="per_token")))
     },
     "swiglu[gate, up 4096x14336]": ("activations", lambda m: m.swiglu(_bf16(4096, 14336), _bf16(4096, 14336))),
+    # more row blocks than a grid's second dimension takes (65,535): the row kernel's one-dimensional grid
+    "swiglu[70000x2x4096, 1D grid]": ("activations", lambda m: m.swiglu(_bf16(70000, 2 * 4096))),
     # 70B MLP rows (28672 > the whole-row limit): per-token FP8 reads each row twice
     "swiglu+fp8 per_token[32x2x28672]": ("activations", lambda m: m.swiglu(_bf16(32, 2 * 28672), fp8="per_token")),
     # ---- scripts/skinny_gemm.py: decode-time linear layers y = x @ W^T, M = 1..32 rows ----
