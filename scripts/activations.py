@@ -434,8 +434,9 @@ def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: 
 
 # Row kernel: the smallest grid worth keeping before shrinking blocks further (see _launch_config).
 _MIN_ROW_PROGRAMS = 256
-# Largest second grid dimension (CUDA's gridDim.y limit; AMD's is larger): beyond it the row kernel
-# runs on a one-dimensional grid and divides the program id instead.
+# Largest second grid dimension: CUDA's gridDim.y limit, applied on every backend (HIP's limit for
+# that dimension is not assumed to be larger). Beyond it the row kernel runs on a one-dimensional grid
+# and divides the program id instead.
 _MAX_GRID_Y = 65535
 
 
