@@ -11,7 +11,8 @@ Timing: triton.testing.do_bench (CUDA/HIP events, L2 flushed before every call, 
 80th percentiles), repeated in --rounds interleaved rounds (median of the rounds' medians, spread
 reported); plus CUDA-graph replay timing (do_bench_cudagraph) for every shape: it removes host launch time,
 which otherwise dominates do_bench for small ops (no L2 flush between replays: inputs smaller than the L2 may
-stay cached).
+stay cached). The decode fusions are also timed cold (cold_graph_ms): CUDA graphs cycling through copies of
+the inputs that span 256 MiB, so that no call finds its inputs in L2 (sizes too small for that get none).
 Bandwidth: bytes each kernel must move (every input read once, every output written once, counted
 explicitly per kernel) over the median time, and that as a percentage of the device's copy
 bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes). For this
@@ -111,15 +112,19 @@ def measure_copy_bandwidth():
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
 
 
-def same_size_copy(nbytes: int):
+def same_size_copy(nbytes: int, cold: bool = False):
     """An elementwise kernel moving nbytes in all (nbytes / 2 read, nbytes / 2 written: torch.neg into
     a preallocated bf16 output), to be timed like the kernels, in the same rounds: the copy-like
     reference at a kernel's own size, where launch ramp, the last wave and L2 residency between graph
-    replays may weigh on a copy too (a launched kernel, unlike the 512 MiB copy_, which is a memcpy)."""
+    replays may weigh on a copy too (a launched kernel, unlike the 512 MiB copy_, which is a memcpy).
+    cold: cycle through input/output pairs spanning COLD_SPAN, like the cases' cold providers."""
     n = max(1, nbytes // 4)  # bf16 elements per side
-    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return lambda: torch.neg(x, out=y)
+    pairs = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16))
+             for _ in range(max(2, -(-COLD_SPAN // max(nbytes, 1))) if cold else 1)]
+    if not cold:
+        x, y = pairs[0]
+        return lambda: torch.neg(x, out=y)
+    return _cycling(lambda x, y: torch.neg(x, out=y), pairs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,14 +420,64 @@ def _quant_per_tensor(y, scale, fp8_dtype):
 def _integer_fp8(module, fn):
     """fn with the module's FP8 output forced to the integer encoder (its `_native_fp8` answering False):
     the side-by-side that shows what the native FP8 cast is worth on this GPU."""
-    def run():
+    def run(*args):
         saved = module._native_fp8
         module._native_fp8 = lambda device, fp8_dtype: False
         try:
-            return fn()
+            return fn(*args)
         finally:
             module._native_fp8 = saved
     return run
+
+
+def _no_evict_hint(module, fn):
+    """fn with the fused add + RMSNorm's L2 eviction hint switched off (rmsnorm._input_evict answering ""):
+    what the hint is worth, timed side by side."""
+    def run(*args):
+        saved = module._input_evict
+        module._input_evict = lambda *a: ""
+        try:
+            return fn(*args)
+        finally:
+            module._input_evict = saved
+    return run
+
+
+# Cold-L2 timing of the decode fusions: in a model the inputs of these ops come from other kernels and
+# rarely sit in L2 (x may, right after the GEMM that wrote it). CUDA-graph replays of one call on the
+# same tensors let inputs smaller than the L2 (50 MB on an H200) stay there between replays. The cold
+# timing cycles through copies of the inputs (fresh random values) spanning COLD_SPAN bytes, so every
+# call reads from DRAM. Where that would take more than COLD_MAX_SETS copies (the launch-bound sizes,
+# where the question does not arise), no cold timing is taken.
+COLD_SPAN = 256 << 20
+COLD_MAX_SETS = 64
+
+
+def _cold_sets(inputs, moved):
+    """[inputs] followed by copies (fresh values of the same distribution) so that the sets span COLD_SPAN."""
+    k = -(-COLD_SPAN // max(moved, 1))
+    if k > COLD_MAX_SETS:
+        return [inputs]
+    gen = [tuple((torch.randn(t.shape, device=t.device) * t.float().std()).to(t.dtype) for t in inputs)
+           for _ in range(max(k, 2) - 1)]
+    return [inputs] + gen
+
+
+def _cycling(fn, sets):
+    state = [0]
+
+    def call():
+        state[0] = (state[0] + 1) % len(sets)
+        return fn(*sets[state[0]])
+    return call
+
+
+def _with_cold_inputs(fns, sets):
+    """({provider: fn on the case's inputs (sets[0])}, {provider: fn cycling through the sets} or None)."""
+    inputs = sets[0]
+    providers = {p: (lambda f=f: f(*inputs)) for p, f in fns.items()}
+    cold = {p: _cycling(f, sets) for p, f in fns.items()} if len(sets) > 1 else None
+    return providers, cold
 
 
 def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
@@ -444,38 +499,41 @@ def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
         return w * hf.to(dtype), r
 
     if fp8 is None:
-        eager = lambda: norm(x, res)  # noqa: E731
+        eager = norm
     elif fp8 == "per_token":
-        def eager():
+        def eager(x, res):
             y, r = norm(x, res)
             q, s = _quant_per_token(y, fp8_dtype)
             return q, r, s
     else:
-        def eager():
+        def eager(x, res):
             y, r = norm(x, res)
             return _quant_per_tensor(y, scale, fp8_dtype), r
 
     kw = {} if fp8 is None else dict(fp8=fp8, fp8_scale=scale if fp8 == "per_tensor" else None)
-    providers = {
-        "triton": lambda: rmsnorm.fused_add_rms_norm(x, res, w, eps, **kw),
+    ours = lambda x, res: rmsnorm.fused_add_rms_norm(x, res, w, eps, **kw)  # noqa: E731
+    fns = {
+        "triton": ours,
+        "triton(no evict hint)": _no_evict_hint(rmsnorm, ours),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     if fp8 is not None and rmsnorm._native_fp8(x.device, fp8_dtype):
-        providers["triton(integer FP8)"] = _integer_fp8(rmsnorm, providers["triton"])
+        fns["triton(integer FP8)"] = _integer_fp8(rmsnorm, ours)
     lo = _liger()
     if fp8 is None and lo is not None and hasattr(lo, "LigerFusedAddRMSNormFunction"):
-        providers["liger"] = lambda: lo.LigerFusedAddRMSNormFunction.apply(x, res, w, eps, 0.0, "llama", False)
+        fns["liger"] = lambda x, res: lo.LigerFusedAddRMSNormFunction.apply(x, res, w, eps, 0.0, "llama", False)
     # bytes the op must move: x, residual and the weight in; the new residual and y (and scales) out
     moved = _nbytes(x, res, w, x) + M * H * (x.element_size() if fp8 is None else 1)
-    if fp8 is None:
-        return dict(providers=providers, ref=(y_ref.double(), r_ref.double()), bytes=moved)
     if fp8 == "per_token":
-        post = lambda out: (out[0].double() * out[2].double()[:, None], out[1])  # noqa: E731
         moved += 4 * M
-    else:
-        post = lambda out: (out[0].double() * scale.double(), out[1])  # noqa: E731
-    return dict(providers=providers, ref=(y_ref.double(), r_ref.double()), bytes=moved, post=post, max_err=FP8_MAX_ERR)
+    providers, cold = _with_cold_inputs(fns, _cold_sets((x, res), moved))
+    case = dict(providers=providers, cold_providers=cold, ref=(y_ref.double(), r_ref.double()), bytes=moved)
+    if fp8 == "per_token":
+        case.update(post=lambda out: (out[0].double() * out[2].double()[:, None], out[1]), max_err=FP8_MAX_ERR)
+    elif fp8 == "per_tensor":
+        case.update(post=lambda out: (out[0].double() * scale.double(), out[1]), max_err=FP8_MAX_ERR)
+    return case
 
 
 def case_swiglu(M, H, dtype, fp8=None):
@@ -490,33 +548,35 @@ def case_swiglu(M, H, dtype, fp8=None):
         return torch.nn.functional.silu(x[..., :H]) * x[..., H:]
 
     if fp8 is None:
-        eager = lambda: act(x)  # noqa: E731
+        eager = act
     elif fp8 == "per_token":
-        eager = lambda: _quant_per_token(act(x), fp8_dtype)  # noqa: E731
+        eager = lambda x: _quant_per_token(act(x), fp8_dtype)  # noqa: E731
     else:
-        eager = lambda: _quant_per_tensor(act(x), scale, fp8_dtype)  # noqa: E731
+        eager = lambda x: _quant_per_tensor(act(x), scale, fp8_dtype)  # noqa: E731
     kw = {} if fp8 is None else dict(fp8=fp8, fp8_scale=scale if fp8 == "per_tensor" else None)
-    providers = {
-        "triton": lambda: activations.swiglu(x, **kw),
-        "eager": eager,
-        "compile": torch.compile(eager, dynamic=False),
-    }
+    ours = lambda x: activations.swiglu(x, **kw)  # noqa: E731
+    fns = {"triton": ours, "eager": eager, "compile": torch.compile(eager, dynamic=False)}
     if fp8 is not None and activations._native_fp8(x.device, fp8_dtype):
-        providers["triton(integer FP8)"] = _integer_fp8(activations, providers["triton"])
+        fns["triton(integer FP8)"] = _integer_fp8(activations, ours)
+    moved = _nbytes(x) + M * H * (x.element_size() if fp8 is None else 1)
+    if fp8 == "per_token":
+        moved += 4 * M
+    sets = _cold_sets((x,), moved)
+    providers, cold = _with_cold_inputs(fns, sets)
     lo = _liger()
     if fp8 is None and lo is not None and hasattr(lo, "LigerSiLUMulFunction"):
         # Liger takes gate and up as two contiguous tensors (it would copy strided views on every call)
-        gate_c, up_c = x[..., :H].contiguous(), x[..., H:].contiguous()
-        providers["liger"] = lambda: lo.LigerSiLUMulFunction.apply(gate_c, up_c)
-    moved = _nbytes(x) + M * H * (x.element_size() if fp8 is None else 1)
-    if fp8 is None:
-        return dict(providers=providers, ref=ref, bytes=moved)
+        halves = [(a[..., :H].contiguous(), a[..., H:].contiguous()) for (a,) in sets]
+        liger = lambda g, u: lo.LigerSiLUMulFunction.apply(g, u)  # noqa: E731
+        providers["liger"] = lambda: liger(*halves[0])
+        if cold is not None:
+            cold["liger"] = _cycling(liger, halves)
+    case = dict(providers=providers, cold_providers=cold, ref=ref, bytes=moved)
     if fp8 == "per_token":
-        post = lambda out: out[0].double() * out[1].double()[:, None]  # noqa: E731
-        moved += 4 * M
-    else:
-        post = lambda out: out.double() * scale.double()  # noqa: E731
-    return dict(providers=providers, ref=ref, bytes=moved, post=post, max_err=FP8_MAX_ERR)
+        case.update(post=lambda out: out[0].double() * out[1].double()[:, None], max_err=FP8_MAX_ERR)
+    elif fp8 == "per_tensor":
+        case.update(post=lambda out: out.double() * scale.double(), max_err=FP8_MAX_ERR)
+    return case
 
 
 def case_skinny_gemm(M, N, K, dtype, fp8=False):
@@ -743,17 +803,22 @@ def max_err(out, ref):
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-def time_provider(fn, graph):
+def time_provider(fn, graph, cold_fn=None):
+    """do_bench (L2 flushed) and, with graph, CUDA-graph replay timing; with cold_fn (the same op cycling
+    through input copies that span COLD_SPAN) also its CUDA-graph timing, cold_graph_ms."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     q = do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
     rec = {"ms": q[0], "ms_p20": q[1], "ms_p80": q[2]}
     if graph:
-        try:
-            rec["graph_ms"] = do_bench_cudagraph(fn, rep=50, return_mode="median")
-        except Exception as e:  # some providers (e.g. host syncs) cannot be captured
-            rec["graph_ms"] = None
-            rec["graph_error"] = f"{type(e).__name__}: {e}"[:200]
+        for key, f in (("graph_ms", fn), ("cold_graph_ms", cold_fn)):
+            if f is None:
+                continue
+            try:
+                rec[key] = do_bench_cudagraph(f, rep=50, return_mode="median")
+            except Exception as e:  # some providers (e.g. host syncs) cannot be captured
+                rec[key] = None
+                rec[key.replace("_ms", "_error")] = f"{type(e).__name__}: {e}"[:200]
     return rec
 
 
@@ -835,12 +900,14 @@ def run(args):
         per = {p: [] for p in case["providers"] if math.isfinite(errs.get(p, float("nan")))}
         # the same-size copy reference, for this bundle's kernels whose counted bytes are what they move
         copy_fn = same_size_copy(case["bytes"]) if "weight_bytes" not in case else None
+        cold = case.get("cold_providers") or {}
+        copy_cold = same_size_copy(case["bytes"], cold=True) if copy_fn is not None and cold else None
         copy_recs = []
         for _ in range(args.rounds):
             for prov in per:
-                per[prov].append(time_provider(case["providers"][prov], graph))
+                per[prov].append(time_provider(case["providers"][prov], graph, cold.get(prov)))
             if copy_fn is not None:
-                copy_recs.append(time_provider(copy_fn, graph))
+                copy_recs.append(time_provider(copy_fn, graph, copy_cold))
         for prov, recs in per.items():
             ms = statistics.median(r["ms"] for r in recs)
             gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
@@ -868,6 +935,11 @@ def run(args):
             if rec["graph_ms"]:
                 rec["GBps_graph"] = case["bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
                 rec["pct_copy_graph"] = 100 * rec["GBps_graph"] / copy_gbs
+            cgms = [r["cold_graph_ms"] for r in recs if r.get("cold_graph_ms")]
+            if cgms:
+                rec["cold_graph_ms"] = statistics.median(cgms)
+                rec["GBps_cold_graph"] = case["bytes"] / (rec["cold_graph_ms"] * 1e-3) / 1e9
+                rec["pct_copy_cold_graph"] = 100 * rec["GBps_cold_graph"] / copy_gbs
             if copy_recs and prov.startswith("triton") and prov not in case.get("moves_more", ()):
                 rec["same_size_copy_ms"] = statistics.median(r["ms"] for r in copy_recs)
                 rec["pct_same_size_copy"] = 100 * rec["same_size_copy_ms"] / ms
@@ -875,10 +947,15 @@ def run(args):
                 if rec["graph_ms"] and cg:
                     rec["same_size_copy_graph_ms"] = statistics.median(cg)
                     rec["pct_same_size_copy_graph"] = 100 * rec["same_size_copy_graph_ms"] / rec["graph_ms"]
+                ccg = [r["cold_graph_ms"] for r in copy_recs if r.get("cold_graph_ms")]
+                if rec.get("cold_graph_ms") and ccg:
+                    rec["same_size_copy_cold_graph_ms"] = statistics.median(ccg)
+                    rec["pct_same_size_copy_cold_graph"] = 100 * rec["same_size_copy_cold_graph_ms"] / rec["cold_graph_ms"]
             records.append(rec)
         del case, copy_fn
         torch.cuda.empty_cache()
         _print_rows(records, name, label)
+    info["cold_span_bytes"] = COLD_SPAN
     return {"device": info, "command": " ".join(sys.argv), "records": records, "failures": failures}
 
 
@@ -887,6 +964,7 @@ def _print_rows(records, name, label):
     peers = [r for r in rows if not r["provider"].startswith("triton")]
     best_peer = min((r["ms"] for r in peers), default=None)
     best_peer_g = min((r["graph_ms"] for r in peers if r.get("graph_ms")), default=None)
+    best_peer_c = min((r["cold_graph_ms"] for r in peers if r.get("cold_graph_ms")), default=None)
     for r in rows:
         ours = r["provider"].startswith("triton")
         sp = f"{best_peer / r['ms']:.2f}x" if best_peer and ours else ""
@@ -894,6 +972,10 @@ def _print_rows(records, name, label):
         g = f"{r['graph_ms'] * 1e3:7.1f}" if r.get("graph_ms") else "      -"
         gp = f"{r['pct_copy_graph']:5.1f}%" if r.get("pct_copy_graph") else "    -"
         ss = f"  same-size copy {r['pct_same_size_copy_graph']:.0f}%" if r.get("pct_same_size_copy_graph") else ""
+        if r.get("cold_graph_ms"):
+            ss += f"  cold {r['cold_graph_ms'] * 1e3:.1f} us {r['pct_copy_cold_graph']:.1f}%"
+            if ours and best_peer_c:
+                ss += f" ({best_peer_c / r['cold_graph_ms']:.2f}x)"
         log(
             f"{name:32s} {label:14s} {r['provider']:27s} {r['ms'] * 1e3:8.1f} us {r['pct_copy']:5.1f}%  "
             f"graph {g} us {gp}  err {r['max_err_vs_fp64']:.1e}  vs best peer {sp} (graph {spg}){ss}"

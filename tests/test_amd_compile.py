@@ -231,20 +231,69 @@ def test_spill_detector_flags_a_spilling_kernel():
             assert free.get("spill_store_bytes") == 0 and not free["warnings"], free
 
 
-def test_checker_compiles_what_the_jit_compiles():
+def _report_in_subprocess(function: str):
+    """Run this module's `function()` in a process without the interpreter; its JSON result."""
     code = (
         "import json, sys\n"
         f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
         "import test_amd_compile as t\n"
-        "print(json.dumps(t.jit_parity_report()))\n"
+        f"print(json.dumps(t.{function}()))\n"
     )
     res, secs = _run(["-c", code], _env_without_interpreter())
-    print(f"JIT parity: {secs:.1f} s")
+    print(f"{function}: {secs:.1f} s")
     assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_checker_compiles_what_the_jit_compiles():
+    report = _report_in_subprocess("jit_parity_report")
     assert report["compared"] >= len(cac.CASES) * len(cac.TARGETS)
     assert report["mismatches"] == [], report["mismatches"]
 
+
+def eviction_hint_report() -> dict:
+    """For the fused add + RMSNorm (plain and per-token FP8), the compiled code with and without its L2
+    eviction hint (INPUT_EVICT) on every target: {target/variant: changed lines outside debug locations}."""
+    import difflib
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import rmsnorm
+
+    report = {}
+    for tname, (backend, arch, warp) in cac.TARGETS.items():
+        target = GPUTarget(backend, arch, warp)
+        for variant, kw in (("plain", {}), ("per_token", {"fp8": "per_token"})):
+            with cac.capture_launches(rmsnorm, (backend, arch, warp)) as launches:
+                rmsnorm.fused_add_rms_norm(cac._bf16(64, 4096), cac._bf16(64, 4096), cac._bf16(4096), 1e-5, **kw)
+            launch = launches[0]
+            assert launch.kwargs["INPUT_EVICT"] == "evict_first", launch.kwargs["INPUT_EVICT"]
+            texts = []
+            for hint in ("", "evict_first"):
+                launch.kwargs["INPUT_EVICT"] = hint
+                sp = cac.specialize(launch, target)
+                src = ASTSource(fn=launch.kernel, signature=sp["signature"], constexprs=sp["constexprs"],
+                                attrs=sp["attrs"])
+                asm = triton.compile(src, target=target, options=sp["options"].__dict__).asm
+                texts.append(asm["amdgcn"] if backend == "hip" else asm["ptx"])
+            diff = [ln for ln in difflib.unified_diff(texts[0].splitlines(), texts[1].splitlines(), lineterm="", n=0)
+                    if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and ".loc" not in ln]
+            report[f"{tname}/{variant}"] = diff
+    return report
+
+
+def test_eviction_hint_changes_only_nvidia_code():
+    """rmsnorm's comment on _EVICT_FIRST_MAX_BYTES says the hint leaves AMD code unchanged: the amdgcn of
+    the fused add is the same with and without it (debug locations aside), while the sm90 PTX gains
+    evict_first loads, so the comparison does see a hint where one is emitted."""
+    report = _report_in_subprocess("eviction_hint_report")
+    assert len(report) == 2 * len(cac.TARGETS)
+    for key, diff in report.items():
+        if cac.TARGETS[key.split("/")[0]][0] == "hip":
+            assert diff == [], (key, diff[:6])
+        else:
+            assert any("evict_first" in ln for ln in diff if ln.startswith("+")), (key, diff[:6])
 
 _AMDGCN_SPILLING = """
 ; -- End function

@@ -53,11 +53,37 @@ def test_decode_case_providers_run(name, monkeypatch):
     case = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
     assert case["bytes"] > 0 and {"triton", "eager", "compile"} <= set(case["providers"])
     # torch.compile takes tens of seconds on a CPU: check the bundle's kernel and the eager sequence
-    case["providers"] = {k: v for k, v in case["providers"].items() if k in ("triton", "eager")}
+    case["providers"] = {k: v for k, v in case["providers"].items() if k in ("triton", "triton(no evict hint)", "eager")}
     errs, failures = bk.check_case(name, "M=3 H=160", case, torch.bfloat16)
     assert not failures, failures
     tol = case.get("max_err", bk.MAX_ERR[torch.bfloat16])
     assert all(e <= tol for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("name", list(bk.DECODE_CASES))
+def test_decode_case_cold_inputs(name, monkeypatch):
+    """The cold-L2 providers cycle through distinct input sets in step with each other; the set after the
+    last is the case's own inputs (checked against the float64 reference) and on the others the bundle's
+    kernel agrees with the eager sequence. Inputs smaller than COLD_SPAN / COLD_MAX_SETS get no cold timing."""
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    torch.manual_seed(0)
+    small = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
+    assert small["cold_providers"] is None
+    monkeypatch.setattr(bk, "COLD_SPAN", 3 * small["bytes"])  # three sets of these inputs
+    torch.manual_seed(0)
+    case = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
+    cold = case["cold_providers"]
+    assert cold is not None and set(cold) == set(case["providers"])
+    post = case.get("post", lambda out: out)
+    tol = case.get("max_err", bk.MAX_ERR[torch.bfloat16])
+    firsts = []
+    for i in range(3):
+        ours, eager = post(cold["triton"]()), post(cold["eager"]())
+        ours_t = ours if isinstance(ours, tuple) else (ours,)
+        firsts.append(ours_t[0])
+        ref = case["ref"] if i == 2 else eager
+        assert bk.max_err(ours, ref) <= tol, (i, bk.max_err(ours, ref))
+    assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
 
 
 @pytest.mark.parametrize("name", list(bk.GEMM_CASES))
@@ -97,3 +123,20 @@ def test_gated_residual_case_runs(name, monkeypatch):
     case["providers"] = {k: v for k, v in case["providers"].items() if k != "compile"}
     errs, failures = bk.check_case(name, "tiny", case, torch.bfloat16)
     assert not failures and all(e <= bk.MAX_ERR[torch.bfloat16] for e in errs.values()), errs
+
+
+def test_provider_wrappers_pass_inputs_and_restore():
+    """_integer_fp8 and _no_evict_hint call the wrapped provider with its inputs, with the module's switch
+    flipped during the call only."""
+    import types
+
+    mod = types.SimpleNamespace(_native_fp8=lambda d, f: True, _input_evict=lambda *a: "evict_first")
+    seen = []
+
+    def fn(a, b):
+        seen.append((a, b, mod._native_fp8(None, None), mod._input_evict(True, True, 1)))
+        return a + b
+
+    assert bk._integer_fp8(mod, fn)(1, 2) == 3 and bk._no_evict_hint(mod, fn)(3, 4) == 7
+    assert seen == [(1, 2, False, "evict_first"), (3, 4, True, "")]
+    assert mod._native_fp8(None, None) is True and mod._input_evict() == "evict_first"

@@ -462,3 +462,59 @@ def test_custom_op_under_torch_compile(gen):
         (x, res, None, w, None, None, 1e-6, True, None),  # the original arguments still work
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- the L2 eviction hint of the fused add (rmsnorm._input_evict) ----------------------------
+class _LaunchSpy:
+    """Stands in for rmsnorm._rms_norm_kernel: records each launch's constexprs, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_input_evict_rule():
+    limit = rmsnorm._EVICT_FIRST_MAX_BYTES
+    assert rmsnorm._input_evict(True, True, limit) == "evict_first"
+    assert rmsnorm._input_evict(True, True, limit + 1) == ""
+    assert rmsnorm._input_evict(False, True, 1) == ""  # the looped (wide-row) path keeps its default
+    assert rmsnorm._input_evict(True, False, 1) == ""  # every other RMSNorm variant too
+
+
+@pytest.mark.parametrize("fp8", [None, "per_token"])
+def test_eviction_hint_launches_and_changes_nothing(fp8, gen, monkeypatch):
+    """The fused add launches with the hint below the byte limit and without it above (limit lowered to
+    reach both here); both launches agree with float64 and with each other bit for bit. Other RMSNorm
+    calls never get it."""
+    spy = _LaunchSpy(rmsnorm._rms_norm_kernel)
+    monkeypatch.setattr(rmsnorm, "_rms_norm_kernel", spy)
+    dtype = torch.bfloat16
+    x = randn((5, 2049), dtype, gen, scale=2.0)
+    res = randn((5, 2049), dtype, gen)
+    w = _weight(2049, dtype, gen)
+    outs = []
+    for limit in (1 << 40, 5 * 2049 * 7 - 1):
+        monkeypatch.setattr(rmsnorm, "_EVICT_FIRST_MAX_BYTES", limit)
+        with poisoned_outputs():
+            outs.append(rmsnorm.fused_add_rms_norm(x, res, w, 1e-5, fp8=fp8))
+    assert [k["INPUT_EVICT"] for k in spy.launches] == ["evict_first", ""]
+    (y0, r0, *s0), (y1, r1, *s1) = outs
+    assert torch.equal(r0, r1) and torch.equal(r0, _sum_like_kernel(x, res))
+    assert torch.equal(y0.view(torch.uint8), y1.view(torch.uint8)) and all(torch.equal(a, b) for a, b in zip(s0, s1))
+    y_ref = _norm_ref(r0, w, 1e-5, True)
+    if fp8 is None:
+        assert_close(y0, y_ref, dtype, seed=gen.seed_value)
+    else:
+        q_ref, s_ref = rmsnorm.fp8_quantize_ref(y_ref, y0.dtype)
+        check_fp8(y0, q_ref, y0.dtype, "per_token with and without the hint", gen.seed_value)
+        assert_close(s0[0], s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
+    spy.launches.clear()
+    monkeypatch.setattr(rmsnorm, "_EVICT_FIRST_MAX_BYTES", 1 << 40)
+    rmsnorm.rms_norm(x, w)
+    rmsnorm.gated_residual_rms_norm_modulate(x, res, None, w, w)
+    assert [k["INPUT_EVICT"] for k in spy.launches] == ["", ""]
