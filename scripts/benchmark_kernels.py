@@ -11,8 +11,9 @@ Timing: triton.testing.do_bench (CUDA/HIP events, L2 flushed before every call, 
 80th percentiles), repeated in --rounds interleaved rounds (median of the rounds' medians, spread
 reported); plus CUDA-graph replay timing (do_bench_cudagraph) for every shape: it removes host launch time,
 which otherwise dominates do_bench for small ops (no L2 flush between replays: inputs smaller than the L2 may
-stay cached). The decode fusions are also timed cold (cold_graph_ms): CUDA graphs cycling through copies of
-the inputs that span 256 MiB, so that no call finds its inputs in L2 (sizes too small for that get none).
+stay cached). Every case is also timed cold (cold_graph_ms): CUDA graphs cycling through copies of the
+inputs that span 256 MiB, so that no call finds its inputs in L2 (sizes too small for that get none; the
+skinny GEMM cycles through copies of its weight in both timings instead).
 Bandwidth: bytes each kernel must move (every input read once, every output written once, counted
 explicitly per kernel) over the median time, and that as a percentage of the device's copy
 bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes). For this
@@ -154,24 +155,24 @@ def case_rmsnorm(B, S, dtype, weighted):
     w = _rand((HIDDEN,), dtype, 0.1, 1.0) if weighted else None
     eps = 1e-5 if weighted else 1e-6
 
-    def eager(x=x):  # as diffusers' RMSNorm.forward writes it
+    def eager(x):  # as diffusers' RMSNorm.forward writes it
         var = x.float().pow(2).mean(-1, keepdim=True)
         h = x * torch.rsqrt(var + eps)
         if w is not None:
             return h.to(w.dtype) * w
         return h.to(x.dtype)
 
-    providers = {
-        "triton": lambda: rmsnorm.rms_norm(x, w, eps),
+    fns = {
+        "triton": lambda x: rmsnorm.rms_norm(x, w, eps),
         "eager": eager,
-        "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (HIDDEN,), w, eps),
+        "F.rms_norm": lambda x: torch.nn.functional.rms_norm(x, (HIDDEN,), w, eps),
         "compile": torch.compile(eager, dynamic=False),
     }
     lo = _liger()
     if lo is not None:
-        providers["liger"] = lambda: lo.LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+        fns["liger"] = lambda x: lo.LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
     ref = rmsnorm.rms_norm_ref(x.double(), None if w is None else w.double(), eps)
-    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, w))
+    return _case(fns, (x,), ref, _nbytes(x, x, w))
 
 
 def case_adaln(B, S, dtype):
@@ -182,21 +183,21 @@ def case_adaln(B, S, dtype):
     shift = _rand((B, 1, HIDDEN), dtype, 0.3)
     eps = 1e-6
 
-    def eager():  # LTX block: norm1(h) * (1 + scale_msa) + shift_msa
+    def eager(x):  # LTX block: norm1(h) * (1 + scale_msa) + shift_msa
         var = x.float().pow(2).mean(-1, keepdim=True)
         n = (x * torch.rsqrt(var + eps)).to(x.dtype)
         return n * (1 + scale) + shift
 
-    providers = {
-        "triton": lambda: rmsnorm.rms_norm_modulate(x, scale, shift, None, eps),
+    fns = {
+        "triton": lambda x: rmsnorm.rms_norm_modulate(x, scale, shift, None, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     lo = _liger()
     if lo is not None and hasattr(lo, "LigerModulatedRMSNormFunction"):
-        providers["liger"] = lambda: lo.LigerModulatedRMSNormFunction.apply(x, None, scale, shift, eps, 0.0, "llama", False)
+        fns["liger"] = lambda x: lo.LigerModulatedRMSNormFunction.apply(x, None, scale, shift, eps, 0.0, "llama", False)
     ref = rmsnorm.rms_norm_modulate_ref(x.double(), scale.double(), shift.double(), None, eps)
-    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, scale, shift))
+    return _case(fns, (x,), ref, _nbytes(x, x, scale, shift))
 
 
 def case_residual_adaln(B, S, dtype):
@@ -208,20 +209,20 @@ def case_residual_adaln(B, S, dtype):
     shift = _rand((B, 1, HIDDEN), dtype, 0.3)
     eps = 1e-6
 
-    def eager():  # LTX block: h = h + attn2; norm2(h) * (1 + scale_mlp) + shift_mlp
+    def eager(h, y):  # LTX block: h = h + attn2; norm2(h) * (1 + scale_mlp) + shift_mlp
         hn = h + y
         var = hn.float().pow(2).mean(-1, keepdim=True)
         n = (hn * torch.rsqrt(var + eps)).to(hn.dtype)
         return hn, n * (1 + scale) + shift
 
-    providers = {
-        "triton": lambda: rmsnorm.gated_residual_rms_norm_modulate(h, y, None, scale, shift, None, eps),
+    fns = {
+        "triton": lambda h, y: rmsnorm.gated_residual_rms_norm_modulate(h, y, None, scale, shift, None, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     h_ref = (h.double() + y.double()).to(dtype)
     ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
-    return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, h, h, scale, shift))
+    return _case(fns, (h, y), ref, _nbytes(h, y, h, h, scale, shift))
 
 
 def case_gated_residual_adaln(B, S, dtype):
@@ -236,20 +237,20 @@ def case_gated_residual_adaln(B, S, dtype):
     shift = _rand((B, 1, HIDDEN), dtype, 0.3)
     eps = 1e-6
 
-    def eager():
+    def eager(h, y):
         hn = h + y * gate
         var = hn.float().pow(2).mean(-1, keepdim=True)
         n = (hn * torch.rsqrt(var + eps)).to(hn.dtype)
         return hn, n * (1 + scale) + shift
 
-    providers = {
-        "triton": lambda: rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift, None, eps),
+    fns = {
+        "triton": lambda h, y: rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift, None, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     h_ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()).to(dtype)
     ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
-    return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, gate, h, h, scale, shift))
+    return _case(fns, (h, y), ref, _nbytes(h, y, gate, h, h, scale, shift))
 
 
 def case_gated_residual(B, S, dtype):
@@ -259,17 +260,17 @@ def case_gated_residual(B, S, dtype):
     y = _rand((B, S, HIDDEN), dtype)
     gate = _rand((B, 1, HIDDEN), dtype, 0.5)
 
-    def eager():  # LTX block as diffusers writes it: h + attn * gate_msa
+    def eager(h, y):  # LTX block as diffusers writes it: h + attn * gate_msa
         return h + y * gate
 
-    providers = {
-        "triton": lambda: rmsnorm.gated_residual_add(h, y, gate),
+    fns = {
+        "triton": lambda h, y: rmsnorm.gated_residual_add(h, y, gate),
         "eager": eager,
-        "torch.addcmul": lambda: torch.addcmul(h, y, gate),
+        "torch.addcmul": lambda h, y: torch.addcmul(h, y, gate),
         "compile": torch.compile(eager, dynamic=False),
     }
     ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double())
-    return dict(providers=providers, ref=ref, bytes=_nbytes(h, y, gate, h))
+    return _case(fns, (h, y), ref, _nbytes(h, y, gate, h))
 
 
 def _ltx_rope_inputs(B, S, dtype):
@@ -298,17 +299,18 @@ def case_ltx_rope(B, S, dtype):
 
     x = _rand((B, S, HIDDEN), dtype)
     coords, freqs, cos, sin = _ltx_rope_inputs(B, S, dtype)
-    eager = lambda: _apply_rotary_emb(x, cos, sin)  # noqa: E731
-    providers = {
-        "triton": lambda: rope.ltx_rope(x, cos, sin),
+    eager = lambda x: _apply_rotary_emb(x, cos, sin)  # noqa: E731
+    fns = {
+        "triton": lambda x: rope.ltx_rope(x, cos, sin),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     if hasattr(rope, "ltx_rope_coords"):
-        providers["triton(in-kernel cos/sin)"] = lambda: rope.ltx_rope_coords(x, coords, freqs)
+        fns["triton(in-kernel cos/sin)"] = lambda x: rope.ltx_rope_coords(x, coords, freqs)
     ref = rope.ltx_rope_ref(x.double(), cos.double(), sin.double())
-    # bytes as the eager op must move them: x in, x out, fp32 cos and sin
-    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, cos, sin))
+    # bytes as the eager op must move them: x in, x out, fp32 cos and sin (the cold timing rotates x only:
+    # the tables are shared by every layer of a forward)
+    return _case(fns, (x,), ref, _nbytes(x, x, cos, sin))
 
 
 def case_ltx_qk_norm_rope(B, S, dtype):
@@ -321,36 +323,35 @@ def case_ltx_qk_norm_rope(B, S, dtype):
     eps = 1e-5
     coords, freqs, cos, sin = _ltx_rope_inputs(B, S, dtype)
 
-    def eager():  # LTX self-attention: norm_q / norm_k (torch.nn.RMSNorm) then apply_rotary_emb
+    def eager(q, k):  # LTX self-attention: norm_q / norm_k (torch.nn.RMSNorm) then apply_rotary_emb
         qn = torch.nn.functional.rms_norm(q, (HIDDEN,), wq, eps)
         kn = torch.nn.functional.rms_norm(k, (HIDDEN,), wk, eps)
         return _apply_rotary_emb(qn, cos, sin), _apply_rotary_emb(kn, cos, sin)
 
-    providers = {
-        "triton(in-kernel cos/sin)": lambda: rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, eps, coords, freqs),
-        "triton(cos/sin read)": lambda: rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, eps, cos, sin),
+    fns = {
+        "triton(in-kernel cos/sin)": lambda q, k: rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, eps, coords, freqs),
+        "triton(cos/sin read)": lambda q, k: rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, eps, cos, sin),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     ref = rope.ltx_qk_rmsnorm_rope_ref(q.double(), k.double(), wq.double(), wk.double(), eps, cos.double(), sin.double())
     # the bytes the op must move: q, k in and out, weights, per-token coords (cos/sin are derivable);
     # the variant reading cos/sin tables moves more than that (no same-size copy figure for it)
-    return dict(providers=providers, ref=ref, bytes=_nbytes(q, k, q, k, wq, wk, coords),
-                moves_more=("triton(cos/sin read)",))
+    return dict(_case(fns, (q, k), ref, _nbytes(q, k, q, k, wq, wk, coords)), moves_more=("triton(cos/sin read)",))
 
 
 def case_gelu(B, S, dtype):
     import activations
 
     x = _rand((B, S, FF), dtype, 3.0)
-    eager = lambda: torch.nn.functional.gelu(x, approximate="tanh")  # noqa: E731
-    providers = {
-        "triton": lambda: activations.gelu(x, approximate="tanh"),
+    eager = lambda x: torch.nn.functional.gelu(x, approximate="tanh")  # noqa: E731
+    fns = {
+        "triton": lambda x: activations.gelu(x, approximate="tanh"),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     ref = torch.nn.functional.gelu(x.double(), approximate="tanh")
-    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x))
+    return _case(fns, (x,), ref, _nbytes(x, x))
 
 
 def case_geglu(B, S, dtype):
@@ -358,23 +359,26 @@ def case_geglu(B, S, dtype):
 
     x = _rand((B, S, 2 * FF), dtype, 3.0)
 
-    def eager():  # diffusers GEGLU after its projection
+    def eager(x):  # diffusers GEGLU after its projection
         hidden, gate = x.chunk(2, dim=-1)
         return hidden * torch.nn.functional.gelu(gate, approximate="tanh")
 
-    providers = {
-        "triton": lambda: activations.geglu(x, approximate="tanh"),
+    fns = {
+        "triton": lambda x: activations.geglu(x, approximate="tanh"),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
+    hidden, gate = x.double().chunk(2, dim=-1)
+    ref = hidden * torch.nn.functional.gelu(gate, approximate="tanh")
+    moved = _nbytes(x, hidden.to(dtype))
+    sets = _cold_sets((x,), moved)
+    case = _case(fns, (x,), ref, moved, sets=sets)
     lo = _liger()
     if lo is not None and hasattr(lo, "LigerGELUMulFunction"):
         # Liger takes gate and value as two contiguous tensors (its kernel assumes equal row strides)
-        gate_c, hidden_c = x[..., FF:].contiguous(), x[..., :FF].contiguous()
-        providers["liger"] = lambda: lo.LigerGELUMulFunction.apply(gate_c, hidden_c)
-    hidden, gate = x.double().chunk(2, dim=-1)
-    ref = hidden * torch.nn.functional.gelu(gate, approximate="tanh")
-    return dict(providers=providers, ref=ref, bytes=_nbytes(x, hidden.to(dtype)))
+        _add_split_provider(case, "liger", lambda g, v: lo.LigerGELUMulFunction.apply(g, v),
+                            [(a[..., FF:].contiguous(), a[..., :FF].contiguous()) for (a,) in sets])
+    return case
 
 
 CASES = {
@@ -472,12 +476,21 @@ def _cycling(fn, sets):
     return call
 
 
-def _with_cold_inputs(fns, sets):
-    """({provider: fn on the case's inputs (sets[0])}, {provider: fn cycling through the sets} or None)."""
-    inputs = sets[0]
-    providers = {p: (lambda f=f: f(*inputs)) for p, f in fns.items()}
+def _case(fns, inputs, ref, moved, sets=None):
+    """A case: {provider: fn(*inputs)} as providers (timed on `inputs`) and, where the sizes allow it, as
+    cold_providers cycling through copies of the inputs (sets[0] is `inputs`); ref and bytes moved."""
+    sets = sets if sets is not None else _cold_sets(inputs, moved)
+    providers = {p: (lambda f=f: f(*sets[0])) for p, f in fns.items()}
     cold = {p: _cycling(f, sets) for p, f in fns.items()} if len(sets) > 1 else None
-    return providers, cold
+    return dict(providers=providers, cold_providers=cold, ref=ref, bytes=moved)
+
+
+def _add_split_provider(case, name, fn, split_sets):
+    """A provider taking its own form of each input set (e.g. Liger's two contiguous halves of [gate | up]),
+    split_sets[i] prepared from the case's i-th set, outside the timing."""
+    case["providers"][name] = lambda: fn(*split_sets[0])
+    if case["cold_providers"] is not None:
+        case["cold_providers"][name] = _cycling(fn, split_sets)
 
 
 def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
@@ -527,8 +540,7 @@ def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
     moved = _nbytes(x, res, w, x) + M * H * (x.element_size() if fp8 is None else 1)
     if fp8 == "per_token":
         moved += 4 * M
-    providers, cold = _with_cold_inputs(fns, _cold_sets((x, res), moved))
-    case = dict(providers=providers, cold_providers=cold, ref=(y_ref.double(), r_ref.double()), bytes=moved)
+    case = _case(fns, (x, res), (y_ref.double(), r_ref.double()), moved)
     if fp8 == "per_token":
         case.update(post=lambda out: (out[0].double() * out[2].double()[:, None], out[1]), max_err=FP8_MAX_ERR)
     elif fp8 == "per_tensor":
@@ -562,16 +574,12 @@ def case_swiglu(M, H, dtype, fp8=None):
     if fp8 == "per_token":
         moved += 4 * M
     sets = _cold_sets((x,), moved)
-    providers, cold = _with_cold_inputs(fns, sets)
+    case = _case(fns, (x,), ref, moved, sets=sets)
     lo = _liger()
     if fp8 is None and lo is not None and hasattr(lo, "LigerSiLUMulFunction"):
         # Liger takes gate and up as two contiguous tensors (it would copy strided views on every call)
-        halves = [(a[..., :H].contiguous(), a[..., H:].contiguous()) for (a,) in sets]
-        liger = lambda g, u: lo.LigerSiLUMulFunction.apply(g, u)  # noqa: E731
-        providers["liger"] = lambda: liger(*halves[0])
-        if cold is not None:
-            cold["liger"] = _cycling(liger, halves)
-    case = dict(providers=providers, cold_providers=cold, ref=ref, bytes=moved)
+        _add_split_provider(case, "liger", lambda g, u: lo.LigerSiLUMulFunction.apply(g, u),
+                            [(a[..., :H].contiguous(), a[..., H:].contiguous()) for (a,) in sets])
     if fp8 == "per_token":
         case.update(post=lambda out: out[0].double() * out[1].double()[:, None], max_err=FP8_MAX_ERR)
     elif fp8 == "per_tensor":
@@ -665,16 +673,16 @@ def case_layernorm_modulate(model, dtype):
     shift, scale = emb.chunk(2, dim=1)  # [B, D] views, as AdaLayerNormZero's chunk gives them
     eps = 1e-6
 
-    def eager():  # AdaLayerNormZero: LayerNorm without affine, then * (1 + scale[:, None]) + shift[:, None]
+    def eager(x):  # AdaLayerNormZero: LayerNorm without affine, then * (1 + scale[:, None]) + shift[:, None]
         return torch.nn.functional.layer_norm(x, (D,), eps=eps) * (1 + scale[:, None]) + shift[:, None]
 
-    providers = {
-        "triton": lambda: layernorm.layer_norm_modulate(x, scale, shift, eps),
+    fns = {
+        "triton": lambda x: layernorm.layer_norm_modulate(x, scale, shift, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     ref = layernorm.layer_norm_modulate_ref(x.double(), scale.double(), shift.double(), eps)
-    return dict(providers=providers, ref=ref, bytes=_nbytes(x, x, scale, shift))
+    return _case(fns, (x,), ref, _nbytes(x, x, scale, shift))
 
 
 def case_residual_layernorm_modulate(model, dtype):
@@ -688,19 +696,19 @@ def case_residual_layernorm_modulate(model, dtype):
     gate, shift, scale = emb.chunk(3, dim=1)
     eps = 1e-6
 
-    def eager():  # JointTransformerBlock / FluxTransformerBlock: h + gate * attn, then norm2 + MLP modulation
+    def eager(h, y):  # JointTransformerBlock / FluxTransformerBlock: h + gate * attn, then norm2 + MLP modulation
         hn = h + gate[:, None] * y
         return hn, torch.nn.functional.layer_norm(hn, (D,), eps=eps) * (1 + scale[:, None]) + shift[:, None]
 
-    providers = {
-        "triton": lambda: layernorm.gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps),
+    fns = {
+        "triton": lambda h, y: layernorm.gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), gate.double(),
                                                                 scale.double(), shift.double(), eps)
     out_ref = layernorm.layer_norm_modulate_ref(h_ref.to(dtype).double(), scale.double(), shift.double(), eps)
-    return dict(providers=providers, ref=(h_ref, out_ref), bytes=_nbytes(h, y, gate, scale, shift, h, h))
+    return _case(fns, (h, y), (h_ref, out_ref), _nbytes(h, y, gate, scale, shift, h, h))
 
 
 def case_residual_layernorm_modulate_dual(model, dtype):
@@ -716,22 +724,21 @@ def case_residual_layernorm_modulate_dual(model, dtype):
     gate, scale, shift, scale2, shift2 = emb.chunk(5, dim=1)
     eps = 1e-6
 
-    def eager():
+    def eager(h, y):
         hn = h + gate[:, None] * y
         n = torch.nn.functional.layer_norm(hn, (D,), eps=eps)
         return hn, n * (1 + scale[:, None]) + shift[:, None], n * (1 + scale2[:, None]) + shift2[:, None]
 
-    providers = {
-        "triton": lambda: layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2, shift2,
-                                                                            eps),
+    fns = {
+        "triton": lambda h, y: layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2,
+                                                                                 shift2, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     d = [t.double() for t in (h, y, gate, scale, shift, scale2, shift2)]
     h_ref, _, _ = layernorm.gated_residual_layer_norm_modulate_dual_ref(*d, eps)
     o1, o2 = layernorm.layer_norm_modulate_dual_ref(h_ref.to(dtype).double(), *d[3:], eps)
-    return dict(providers=providers, ref=(h_ref, o1, o2),
-                bytes=_nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h))
+    return _case(fns, (h, y), (h_ref, o1, o2), _nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h))
 
 
 def case_head_qk_norm(model, dtype):
@@ -760,20 +767,20 @@ def case_head_qk_norm(model, dtype):
 
     # FLUX's norm_q / norm_k are torch.nn.RMSNorm (F.rms_norm); SD3's are diffusers RMSNorm, which rounds
     # before its half-precision weight: the same bytes and nearly the same math, timed with F.rms_norm here.
-    def eager():  # the processors' norm_q / norm_k on [B, S, H, Dh] (FLUX: then RoPE)
+    def eager(q, k):  # the processors' norm_q / norm_k on [B, S, H, Dh] (FLUX: then RoPE)
         qn = torch.nn.functional.rms_norm(q, (Dh,), wq, eps)
         kn = torch.nn.functional.rms_norm(k, (Dh,), wk, eps)
         return (rot(qn), rot(kn)) if rope else (qn, kn)
 
-    providers = {
-        "triton": lambda: head_norm_rope.head_rms_norm_rope(q, k, wq, wk, eps, cos, sin),
+    fns = {
+        "triton": lambda q, k: head_norm_rope.head_rms_norm_rope(q, k, wq, wk, eps, cos, sin),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     ref = head_norm_rope.head_rms_norm_rope_ref(q.double(), k.double(), wq.double(), wk.double(), eps,
                                                 None if cos is None else cos.double(),
                                                 None if sin is None else sin.double())
-    return dict(providers=providers, ref=ref, bytes=_nbytes(q, k, q, k, wq, wk, cos, sin))
+    return _case(fns, (q, k), ref, _nbytes(q, k, q, k, wq, wk, cos, sin))
 
 
 MMDIT_CASES = {

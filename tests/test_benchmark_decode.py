@@ -60,30 +60,51 @@ def test_decode_case_providers_run(name, monkeypatch):
     assert all(e <= tol for e in errs.values()), errs
 
 
-@pytest.mark.parametrize("name", list(bk.DECODE_CASES))
-def test_decode_case_cold_inputs(name, monkeypatch):
+def _check_cold_providers(build, monkeypatch):
     """The cold-L2 providers cycle through distinct input sets in step with each other; the set after the
     last is the case's own inputs (checked against the float64 reference) and on the others the bundle's
     kernel agrees with the eager sequence. Inputs smaller than COLD_SPAN / COLD_MAX_SETS get no cold timing."""
-    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
     torch.manual_seed(0)
-    small = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
+    small = build()
     assert small["cold_providers"] is None
     monkeypatch.setattr(bk, "COLD_SPAN", 3 * small["bytes"])  # three sets of these inputs
     torch.manual_seed(0)
-    case = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
+    case = build()
     cold = case["cold_providers"]
     assert cold is not None and set(cold) == set(case["providers"])
     post = case.get("post", lambda out: out)
     tol = case.get("max_err", bk.MAX_ERR[torch.bfloat16])
+    ours_name = next(p for p in cold if p.startswith("triton"))
     firsts = []
     for i in range(3):
-        ours, eager = post(cold["triton"]()), post(cold["eager"]())
+        ours, eager = post(cold[ours_name]()), post(cold["eager"]())
         ours_t = ours if isinstance(ours, tuple) else (ours,)
         firsts.append(ours_t[0])
         ref = case["ref"] if i == 2 else eager
         assert bk.max_err(ours, ref) <= tol, (i, bk.max_err(ours, ref))
     assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
+
+
+@pytest.mark.parametrize("name", list(bk.DECODE_CASES))
+def test_decode_case_cold_inputs(name, monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    _check_cold_providers(lambda: bk.DECODE_CASES[name](3, 160, torch.bfloat16), monkeypatch)
+
+
+# the LTX RoPE cases build their coordinates on "cuda" and are left to the GPU run
+@pytest.mark.parametrize("name", [n for n in bk.CASES if "rope" not in n])
+def test_ltx_case_cold_inputs(name, monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    monkeypatch.setattr(bk, "HIDDEN", 96)
+    monkeypatch.setattr(bk, "FF", 64)
+    _check_cold_providers(lambda: bk.CASES[name](2, 5, torch.bfloat16), monkeypatch)
+
+
+@pytest.mark.parametrize("name", list(bk.MMDIT_CASES))
+def test_mmdit_case_cold_inputs(name, monkeypatch):
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    monkeypatch.setattr(bk, "MMDIT_SHAPES", {"flux": dict(B=1, S=5, T=3, D=128, H=2)})
+    _check_cold_providers(lambda: bk.MMDIT_CASES[name]("flux", torch.bfloat16), monkeypatch)
 
 
 @pytest.mark.parametrize("name", list(bk.GEMM_CASES))
