@@ -12,8 +12,8 @@ Timing: triton.testing.do_bench (CUDA/HIP events, L2 flushed before every call, 
 reported); plus CUDA-graph replay timing (do_bench_cudagraph) for every shape: it removes host launch time,
 which otherwise dominates do_bench for small ops (no L2 flush between replays: inputs smaller than the L2 may
 stay cached). Every case is also timed cold (cold_graph_ms): CUDA graphs cycling through copies of the
-inputs that span 256 MiB, so that no call finds its inputs in L2 (sizes too small for that get none; the
-skinny GEMM cycles through copies of its weight in both timings instead).
+inputs that span 1 GiB, so that no call finds its inputs in a cache (sizes too small for that get none;
+the skinny GEMM cycles through copies of its weight in both timings instead).
 Bandwidth: bytes each kernel must move (every input read once, every output written once, counted
 explicitly per kernel) over the median time, and that as a percentage of the device's copy
 bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes). For this
@@ -88,6 +88,8 @@ def device_info():
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        # as the runtime reports it (on AMD: the L2, not the Infinity Cache behind it)
+        "l2_cache_bytes": getattr(props, "L2_cache_size", None),
     }
     for mod in ("diffusers", "liger_kernel"):
         try:
@@ -447,13 +449,15 @@ def _no_evict_hint(module, fn):
     return run
 
 
-# Cold-L2 timing of the decode fusions: in a model the inputs of these ops come from other kernels and
-# rarely sit in L2 (x may, right after the GEMM that wrote it). CUDA-graph replays of one call on the
-# same tensors let inputs smaller than the L2 (50 MB on an H200) stay there between replays. The cold
-# timing cycles through copies of the inputs (fresh random values) spanning COLD_SPAN bytes, so every
-# call reads from DRAM. Where that would take more than COLD_MAX_SETS copies (the launch-bound sizes,
-# where the question does not arise), no cold timing is taken.
-COLD_SPAN = 256 << 20
+# Cold timing: in a model the inputs of these ops come from other kernels and rarely sit in a cache (x
+# may, right after the GEMM that wrote it). CUDA-graph replays of one call on the same tensors let inputs
+# smaller than the last-level cache stay there between replays. The cold timing cycles through copies of
+# the inputs (fresh random values) spanning COLD_SPAN bytes, so every call reads from DRAM: 1 GiB, four
+# times the largest last-level cache of the targets (MI300X's and MI355X's 256 MiB Infinity Cache; the
+# H200's L2 is recorded in the JSON as l2_cache_bytes). Where that would take more than COLD_MAX_SETS
+# copies (inputs under 16 MiB: the launch-bound sizes, where the question does not arise), no cold timing
+# is taken. The span used is recorded as cold_span_bytes.
+COLD_SPAN = 1 << 30
 COLD_MAX_SETS = 64
 
 
@@ -606,10 +610,10 @@ def case_skinny_gemm(M, N, K, dtype, fp8=False):
         x = (x.float() / xs).to(f8)
     ref = sg.skinny_gemm_ref(x, w, weight_scale=ws, x_scale=xs)
 
-    # In a model every layer reads other weights, so they come from DRAM, not from the L2 cache. The
-    # CUDA-graph timing replays calls back to back without flushing the cache: give each call another
-    # copy of W (identical values), enough copies to span 4x a 64 MiB cache, so every read misses.
-    n_copies = max(1, min(64, -(-(256 << 20) // _nbytes(w))))
+    # In a model every layer reads other weights, so they come from DRAM, not from a cache. The CUDA-graph
+    # timing replays calls back to back without flushing it: give each call another copy of W (identical
+    # values), enough copies to span COLD_SPAN, so every read misses.
+    n_copies = max(1, min(COLD_MAX_SETS, -(-COLD_SPAN // _nbytes(w))))
     copies = [w] + [w.clone() for _ in range(n_copies - 1)]
 
     def cycling(fn):
