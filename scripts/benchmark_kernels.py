@@ -1014,12 +1014,12 @@ def chart(result, path):
             vals = []
             for k in kernels:
                 r = [x for x in at if x["kernel"] == k and x["provider"] == p]
-                vals.append((r[0].get("GBps_graph") or r[0]["GBps"]) if r else 0)
+                vals.append((r[0].get("GBps_cold_graph") or r[0].get("GBps_graph") or r[0]["GBps"]) if r else 0)
             ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=p)
         ax.axhline(result["device"]["copy_bandwidth_GBps"], color="k", ls="--", lw=1, label="copy bandwidth")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kernels))])
         ax.set_xticklabels(kernels, rotation=15, fontsize=8)
-        ax.set_ylabel("GB/s (bytes the op must move;\nCUDA-graph timing where captured)")
+        ax.set_ylabel("GB/s (bytes the op must move; CUDA-graph\ntiming, inputs from DRAM where timed cold)")
         ax.set_title(f"{result['device']['gpu']} ({result['device']['arch']}), {shape}, {recs[0]['dtype']}")
     axes[0, 0].legend(fontsize=7, ncol=4)
     fig.tight_layout()
