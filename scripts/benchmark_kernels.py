@@ -123,7 +123,7 @@ def same_size_copy(nbytes: int, cold: bool = False):
     cold: cycle through input/output pairs spanning COLD_SPAN, like the cases' cold providers."""
     n = max(1, nbytes // 4)  # bf16 elements per side
     pairs = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16))
-             for _ in range(max(2, -(-COLD_SPAN // max(nbytes, 1))) if cold else 1)]
+             for _ in range(max(2, _copies_to_span(nbytes)) if cold else 1)]
     if not cold:
         x, y = pairs[0]
         return lambda: torch.neg(x, out=y)
@@ -423,30 +423,28 @@ def _quant_per_tensor(y, scale, fp8_dtype):
     return (y.float() / scale).clamp(-fmax, fmax).to(fp8_dtype)
 
 
-def _integer_fp8(module, fn):
-    """fn with the module's FP8 output forced to the integer encoder (its `_native_fp8` answering False):
-    the side-by-side that shows what the native FP8 cast is worth on this GPU."""
+def _with_attr(module, name, value, fn):
+    """fn with module.<name> replaced by value for the duration of each call (restored after it)."""
     def run(*args):
-        saved = module._native_fp8
-        module._native_fp8 = lambda device, fp8_dtype: False
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn(*args)
         finally:
-            module._native_fp8 = saved
+            setattr(module, name, saved)
     return run
+
+
+def _integer_fp8(module, fn):
+    """fn with the module's FP8 output forced to the integer encoder (its `_native_fp8` answering False):
+    the side-by-side that shows what the native FP8 cast is worth on this GPU."""
+    return _with_attr(module, "_native_fp8", lambda device, fp8_dtype: False, fn)
 
 
 def _no_evict_hint(module, fn):
     """fn with the fused add + RMSNorm's L2 eviction hint switched off (rmsnorm._input_evict answering ""):
     what the hint is worth, timed side by side."""
-    def run(*args):
-        saved = module._input_evict
-        module._input_evict = lambda *a: ""
-        try:
-            return fn(*args)
-        finally:
-            module._input_evict = saved
-    return run
+    return _with_attr(module, "_input_evict", lambda *a: "", fn)
 
 
 # Cold timing: in a model the inputs of these ops come from other kernels and rarely sit in a cache (x
@@ -461,9 +459,14 @@ COLD_SPAN = 1 << 30
 COLD_MAX_SETS = 64
 
 
+def _copies_to_span(nbytes: int) -> int:
+    """How many buffers of nbytes it takes to span COLD_SPAN."""
+    return -(-COLD_SPAN // max(nbytes, 1))
+
+
 def _cold_sets(inputs, moved):
     """[inputs] followed by copies (fresh values of the same distribution) so that the sets span COLD_SPAN."""
-    k = -(-COLD_SPAN // max(moved, 1))
+    k = _copies_to_span(moved)
     if k > COLD_MAX_SETS:
         return [inputs]
     gen = [tuple((torch.randn(t.shape, device=t.device) * t.float().std()).to(t.dtype) for t in inputs)
@@ -613,7 +616,7 @@ def case_skinny_gemm(M, N, K, dtype, fp8=False):
     # In a model every layer reads other weights, so they come from DRAM, not from a cache. The CUDA-graph
     # timing replays calls back to back without flushing it: give each call another copy of W (identical
     # values), enough copies to span COLD_SPAN, so every read misses.
-    n_copies = max(1, min(COLD_MAX_SETS, -(-COLD_SPAN // _nbytes(w))))
+    n_copies = min(COLD_MAX_SETS, _copies_to_span(_nbytes(w)))
     copies = [w] + [w.clone() for _ in range(n_copies - 1)]
 
     def cycling(fn):

@@ -462,8 +462,8 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
 # 1,024 x 4096 (28-32 MiB) 1.7-2.1 % less. Replaying the same inputs back to back (graph_ms), the 1,024 x
 # 4096 calls lose 3-17 % with the hint, because without it the replays find their inputs in L2; in a
 # decoder layer the residual input was written several large GEMMs earlier and is not in L2. Calls
-# moving 128 MiB or more took 3.5-8.3 % more time with the hint in a separate sweep on the same GPU (1,024 x
-# 16384, 4,096 x 4096, 4,096 x 8192; that script is not in the bundle), hence the cut-off. On AMD GPUs
+# moving 128 MiB or more took 3.5-8.3 % more time with the hint in a separate sweep on the same GPU
+# (1,024 x 16384, 4,096 x 4096, 4,096 x 8192; that script is not in the bundle), hence the cut-off. On AMD GPUs
 # Triton 3.6 and 3.9 emit the same code with and without the hint (tests/test_amd_compile.py compares
 # the gfx942, gfx950 and gfx1201 assembly), so this changes nothing there.
 _EVICT_FIRST_MAX_BYTES = 64 << 20
