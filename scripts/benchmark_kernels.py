@@ -1013,18 +1013,21 @@ def chart(result, path):
     for ax, shape in zip(axes[:, 0], shapes):
         at = [x for x in recs if (x.get("shape") or f"B={x['batch']} S={x['tokens']}") == shape]
         kernels = list(dict.fromkeys(r["kernel"] for r in at))
+        top = result["device"]["copy_bandwidth_GBps"]
         for i, p in enumerate(provs):
             vals = []
             for k in kernels:
                 r = [x for x in at if x["kernel"] == k and x["provider"] == p]
                 vals.append((r[0].get("GBps_cold_graph") or r[0].get("GBps_graph") or r[0]["GBps"]) if r else 0)
             ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=p)
+            top = max([top] + vals)
+        ax.set_ylim(0, 1.3 * top)  # headroom above the bars for the legend
         ax.axhline(result["device"]["copy_bandwidth_GBps"], color="k", ls="--", lw=1, label="copy bandwidth")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kernels))])
         ax.set_xticklabels(kernels, rotation=15, fontsize=8)
         ax.set_ylabel("GB/s (bytes the op must move; CUDA-graph\ntiming, inputs from DRAM where timed cold)")
         ax.set_title(f"{result['device']['gpu']} ({result['device']['arch']}), {shape}, {recs[0]['dtype']}")
-    axes[0, 0].legend(fontsize=7, ncol=4)
+    axes[0, 0].legend(fontsize=7, ncol=5, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"chart: {path}")

@@ -161,3 +161,17 @@ def test_provider_wrappers_pass_inputs_and_restore():
     assert bk._integer_fp8(mod, fn)(1, 2) == 3 and bk._no_evict_hint(mod, fn)(3, 4) == 7
     assert seen == [(1, 2, False, "evict_first"), (3, 4, True, "")]
     assert mod._native_fp8(None, None) is True and mod._input_evict() == "evict_first"
+
+
+def test_chart_draws_every_shape(tmp_path):
+    pytest.importorskip("matplotlib")
+    recs = [
+        dict(kernel=k, provider=p, shape=shape, dtype="bfloat16", GBps=1.0, GBps_graph=g, GBps_cold_graph=c)
+        for shape in ("M=1024 H=4096", "M=4096 H=4096")
+        for k in ("fused_add_rmsnorm", "swiglu")
+        for p, g, c in (("triton", 5000.0, 3900.0), ("compile", 4000.0, None))
+    ]
+    result = {"device": {"gpu": "GPU", "arch": "sm_90", "copy_bandwidth_GBps": 4100.0}, "records": recs}
+    path = tmp_path / "chart.png"
+    bk.chart(result, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
