@@ -453,7 +453,7 @@ def _no_evict_hint(module, fn):
 # the inputs (fresh random values) spanning COLD_SPAN bytes, so every call reads from DRAM: 1 GiB, four
 # times the largest last-level cache of the targets (MI300X's and MI355X's 256 MiB Infinity Cache; the
 # H200's L2 is recorded in the JSON as l2_cache_bytes). Where that would take more than COLD_MAX_SETS
-# copies (inputs under 16 MiB: the launch-bound sizes, where the question does not arise), no cold timing
+# copies (calls moving under 16 MiB: the launch-bound sizes, where the question does not arise), no cold timing
 # is taken. The span used is recorded as cold_span_bytes.
 COLD_SPAN = 1 << 30
 COLD_MAX_SETS = 64
