@@ -442,11 +442,15 @@ _MIN_ROW_PROGRAMS = 256
 _MAX_GRID_Y = 65535
 
 
-def _row_grid(n_row_blocks: int, n_col_blocks: int):
-    """(grid, GRID_2D) for _act_rows_kernel."""
+def _row_grid(m: int, n: int, block_m: int, block_n: int, whole_rows: bool = False):
+    """(grid, GRID_2D, n_col_blocks, EVEN) of _act_rows_kernel over m rows of n outputs. whole_rows: each
+    program walks its rows in BLOCK_N steps (one column block)."""
+    n_row_blocks = _cdiv(m, block_m)
+    n_col_blocks = 1 if whole_rows else _cdiv(n, block_n)
+    even = m % block_m == 0 and n % block_n == 0
     if n_row_blocks <= _MAX_GRID_Y:
-        return (n_col_blocks, n_row_blocks), True
-    return (n_row_blocks * n_col_blocks,), False
+        return (n_col_blocks, n_row_blocks), True, n_col_blocks, even
+    return (n_row_blocks * n_col_blocks,), False, n_col_blocks, even
 
 
 # Dynamic (per-row) FP8 scales need a row's maximum before any of it is quantised, so each program
@@ -570,13 +574,12 @@ def _gelu_launch(x: torch.Tensor, approximate: str) -> torch.Tensor:
     m = n_elements // n
     inner, stride_o, stride_i = _row_layout(x)
     block_m, block_n, warps = _launch_config(n_elements, n, x.element_size(), warp_size, flat=False)
-    n_col_blocks = _cdiv(n, block_n)
-    grid, grid_2d = _row_grid(_cdiv(m, block_m), n_col_blocks)
+    grid, grid_2d, n_col_blocks, even = _row_grid(m, n, block_m, block_n)
     _as_launched(_act_rows_kernel)[grid](
         x, stride_o, stride_i, x, 0, 0, out, None, m, n, inner, n_col_blocks,
         ACT=int(approx_tanh), GATED=False, FP8_MODE=0, FP8_MAX=0.0, FP8_MIN_EXP=0, FP8_NAN=0, MIN_SCALE=0.0,
         NATIVE_FP8=False, BLOCK_M=block_m, BLOCK_N=block_n, WHOLE_ROWS=False, SINGLE_PASS=False,
-        GRID_2D=grid_2d, EVEN=m % block_m == 0 and n % block_n == 0, num_warps=warps,
+        GRID_2D=grid_2d, EVEN=even, num_warps=warps,
     )
     return out
 
@@ -631,13 +634,11 @@ def _gated_launch(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtyp
     _, _, warp_size = _device_target(device)
     if fp8_mode == 2:
         block_m, block_n, single, warps = _whole_row_config(h, m, warp_size, _MAX_WHOLE_ROW, _ROW_CHUNK)
-        n_col_blocks = 1
     else:
         # Budget the tile on the output size: each output element reads two inputs.
         block_m, block_n, warps = _launch_config(out.numel(), h, gate.element_size(), warp_size, flat=False)
         single = False
-        n_col_blocks = _cdiv(h, block_n)
-    grid, grid_2d = _row_grid(_cdiv(m, block_m), n_col_blocks)
+    grid, grid_2d, n_col_blocks, even = _row_grid(m, h, block_m, block_n, whole_rows=fp8_mode == 2)
     _as_launched(_act_rows_kernel)[grid](
         gate, g_o, g_i, up, u_o, u_i, out.view(torch.uint8) if fp8_mode and not native_fp8 else out,
         fp8_scale if fp8_mode == 1 else row_scales,
@@ -645,7 +646,7 @@ def _gated_launch(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtyp
         ACT=act, GATED=True, FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
         MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native_fp8, BLOCK_M=block_m, BLOCK_N=block_n,
         WHOLE_ROWS=fp8_mode == 2, SINGLE_PASS=single, GRID_2D=grid_2d,
-        EVEN=m % block_m == 0 and h % block_n == 0, num_warps=warps,
+        EVEN=even, num_warps=warps,
     )
     return out, row_scales
 

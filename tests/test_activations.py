@@ -195,7 +195,7 @@ def test_row_kernel_one_dimensional_grid_fallback(shape, max_grid_y, monkeypatch
     _check_gelu(x[..., : shape[-1] // 2], "tanh", gen.seed_value, name="gelu strided rows")
     block_m, block_n, _ = act._launch_config(x.numel() // 2, shape[-1] // 2, 2, 32, flat=False)
     n_row_blocks = -(-shape[0] // block_m)
-    assert act._row_grid(n_row_blocks, 2)[1] == (n_row_blocks <= max_grid_y)
+    assert act._row_grid(shape[0], 2 * block_n, block_m, block_n)[1] == (n_row_blocks <= max_grid_y)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
