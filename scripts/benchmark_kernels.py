@@ -19,7 +19,10 @@ explicitly per kernel) over the median time, and that as a percentage of the dev
 bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + write bytes). For this
 bundle's kernels also against an elementwise kernel that moves the kernel's own byte count, timed the
 same way in the same rounds (pct_same_size_copy, pct_same_size_copy_graph): whether a few tens of MB
-reach the large-copy bandwidth at all.
+reach the large-copy bandwidth at all. Cases whose traffic is several equal-size streams (the gated
+residual + LayerNorm variants: x and y read, h and the output(s) written) are also set against an
+elementwise Triton kernel with the same streams and bytes (same_pattern, pct_same_pattern_graph,
+pct_same_pattern_cold_graph): the bound of that access pattern at that size.
 
 JSON on stdout (or --output-json), a table on stderr, a PNG chart with --png when matplotlib is
 installed. Works unchanged on ROCm (the device's gfx arch is recorded instead of sm_XY).
@@ -130,6 +133,68 @@ def same_size_copy(nbytes: int, cold: bool = False):
     return _cycling(lambda x, y: torch.neg(x, out=y), pairs)
 
 
+_PATTERN_KERNEL = []
+
+
+def _streams_kernel():
+    """A Triton kernel reading N_IN and writing N_OUT equal-size bf16 streams elementwise (built on first
+    use, so the module imports without Triton)."""
+    if _PATTERN_KERNEL:
+        return _PATTERN_KERNEL[0]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _streams(X0, X1, Y0, Y1, Y2, n, N_IN: tl.constexpr, N_OUT: tl.constexpr, BLOCK: tl.constexpr):
+        off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = off < n
+        a = tl.load(X0 + off, mask=m).to(tl.float32)
+        if N_IN > 1:
+            a += tl.load(X1 + off, mask=m).to(tl.float32)
+        tl.store(Y0 + off, a.to(Y0.dtype.element_ty), mask=m)
+        if N_OUT > 1:
+            tl.store(Y1 + off, (-a).to(Y1.dtype.element_ty), mask=m)
+        if N_OUT > 2:
+            tl.store(Y2 + off, (a * 0.5).to(Y2.dtype.element_ty), mask=m)
+
+    _PATTERN_KERNEL.append(_streams)
+    return _streams
+
+
+def same_pattern(nbytes: int, n_in: int, n_out: int, cold: bool = False):
+    """An elementwise Triton kernel with a case's access pattern: n_in (1-2) bf16 inputs read and n_out
+    (1-3) bf16 outputs written, nbytes in all split equally among the streams, timed like the kernels in
+    the same rounds. It is the bound for a kernel whose traffic is those streams: what the memory system
+    gives that pattern at that size, with no reduction, broadcast operand or other work in the way. 2048
+    elements per program, 4 warps: on an H200 the 2-in / 2-out form at 96 MiB took 2.7 % less time than
+    4096 elements with 8 warps (at SD3's and FLUX's gated-residual size).
+    cold: cycle through stream sets spanning COLD_SPAN, like the cases' cold providers."""
+    import triton
+
+    if not (1 <= n_in <= 2 and 1 <= n_out <= 3):
+        raise ValueError(f"same_pattern supports 1-2 inputs and 1-3 outputs, got {n_in}, {n_out}")
+    kernel = _streams_kernel()
+    n = max(1, nbytes // (2 * (n_in + n_out)))  # bf16 elements per stream
+    block = 2048
+
+    def make():
+        ins = [torch.randn(n, device=DEVICE, dtype=torch.bfloat16) for _ in range(n_in)]
+        outs = [torch.empty(n, device=DEVICE, dtype=torch.bfloat16) for _ in range(n_out)]
+        ins += ins[:1] * (2 - n_in)  # unused pointer arguments (the constexpr counts drop them)
+        outs += outs[:1] * (3 - n_out)
+        return (*ins, *outs)
+
+    grid = (triton.cdiv(n, block),)
+
+    def launch(x0, x1, y0, y1, y2):
+        kernel[grid](x0, x1, y0, y1, y2, n, N_IN=n_in, N_OUT=n_out, BLOCK=block, num_warps=4)
+
+    sets = [make() for _ in range(max(2, _copies_to_span(nbytes)) if cold else 1)]
+    call = (lambda: launch(*sets[0])) if not cold else _cycling(launch, sets)
+    call.streams = sets  # (inputs..., outputs...) of each set, for the tests
+    return call
+
+
 # ---------------------------------------------------------------------------------------------
 # Cases: each builds inputs, its float64 reference and its providers
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +289,7 @@ def case_residual_adaln(B, S, dtype):
     }
     h_ref = (h.double() + y.double()).to(dtype)
     ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
-    return _case(fns, (h, y), ref, _nbytes(h, y, h, h, scale, shift))
+    return dict(_case(fns, (h, y), ref, _nbytes(h, y, h, h, scale, shift)), pattern=(2, 2))
 
 
 def case_gated_residual_adaln(B, S, dtype):
@@ -252,7 +317,7 @@ def case_gated_residual_adaln(B, S, dtype):
     }
     h_ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()).to(dtype)
     ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
-    return _case(fns, (h, y), ref, _nbytes(h, y, gate, h, h, scale, shift))
+    return dict(_case(fns, (h, y), ref, _nbytes(h, y, gate, h, h, scale, shift)), pattern=(2, 2))
 
 
 def case_gated_residual(B, S, dtype):
@@ -272,7 +337,7 @@ def case_gated_residual(B, S, dtype):
         "compile": torch.compile(eager, dynamic=False),
     }
     ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double())
-    return _case(fns, (h, y), ref, _nbytes(h, y, gate, h))
+    return dict(_case(fns, (h, y), ref, _nbytes(h, y, gate, h)), pattern=(2, 1))
 
 
 def _ltx_rope_inputs(B, S, dtype):
@@ -715,7 +780,7 @@ def case_residual_layernorm_modulate(model, dtype):
     h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), gate.double(),
                                                                 scale.double(), shift.double(), eps)
     out_ref = layernorm.layer_norm_modulate_ref(h_ref.to(dtype).double(), scale.double(), shift.double(), eps)
-    return _case(fns, (h, y), (h_ref, out_ref), _nbytes(h, y, gate, scale, shift, h, h))
+    return dict(_case(fns, (h, y), (h_ref, out_ref), _nbytes(h, y, gate, scale, shift, h, h)), pattern=(2, 2))
 
 
 def case_residual_layernorm_modulate_dual(model, dtype):
@@ -745,7 +810,8 @@ def case_residual_layernorm_modulate_dual(model, dtype):
     d = [t.double() for t in (h, y, gate, scale, shift, scale2, shift2)]
     h_ref, _, _ = layernorm.gated_residual_layer_norm_modulate_dual_ref(*d, eps)
     o1, o2 = layernorm.layer_norm_modulate_dual_ref(h_ref.to(dtype).double(), *d[3:], eps)
-    return _case(fns, (h, y), (h_ref, o1, o2), _nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h))
+    return dict(_case(fns, (h, y), (h_ref, o1, o2), _nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h)),
+                pattern=(2, 3))
 
 
 def case_head_qk_norm(model, dtype):
@@ -917,11 +983,18 @@ def run(args):
         cold = case.get("cold_providers") or {}
         copy_cold = same_size_copy(case["bytes"], cold=True) if copy_fn is not None and cold else None
         copy_recs = []
+        # the same access pattern (n_in reads, n_out writes) for cases that declare one: bf16 streams only
+        pattern = case.get("pattern") if dtype == torch.bfloat16 else None
+        pat_fn = same_pattern(case["bytes"], *pattern) if pattern else None
+        pat_cold = same_pattern(case["bytes"], *pattern, cold=True) if pattern and cold else None
+        pat_recs = []
         for _ in range(args.rounds):
             for prov in per:
                 per[prov].append(time_provider(case["providers"][prov], graph, cold.get(prov)))
             if copy_fn is not None:
                 copy_recs.append(time_provider(copy_fn, graph, copy_cold))
+            if pat_fn is not None:
+                pat_recs.append(time_provider(pat_fn, graph, pat_cold))
         for prov, recs in per.items():
             ms = statistics.median(r["ms"] for r in recs)
             gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
@@ -965,8 +1038,15 @@ def run(args):
                 if rec.get("cold_graph_ms") and ccg:
                     rec["same_size_copy_cold_graph_ms"] = statistics.median(ccg)
                     rec["pct_same_size_copy_cold_graph"] = 100 * rec["same_size_copy_cold_graph_ms"] / rec["cold_graph_ms"]
+            if pat_recs and prov.startswith("triton") and prov not in case.get("moves_more", ()):
+                rec["same_pattern"] = list(pattern)
+                for key in ("graph_ms", "cold_graph_ms"):
+                    t = [r[key] for r in pat_recs if r.get(key)]
+                    if rec.get(key) and t:
+                        rec[f"same_pattern_{key}"] = statistics.median(t)
+                        rec[f"pct_same_pattern_{key[:-3]}"] = 100 * rec[f"same_pattern_{key}"] / rec[key]
             records.append(rec)
-        del case, copy_fn
+        del case, copy_fn, pat_fn, pat_cold
         torch.cuda.empty_cache()
         _print_rows(records, name, label)
     info["cold_span_bytes"] = COLD_SPAN
@@ -986,6 +1066,8 @@ def _print_rows(records, name, label):
         g = f"{r['graph_ms'] * 1e3:7.1f}" if r.get("graph_ms") else "      -"
         gp = f"{r['pct_copy_graph']:5.1f}%" if r.get("pct_copy_graph") else "    -"
         ss = f"  same-size copy {r['pct_same_size_copy_graph']:.0f}%" if r.get("pct_same_size_copy_graph") else ""
+        if r.get("pct_same_pattern_cold_graph"):
+            ss += f"  same pattern {r['pct_same_pattern_cold_graph']:.0f}% cold"
         if r.get("cold_graph_ms"):
             ss += f"  cold {r['cold_graph_ms'] * 1e3:.1f} us {r['pct_copy_cold_graph']:.1f}%"
             if ours and best_peer_c:

@@ -175,3 +175,50 @@ def test_chart_draws_every_shape(tmp_path):
     path = tmp_path / "chart.png"
     bk.chart(result, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("n_in,n_out", [(1, 1), (2, 1), (2, 2), (2, 3)])
+@pytest.mark.parametrize("cold", [False, True])
+def test_same_pattern_moves_its_streams(n_in, n_out, cold, monkeypatch):
+    """The access-pattern reference reads n_in and writes n_out streams of equal size, every element of them
+    (3000 per stream: a full and a masked program), and splits the bytes given among them."""
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    n = 3000
+    nbytes = 2 * (n_in + n_out) * n
+    monkeypatch.setattr(bk, "COLD_SPAN", 3 * nbytes)
+    call = bk.same_pattern(nbytes, n_in, n_out, cold=cold)
+    assert len(call.streams) == (3 if cold else 1)
+    for _ in call.streams:
+        call()  # warm-up of the cycle; the checks below run each set once more after poisoning
+    for k in range(len(call.streams)):
+        ins = call.streams[(k + 1) % len(call.streams)][:n_in]  # _cycling steps to the next set first
+        outs = call.streams[(k + 1) % len(call.streams)][2:2 + n_out]
+        assert all(t.numel() == n for t in ins + outs)
+        for o in outs:
+            o.fill_(float("nan"))
+        call()
+        a = sum(t.double() for t in ins)
+        for o, e in zip(outs, (a, -a, 0.5 * a)):
+            assert torch.allclose(o.double(), e, rtol=2e-2, atol=2e-2), (n_in, n_out, k)
+
+
+def test_same_pattern_rejects_unsupported_counts():
+    with pytest.raises(ValueError, match="1-2 inputs and 1-3 outputs"):
+        bk.same_pattern(1 << 20, 3, 1)
+    with pytest.raises(ValueError, match="1-2 inputs and 1-3 outputs"):
+        bk.same_pattern(1 << 20, 1, 0)
+
+
+@pytest.mark.parametrize("name,pattern", [("residual_layernorm_modulate", (2, 2)),
+                                          ("residual_layernorm_modulate_dual", (2, 3))])
+def test_mmdit_cases_declare_their_streams(name, pattern, monkeypatch):
+    """The declared pattern accounts for the case's bytes: its streams are the [B, S, D] tensors moved, and
+    the rest (gate, scale, shift) is the per-sample [B, D] modulation."""
+    monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
+    c = dict(B=1, S=64, T=3, D=128, H=2)
+    monkeypatch.setattr(bk, "MMDIT_SHAPES", {"flux": c})
+    case = bk.MMDIT_CASES[name]("flux", torch.bfloat16)
+    assert case["pattern"] == pattern
+    full = c["B"] * c["S"] * c["D"] * 2
+    n_mod = 3 if pattern[1] == 2 else 5
+    assert case["bytes"] == sum(pattern) * full + n_mod * c["B"] * c["D"] * 2
