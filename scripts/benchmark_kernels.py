@@ -20,7 +20,7 @@ bandwidth measured in the same run (a device-to-device copy of 512 MiB, read + w
 bundle's kernels also against an elementwise kernel that moves the kernel's own byte count, timed the
 same way in the same rounds (pct_same_size_copy, pct_same_size_copy_graph): whether a few tens of MB
 reach the large-copy bandwidth at all. Cases whose traffic is several equal-size streams (the gated
-residual + LayerNorm variants: x and y read, h and the output(s) written) are also set against an
+residual + norm cases: x and y read, h and the output(s) written) are also set against an
 elementwise Triton kernel with the same streams and bytes (same_pattern, pct_same_pattern_graph,
 pct_same_pattern_cold_graph): the bound of that access pattern at that size.
 
@@ -166,8 +166,8 @@ def same_pattern(nbytes: int, n_in: int, n_out: int, cold: bool = False):
     (1-3) bf16 outputs written, nbytes in all split equally among the streams, timed like the kernels in
     the same rounds. It is the bound for a kernel whose traffic is those streams: what the memory system
     gives that pattern at that size, with no reduction, broadcast operand or other work in the way. 2048
-    elements per program, 4 warps: on an H200 the 2-in / 2-out form at 96 MiB took 2.7 % less time than
-    4096 elements with 8 warps (at SD3's and FLUX's gated-residual size).
+    elements per program, 4 warps: on an H200 the 2-in / 2-out form at 96 MiB (SD3's and FLUX's
+    gated-residual size) took 2.5-3.0 % less time than with 4096 elements and 8 warps, over three runs.
     cold: cycle through stream sets spanning COLD_SPAN, like the cases' cold providers."""
     import triton
 
