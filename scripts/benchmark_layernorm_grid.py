@@ -106,10 +106,12 @@ class _Grid:
         layernorm._persistent_variant = lambda *a: True
         if callable(self.how):
             layernorm._persistent_config = self.how
+        layernorm._PLANS.clear()  # launch plans are kept per call signature: plan this variant's calls afresh
         return self
 
     def __exit__(self, *exc):
         layernorm._PERSISTENT, layernorm._persistent_variant, layernorm._persistent_config = self.saved
+        layernorm._PLANS.clear()
 
 
 def _inputs(b, s, d, device, seed):

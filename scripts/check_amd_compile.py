@@ -459,9 +459,16 @@ def capture_launches(module, target: Tuple[str, object, int]):
             stack.enter_context(_patched(module, "_KERNEL_MAX_M", {}))
         old_env = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
+        # launch plans are cached per call signature, not per target: start and leave with none, so each
+        # target's launches are planned (and recorded) afresh
+        plans = getattr(module, "_PLANS", None)
+        if plans is not None:
+            plans.clear()
         try:
             yield launches
         finally:
+            if plans is not None:
+                plans.clear()
             if old_env is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:

@@ -51,6 +51,7 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import activations  # noqa: E402
 import injection_common as ic  # noqa: E402
@@ -58,7 +59,12 @@ import rmsnorm  # noqa: E402
 import rope  # noqa: E402
 
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
+from diffusers.models.attention import FeedForward  # noqa: E402
+from diffusers.models.attention_dispatch import (  # noqa: E402
+    AttentionBackendName,
+    _AttentionBackendRegistry,
+    dispatch_attention_fn,
+)
 from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
 from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
@@ -263,6 +269,26 @@ def _link_blocks(model) -> None:
             blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
 
 
+def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+    """attn(hidden_states, ...): for a plain LTXAttention without hooks, its processor called directly.
+    LTXAttention.forward (diffusers 0.42) only drops keyword arguments its processor does not take
+    (there are none here) before calling the processor, and finds them with inspect.signature on every
+    call, which costs more host time than the rest of a small attention's Python."""
+    if type(attn) is LTXAttention and "forward" not in attn.__dict__ and ic.hook_free(attn):
+        return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    return attn(hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
+                image_rotary_emb=image_rotary_emb)
+
+
+def _feed_forward(ff, x):
+    """ff(x): diffusers FeedForward applies its modules in turn; done here through ic.call."""
+    if type(ff) is FeedForward and "forward" not in ff.__dict__ and ic.hook_free(ff):
+        for m in ff.net:
+            x = ic.call(m, x)
+        return x
+    return ff(x)
+
+
 def _ltx_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -301,19 +327,11 @@ def _ltx_block_forward(
         norm_hidden_states = rmsnorm.rms_norm_modulate(
             hidden_states, scale_msa, shift_msa, args1[0], self.norm1.eps, cast_before_weight=args1[1]
         )
-    attn_hidden_states = self.attn1(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=None,
-        image_rotary_emb=image_rotary_emb,
-    )
+    attn_hidden_states = _attention_module(self.attn1, norm_hidden_states, None, None, image_rotary_emb)
     hidden_states = rmsnorm.gated_residual_add(hidden_states, attn_hidden_states, gate_msa)
 
-    attn_hidden_states = self.attn2(
-        hidden_states,
-        encoder_hidden_states=encoder_hidden_states,
-        image_rotary_emb=None,
-        attention_mask=encoder_attention_mask,
-    )
+    attn_hidden_states = _attention_module(self.attn2, hidden_states, encoder_hidden_states,
+                                           encoder_attention_mask, None)
     # h + attn2, then norm2 + modulation, one kernel returning both the new residual and the norm.
     hidden_states, norm_hidden_states = rmsnorm.gated_residual_rms_norm_modulate(
         hidden_states,
@@ -325,7 +343,7 @@ def _ltx_block_forward(
         self.norm2.eps,
         cast_before_weight=args2[1],
     )
-    ff_output = self.ff(norm_hidden_states)
+    ff_output = _feed_forward(self.ff, norm_hidden_states)
     fused = _residual_into_next_norm1(self, hidden_states, ff_output, gate_mlp, temb)
     return fused if fused is not None else rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 
@@ -415,6 +433,21 @@ def _broadcast_mask(attn, mask, sequence_length: int, batch_size: int):
     return mask.view(batch_size, attn.heads, -1, mask.shape[-1])
 
 
+def _split_heads(t, heads: int):
+    """t.unflatten(2, (heads, -1)) for [B, S, heads * D]: a view (Tensor.unflatten's Python wrapper
+    costs more host time than the view)."""
+    if t.dim() == 3 and t.stride(-1) == 1:
+        return t.view(t.shape[0], t.shape[1], heads, -1)
+    return t.unflatten(2, (heads, -1))
+
+
+def _native_attention_active() -> bool:
+    """Whether dispatch_attention_fn without a backend would run diffusers' native (SDPA) backend with
+    no argument checks: the processor then calls SDPA itself, the same call with less host time."""
+    reg = _AttentionBackendRegistry
+    return reg._active_backend == AttentionBackendName.NATIVE and not reg._checks_enabled
+
+
 class LTXFusedSelfAttnProcessor:
     """Self-attention processor for LTXAttention: to_q/to_k/to_v, ONE kernel for the q and k
     RMSNorms (across heads) plus the rotary embedding, diffusers' dispatch_attention_fn, to_out.
@@ -446,35 +479,44 @@ class LTXFusedSelfAttnProcessor:
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
 
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
+        query = ic.call(attn.to_q, hidden_states)
+        key = ic.call(attn.to_k, encoder_hidden_states)
+        value = ic.call(attn.to_v, encoder_hidden_states)
 
         if image_rotary_emb is None:
-            query = attn.norm_q(query)
-            key = attn.norm_k(key)
+            query = ic.call(attn.norm_q, query)
+            key = ic.call(attn.norm_k, key)
         else:
             query, key = self._qk_norm_rope(attn, query, key, image_rotary_emb)
 
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
+        heads = attn.heads
+        query = _split_heads(query, heads)
+        key = _split_heads(key, heads)
+        value = _split_heads(value, heads)
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        if self._attention_backend is None and self._parallel_config is None and _native_attention_active():
+            # what diffusers' native backend computes for these arguments, without its dispatch
+            hidden_states = F.scaled_dot_product_attention(
+                query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3),
+                attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            ).permute(0, 2, 1, 3)
+        else:
+            hidden_states = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
         hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        return hidden_states
+        if hidden_states.dtype != query.dtype:
+            hidden_states = hidden_states.to(query.dtype)
+        to_out = attn.to_out
+        hidden_states = ic.call(to_out[0], hidden_states)
+        return ic.call(to_out[1], hidden_states)
 
     @staticmethod
     def _qk_norm_rope(attn, query, key, image_rotary_emb):

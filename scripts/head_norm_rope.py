@@ -282,8 +282,33 @@ def _eps_list(eps, n: int):
     return [float(e) for e in vals]
 
 
+_PLANS: dict = {}  # launch plans by call signature (see _launch)
+
+
 def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
-    """Validate every part, allocate the joint outputs, run one kernel launch per part."""
+    """Validate every part, allocate the joint outputs, run one kernel launch per part.
+
+    The checks and the configuration depend only on the call's signature (each tensor's type, shape,
+    strides, dtype and device, and the options), so they run once per signature: the plan they produce
+    is kept and later calls with the same signature only allocate the outputs and launch.
+    """
+    try:
+        key = (tuple(map(_sig, qs)), tuple(map(_sig, ks)), tuple(map(_sig, q_weights)),
+               tuple(map(_sig, k_weights)),
+               type(eps), tuple((type(e), e) for e in eps) if isinstance(eps, (list, tuple)) else eps,
+               cos if cos is None else _sig(cos), sin if sin is None else _sig(sin), cast_before_weight)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(qs, ks, q_weights, k_weights, cos, sin)
+
+
+def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
+    """The checks and configuration of _launch; returns run(qs, ks, q_weights, k_weights, cos, sin)."""
     n_parts = len(qs)
     if n_parts == 0 or len(ks) != n_parts or len(q_weights) != n_parts or len(k_weights) != n_parts:
         raise ValueError("parts must be a non-empty sequence of (q, k, q_weight, k_weight)")
@@ -340,14 +365,18 @@ def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
                     "concatenated parts, as FluxPosEmbed returns it)"
                 )
             _check_last_contiguous(nm, t)
-    q_out = torch.empty((bsz, total, heads, dim), dtype=dtype, device=dev)
-    k_out = torch.empty((bsz, total, heads, dim), dtype=dtype, device=dev)
-    if q_out.numel() == 0:
-        return q_out, k_out
+    out_shape = (bsz, total, heads, dim)
+    if bsz * total * heads * dim == 0:
+        def run_empty(qs, ks, q_weights, k_weights, cos, sin):
+            return (torch.empty(out_shape, dtype=dtype, device=dev),
+                    torch.empty(out_shape, dtype=dtype, device=dev))
+        return run_empty
     warp_size = _device_target(dev)[2]
-    dummy = q_out  # never dereferenced: the constexpr flags remove the loads that would use it
+    # One launch per part with tokens. Absent weights and tables are passed as q_out (never
+    # dereferenced: the constexpr flags remove the loads that would use them).
+    launches = []  # (part index, _Launch)
     offset = 0
-    for q, k, qw, kw, e in zip(qs, ks, q_weights, k_weights, eps):
+    for i, (q, k, e) in enumerate(zip(qs, ks, eps)):
         seq = q.shape[1]
         m = bsz * seq * heads
         if m == 0:
@@ -355,22 +384,177 @@ def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             continue
         block_h, block_d, num_warps = _launch_config(dim, heads, warp_size)
         grid = (bsz * seq,)  # one program per token
-        _as_launched(_head_rms_norm_rope_kernel)[grid](
-            q, q.stride(0), q.stride(1), q.stride(2),
-            k, k.stride(0), k.stride(1), k.stride(2),
-            qw if has_weight else dummy, kw if has_weight else dummy,
-            cos if has_rope else dummy, cos.stride(0) if has_rope else 0,
-            sin if has_rope else dummy, sin.stride(0) if has_rope else 0,
-            q_out, k_out,
+        args = (
+            None, q.stride(0), q.stride(1), q.stride(2),  # Q
+            None, k.stride(0), k.stride(1), k.stride(2),  # K
+            None, None,  # QW, KW
+            None, cos.stride(0) if has_rope else 0,  # COS
+            None, sin.stride(0) if has_rope else 0,  # SIN
+            None, None,  # QO, KO
             seq, heads, dim,
             total, offset,
             e,
+        )
+        launches.append((i, _Launch(_head_rms_norm_rope_kernel, grid, args, dict(
             HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
             BLOCK_H=block_h, N_STEPS=(heads + block_h - 1) // block_h, MAX_UNROLL=_MAX_UNROLL, BLOCK_D=block_d,
             num_warps=num_warps,
-        )
+        ), (0, 4, 8, 9, 10, 12, 14, 15), dev)))
         offset += seq
-    return q_out, k_out
+
+    # outputs are contiguous; with one part they have q's shape and dtype, and torch.empty_like(q) makes
+    # them with less host time where _dense_like(q)
+    like_q = n_parts == 1 and _dense_like(qs[0])
+
+    def run(qs, ks, q_weights, k_weights, cos, sin):
+        if like_q:
+            q_out, k_out = torch.empty_like(qs[0]), torch.empty_like(qs[0])
+        else:
+            q_out = torch.empty(out_shape, dtype=dtype, device=dev)
+            k_out = torch.empty(out_shape, dtype=dtype, device=dev)
+        for i, launch in launches:
+            launch(
+                qs[i], ks[i],
+                q_weights[i] if has_weight else q_out, k_weights[i] if has_weight else q_out,
+                cos if has_rope else q_out, sin if has_rope else q_out,
+                q_out, k_out,
+            )
+        return q_out, k_out
+
+    return run
+
+
+# ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
+# Launching with little host time. Triton's JIT binds and specialises every argument on every call,
+# which costs more host time than the launch itself. A launcher here checks a call and picks its
+# configuration once per call signature, keeps the result (a plan holding a _Launch), and later calls
+# with that signature only allocate their outputs and hand the data pointers to the compiled kernel.
+_PLAN_CACHE_SIZE = 4096  # plans kept per kernel file; the cache is emptied when it is full
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
+    plans[key] = plan
+    return plan
+
+
+def _sig(t):
+    """What a plan depends on about a tensor argument (None stays None)."""
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _dense_like(x) -> bool:
+    """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
+    time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
+    a size-1 dim, and empty_like would copy it)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.is_contiguous():
+        return False
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return x.stride() == tuple(reversed(expected))
+
+
+# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
+_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook (a profiler's, say) is installed: the direct launch skips them."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
+            return False
+    return True
+
+
+_DIRECT = {"ok": None}  # whether compiled kernels expose the runner interface used below (set once)
+
+
+class _Launch:
+    """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
+
+    Built once per call signature; each call passes that call's tensors for the positions ``slots``
+    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
+    runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
+    binding and specialisation of every argument.
+
+    That is only right while the JIT would pick the same compiled kernel. The signature fixes every
+    integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
+    its address is 16-byte aligned, checked on each call (a pointer compiled as aligned must still
+    be). AMD's buffer-load specialisation (storage under 2 GiB) needs no check: the offsets the
+    kernel computes depend on shapes, strides and dtypes only, so if they fit in 32 bits for the
+    first call they fit for every call with the same signature. Everything else goes through the JIT:
+    the interpreter, tracing for torch.compile, launch hooks, a current device other than the
+    tensors', a misaligned pointer, and a Triton whose compiled kernels lack the runner (a warning
+    says so, once).
+    """
+
+    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "run", "full", "masks", "head")
+
+    def __init__(self, kernel, grid, args, kwargs, slots, device):
+        self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
+        self.grid = tuple(grid)
+        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self.device = device.index if device.type == "cuda" else None
+        self.run = None
+
+    def _jit(self, tensors):
+        args = self.args[:]
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        fn = _as_launched(self.kernel)
+        if self.device is None or fn is not self.kernel:
+            return fn[self.grid](*args, **self.kwargs)
+        with torch.cuda.device(self.device):
+            return fn[self.grid](*args, **self.kwargs)
+
+    def _adopt(self, compiled, tensors):
+        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        if _DIRECT["ok"] is None:
+            _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            if not _DIRECT["ok"]:
+                import warnings
+
+                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+        params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
+        if not _DIRECT["ok"] or params is None:
+            return
+        bound = dict(zip(self.kernel.arg_names, self.args))
+        self.full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
+        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
+        self.masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.run = compiled.run
+
+    def __call__(self, *tensors):
+        run = self.run
+        if run is not None and _current_device() == self.device and _hooks_idle():
+            full = self.full[:]
+            bad = 0
+            for i, t, m in zip(self.slots, tensors, self.masks):
+                p = t.data_ptr()
+                full[i] = p
+                bad |= p & m
+            if not bad:
+                g = self.grid3
+                run(g[0], g[1], g[2], _current_stream(self.device), *self.head, *full)
+                return
+        compiled = self._jit(tensors)
+        if run is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
+
+
+def _no_gpu(*_):
+    return None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
+# ---- launch block end ----
 
 
 # --------------------------------------------------------------------------------------------

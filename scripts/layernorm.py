@@ -568,12 +568,38 @@ def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int,
     return programs, num_warps
 
 
+_PLANS: dict = {}  # launch plans by call signature (see _launch)
+
+
 def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     """Validate, pick the launch configuration and run the kernel.
 
     Returns (h_out or None, out, out2 or None). h_out is x + gate * y when y is given (x is then the
     residual stream h); out is the normalised (and modulated) row; out2 the second modulation.
+
+    The checks and the configuration depend only on the call's signature (each tensor's type, shape,
+    strides, dtype and device, and eps), so they run once per signature: the plan they produce is kept
+    and later calls with the same signature only allocate the outputs and launch.
     """
+    try:
+        key = (_sig(x), y if y is None else _sig(y), gate if gate is None else _sig(gate),
+               weight if weight is None else _sig(weight), bias if bias is None else _sig(bias),
+               scale if scale is None else _sig(scale), shift if shift is None else _sig(shift),
+               scale2 if scale2 is None else _sig(scale2), shift2 if shift2 is None else _sig(shift2),
+               type(eps), eps)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, y, gate, weight, bias, scale, shift, scale2, shift2)
+
+
+def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+    """The checks and configuration of _launch; returns run(x, y, gate, weight, bias, scale, shift, scale2,
+    shift2)."""
     _check_tensor("x", x)
     device = x.device
     if x.dim() == 0:
@@ -619,11 +645,14 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     if has_mod2 and not has_mod:
         raise ValueError("scale2/shift2 need scale/shift (the first modulation)")
 
-    out = torch.empty(shape, dtype=x.dtype, device=device)
-    out2 = torch.empty(shape, dtype=x.dtype, device=device) if has_mod2 else None
-    h_out = torch.empty(shape, dtype=x.dtype, device=device) if has_residual else None
+    x_dtype = x.dtype
     if x.numel() == 0:
-        return h_out, out, out2
+        def run_empty(x, y, gate, weight, bias, scale, shift, scale2, shift2):
+            out = torch.empty(shape, dtype=x_dtype, device=device)
+            out2 = torch.empty(shape, dtype=x_dtype, device=device) if has_mod2 else None
+            h_out = torch.empty(shape, dtype=x_dtype, device=device) if has_residual else None
+            return h_out, out, out2
+        return run_empty
     m = x.numel() // n
     stride_sets = [x.stride()[:-1]]
     if has_residual:
@@ -640,9 +669,6 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     gs = next(it) if gate is not None else (0, 0)
     ss, ts = (next(it), next(it)) if has_mod else ((0, 0), (0, 0))
     s2, t2 = (next(it), next(it)) if has_mod2 else ((0, 0), (0, 0))
-    dummy = x  # never dereferenced: the constexpr flags remove the loads that would use it
-    sc, sh = (mods[0][0], mods[0][1]) if has_mod else (dummy, dummy)
-    sc2, sh2 = (mods[1][0], mods[1][1]) if has_mod2 else (dummy, dummy)
 
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, has_residual)
@@ -653,29 +679,195 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
         if programs:
             num_warps = p_warps
     grid = (programs or n_blocks,)
-    _as_launched(_layer_norm_kernel)[grid](
-        x, xs[0], xs[1],
-        y if has_residual else dummy, ys[0], ys[1],
-        gate if gate is not None else dummy, gs[0], gs[1],
-        h_out if has_residual else out,
-        weight if weight is not None else dummy,
-        bias if bias is not None else dummy,
-        sc, ss[0], ss[1],
-        sh, ts[0], ts[1],
-        sc2, s2[0], s2[1],
-        sh2, t2[0], t2[1],
-        out,
-        out2 if has_mod2 else out,
+    # Absent tensors are passed as x (never dereferenced: the constexpr flags remove the loads that would
+    # use them), H_OUT as out without a residual, OUT2 as out without a second modulation.
+    args = (
+        None, xs[0], xs[1],  # X
+        None, ys[0], ys[1],  # Y
+        None, gs[0], gs[1],  # GATE
+        None,  # H_OUT
+        None,  # W
+        None,  # BIAS
+        None, ss[0], ss[1],  # SCALE
+        None, ts[0], ts[1],  # SHIFT
+        None, s2[0], s2[1],  # SCALE2
+        None, t2[0], t2[1],  # SHIFT2
+        None,  # OUT
+        None,  # OUT2
         m, n, inner,
         float(eps),
+    )
+    launch = _Launch(_layer_norm_kernel, grid, args, dict(
         HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_MOD=has_mod, HAS_MOD2=has_mod2,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
         X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
         PERSISTENT=programs > 0,
         num_warps=num_warps,
-    )
-    return h_out, out, out2
+    ), (0, 3, 6, 9, 10, 11, 12, 15, 18, 21, 24, 25), device)
+    has_gate, has_weight, has_bias = gate is not None, weight is not None, bias is not None
+
+    # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
+    like_x = _dense_like(x)
+    shape_t = tuple(shape)
+
+    def run(x, y, gate, weight, bias, scale, shift, scale2, shift2):
+        out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        out2 = h_out = None
+        if has_mod2:
+            out2 = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        if has_residual:
+            h_out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        launch(
+            x,
+            y if has_residual else x,
+            gate if has_gate else x,
+            h_out if has_residual else out,
+            weight if has_weight else x,
+            bias if has_bias else x,
+            scale if has_mod else x,
+            shift if has_mod else x,
+            scale2 if has_mod2 else x,
+            shift2 if has_mod2 else x,
+            out,
+            out2 if has_mod2 else out,
+        )
+        return h_out, out, out2
+
+    return run
+
+
+# ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
+# Launching with little host time. Triton's JIT binds and specialises every argument on every call,
+# which costs more host time than the launch itself. A launcher here checks a call and picks its
+# configuration once per call signature, keeps the result (a plan holding a _Launch), and later calls
+# with that signature only allocate their outputs and hand the data pointers to the compiled kernel.
+_PLAN_CACHE_SIZE = 4096  # plans kept per kernel file; the cache is emptied when it is full
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
+    plans[key] = plan
+    return plan
+
+
+def _sig(t):
+    """What a plan depends on about a tensor argument (None stays None)."""
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _dense_like(x) -> bool:
+    """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
+    time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
+    a size-1 dim, and empty_like would copy it)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.is_contiguous():
+        return False
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return x.stride() == tuple(reversed(expected))
+
+
+# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
+_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook (a profiler's, say) is installed: the direct launch skips them."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
+            return False
+    return True
+
+
+_DIRECT = {"ok": None}  # whether compiled kernels expose the runner interface used below (set once)
+
+
+class _Launch:
+    """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
+
+    Built once per call signature; each call passes that call's tensors for the positions ``slots``
+    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
+    runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
+    binding and specialisation of every argument.
+
+    That is only right while the JIT would pick the same compiled kernel. The signature fixes every
+    integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
+    its address is 16-byte aligned, checked on each call (a pointer compiled as aligned must still
+    be). AMD's buffer-load specialisation (storage under 2 GiB) needs no check: the offsets the
+    kernel computes depend on shapes, strides and dtypes only, so if they fit in 32 bits for the
+    first call they fit for every call with the same signature. Everything else goes through the JIT:
+    the interpreter, tracing for torch.compile, launch hooks, a current device other than the
+    tensors', a misaligned pointer, and a Triton whose compiled kernels lack the runner (a warning
+    says so, once).
+    """
+
+    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "run", "full", "masks", "head")
+
+    def __init__(self, kernel, grid, args, kwargs, slots, device):
+        self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
+        self.grid = tuple(grid)
+        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self.device = device.index if device.type == "cuda" else None
+        self.run = None
+
+    def _jit(self, tensors):
+        args = self.args[:]
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        fn = _as_launched(self.kernel)
+        if self.device is None or fn is not self.kernel:
+            return fn[self.grid](*args, **self.kwargs)
+        with torch.cuda.device(self.device):
+            return fn[self.grid](*args, **self.kwargs)
+
+    def _adopt(self, compiled, tensors):
+        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        if _DIRECT["ok"] is None:
+            _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            if not _DIRECT["ok"]:
+                import warnings
+
+                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+        params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
+        if not _DIRECT["ok"] or params is None:
+            return
+        bound = dict(zip(self.kernel.arg_names, self.args))
+        self.full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
+        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
+        self.masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.run = compiled.run
+
+    def __call__(self, *tensors):
+        run = self.run
+        if run is not None and _current_device() == self.device and _hooks_idle():
+            full = self.full[:]
+            bad = 0
+            for i, t, m in zip(self.slots, tensors, self.masks):
+                p = t.data_ptr()
+                full[i] = p
+                bad |= p & m
+            if not bad:
+                g = self.grid3
+                run(g[0], g[1], g[2], _current_stream(self.device), *self.head, *full)
+                return
+        compiled = self._jit(tensors)
+        if run is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
+
+
+def _no_gpu(*_):
+    return None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
+# ---- launch block end ----
 
 
 # --------------------------------------------------------------------------------------------

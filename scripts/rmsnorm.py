@@ -538,6 +538,9 @@ def _check_fp8(device, out_dtype, fp8_mode: int, fp8_scale):
     return out_dtype
 
 
+_PLANS: dict = {}  # launch plans by call signature (see _launch)
+
+
 def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
             names=("x", "y", "h"), norm=True):
     """Validate, pick the launch configuration and run the kernel.
@@ -545,7 +548,29 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
     Returns (h_out or None, out, per-row FP8 scales or None). fp8_mode 0: out has out_dtype (default
     x's); 1: out is FP8 (out_dtype, default per device) with the given fp8_scale; 2: FP8 with per-row
     scales computed in the kernel. names: how the messages call x, y, and x when compared with y.
+
+    The checks and the configuration depend only on the call's signature (each tensor's type, shape,
+    strides, dtype and device, and the options), so they run once per signature: the plan they produce
+    is kept and later calls with the same signature only allocate the outputs and launch.
     """
+    try:
+        key = (_sig(x), y if y is None else _sig(y), gate if gate is None else _sig(gate),
+               weight if weight is None else _sig(weight), scale if scale is None else _sig(scale),
+               shift if shift is None else _sig(shift), fp8_scale if fp8_scale is None else _sig(fp8_scale),
+               type(eps), eps, cast_before_weight, out_dtype, fp8_mode, norm)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale,
+                     names, norm)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, y, gate, weight, scale, shift, fp8_scale)
+
+
+def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale, names, norm):
+    """The checks and configuration of _launch; returns run(x, y, gate, weight, scale, shift, fp8_scale)."""
     x_name, y_name, h_name = names
     _check_tensor(x_name, x)
     device = x.device
@@ -603,11 +628,14 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
         elif out_dtype not in _SUPPORTED_DTYPES:
             raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
 
-    h_out = torch.empty(shape, dtype=x.dtype, device=device) if has_residual else None
-    out = torch.empty(shape, dtype=out_dtype, device=device) if norm else h_out
-    row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
+    x_dtype, dense_fp8 = x.dtype, fp8_mode and not native_fp8
     if x.numel() == 0:
-        return h_out, out, row_scales
+        def run_empty(x, y, gate, weight, scale, shift, fp8_scale):
+            h_out = torch.empty(shape, dtype=x_dtype, device=device) if has_residual else None
+            out = torch.empty(shape, dtype=out_dtype, device=device) if norm else h_out
+            row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
+            return h_out, out, row_scales
+        return run_empty
     lead = list(shape[:-1])
     m = x.numel() // n
     stride_sets = [x.stride()[:-1]]
@@ -628,18 +656,24 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, num_warps = _launch_config(n, m, warp_size)
     grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
-    _as_launched(_rms_norm_kernel)[grid](
-        x, xs[0], xs[1],
-        y, ys[0], ys[1],
-        gate, gs[0], gs[1],
-        h_out,
-        weight,
-        scale, ss[0], ss[1],
-        shift, ts[0], ts[1],
-        out.view(torch.uint8) if fp8_mode and not native_fp8 else out,
-        fp8_scale if fp8_mode == 1 else row_scales,
+    out_size = torch.empty((), dtype=out_dtype).element_size()
+    args = (
+        None, xs[0], xs[1],  # X
+        None, ys[0], ys[1],  # Y
+        None, gs[0], gs[1],  # GATE
+        None,  # H_OUT
+        None,  # W
+        None, ss[0], ss[1],  # SCALE
+        None, ts[0], ts[1],  # SHIFT
+        None,  # OUT
+        None,  # FP8_SCALE
         m, n, inner,
         float(eps),
+    )
+    present = (True, has_residual, gate is not None, has_residual, weight is not None, has_mod, has_mod, True,
+               fp8_mode != 0)
+    slots = [i for i, on in zip((0, 3, 6, 9, 10, 11, 14, 17, 18), present) if on]
+    launch = _Launch(_rms_norm_kernel, grid, args, dict(
         HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
         CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_MOD=has_mod,
         FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
@@ -647,10 +681,162 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, HAS_NORM=norm,
         X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
         INPUT_EVICT=_input_evict(single, has_residual and gate is None and not has_mod and norm,
-                                 m * n * (3 * x.element_size() + out.element_size())),
+                                 m * n * (3 * x.element_size() + out_size)),
         num_warps=num_warps,
-    )
-    return h_out, out, row_scales
+    ), slots, device)
+
+    # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
+    like_x = _dense_like(x)
+    shape_t = tuple(shape)
+
+    def run(x, y, gate, weight, scale, shift, fp8_scale):
+        h_out = None
+        if has_residual:
+            h_out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        out = h_out
+        if norm:
+            out = (torch.empty_like(x) if like_x and out_dtype == x_dtype
+                   else torch.empty(shape_t, dtype=out_dtype, device=device))
+        row_scales = torch.empty(shape_t[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
+        tensors = (x, y, gate, h_out, weight, scale, shift, out.view(torch.uint8) if dense_fp8 else out,
+                   fp8_scale if fp8_mode == 1 else row_scales)
+        launch(*[t for t, on in zip(tensors, present) if on])
+        return h_out, out, row_scales
+
+    return run
+
+
+# ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
+# Launching with little host time. Triton's JIT binds and specialises every argument on every call,
+# which costs more host time than the launch itself. A launcher here checks a call and picks its
+# configuration once per call signature, keeps the result (a plan holding a _Launch), and later calls
+# with that signature only allocate their outputs and hand the data pointers to the compiled kernel.
+_PLAN_CACHE_SIZE = 4096  # plans kept per kernel file; the cache is emptied when it is full
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
+    plans[key] = plan
+    return plan
+
+
+def _sig(t):
+    """What a plan depends on about a tensor argument (None stays None)."""
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _dense_like(x) -> bool:
+    """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
+    time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
+    a size-1 dim, and empty_like would copy it)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.is_contiguous():
+        return False
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return x.stride() == tuple(reversed(expected))
+
+
+# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
+_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook (a profiler's, say) is installed: the direct launch skips them."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
+            return False
+    return True
+
+
+_DIRECT = {"ok": None}  # whether compiled kernels expose the runner interface used below (set once)
+
+
+class _Launch:
+    """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
+
+    Built once per call signature; each call passes that call's tensors for the positions ``slots``
+    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
+    runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
+    binding and specialisation of every argument.
+
+    That is only right while the JIT would pick the same compiled kernel. The signature fixes every
+    integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
+    its address is 16-byte aligned, checked on each call (a pointer compiled as aligned must still
+    be). AMD's buffer-load specialisation (storage under 2 GiB) needs no check: the offsets the
+    kernel computes depend on shapes, strides and dtypes only, so if they fit in 32 bits for the
+    first call they fit for every call with the same signature. Everything else goes through the JIT:
+    the interpreter, tracing for torch.compile, launch hooks, a current device other than the
+    tensors', a misaligned pointer, and a Triton whose compiled kernels lack the runner (a warning
+    says so, once).
+    """
+
+    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "run", "full", "masks", "head")
+
+    def __init__(self, kernel, grid, args, kwargs, slots, device):
+        self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
+        self.grid = tuple(grid)
+        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self.device = device.index if device.type == "cuda" else None
+        self.run = None
+
+    def _jit(self, tensors):
+        args = self.args[:]
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        fn = _as_launched(self.kernel)
+        if self.device is None or fn is not self.kernel:
+            return fn[self.grid](*args, **self.kwargs)
+        with torch.cuda.device(self.device):
+            return fn[self.grid](*args, **self.kwargs)
+
+    def _adopt(self, compiled, tensors):
+        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        if _DIRECT["ok"] is None:
+            _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            if not _DIRECT["ok"]:
+                import warnings
+
+                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+        params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
+        if not _DIRECT["ok"] or params is None:
+            return
+        bound = dict(zip(self.kernel.arg_names, self.args))
+        self.full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
+        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
+        self.masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.run = compiled.run
+
+    def __call__(self, *tensors):
+        run = self.run
+        if run is not None and _current_device() == self.device and _hooks_idle():
+            full = self.full[:]
+            bad = 0
+            for i, t, m in zip(self.slots, tensors, self.masks):
+                p = t.data_ptr()
+                full[i] = p
+                bad |= p & m
+            if not bad:
+                g = self.grid3
+                run(g[0], g[1], g[2], _current_stream(self.device), *self.head, *full)
+                return
+        compiled = self._jit(tensors)
+        if run is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
+
+
+def _no_gpu(*_):
+    return None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
+# ---- launch block end ----
 
 
 # --------------------------------------------------------------------------------------------

@@ -354,7 +354,38 @@ def _next_pow2(n: int) -> int:
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
+_PLANS: dict = {}  # launch plans by call signature, for every launcher here (see _ltx_rope_launch)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
 def _ltx_rope_launch(x, cos, sin):
+    """Check, configure and launch _ltx_rope_kernel; returns the output.
+
+    The checks and the configuration depend only on the call's signature (each tensor's type, shape,
+    strides, dtype and device), so they run once per signature (_ltx_rope_plan): the plan is kept and
+    later calls with the same signature only allocate the output and launch.
+    """
+    try:
+        key = ("ltx_rope", _sig(x), _sig(cos), _sig(sin))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _ltx_rope_plan(x, cos, sin)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, cos, sin)
+
+
+def _ltx_rope_plan(x, cos, sin):
+    """The checks and configuration of _ltx_rope_launch; returns run(x, cos, sin)."""
     _check_tensor("x", x)
     dev = x.device
     _check_tensor("cos", cos, dev, _ANY_FLOAT)
@@ -364,25 +395,36 @@ def _ltx_rope_launch(x, cos, sin):
     bsz, seq, ch = x.shape
     if ch % 2:
         raise ValueError(f"x has {ch} channels; interleaved RoPE needs an even channel count")
-    cos = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
-    sin = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
-    for nm, t in (("x", x), ("cos", cos), ("sin", sin)):
+    # [B, S, C] views of the tables: the kernel gets the tables themselves (a view has their data
+    # pointer) and the views' strides, which the signature fixes.
+    cos_v = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
+    sin_v = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
+    for nm, t in (("x", x), ("cos", cos_v), ("sin", sin_v)):
         _check_last_contiguous(nm, t)
-    out = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    shape_t, x_dtype = tuple(x.shape), x.dtype
     if x.numel() == 0:
-        return out
+        def run_empty(x, cos, sin):
+            return torch.empty(shape_t, dtype=x_dtype, device=dev)
+        return run_empty
     m = bsz * seq
     block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_CHUNK)
     grid = (_cdiv(m, block_m), _cdiv(ch, block_c))
-    _as_launched(_ltx_rope_kernel)[grid](
-        x, x.stride(0), x.stride(1),
-        cos, cos.stride(0), cos.stride(1),
-        sin, sin.stride(0), sin.stride(1),
-        out, out.stride(0), out.stride(1),
+    o_strides = _contiguous_strides(shape_t)  # the output is contiguous
+    launch = _Launch(_ltx_rope_kernel, grid, (
+        None, x.stride(0), x.stride(1),
+        None, cos_v.stride(0), cos_v.stride(1),
+        None, sin_v.stride(0), sin_v.stride(1),
+        None, o_strides[0], o_strides[1],
         m, bsz, ch,
-        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
-    )
-    return out
+    ), dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps), (0, 3, 6, 9), dev)
+    like_x = _dense_like(x)
+
+    def run(x, cos, sin):
+        out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=dev)
+        launch(x, cos, sin, out)
+        return out
+
+    return run
 
 
 def _rotate_half_table(name: str, t: torch.Tensor, shape) -> torch.Tensor:
@@ -405,6 +447,22 @@ def _rotate_half_table(name: str, t: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _rope_rotate_half_launch(x, cos, sin):
+    """Check, configure and launch _rope_rotate_half_kernel (a plan per call signature, as in
+    _ltx_rope_launch); returns the output."""
+    try:
+        key = ("rope_rotate_half", _sig(x), _sig(cos), _sig(sin))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _rope_rotate_half_plan(x, cos, sin)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, cos, sin)
+
+
+def _rope_rotate_half_plan(x, cos, sin):
+    """The checks and configuration of _rope_rotate_half_launch; returns run(x, cos, sin)."""
     _check_tensor("x", x)
     dev = x.device
     _check_tensor("cos", cos, dev, _ANY_FLOAT)
@@ -414,13 +472,16 @@ def _rope_rotate_half_launch(x, cos, sin):
     bsz, heads, seq, dim = x.shape
     if dim % 2:
         raise ValueError(f"x has head dim {dim}; rotate-half RoPE needs an even head dim")
-    cos = _rotate_half_table("cos", cos, x.shape)
-    sin = _rotate_half_table("sin", sin, x.shape)
-    for nm, t in (("x", x), ("cos", cos), ("sin", sin)):
+    # [B, H, S, D] views of the tables: the kernel gets the tables themselves (same data pointer)
+    # and the views' strides, which the signature fixes.
+    cos_v = _rotate_half_table("cos", cos, x.shape)
+    sin_v = _rotate_half_table("sin", sin, x.shape)
+    for nm, t in (("x", x), ("cos", cos_v), ("sin", sin_v)):
         _check_last_contiguous(nm, t)
-    out = torch.empty_like(x)  # same layout as x when x is dense (as the eager expression returns)
     if x.numel() == 0:
-        return out
+        def run_empty(x, cos, sin):
+            return torch.empty_like(x)
+        return run_empty
     m = bsz * heads * seq
     half = dim // 2
     # A program covers BLOCK_H columns of both halves: the tile is sized on the half width (half
@@ -430,15 +491,23 @@ def _rope_rotate_half_launch(x, cos, sin):
         half, m, _device_target(dev)[2], _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2
     )
     grid = (_cdiv(m, block_m), _cdiv(half, block_h))
-    _as_launched(_rope_rotate_half_kernel)[grid](
-        x, x.stride(0), x.stride(1), x.stride(2),
-        cos, cos.stride(0), cos.stride(1), cos.stride(2),
-        sin, sin.stride(0), sin.stride(1), sin.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
+    # The output is torch.empty_like(x) (x's layout when x is dense, as the eager expression returns):
+    # its strides follow from x's type, shape and strides, which the signature fixes.
+    o_stride = torch.empty_like(x).stride()
+    launch = _Launch(_rope_rotate_half_kernel, grid, (
+        None, x.stride(0), x.stride(1), x.stride(2),
+        None, cos_v.stride(0), cos_v.stride(1), cos_v.stride(2),
+        None, sin_v.stride(0), sin_v.stride(1), sin_v.stride(2),
+        None, o_stride[0], o_stride[1], o_stride[2],
         m, heads, seq, half,
-        BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
-    )
-    return out
+    ), dict(BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps), (0, 4, 8, 12), dev)
+
+    def run(x, cos, sin):
+        out = torch.empty_like(x)
+        launch(x, cos, sin, out)
+        return out
+
+    return run
 
 
 def _qk_common_checks(q, k, q_weight, k_weight, eps):
@@ -475,15 +544,37 @@ def _qk_common_checks(q, k, q_weight, k_weight, eps):
 
 
 def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weight):
-    """Shared launcher of the two fused q/k kernels (cos/sin given, or coords/freqs given)."""
+    """Shared launcher of the two fused q/k kernels (cos/sin given, or coords/freqs given); a plan
+    per call signature, as in _ltx_rope_launch."""
+    try:
+        key = ("qk", _sig(q), _sig(k), q_weight if q_weight is None else _sig(q_weight),
+               k_weight if k_weight is None else _sig(k_weight), type(eps), eps,
+               cos if cos is None else _sig(cos), sin if sin is None else _sig(sin),
+               coords if coords is None else _sig(coords), freqs if freqs is None else _sig(freqs),
+               cast_before_weight)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weight)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(q, k, q_weight, k_weight, cos, sin, coords, freqs)
+
+
+def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weight):
+    """The checks and configuration of _qk_launch; returns run(q, k, q_weight, k_weight, cos, sin,
+    coords, freqs)."""
     _qk_common_checks(q, k, q_weight, k_weight, eps)
     dev = q.device
     bsz, seq, ch = q.shape
     from_coords = coords is not None
+    # [B, S, W] views of the tables: the kernel gets the tables themselves (same data pointer) and
+    # the views' strides, which the signature fixes.
     if from_coords:
         _check_tensor("coords", coords, dev, _ANY_FLOAT)
         _check_tensor("freqs", freqs, dev, _ANY_FLOAT)
-        coords = _batch_table("coords", coords, bsz, seq, 3, "the (frame, height, width) grid coordinate per token")
+        coords_v = _batch_table("coords", coords, bsz, seq, 3, "the (frame, height, width) grid coordinate per token")
         if freqs.dim() != 1 or freqs.shape[0] != ch // 6:
             raise ValueError(
                 f"freqs has shape {tuple(freqs.shape)}; expected [{ch // 6}] (C // 6 frequencies for C = {ch})"
@@ -491,14 +582,16 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
     else:
         _check_tensor("cos", cos, dev, _ANY_FLOAT)
         _check_tensor("sin", sin, dev, _ANY_FLOAT)
-        cos = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
-        sin = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
-        _check_last_contiguous("cos", cos)
-        _check_last_contiguous("sin", sin)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=dev)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=dev)
+        cos_v = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
+        sin_v = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
+        _check_last_contiguous("cos", cos_v)
+        _check_last_contiguous("sin", sin_v)
+    shape_t, dtype = tuple(q.shape), q.dtype
     if q.numel() == 0:
-        return q_out, k_out
+        def run_empty(q, k, q_weight, k_weight, cos, sin, coords, freqs):
+            return (torch.empty(shape_t, dtype=dtype, device=dev),
+                    torch.empty(shape_t, dtype=dtype, device=dev))
+        return run_empty
     m = bsz * seq
     # About 4096 elements of each of q and k per program (two LTX rows) and 16 per lane (two 16-byte
     # vectors of each per lane): on an H200 at [2, 6144, 2048] and [2, 1320, 2048] bf16 (coordinates
@@ -509,22 +602,173 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
     )
     grid = (_cdiv(m, block_m),)
     has_w = q_weight is not None
-    dummy = q  # never dereferenced: the constexpr flags remove the loads that would use it
-    _as_launched(_ltx_qk_norm_rope_kernel)[grid](
-        q, q.stride(0), q.stride(1),
-        k, k.stride(0), k.stride(1),
-        q_weight if has_w else dummy, k_weight if has_w else dummy,
-        *((dummy, 0, 0, dummy, 0, 0) if from_coords else (cos, cos.stride(0), cos.stride(1), sin, sin.stride(0), sin.stride(1))),
-        *((coords, coords.stride(0), coords.stride(1), coords.stride(2), freqs, freqs.stride(0)) if from_coords
-          else (dummy, 0, 0, 0, dummy, 0)),
-        q_out, k_out,
+    # The pointers the constexpr flags leave unused get q (never dereferenced), as a per-call tensor.
+    launch = _Launch(_ltx_qk_norm_rope_kernel, grid, (
+        None, q.stride(0), q.stride(1),  # Q
+        None, k.stride(0), k.stride(1),  # K
+        None, None,  # QW, KW
+        *((None, 0, 0, None, 0, 0) if from_coords  # COS, SIN
+          else (None, cos_v.stride(0), cos_v.stride(1), None, sin_v.stride(0), sin_v.stride(1))),
+        *((None, coords_v.stride(0), coords_v.stride(1), coords_v.stride(2), None, freqs.stride(0))
+          if from_coords else (None, 0, 0, 0, None, 0)),  # COORDS, FREQS
+        None, None,  # QO, KO
         m, bsz, ch,
         (ch % 6) // 2, 3 * (ch // 6),
         float(eps),
+    ), dict(
         HAS_WEIGHT=has_w, CAST_BEFORE_WEIGHT=bool(cast_before_weight), FROM_COORDS=from_coords,
         BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
-    )
-    return q_out, k_out
+    ), (0, 3, 6, 7, 8, 11, 14, 18, 20, 21), dev)
+    like_q = _dense_like(q)  # k has q's shape and dtype
+
+    def run(q, k, q_weight, k_weight, cos, sin, coords, freqs):
+        if like_q:
+            q_out, k_out = torch.empty_like(q), torch.empty_like(q)
+        else:
+            q_out = torch.empty(shape_t, dtype=dtype, device=dev)
+            k_out = torch.empty(shape_t, dtype=dtype, device=dev)
+        if not has_w:
+            q_weight = k_weight = q
+        if from_coords:
+            launch(q, k, q_weight, k_weight, q, q, coords, freqs, q_out, k_out)
+        else:
+            launch(q, k, q_weight, k_weight, cos, sin, q, q, q_out, k_out)
+        return q_out, k_out
+
+    return run
+
+
+# ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
+# Launching with little host time. Triton's JIT binds and specialises every argument on every call,
+# which costs more host time than the launch itself. A launcher here checks a call and picks its
+# configuration once per call signature, keeps the result (a plan holding a _Launch), and later calls
+# with that signature only allocate their outputs and hand the data pointers to the compiled kernel.
+_PLAN_CACHE_SIZE = 4096  # plans kept per kernel file; the cache is emptied when it is full
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
+    plans[key] = plan
+    return plan
+
+
+def _sig(t):
+    """What a plan depends on about a tensor argument (None stays None)."""
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _dense_like(x) -> bool:
+    """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
+    time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
+    a size-1 dim, and empty_like would copy it)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.is_contiguous():
+        return False
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return x.stride() == tuple(reversed(expected))
+
+
+# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
+_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook (a profiler's, say) is installed: the direct launch skips them."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
+            return False
+    return True
+
+
+_DIRECT = {"ok": None}  # whether compiled kernels expose the runner interface used below (set once)
+
+
+class _Launch:
+    """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
+
+    Built once per call signature; each call passes that call's tensors for the positions ``slots``
+    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
+    runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
+    binding and specialisation of every argument.
+
+    That is only right while the JIT would pick the same compiled kernel. The signature fixes every
+    integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
+    its address is 16-byte aligned, checked on each call (a pointer compiled as aligned must still
+    be). AMD's buffer-load specialisation (storage under 2 GiB) needs no check: the offsets the
+    kernel computes depend on shapes, strides and dtypes only, so if they fit in 32 bits for the
+    first call they fit for every call with the same signature. Everything else goes through the JIT:
+    the interpreter, tracing for torch.compile, launch hooks, a current device other than the
+    tensors', a misaligned pointer, and a Triton whose compiled kernels lack the runner (a warning
+    says so, once).
+    """
+
+    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "run", "full", "masks", "head")
+
+    def __init__(self, kernel, grid, args, kwargs, slots, device):
+        self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
+        self.grid = tuple(grid)
+        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self.device = device.index if device.type == "cuda" else None
+        self.run = None
+
+    def _jit(self, tensors):
+        args = self.args[:]
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        fn = _as_launched(self.kernel)
+        if self.device is None or fn is not self.kernel:
+            return fn[self.grid](*args, **self.kwargs)
+        with torch.cuda.device(self.device):
+            return fn[self.grid](*args, **self.kwargs)
+
+    def _adopt(self, compiled, tensors):
+        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        if _DIRECT["ok"] is None:
+            _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            if not _DIRECT["ok"]:
+                import warnings
+
+                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+        params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
+        if not _DIRECT["ok"] or params is None:
+            return
+        bound = dict(zip(self.kernel.arg_names, self.args))
+        self.full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
+        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
+        self.masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.run = compiled.run
+
+    def __call__(self, *tensors):
+        run = self.run
+        if run is not None and _current_device() == self.device and _hooks_idle():
+            full = self.full[:]
+            bad = 0
+            for i, t, m in zip(self.slots, tensors, self.masks):
+                p = t.data_ptr()
+                full[i] = p
+                bad |= p & m
+            if not bad:
+                g = self.grid3
+                run(g[0], g[1], g[2], _current_stream(self.device), *self.head, *full)
+                return
+        compiled = self._jit(tensors)
+        if run is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
+
+
+def _no_gpu(*_):
+    return None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
+# ---- launch block end ----
 
 
 # --------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -527,8 +528,34 @@ def _check_scale(name: str, s, device, allowed_numel, what: str):
         raise ValueError(f"{name} must be contiguous")
 
 
+_PLANS: dict = {}  # launch plans by call signature (see _launch)
+
+
 def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
-    """Validate, pick the launch configuration and run the kernel. Returns y [..., N]."""
+    """Validate, pick the launch configuration and run the kernel. Returns y [..., N].
+
+    The checks and the configuration depend only on the call's signature (each tensor's type, shape,
+    strides, dtype and device, and the options), so they run once per signature: the plan they produce
+    is kept and later calls with the same signature only allocate the outputs (and the split-K
+    workspace, with the current stream's arrival counters) and launch. The dispatch back to torch
+    reads ``_KERNEL_MAX_M`` on every call, so a change to it applies at once.
+    """
+    try:
+        key = (_sig(x), _sig(weight), bias if bias is None else _sig(bias),
+               weight_scale if weight_scale is None else _sig(weight_scale),
+               x_scale if x_scale is None else _sig(x_scale), out_dtype, type(split_k), split_k)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, weight, bias, weight_scale, x_scale)
+
+
+def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
+    """The checks and configuration of _launch; returns run(x, weight, bias, weight_scale, x_scale)."""
     x_fp8 = isinstance(x, torch.Tensor) and x.dtype in _FP8_DTYPES
     _check_tensor("x", x, _ACT_DTYPES + _FP8_DTYPES)
     device = x.device
@@ -596,12 +623,17 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         raise ValueError(
             f"weight must be contiguous in its last dimension (stride {weight.stride(1)}); call .contiguous()"
         )
-    out = torch.empty(lead + (n,), dtype=out_dtype, device=device)
+    shape = lead + (n,)
     if m == 0 or n == 0:
-        return out
+        def run_empty(x, weight, bias, weight_scale, x_scale):
+            return torch.empty(shape, dtype=out_dtype, device=device)
+        return run_empty
     if k == 0:  # an empty sum: y = bias (or 0)
-        out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
-        return out
+        def run_bias(x, weight, bias, weight_scale, x_scale):
+            out = torch.empty(shape, dtype=out_dtype, device=device)
+            out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
+            return out
+        return run_bias
     try:
         x2 = x.view(m, k)
     except RuntimeError:
@@ -611,11 +643,9 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         ) from None
     target = _device_target(device)
     backend = target[0]
-    if split_k is None and m > _kernel_max_m(target, w_fp8) and (x_fp8 or not w_fp8):
-        y = _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype)
-        if y is not None:
-            return y.reshape(lead + (n,))
-    out2 = out.view(m, n)
+    # Dispatch back to torch: possible for this signature, decided on each call by _kernel_max_m (so that
+    # a change to _KERNEL_MAX_M applies at once)
+    to_torch = split_k is None and (x_fp8 or not w_fp8)
     cus = _compute_units(device, target)
     cfg = _launch_config(m, n, k, weight.element_size(), target, cus, split_k)
     n_tiles = -(-n // cfg.block_n)
@@ -623,8 +653,6 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     fnuz = weight.dtype == getattr(torch, "float8_e4m3fnuz", None)
     w_bits = w_fp8 and _decode_fp8_bits(target, fnuz)
     x_bits = x_fp8 and _decode_fp8_bits(target, fnuz)
-    w_arg = weight.view(torch.uint8) if w_bits else weight
-    x_arg = x2.view(torch.uint8) if x_bits else x2
     # operands of tl.dot: x's dtype, or bf16 for FP8 x (e4m3 values are exact in both); the
     # interpreter's bf16 arithmetic is unreliable, so there the (equally exact) fp32 is used
     dot_dt = tl.bfloat16 if (x_fp8 or x.dtype == torch.bfloat16) else tl.float16
@@ -634,31 +662,197 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     # tl.dot directly: an FP8 MFMA, no widening. Not on NVIDIA: at these tile sizes (M < 64, no wgmma)
     # Triton 3.6 converts both operands to fp16 for mma.sync anyway, and that form spilled on sm_90.
     fp8_dot = cfg.use_dot and x_fp8 and not x_bits and not w_bits and backend in ("hip", "interpreter")
-    if cfg.split_k > 1:
-        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device)
-        counters = _counters(device, n_tiles)
-    else:
-        ws, counters = out2, out2  # unused
-    _skinny_gemm_kernel[(num_programs,)](
-        x_arg, x2.stride(0),
-        w_arg, weight.stride(0),
-        bias if bias is not None else out2,
-        weight_scale if weight_scale is not None else out2,
-        x_scale if x_scale is not None else out2,
-        out2, out2.stride(0),
-        ws, counters,
+    split = cfg.split_k > 1
+    ws_shape = (cfg.split_k, m, n)
+    # x is passed as itself: x.view(m, k) (checked above) has its data pointer, and the row stride is
+    # fixed by the signature; the output [..., N] is contiguous, its rows n elements apart
+    args = (
+        None, x2.stride(0),  # X
+        None, weight.stride(0),  # W
+        None,  # BIAS (the output when there is none: unused)
+        None,  # W_SCALE (likewise)
+        None,  # X_SCALE (likewise)
+        None, n,  # OUT, rows n elements apart
+        None, None,  # WS, COUNTERS (the output when SPLIT_K == 1: unused)
         m, n, k,
         m * n,
         cfg.k_per_split, cfg.split_k, num_programs,
+    )
+    launch = _Launch(_skinny_gemm_kernel, (num_programs,), args, dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, DOT_DT=dot_dt, FP8_DOT=fp8_dot,
-        EVEN_K=k % cfg.block_k == 0, IS_SPLIT=cfg.split_k > 1,
+        EVEN_K=k % cfg.block_k == 0, IS_SPLIT=split,
         HAS_BIAS=bias is not None, W_SCALE_MODE=w_scale_mode, HAS_X_SCALE=x_fp8,
         W_BITS=w_bits, X_BITS=x_bits, FNUZ=fnuz,
         NUM_XCDS=cfg.num_xcds,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
+    ), (0, 2, 4, 5, 6, 7, 9, 10), device)
+
+    def run(x, weight, bias, weight_scale, x_scale):
+        if to_torch and m > _kernel_max_m(target, w_fp8):
+            y = _torch_linear(x.view(m, k), weight, bias, weight_scale, x_scale, out_dtype)
+            if y is not None:
+                return y.reshape(shape)
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+        if split:
+            # per call: the counters belong to the current stream, which may change between calls
+            ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
+            counters = _counters(device, n_tiles)
+        else:
+            ws = counters = out  # unused
+        launch(
+            x.view(torch.uint8) if x_bits else x,
+            weight.view(torch.uint8) if w_bits else weight,
+            bias if bias is not None else out,
+            weight_scale if weight_scale is not None else out,
+            x_scale if x_scale is not None else out,
+            out, ws, counters,
+        )
+        return out
+
+    return run
+
+
+# Kernels launch through torch.library.wrap_triton while a triton_op body is being traced (_TLS.tracing);
+# this file registers no triton_op, so that is never set here, but the launch block asks.
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
+# ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
+# Launching with little host time. Triton's JIT binds and specialises every argument on every call,
+# which costs more host time than the launch itself. A launcher here checks a call and picks its
+# configuration once per call signature, keeps the result (a plan holding a _Launch), and later calls
+# with that signature only allocate their outputs and hand the data pointers to the compiled kernel.
+_PLAN_CACHE_SIZE = 4096  # plans kept per kernel file; the cache is emptied when it is full
+
+
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
+    plans[key] = plan
+    return plan
+
+
+def _sig(t):
+    """What a plan depends on about a tensor argument (None stays None)."""
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _dense_like(x) -> bool:
+    """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
+    time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
+    a size-1 dim, and empty_like would copy it)."""
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.is_contiguous():
+        return False
+    expected, stride = [], 1
+    for size in reversed(x.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    return x.stride() == tuple(reversed(expected))
+
+
+# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
+_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook (a profiler's, say) is installed: the direct launch skips them."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
+            return False
+    return True
+
+
+_DIRECT = {"ok": None}  # whether compiled kernels expose the runner interface used below (set once)
+
+
+class _Launch:
+    """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
+
+    Built once per call signature; each call passes that call's tensors for the positions ``slots``
+    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
+    runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
+    binding and specialisation of every argument.
+
+    That is only right while the JIT would pick the same compiled kernel. The signature fixes every
+    integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
+    its address is 16-byte aligned, checked on each call (a pointer compiled as aligned must still
+    be). AMD's buffer-load specialisation (storage under 2 GiB) needs no check: the offsets the
+    kernel computes depend on shapes, strides and dtypes only, so if they fit in 32 bits for the
+    first call they fit for every call with the same signature. Everything else goes through the JIT:
+    the interpreter, tracing for torch.compile, launch hooks, a current device other than the
+    tensors', a misaligned pointer, and a Triton whose compiled kernels lack the runner (a warning
+    says so, once).
+    """
+
+    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "run", "full", "masks", "head")
+
+    def __init__(self, kernel, grid, args, kwargs, slots, device):
+        self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
+        self.grid = tuple(grid)
+        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
+        self.device = device.index if device.type == "cuda" else None
+        self.run = None
+
+    def _jit(self, tensors):
+        args = self.args[:]
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        fn = _as_launched(self.kernel)
+        if self.device is None or fn is not self.kernel:
+            return fn[self.grid](*args, **self.kwargs)
+        with torch.cuda.device(self.device):
+            return fn[self.grid](*args, **self.kwargs)
+
+    def _adopt(self, compiled, tensors):
+        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        if _DIRECT["ok"] is None:
+            _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+            if not _DIRECT["ok"]:
+                import warnings
+
+                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+        params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
+        if not _DIRECT["ok"] or params is None:
+            return
+        bound = dict(zip(self.kernel.arg_names, self.args))
+        self.full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
+        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
+        self.masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
+        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.run = compiled.run
+
+    def __call__(self, *tensors):
+        run = self.run
+        if run is not None and _current_device() == self.device and _hooks_idle():
+            full = self.full[:]
+            bad = 0
+            for i, t, m in zip(self.slots, tensors, self.masks):
+                p = t.data_ptr()
+                full[i] = p
+                bad |= p & m
+            if not bad:
+                g = self.grid3
+                run(g[0], g[1], g[2], _current_stream(self.device), *self.head, *full)
+                return
+        compiled = self._jit(tensors)
+        if run is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
+
+
+def _no_gpu(*_):
+    return None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
+# ---- launch block end ----
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,3 +32,24 @@ for p in (str(SCRIPTS), str(Path(__file__).resolve().parent)):
 def pytest_report_header(config):
     mode = "Triton interpreter (CPU)" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "native GPU"
     return f"kernels run on: {mode}"
+
+
+import pytest  # noqa: E402
+
+KERNEL_MODULES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
+
+
+def clear_launch_plans():
+    """Forget every kernel file's launch plans (built from the module's settings when first seen), so a
+    setting a test changes applies to the next call."""
+    for name in KERNEL_MODULES:
+        plans = getattr(sys.modules.get(name), "_PLANS", None)
+        if plans is not None:
+            plans.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    clear_launch_plans()
+    yield
+    clear_launch_plans()

@@ -12,6 +12,7 @@ import torch
 
 import activations as act
 import rmsnorm
+from conftest import clear_launch_plans
 from kernel_testing import DEVICE, INTERPRET, make_generator, poisoned_outputs
 
 MODULES = [rmsnorm, act]
@@ -98,6 +99,7 @@ def _native_and_software(mod, fmt, monkeypatch, call):
         native = call()
     with monkeypatch.context() as m:
         m.setattr(mod, "_native_fp8", lambda device, dtype: False)
+        clear_launch_plans()
         with poisoned_outputs():
             software = call()
     return native, software

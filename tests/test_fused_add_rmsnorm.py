@@ -9,6 +9,7 @@ import triton.language as tl
 
 import activations
 import rmsnorm
+from conftest import clear_launch_plans
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
@@ -500,6 +501,7 @@ def test_eviction_hint_launches_and_changes_nothing(fp8, gen, monkeypatch):
     outs = []
     for limit in (1 << 40, 5 * 2049 * 7 - 1):
         monkeypatch.setattr(rmsnorm, "_EVICT_FIRST_MAX_BYTES", limit)
+        clear_launch_plans()
         with poisoned_outputs():
             outs.append(rmsnorm.fused_add_rms_norm(x, res, w, 1e-5, fp8=fp8))
     assert [k["INPUT_EVICT"] for k in spy.launches] == ["evict_first", ""]
@@ -515,6 +517,7 @@ def test_eviction_hint_launches_and_changes_nothing(fp8, gen, monkeypatch):
         assert_close(s0[0], s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
     spy.launches.clear()
     monkeypatch.setattr(rmsnorm, "_EVICT_FIRST_MAX_BYTES", 1 << 40)
+    clear_launch_plans()
     rmsnorm.rms_norm(x, w)
     rmsnorm.gated_residual_rms_norm_modulate(x, res, None, w, w)
     assert [k["INPUT_EVICT"] for k in spy.launches] == ["", ""]

@@ -545,3 +545,54 @@ def test_example_runs_without_gpu():
     assert summary["ok"] and summary["restored_bit_identical"]
     assert summary["replaced"]["adaln_fused_blocks"] == 2 and summary["replaced"]["qk_norm_rope_fused"] == 2
     assert "injected kernels: rmsnorm_weightless=4" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Submodules called without Module.__call__ where nothing hooks them
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["attn1", "attn2", "to_q", "to_out", "ff", "ff_proj", "global"])
+def test_hooks_on_submodules_still_run(where):
+    """The patched block calls attention processors, Linear / Dropout layers and the feed-forward
+    without Module.__call__ only where no hook would run: a forward hook registered on any of them
+    (or globally) must run and may change the output, exactly as in the unpatched model."""
+    gen = make_generator()
+    tr = _tiny_transformer()
+    kw = _inputs(gen)
+    blk = tr.transformer_blocks[1]
+    target = {"attn1": blk.attn1, "attn2": blk.attn2, "to_q": blk.attn1.to_q, "to_out": blk.attn2.to_out[0],
+              "ff": blk.ff, "ff_proj": blk.ff.net[2]}.get(where)
+    fired = Counter()
+
+    def hook(module, args, output):
+        fired[type(module).__name__] += 1
+        return output * 1.5 if isinstance(output, torch.Tensor) else output
+
+    if target is None:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: hook(m, a, o) if m is blk.attn1.to_v else None)
+    else:
+        handle = target.register_forward_hook(hook)
+    try:
+        ref = _run(tr, kw)
+        n_ref = sum(fired.values())
+        di.inject_optimized_kernels(tr, verbose=False)
+        fired.clear()
+        out = _run(tr, kw)
+        assert sum(fired.values()) == n_ref > 0, f"hook on {where} ran {sum(fired.values())} times, expected {n_ref}"
+        assert _rel_max(out, ref) <= FP32_REL, f"{where}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_dropout_in_training_mode_is_applied():
+    """A Dropout with p > 0 in training mode is not skipped (it runs as the module would)."""
+    import injection_common as ic
+
+    d = torch.nn.Dropout(0.5).train()
+    x = torch.ones(1000)
+    torch.manual_seed(0)
+    y = ic.call(d, x)
+    assert (y == 0).any() and (y == 2).any()
+    d.eval()
+    assert ic.call(d, x) is x
