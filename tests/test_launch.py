@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_MODULES, SCRIPTS
-from kernel_testing import INTERPRET, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
 
 BEGIN = "# ---- launch block begin"
 END = "# ---- launch block end ----"
@@ -85,3 +85,85 @@ def test_direct_launch_serves_misaligned_and_aligned_pointers(gen):
     launch = next(c.cell_contents for c in next(iter(rmsnorm._PLANS.values())).__closure__
                   if isinstance(c.cell_contents, rmsnorm._Launch))
     assert launch.run is not None, "the plan should launch directly after its first call"
+
+
+def _public_calls(gen):
+    """(name, fn) pairs: each fn makes fresh inputs, calls one public kernel and returns its inputs."""
+    import activations
+    import head_norm_rope
+    import layernorm
+    import rope
+    import skinny_gemm
+
+    dt = torch.float32
+
+    def r(*shape, scale=1.0):
+        return randn(shape, dt, gen, scale=scale)
+
+    def rms():
+        x, w, sc, sh, y = r(2, 3, 64), r(64), r(2, 1, 64), r(2, 1, 64), r(2, 3, 64)
+        import rmsnorm
+        rmsnorm.rms_norm(x, w)
+        rmsnorm.rms_norm_modulate(x, sc, sh)
+        rmsnorm.gated_residual_rms_norm_modulate(x, y, sc, sc, sh)
+        rmsnorm.gated_residual_add(x, y, sc)
+        rmsnorm.fused_add_rms_norm(x, y, w)
+        return [x, w, sc, sh, y]
+
+    def ln():
+        x, y, e = r(2, 3, 64), r(2, 3, 64), r(2, 5 * 64)
+        g, sc, sh, sc2, sh2 = e.chunk(5, dim=1)
+        layernorm.layer_norm(x, r(64), r(64))
+        layernorm.layer_norm_modulate(x, sc, sh)
+        layernorm.layer_norm_modulate_dual(x, sc, sh, sc2, sh2)
+        layernorm.gated_residual_layer_norm_modulate(x, y, g, sc, sh)
+        layernorm.gated_residual_layer_norm_modulate_dual(x, y, g, sc, sh, sc2, sh2)
+        return [x, y, e]
+
+    def ropes():
+        x = r(2, 4, 48)
+        ang = r(2, 4, 24)
+        cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+        rope.ltx_rope(x, cos, sin)
+        rope.rope_rotate_half(r(1, 2, 4, 48), r(4, 48), r(4, 48))
+        q, k, wq, wk = r(2, 4, 48), r(2, 4, 48), r(48), r(48)
+        rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, 1e-6, cos, sin)
+        coords = torch.rand(2, 4, 3, generator=gen).to(DEVICE)
+        rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, 1e-6, coords, rope.ltx_rope_freqs(48, device=DEVICE))
+        return [x, cos, sin, q, k, wq, wk, coords]
+
+    def heads():
+        q, k, w = r(2, 4, 3, 32), r(2, 4, 3, 32), r(32)
+        head_norm_rope.head_rms_norm_rope(q, k, w, w, 1e-6)
+        return [q, k, w]
+
+    def acts():
+        x = r(2, 3, 64)
+        activations.gelu(x)
+        activations.geglu(x)
+        activations.swiglu(x)
+        return [x]
+
+    def gemm():
+        x, w = randn((1, 64), torch.bfloat16, gen), randn((32, 64), torch.bfloat16, gen)
+        skinny_gemm.skinny_gemm(x, w)
+        return [x, w]
+
+    return [("rmsnorm", rms), ("layernorm", ln), ("rope", ropes), ("head_norm_rope", heads),
+            ("activations", acts), ("skinny_gemm", gemm)]
+
+
+@pytest.mark.parametrize("which", ["rmsnorm", "layernorm", "rope", "head_norm_rope", "activations", "skinny_gemm"])
+def test_plans_keep_no_tensor_alive(which, gen):
+    """A kept plan must not hold on to the tensors of the call that built it (a plan lives as long as
+    the process; holding an input would keep its memory)."""
+    import gc
+    import weakref
+
+    fn = dict(_public_calls(gen))[which]
+    inputs = fn()
+    refs = [weakref.ref(t) for t in inputs]
+    del inputs
+    gc.collect()
+    alive = [i for i, ref in enumerate(refs) if ref() is not None]
+    assert not alive, f"{which}: inputs {alive} are still referenced after the call (by a cached plan?)"
