@@ -129,17 +129,7 @@ def load_pipeline(device: str, tiny: bool, seed: int):
 
     if tiny:
         return di.build_tiny_ltx_pipeline(seed=seed).to(device), "tiny random pipeline (2 blocks, width 32)"
-    try:
-        from diffusers import LTXPipeline
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache("Lightricks/LTX-Video", "model_index.json"), str):
-            pipe = LTXPipeline.from_pretrained("Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True)
-            return pipe.to(device), "Lightricks/LTX-Video from the local cache"
-    except Exception as exc:  # a partial or unreadable cache: say why, go on without it
-        log(f"could not load LTX-Video from the local cache ({type(exc).__name__}: {exc})")
-    log("LTX-Video weights not in the local cache: the real-size architecture with random weights")
-    return di.build_ltx_pipeline(device=device, seed=seed), "real-size LTX-Video transformer, random weights (no checkpoint)"
+    return di.load_ltx_pipeline(device=device, seed=seed, log=log)
 
 
 def load_mmdit(args, device):

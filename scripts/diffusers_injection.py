@@ -83,6 +83,7 @@ __all__ = [
     "LTXFusedSelfAttnProcessor",
     "build_tiny_ltx_pipeline",
     "build_ltx_pipeline",
+    "load_ltx_pipeline",
     "make_offline_t5_tokenizer",
 ]
 
@@ -203,10 +204,20 @@ def _gelu_tanh_forward(self, hidden_states):
     return activations.gelu_tanh(hidden_states)
 
 
+def _runs_class_forward(m, cls) -> bool:
+    """Whether m is a cls whose forward is cls.forward (a subclass may not override it), and calling m
+    runs that forward and nothing else: no hook, and no instance forward other than this file's patch."""
+    if not isinstance(m, cls) or type(m).forward is not cls.forward or not ic.hook_free(m):
+        return False
+    return "forward" not in m.__dict__ or _STATE in m.__dict__
+
+
 def _modulated_norm_args(norm, x):
     """(weight, cast_before_weight) for a fused norm+modulate replacing diffusers RMSNorm `norm`
-    followed by `* (1 + scale) + shift`, or None when the fused kernel would not reproduce it."""
-    if getattr(norm, "bias", None) is not None:
+    followed by `* (1 + scale) + shift`, or None when the fused kernel would not reproduce it: norm is
+    not diffusers' RMSNorm as diffusers computes it (another norm put in its place, a subclass with its
+    own forward, a hook that would see or change its output), or has a bias."""
+    if not _runs_class_forward(norm, DiffusersRMSNorm) or getattr(norm, "bias", None) is not None:
         return None
     w = norm.weight
     if w is None:
@@ -236,7 +247,7 @@ def _residual_into_next_norm1(block, h, y, gate, temb):
     norm left in the next block's carry; None when blocks are not linked or the kernel would not
     reproduce the next block's norm."""
     nxt = getattr(block, _NEXT, None)
-    if nxt is None:
+    if nxt is None or not ic.may_carry(block, nxt, temb):
         return None
     args = _modulated_norm_args(nxt.norm1, h)
     table = nxt.scale_shift_table
@@ -248,7 +259,7 @@ def _residual_into_next_norm1(block, h, y, gate, temb):
     h_new, norm = rmsnorm.gated_residual_rms_norm_modulate(
         h, y, gate, scale_msa, shift_msa, args[0], nxt.norm1.eps, cast_before_weight=args[1]
     )
-    getattr(nxt, _CARRY)["x"] = (h_new, temb, norm)
+    ic.put_carry(nxt, _CARRY, "x", h_new, temb, norm)
     return h_new
 
 
@@ -314,6 +325,7 @@ def _ltx_block_forward(
         or args2 is None
         or ada_dtype != hidden_states.dtype
         or not _usable(hidden_states, temb, table, args1[0], args2[0])
+        or ic.needs_autograd(self, encoder_hidden_states, encoder_attention_mask, image_rotary_emb)
     ):
         return _original_forward(self)(
             hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_attention_mask
@@ -584,16 +596,22 @@ def _ltx_models(pipe_or_model):
 
 
 def _is_gelu_tanh(m) -> bool:
-    return isinstance(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
+    return _class_forward(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
+
+
+def _class_forward(m, cls) -> bool:
+    """m is a cls that computes what cls.forward computes: its class does not override forward."""
+    return isinstance(m, cls) and type(m).forward is cls.forward
 
 
 def _rmsnorm_kind(m) -> Optional[str]:
-    """Kind of an RMSNorm the kernel can replace, or None (not an RMSNorm, or one with a bias)."""
-    if isinstance(m, DiffusersRMSNorm):
+    """Kind of an RMSNorm the kernel can replace, or None (not an RMSNorm, a subclass with its own
+    forward, or one with a bias)."""
+    if _class_forward(m, DiffusersRMSNorm):
         if m.bias is not None:
             return None
         return "rmsnorm_weightless" if m.weight is None else "rmsnorm_weighted"
-    if isinstance(m, torch.nn.RMSNorm):
+    if _class_forward(m, torch.nn.RMSNorm):
         return "rmsnorm_weightless" if m.weight is None else "rmsnorm_weighted"
     return None
 
@@ -653,17 +671,21 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 fn = _diffusers_rmsnorm_forward if isinstance(m, DiffusersRMSNorm) else _torch_rmsnorm_forward
                 new[kind] += _patch_forward(m, fn, kind)
             elif isinstance(m, (DiffusersRMSNorm, torch.nn.RMSNorm)):
-                skipped.append(f"{type(m).__name__} with a bias")
+                skipped.append(f"{type(m).__name__} (a bias, or a forward of its own)")
             elif _is_gelu_tanh(m):
                 new["gelu_tanh"] += _patch_forward(m, _gelu_tanh_forward, "gelu_tanh")
-            elif isinstance(m, LTXVideoTransformerBlock):
+            elif _class_forward(m, LTXVideoTransformerBlock):
                 new["adaln_fused_blocks"] += _patch_forward(m, _ltx_block_forward, "adaln_fused_blocks")
+            elif isinstance(m, LTXVideoTransformerBlock):
+                skipped.append(f"{type(m).__name__} (a forward of its own)")
 
         # Attention processors, only where diffusers' own LTX processor is in place: self-attention
         # (q/k norm + RoPE fused) and cross-attention (same class, no RoPE, mask broadcast over heads).
-        attn1s = []
+        attn1s = []  # every block's self-attention: the patched rope hands over coords only if all are fused
         for block in model.modules():
-            if not isinstance(block, LTXVideoTransformerBlock):
+            if isinstance(block, LTXVideoTransformerBlock) and not _class_forward(block, LTXVideoTransformerBlock):
+                attn1s.append(block.attn1)
+            if not _class_forward(block, LTXVideoTransformerBlock):
                 continue
             for attn, kind, what in ((block.attn1, "qk_norm_rope_fused", "self"), (block.attn2, "cross_attn", "cross")):
                 if not isinstance(attn, LTXAttention):
@@ -679,7 +701,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         _link_blocks(model)
         gelu_notes.append(ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)))
         rope_mod = getattr(model, "rope", None)
-        if isinstance(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
+        if _class_forward(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
             if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):
                 new["rope_coords"] += 1
             # a plain tuple attribute: not registered as submodules (no second parent in the tree)
@@ -687,7 +709,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 
     for vae in vaes:
         for m in vae.modules():
-            if isinstance(m, DiffusersRMSNorm) and m.bias is None:
+            if _class_forward(m, DiffusersRMSNorm) and m.bias is None:
                 new["vae_rmsnorm"] += _patch_forward(m, _diffusers_rmsnorm_forward, "vae_rmsnorm")
 
     mmdit = _mmdit_module(pipe_or_model)
@@ -893,6 +915,27 @@ def build_ltx_pipeline(*, device="cuda", transformer_dtype=torch.float32, seed: 
     return LTXPipeline(
         scheduler=_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
+
+
+def load_ltx_pipeline(*, device="cuda", seed: int = 0, log=None):
+    """(LTXPipeline in fp32 on `device`, what its weights are): Lightricks/LTX-Video from the local
+    Hugging Face cache if it is there (offline, safetensors files only: no pickled weights are ever
+    loaded), else build_ltx_pipeline's real-size random model. `log` gets a line saying why the cache
+    was not used."""
+    say = log or (lambda *a: None)
+    try:
+        from diffusers import LTXPipeline
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache("Lightricks/LTX-Video", "model_index.json"), str):
+            pipe = LTXPipeline.from_pretrained("Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True,
+                                               use_safetensors=True)
+            return pipe.to(device), "Lightricks/LTX-Video from the local cache"
+        say("LTX-Video weights are not in the local Hugging Face cache: using the real-size architecture with "
+            "random weights")
+    except Exception as exc:  # a partial or unreadable cache: say why, then go on without it
+        say(f"could not load LTX-Video from the local cache ({type(exc).__name__}: {exc}); using random weights")
+    return build_ltx_pipeline(device=device, seed=seed), "real-size LTX-Video transformer, random weights (no checkpoint)"
 
 
 def _main(argv=None) -> int:

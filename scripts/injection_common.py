@@ -8,7 +8,10 @@ Each integration passes its own state key, so two injectors never undo each othe
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
+import sys
 import types
 from typing import Optional
 
@@ -48,6 +51,21 @@ def usable(*tensors) -> bool:
         if t.device != dev or t.dtype not in KERNEL_DTYPES or (grad and t.requires_grad):
             return False
     return True
+
+
+def needs_autograd(module: torch.nn.Module, *inputs) -> bool:
+    """Whether autograd must see module's computation: grad mode is on and one of its parameters or of
+    the inputs (tensors, or tuples of tensors) requires a gradient. A patched block that feeds the
+    outputs of its submodules (attention, feed-forward) to the kernels must fall back then, even when
+    its own first inputs need no gradient: a trainable weight inside (LoRA, partial fine-tuning) makes
+    those outputs require one. Walks the parameters only in grad mode."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in inputs:
+        for u in t if isinstance(t, (tuple, list)) else (t,):
+            if isinstance(u, torch.Tensor) and u.requires_grad:
+                return True
+    return any(p.requires_grad for p in module.parameters())
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +286,61 @@ def torch_rmsnorm_eps(module: torch.nn.RMSNorm) -> float:
 # --------------------------------------------------------------------------------------------
 # Patching instance forwards, reversibly
 # --------------------------------------------------------------------------------------------
+class BoundForward(functools.partial):
+    """fn bound to a module, as the module's patched (or recorded original) forward: calling it calls
+    fn(module, ...), like types.MethodType(fn, module), at the same C-level cost (a partial).
+
+    Unlike a bound method it survives torch.save / pickle and copy.deepcopy of the model: a bound method
+    pickles as getattr(module, fn.__name__), which fails on load for a function that is no attribute of
+    the module's class; this pickles as fn (by its qualified name, so a module-level function: loading
+    needs its file importable under the same name) and the module, and a deep copy is bound to the
+    copied module. __func__ and __self__ read like a bound method's. Under torch.compile it is a
+    functools.partial (see patched_function)."""
+
+    __slots__ = ()
+
+    @property
+    def __func__(self):
+        return self.func
+
+    @property
+    def __self__(self):
+        return self.args[0]
+
+    def __reduce__(self):
+        fn = self.func
+        name = getattr(fn, "__qualname__", None)
+        found = sys.modules.get(getattr(fn, "__module__", None) or "")
+        for part in (name or "<>").split("."):
+            found = getattr(found, part, None)
+        if found is not fn:
+            raise TypeError(
+                f"a patched forward of {type(self.__self__).__name__} calls {fn!r}, which pickle cannot "
+                "find by name; remove the kernels (remove_optimized_kernels / remove_llama_kernels) "
+                "before saving the model"
+            )
+        return type(self), (fn, self.__self__)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        module = copy.deepcopy(self.__self__, memo)
+        done = memo.get(id(self))  # copied meanwhile, as part of the module's own state
+        return done if done is not None else type(self)(self.func, module)
+
+    def __repr__(self):
+        fn, module = self.func, self.__self__
+        return f"<BoundForward {getattr(fn, '__qualname__', fn)} of {type(module).__name__} at {id(module):#x}>"
+
+
+def patched_function(fwd):
+    """The function a BoundForward calls (fn of patch_forward), else None. Written so that torch.compile
+    traces it to eager's answer: dynamo sees a BoundForward as the functools.partial it is (an
+    isinstance check on BoundForward traces to False), and reads a partial's func."""
+    return fwd.func if isinstance(fwd, functools.partial) else None
+
+
 def _diffusers_hook_slot(module: torch.nn.Module):
     """(function reference, attribute) holding the forward that diffusers' hooks wrap (the innermost
     one of the module's HookRegistry), or None if the module has no diffusers hook. diffusers'
@@ -281,8 +354,8 @@ def _diffusers_hook_slot(module: torch.nn.Module):
 
 
 def patch_forward(module: torch.nn.Module, fn, kind: str, state_key: str, **extra) -> bool:
-    """Make fn(module, ...) the module's forward. False if the module is already patched (under
-    this state key).
+    """Make fn(module, ...) the module's forward (a BoundForward: fn must be a module-level function
+    for the model to pickle). False if the module is already patched (under this state key).
 
     If accelerate already hooked the module (its hook calls module._old_forward), the hooked
     function is replaced instead, so the hook keeps running around the kernel; the same for
@@ -292,7 +365,7 @@ def patch_forward(module: torch.nn.Module, fn, kind: str, state_key: str, **extr
     """
     if state_key in module.__dict__:
         return False
-    patched = types.MethodType(fn, module)
+    patched = BoundForward(fn, module)
     hook_slot = None
     if "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
         slot = "_old_forward"
@@ -304,7 +377,7 @@ def patch_forward(module: torch.nn.Module, fn, kind: str, state_key: str, **extr
     else:
         slot = "forward"
         prev = module.__dict__.get(slot)
-    original = prev if prev is not None else types.MethodType(type(module).forward, module)
+    original = prev if prev is not None else BoundForward(type(module).forward, module)
     module.__dict__[state_key] = {
         "kind": kind, "slot": slot, "prev": prev, "patched": patched, "original": original, **extra
     }
@@ -356,16 +429,46 @@ def pop_state(module: torch.nn.Module, state_key: str) -> Optional[dict]:
 PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 
 
+# A block may compute the next block's first norm together with its own last residual and leave it in
+# the next block's carry dict. The next block uses it only for the very tensors it was computed from, in
+# the state they were in then: same objects, same version counters (an in-place change between the two
+# blocks, by a hook or by other code, bumps the counter). Inference tensors (torch.inference_mode) keep
+# no version counter, and torch.compile traces no version counter either; then a value is carried only
+# when neither block has a hook that could change the tensor in between. Nothing is carried while
+# autograd records: gradient checkpointing recomputes a block alone, and the recomputation must take the
+# path the first run took.
+def _version(t):
+    return None if torch.compiler.is_compiling() or t.is_inference() else t._version
+
+
+def may_carry(block: torch.nn.Module, nxt: torch.nn.Module, temb) -> bool:
+    """Whether block may leave nxt a value computed from temb and a residual it is about to make (see
+    above)."""
+    if torch.is_grad_enabled():
+        return False
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or temb.is_inference():
+        return hook_free(block) and hook_free(nxt)
+    return True
+
+
+def put_carry(nxt: torch.nn.Module, attr: str, key: str, h, temb, value) -> None:
+    """Leave value, computed from h and temb, for nxt (checked by take_carry)."""
+    getattr(nxt, attr)[key] = (h, _version(h), temb, _version(temb), value)
+
+
 def take_carry(block: torch.nn.Module, attr: str, key: str, h, temb):
-    """What the previous block left in block.<attr>[key] for this block: a (h, temb, value) entry
-    gives value only if h and temb are the very tensors this block received, else None. The entry
-    is removed either way, so a stale one is never used twice."""
+    """What the previous block left in block.<attr>[key] for this block: the value, if h and temb are
+    the very tensors it was computed from and unchanged since (version counters), and autograd is not
+    recording; else None. The entry is removed either way, so a stale one is never used twice."""
     carry = getattr(block, attr, None)
     if carry is None:
         return None
     pending = carry.pop(key, None)
-    if pending is not None and pending[0] is h and pending[1] is temb:
-        return pending[2]
+    if pending is None or torch.is_grad_enabled():
+        return None
+    ph, vh, pt, vt, value = pending
+    if ph is h and pt is temb and vh == _version(h) and vt == _version(temb):
+        return value
     return None
 
 

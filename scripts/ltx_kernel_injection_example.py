@@ -73,17 +73,7 @@ def load_pipeline(gpu: bool, seed: int):
 
     if not gpu:
         return di.build_tiny_ltx_pipeline(seed=seed), "tiny random (CPU)"
-    try:
-        from diffusers import LTXPipeline
-        from huggingface_hub import try_to_load_from_cache
-
-        if isinstance(try_to_load_from_cache("Lightricks/LTX-Video", "model_index.json"), str):
-            pipe = LTXPipeline.from_pretrained("Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True)
-            return pipe.to("cuda"), "Lightricks/LTX-Video from the local cache"
-        log("LTX-Video weights are not in the local Hugging Face cache: using the real-size architecture with random weights")
-    except Exception as exc:  # a partial or unreadable cache: say why, then go on without it
-        log(f"could not load LTX-Video from the local cache ({type(exc).__name__}: {exc}); using random weights")
-    return di.build_ltx_pipeline(device="cuda", seed=seed), "real-size transformer, random weights"
+    return di.load_ltx_pipeline(device="cuda", seed=seed, log=log)
 
 
 def generate(pipe, args, device, timed=False):

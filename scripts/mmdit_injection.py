@@ -52,7 +52,6 @@ import contextlib
 import logging
 import os
 import sys
-import types
 from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -280,10 +279,10 @@ def _gated_add_to_next(block, key, h, gate, y, temb):
     """The block's last gated residual h + gate[:, None] * y; fused with the next block's norm1 (key "x")
     or norm1_context (key "c") when the blocks are linked and the kernel reproduces that norm."""
     nxt = getattr(block, _NEXT, None)
-    if nxt is not None:
+    if nxt is not None and ic.may_carry(block, nxt, temb):
         fused = _residual_into_adaln(h, gate, y, nxt.norm1 if key == "x" else nxt.norm1_context, temb)
         if fused is not None:
-            getattr(nxt, _CARRY)[key] = (fused[0], temb, fused[1])
+            ic.put_carry(nxt, _CARRY, key, fused[0], temb, fused[1])
             return fused[0]
     return _gated_add(h, gate, y)
 
@@ -516,15 +515,14 @@ def _plain_tanh_gelu(act) -> bool:
     (ours may sit in the instance dict, or behind accelerate's hook as _old_forward: then act has a hook)."""
     if type(act) is not nn.GELU or act.approximate != "tanh" or act._forward_hooks or act._forward_pre_hooks:
         return False
-    # Read through the instance dict with an isinstance check: under torch.compile, torch 2.11 traced
-    # act.forward.__func__, and getattr(f, "__func__", None), to a different answer than eager (False
-    # for our forward: FLUX's single blocks ran GEMM + GELU kernel under compile instead of the fused
-    # call), and torch 2.13 to False for the class's own forward. This form traced to eager's answer
-    # in both (tests/test_mmdit_injection.py checks it under the installed torch).
+    # Read through the instance dict with injection_common.patched_function: under torch.compile, torch
+    # 2.11 traced act.forward.__func__, and getattr(f, "__func__", None), to a different answer than eager
+    # (False for our forward: FLUX's single blocks ran GEMM + GELU kernel under compile instead of the
+    # fused call), and torch 2.13 to False for the class's own forward. patched_function gives eager's
+    # answer under compile too (tests/test_mmdit_injection.py checks it under the installed torch).
     if "forward" not in act.__dict__:
         return True
-    fwd = act.__dict__["forward"]
-    return isinstance(fwd, types.MethodType) and fwd.__func__ is _torch_gelu_tanh_forward
+    return ic.patched_function(act.__dict__["forward"]) is _torch_gelu_tanh_forward
 
 
 def _flux_single_block_forward(

@@ -39,7 +39,10 @@ it runs and falls back to the original code for inputs the kernels do not cover:
 have no backward), gradient checkpointing, tensors on a device the kernels cannot use (CPU without
 TRITON_INTERPRET=1, meta), dtype mixes where transformers would promote (an fp32 weight on bf16
 activations), unusual layouts, and modules that carry hooks the fused path would skip. Injecting twice
-changes nothing; removal restores the original forwards and function.
+changes nothing; removal restores the original forwards and function. An injected model survives
+``copy.deepcopy`` and ``torch.save`` / ``torch.load(..., weights_only=False)`` (where this file is
+importable under the same name): the copy is injected too, bound to its own modules, and holds the RoPE
+dispatcher itself, so removing the kernels from one model leaves the other's in place.
 
 ``count_kernel_calls()`` counts the kernel calls made inside a ``with`` block (a patched model whose
 inputs all fell back to torch shows zeros). Also here: ``tiny_llama_config``, ``llama3_8b_config``,
@@ -53,6 +56,7 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
+import importlib
 import inspect
 import logging
 import os
@@ -121,14 +125,19 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 # --------------------------------------------------------------------------------------------
 # Recognising Llama code
 # --------------------------------------------------------------------------------------------
+# The caches below may be filled from several threads at once (separate models injected concurrently):
+# each entry is computed in full, then stored in one assignment, and read with one lookup; the numerics
+# probe, filled once for the process, is computed under a lock and published whole.
+_MISSING = object()
 _AST_CACHE: dict = {}
 
 
 def _function_node(fn) -> Optional[ast.FunctionDef]:
     """The parsed definition of fn (decorators unwrapped), or None when its source is unavailable."""
     fn = inspect.unwrap(fn)
-    if fn in _AST_CACHE:
-        return _AST_CACHE[fn]
+    node = _AST_CACHE.get(fn, _MISSING)
+    if node is not _MISSING:
+        return node
     node = None
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -181,9 +190,10 @@ _CLASS_CACHE: dict = {}
 def _class_matches(cls, ref_fn) -> bool:
     """cls.forward is ref_fn or a copy of it (cached per class)."""
     key = (cls, ref_fn)
-    if key not in _CLASS_CACHE:
-        _CLASS_CACHE[key] = _same_code(cls.forward, ref_fn)
-    return _CLASS_CACHE[key]
+    ok = _CLASS_CACHE.get(key)
+    if ok is None:
+        ok = _CLASS_CACHE[key] = _same_code(cls.forward, ref_fn)
+    return ok
 
 
 def _is_llama_rmsnorm(m) -> bool:
@@ -232,8 +242,9 @@ def _decoder_layer_plan(cls) -> Optional[tuple]:
     Checked on the installed source, so a transformers release that changes the layer (a tuple return
     value, another residual scheme) is left alone instead of being replaced by a wrong copy.
     """
-    if cls in _LAYER_PLAN_CACHE:
-        return _LAYER_PLAN_CACHE[cls]
+    plan = _LAYER_PLAN_CACHE.get(cls, _MISSING)
+    if plan is not _MISSING:
+        return plan
     plan = None
     node = _function_node(cls.forward)
     if node is not None:
@@ -298,9 +309,10 @@ _ROPE_SITE_CACHE: dict = {}
 def _rope_site(cls) -> Optional[dict]:
     """The globals dict through which cls.forward calls apply_rotary_pos_emb, if that function (and the
     rotate_half it calls) is Llama's or a copy of it; else None. Cached per class."""
-    if cls not in _ROPE_SITE_CACHE:
-        _ROPE_SITE_CACHE[cls] = _find_rope_site(cls)
-    return _ROPE_SITE_CACHE[cls]
+    site = _ROPE_SITE_CACHE.get(cls, _MISSING)
+    if site is _MISSING:
+        site = _ROPE_SITE_CACHE[cls] = _find_rope_site(cls)
+    return site
 
 
 def _find_rope_site(cls) -> Optional[dict]:
@@ -323,14 +335,26 @@ def _find_rope_site(cls) -> Optional[dict]:
     return g
 
 
-_NUMERICS_OK: dict = {}
+_NUMERICS_OK: dict = {}  # the probe's result once it ran ({} before): replaced whole, never filled in place
+_NUMERICS_LOCK = threading.Lock()
 
 
 def _llama_numerics_ok() -> dict:
     """Run transformers' (unpatched) Llama RMSNorm and RoPE once on small CPU tensors against the math
-    the kernels implement. {'rmsnorm': bool, 'rope': bool}; cached."""
-    if _NUMERICS_OK:
+    the kernels implement. {'rmsnorm': bool, 'rope': bool}; cached. Several threads: one probes, the
+    others wait for its result (a caller never sees it half-filled)."""
+    global _NUMERICS_OK
+    result = _NUMERICS_OK
+    if result:
+        return result
+    with _NUMERICS_LOCK:
+        if not _NUMERICS_OK:
+            _NUMERICS_OK = _probe_llama_numerics()
         return _NUMERICS_OK
+
+
+def _probe_llama_numerics() -> dict:
+    result = {}
     g = torch.Generator().manual_seed(0)
     with torch.no_grad(), torch.device("cpu"):  # whatever device context the caller is in
         # RMSNorm: bit-identical in bf16, which tells the two rounding conventions apart.
@@ -339,7 +363,7 @@ def _llama_numerics_ok() -> dict:
         x = torch.randn(6, 48, generator=g).to(torch.bfloat16)
         got = modeling_llama.LlamaRMSNorm.forward(norm, x)
         want = rmsnorm.rms_norm_ref(x, norm.weight, 1e-5, cast_before_weight=True)
-        _NUMERICS_OK["rmsnorm"] = bool(got.dtype == want.dtype and torch.equal(got, want))
+        result["rmsnorm"] = bool(got.dtype == want.dtype and torch.equal(got, want))
         # RoPE: the rotate-half formula, in float64.
         q = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
         k = torch.randn(1, 1, 5, 8, generator=g, dtype=torch.float64)
@@ -351,8 +375,8 @@ def _llama_numerics_ok() -> dict:
             ok = ok and torch.allclose(fk, rope_kernels.rope_rotate_half_ref(k, cos, sin), rtol=1e-12, atol=1e-12)
         except Exception:  # a different signature or layout: not the function the kernel replaces
             ok = False
-        _NUMERICS_OK["rope"] = bool(ok)
-    return _NUMERICS_OK
+        result["rope"] = bool(ok)
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,7 +404,7 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
         return None
     ic.restore_forward(module, state)
     if state["kind"] == "rope":
-        _rope_release(module, state["site"])
+        _rope_release(module, state["site"].globals)
     return state["kind"]
 
 
@@ -420,7 +444,7 @@ def _fusable_norm(norm, x, residual) -> bool:
     if not _is_llama_rmsnorm(norm) or _has_hooks(norm):
         return False
     fwd = norm.__dict__.get("forward")
-    if fwd is not None and getattr(fwd, "__func__", None) is not _rmsnorm_forward:
+    if fwd is not None and ic.patched_function(fwd) is not _rmsnorm_forward:
         return False  # someone else's forward on the norm: let it run
     return (
         x.shape == residual.shape
@@ -496,9 +520,39 @@ def _linear_forward(self, x):
 # RoPE: transformers' attention calls the module-level apply_rotary_pos_emb of its model file. While
 # any attention layer of that file is patched, a dispatcher stands in for the function; it uses the
 # kernel only while a patched attention layer is running (a per-thread depth counter), so other models
-# and unpatched layers in the process keep the original function.
+# and unpatched layers in the process keep the original function. Putting the dispatcher in place and
+# taking it out hold a lock: layers injected or removed from several threads share one dispatcher.
 _ROPE_ACTIVE = threading.local()
 _ROPE_SITES: dict = {}  # id(globals dict) -> {"globals", "original", "dispatcher", "users": WeakSet}
+_ROPE_LOCK = threading.RLock()
+
+
+class _RopeSite:
+    """A patched attention layer's hold on the dispatcher in its model file's globals (the "site" of its
+    record). The globals dict (it holds Python modules) does not pickle: this pickles as the model file's
+    module name, and unpickling or deep-copying the layer puts the dispatcher in place for the new layer,
+    as injecting it would, so its RoPE kernel outlives the original's removal."""
+
+    __slots__ = ("module", "globals")
+
+    def __init__(self, module, g: dict):
+        self.module, self.globals = module, g
+
+    def __reduce__(self):
+        name = self.globals.get("__name__")
+        if not isinstance(name, str) or getattr(sys.modules.get(name), "__dict__", None) is not self.globals:
+            raise TypeError(
+                f"{type(self.module).__name__} calls {_ROPE_NAME} from {name!r}, which is no importable module, "
+                "so the injected model cannot be saved or copied; call remove_llama_kernels(model) first"
+            )
+        return _rope_site_for, (self.module, name)
+
+
+def _rope_site_for(module, name: str) -> _RopeSite:
+    """The _RopeSite of an unpickled or copied attention layer (see _RopeSite)."""
+    g = importlib.import_module(name).__dict__
+    _rope_acquire(module, g)
+    return _RopeSite(module, g)
 
 
 def _rope_usable(q, k, cos, sin) -> bool:
@@ -530,25 +584,27 @@ def _make_rope_dispatcher(original):
 
 
 def _rope_acquire(module, g: dict) -> None:
-    site = _ROPE_SITES.get(id(g))
-    if site is None or g.get(_ROPE_NAME) is not site["dispatcher"]:
-        original = g[_ROPE_NAME]
-        site = {"globals": g, "original": original, "dispatcher": _make_rope_dispatcher(original),
-                "users": weakref.WeakSet()}
-        g[_ROPE_NAME] = site["dispatcher"]
-        _ROPE_SITES[id(g)] = site
-    site["users"].add(module)
+    with _ROPE_LOCK:
+        site = _ROPE_SITES.get(id(g))
+        if site is None or g.get(_ROPE_NAME) is not site["dispatcher"]:
+            original = g[_ROPE_NAME]
+            site = {"globals": g, "original": original, "dispatcher": _make_rope_dispatcher(original),
+                    "users": weakref.WeakSet()}
+            g[_ROPE_NAME] = site["dispatcher"]
+            _ROPE_SITES[id(g)] = site
+        site["users"].add(module)
 
 
 def _rope_release(module, g: dict) -> None:
-    site = _ROPE_SITES.get(id(g))
-    if site is None:
-        return
-    site["users"].discard(module)
-    if not len(site["users"]):
-        if g.get(_ROPE_NAME) is site["dispatcher"]:  # not if someone replaced it since
-            g[_ROPE_NAME] = site["original"]
-        del _ROPE_SITES[id(g)]
+    with _ROPE_LOCK:
+        site = _ROPE_SITES.get(id(g))
+        if site is None:
+            return
+        site["users"].discard(module)
+        if not len(site["users"]):
+            if g.get(_ROPE_NAME) is site["dispatcher"]:  # not if someone replaced it since
+                g[_ROPE_NAME] = site["original"]
+            del _ROPE_SITES[id(g)]
 
 
 def _attention_forward(self, *args, **kwargs):
@@ -674,7 +730,7 @@ def inject_llama_kernels(
                 skipped.append(f"{type(m).__name__} with its own instance forward")
             else:
                 site = _rope_site(type(m))
-                if _patch_forward(m, _attention_forward, "rope", site=site):
+                if _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, site)):
                     _rope_acquire(m, site)
                     new["rope"] += 1
         elif _rope_site(type(m)) is not None:

@@ -153,7 +153,7 @@ def load_model(gpu: bool, args):
             try:
                 from transformers import AutoTokenizer, LlamaForCausalLM
 
-                model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+                model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, use_safetensors=True)
                 model = model.to("cuda").eval()
                 model.requires_grad_(False)
                 try:

@@ -596,3 +596,208 @@ def test_dropout_in_training_mode_is_applied():
     assert (y == 0).any() and (y == 2).any()
     d.eval()
     assert ic.call(d, x) is x
+
+
+# --------------------------------------------------------------------------------------------
+# Training edge cases: trainable weights inside a block, in-place changes between blocks, checkpointing
+# --------------------------------------------------------------------------------------------
+def _grads(model, kw, names):
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)[0]
+    out.square().mean().backward()
+    return out.detach(), {n: (None if p.grad is None else p.grad.detach().clone())
+                          for n, p in model.named_parameters() if n in names}
+
+
+@pytest.mark.parametrize("trainable", ["transformer_blocks.0.attn1.to_v.weight",
+                                       "transformer_blocks.1.ff.net.2.weight",
+                                       "transformer_blocks.0.attn2.to_k.weight",
+                                       "transformer_blocks.1.scale_shift_table"])
+def test_trainable_weight_inside_a_block_gets_its_gradient(trainable):
+    """LoRA-style training: the base model frozen, one weight inside a block trainable. The patched
+    block must fall back to the original code (the kernels have no backward), so the weight gets the
+    same gradient as in the unpatched model, not None."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    kw = _inputs(gen)
+    tr.requires_grad_(False)
+    tr.get_parameter(trainable).requires_grad_(True)
+    ref_out, ref_g = _grads(tr, kw, {trainable})
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        out, g = _grads(tr, kw, {trainable})
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert g[trainable] is not None, f"{trainable} got no gradient through the patched blocks"
+    torch.testing.assert_close(g[trainable], ref_g[trainable], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+
+
+def test_text_embedding_requiring_grad_gets_its_gradient():
+    """Training the text side: encoder_hidden_states requires grad while the transformer is frozen."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    tr.requires_grad_(False)
+    kw = _inputs(gen)
+    enc = kw["encoder_hidden_states"].clone().requires_grad_(True)
+
+    def grad_of_enc():
+        enc.grad = None
+        tr(**{**kw, "encoder_hidden_states": enc})[0].square().mean().backward()
+        return enc.grad
+
+    ref = grad_of_enc().clone()
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        got = grad_of_enc()
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert got is not None
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["post-hook on block 0", "pre-hook on block 1"])
+def test_carry_ignored_after_an_in_place_change_between_blocks(where):
+    """A hook that changes the residual stream in place between two blocks: the tensor is the same object,
+    so identity alone would let block 1 use a norm of the old values. The version counter catches it."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    kw = _inputs(gen)
+    b0, b1 = tr.transformer_blocks
+
+    def change(h):  # not a uniform scaling: RMSNorm would not see that
+        h.add_(0.5 * h.flip(-1))
+
+    def post(module, args, output):
+        change(output)
+
+    def pre(module, args, kwargs):
+        change(args[0] if args else kwargs["hidden_states"])
+
+    handle = (b0.register_forward_hook(post) if where.startswith("post")
+              else b1.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        ref = _run(tr, kw)
+        di.inject_optimized_kernels(tr, verbose=False)
+        got = _run(tr, kw)
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e} (seed {gen.seed_value})"
+
+
+def test_gradient_checkpointing_matches_without_it():
+    """Gradient checkpointing recomputes each block in backward: with the kernels injected, the
+    gradients equal those of the unpatched model with checkpointing on."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=3)
+    kw = _inputs(gen)
+    tr.train()
+    names = {n for n, _ in tr.named_parameters()}
+    _, ref = _grads(tr, kw, names)
+    tr.enable_gradient_checkpointing()
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        _, got = _grads(tr, kw, names)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    for n in names:
+        assert (got[n] is None) == (ref[n] is None), n
+        if ref[n] is not None:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+# --------------------------------------------------------------------------------------------
+# Only what the kernels provably reproduce is patched
+# --------------------------------------------------------------------------------------------
+def test_block_subclass_with_its_own_forward_is_left_alone():
+    from diffusers.models.transformers.transformer_ltx import LTXVideoTransformerBlock
+
+    class ScaledBlock(LTXVideoTransformerBlock):
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states, *args, **kwargs) * 0.5
+
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    tr.transformer_blocks[1].__class__ = ScaledBlock
+    kw = _inputs(gen)
+    ref = _run(tr, kw)
+    counts = di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        assert counts["adaln_fused_blocks"] == 1
+        got = _run(tr, kw)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("which", ["norm1", "norm2"])
+def test_block_norm_swapped_for_layernorm_is_computed_as_layernorm(which):
+    """A block whose norm1 / norm2 someone replaced by nn.LayerNorm (after or before injection) must run
+    that LayerNorm, not the fused RMSNorm kernel."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    kw = _inputs(gen)
+    blk = tr.transformer_blocks[1]
+    dim = blk.scale_shift_table.shape[1]
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        setattr(blk, which, torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6).to(DEVICE))
+        got = _run(tr, kw)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    ref = _run(tr, kw)  # unpatched, same modules
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("which", ["norm1", "norm2"])
+def test_hook_on_a_block_norm_still_runs(which):
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    kw = _inputs(gen)
+    norm = getattr(tr.transformer_blocks[1], which)
+    fired = []
+    handle = norm.register_forward_hook(lambda m, a, o: fired.append(1) or o * 1.25)
+    try:
+        ref = _run(tr, kw)
+        n_ref = len(fired)
+        fired.clear()
+        di.inject_optimized_kernels(tr, verbose=False)
+        got = _run(tr, kw)
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert len(fired) == n_ref == 1
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("loader", ["example", "benchmark_e2e"])
+def test_local_checkpoints_load_safetensors_only(loader, monkeypatch):
+    """Weights from the local cache are read from safetensors files only (never pickled .bin files),
+    in the example and in the end-to-end benchmark alike."""
+    import huggingface_hub
+    from diffusers import LTXPipeline
+
+    seen = {}
+
+    class FakePipe:
+        def to(self, device):
+            return self
+
+    def fake_from_pretrained(name, **kwargs):
+        seen.update(kwargs, name=name)
+        return FakePipe()
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, fname: "/cache/" + fname)
+    monkeypatch.setattr(LTXPipeline, "from_pretrained", staticmethod(fake_from_pretrained))
+    if loader == "example":
+        sys.path.insert(0, str(ROOT / "scripts"))
+        import ltx_kernel_injection_example as mod
+
+        pipe, what = mod.load_pipeline(True, 0)
+    else:
+        import benchmark_e2e as mod
+
+        pipe, what = mod.load_pipeline("cuda", False, 0)
+    assert isinstance(pipe, FakePipe) and "local cache" in what
+    assert seen.get("use_safetensors") is True and seen.get("local_files_only") is True, seen

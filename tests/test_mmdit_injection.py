@@ -485,3 +485,86 @@ def test_command_line(capsys):
         mi._main(["--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "usage" in out and "qk_norm_rope_fused=57" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Training edge cases: gradient checkpointing, trainable weights inside blocks, in-place changes
+# --------------------------------------------------------------------------------------------
+def _model_with_blocks(kind, seed=0):
+    """The tiny models, FLUX with two double blocks (the cross-block hand-over needs two)."""
+    if kind == "sd3":
+        return _model(kind, seed=seed)
+    cfg = dict(mi.FLUX_CONFIGS["tiny"], num_layers=2)
+    return mi._build(mi.FluxTransformer2DModel, cfg, torch.float32, DEVICE, seed)
+
+
+def _all_grads(model, kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)[0]
+    out.square().mean().backward()
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_gradient_checkpointing_matches_without_it(kind):
+    """diffusers' gradient-checkpointing equivalence, with the kernels injected: checkpointing recomputes
+    each block in backward, which must take the path the first run took (no hand-over of a norm to the
+    next block while autograd records), and the gradients must equal those without checkpointing."""
+    model = _model_with_blocks(kind)
+    kw = _inputs(model)
+    model.train()
+    ref = _all_grads(model, kw)
+    mi.inject_mmdit_kernels(model, verbose=False)
+    try:
+        plain = _all_grads(model, kw)
+        model.enable_gradient_checkpointing()
+        ckpt = _all_grads(model, kw)
+    finally:
+        mi.remove_mmdit_kernels(model, verbose=False)
+    for name, g in ref.items():
+        for got, what in ((plain, "injected"), (ckpt, "injected + checkpointing")):
+            assert (got[name] is None) == (g is None), f"{what}: {name}"
+            if g is not None:
+                torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_trainable_weight_inside_a_block_gets_its_gradient(kind):
+    """LoRA-style: everything frozen but one projection inside block 0's attention."""
+    model = _model_with_blocks(kind)
+    kw = _inputs(model)
+    model.requires_grad_(False)
+    name = "transformer_blocks.0.attn.to_v.weight"
+    model.get_parameter(name).requires_grad_(True)
+    ref = _all_grads(model, kw)[name]
+    mi.inject_mmdit_kernels(model, verbose=False)
+    try:
+        got = _all_grads(model, kw)[name]
+    finally:
+        mi.remove_mmdit_kernels(model, verbose=False)
+    assert got is not None
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_carry_ignored_after_an_in_place_change_between_blocks(kind):
+    """A forward hook on block 0 changes its output in place: block 1 must not use the norm block 0
+    computed from the old values."""
+    model = _model_with_blocks(kind)
+    kw = _inputs(model)
+    b0 = model.transformer_blocks[0]
+
+    def post(module, args, output):
+        for t in output if isinstance(output, tuple) else (output,):
+            if isinstance(t, torch.Tensor):
+                t.add_(0.5 * t.flip(-1))
+
+    handle = b0.register_forward_hook(post)
+    try:
+        ref = _run(model, kw)
+        mi.inject_mmdit_kernels(model, verbose=False)
+        got = _run(model, kw)
+    finally:
+        handle.remove()
+        mi.remove_mmdit_kernels(model, verbose=False)
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
