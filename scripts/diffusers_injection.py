@@ -291,15 +291,6 @@ def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask
                 image_rotary_emb=image_rotary_emb)
 
 
-def _feed_forward(ff, x):
-    """ff(x): diffusers FeedForward applies its modules in turn; done here through ic.call."""
-    if type(ff) is FeedForward and "forward" not in ff.__dict__ and ic.hook_free(ff):
-        for m in ff.net:
-            x = ic.call(m, x)
-        return x
-    return ff(x)
-
-
 def _ltx_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -355,7 +346,7 @@ def _ltx_block_forward(
         self.norm2.eps,
         cast_before_weight=args2[1],
     )
-    ff_output = _feed_forward(self.ff, norm_hidden_states)
+    ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
     fused = _residual_into_next_norm1(self, hidden_states, ff_output, gate_mlp, temb)
     return fused if fused is not None else rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 

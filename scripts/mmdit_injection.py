@@ -69,7 +69,7 @@ import layernorm  # noqa: E402
 import rmsnorm  # noqa: E402
 
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
-from diffusers.models.attention import JointTransformerBlock  # noqa: E402
+from diffusers.models.attention import FeedForward, JointTransformerBlock  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0  # noqa: E402
 from diffusers.models.embeddings import apply_rotary_emb  # noqa: E402
@@ -190,6 +190,8 @@ def _ln_args(norm, x: torch.Tensor):
     """
     if type(norm) not in (nn.LayerNorm, FP32LayerNorm) or len(norm.normalized_shape) != 1:
         return None
+    if "forward" in norm.__dict__ or not ic.hook_free(norm):  # the fused path does not call norm: nothing may
+        return None  # need the call (a hook, an offload wrapper, a replaced forward)
     if norm.normalized_shape[0] != x.shape[-1]:
         return None
     w, b = norm.weight, norm.bias
@@ -425,14 +427,20 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
             carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
         )
 
-    attn_output, context_attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        **joint_attention_kwargs,
-    )
+    attention_outputs = _attention(self.attn, norm_hidden_states, norm_encoder_hidden_states, None,
+                                   joint_attention_kwargs)
+    if attention_outputs is None:
+        attention_outputs = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            **joint_attention_kwargs,
+        )
+    attn_output, context_attn_output = attention_outputs
     if self.use_dual_attention:
         hidden_states = _gated_add(hidden_states, gate_msa, attn_output)
-        attn_output2 = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
+        attn_output2 = _attention(self.attn2, norm_hidden_states2, None, None, joint_attention_kwargs)
+        if attn_output2 is None:
+            attn_output2 = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
         hidden_states, norm_hidden_states = _residual_norm_modulate(
             hidden_states, attn_output2, gate_msa2, self.norm2, scale_mlp, shift_mlp
         )
@@ -440,7 +448,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         hidden_states, norm_hidden_states = _residual_norm_modulate(
             hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
         )
-    ff_output = self.ff(norm_hidden_states)
+    ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
     hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
 
     if self.context_pre_only:
@@ -449,11 +457,25 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
             encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
         )
-        context_ff_output = self.ff_context(norm_encoder_hidden_states)
+        context_ff_output = ic.feed_forward(self.ff_context, norm_encoder_hidden_states, FeedForward)
         encoder_hidden_states = _gated_add_to_next(
             self, "c", encoder_hidden_states, c_gate_mlp, context_ff_output, temb
         )
     return encoder_hidden_states, hidden_states
+
+
+def _attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb, kwargs):
+    """The processor of attn called directly, or None where the block must call attn itself. diffusers
+    0.42's Attention.forward (SD3) and FluxAttention.forward only drop keyword arguments their processor
+    does not take, found with inspect.signature on every call, then call the processor; with no extra
+    keyword arguments, no hook and no replaced forward, calling the processor is that call."""
+    if kwargs or "forward" in attn.__dict__ or not ic.hook_free(attn):
+        return None
+    if type(attn) is FluxAttention:
+        return attn.processor(attn, hidden_states, encoder_hidden_states, None, image_rotary_emb)
+    if type(attn) is Attention and image_rotary_emb is None:
+        return attn.processor(attn, hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=None)
+    return None
 
 
 def _flux_block_forward(
@@ -469,12 +491,15 @@ def _flux_block_forward(
         carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
     )
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attention_outputs = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
+    attention_outputs = _attention(self.attn, norm_hidden_states, norm_encoder_hidden_states, image_rotary_emb,
+                                   joint_attention_kwargs)
+    if attention_outputs is None:
+        attention_outputs = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
     ip_attn_output = None
     if len(attention_outputs) == 3:
         attn_output, context_attn_output, ip_attn_output = attention_outputs
@@ -484,7 +509,7 @@ def _flux_block_forward(
     hidden_states, norm_hidden_states = _residual_norm_modulate(
         hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
     )
-    ff_output = self.ff(norm_hidden_states)
+    ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
     if ip_attn_output is not None:  # h changes after the gated residual: no fusion into the next norm
         hidden_states = _gated_add(hidden_states, gate_mlp, ff_output) + ip_attn_output
     else:
@@ -493,7 +518,7 @@ def _flux_block_forward(
     encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
-    context_ff_output = self.ff_context(norm_encoder_hidden_states)
+    context_ff_output = ic.feed_forward(self.ff_context, norm_encoder_hidden_states, FeedForward)
     if encoder_hidden_states.dtype == torch.float16:  # clipped below: no fusion into the next norm
         encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
     else:
@@ -540,11 +565,13 @@ def _flux_single_block_forward(
     if mlp_hidden_states is None:
         mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
+    attn_output = _attention(self.attn, norm_hidden_states, None, image_rotary_emb, joint_attention_kwargs)
+    if attn_output is None:
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
     hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
     hidden_states = _gated_add(residual, gate, self.proj_out(hidden_states))
     if hidden_states.dtype == torch.float16:

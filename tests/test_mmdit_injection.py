@@ -568,3 +568,60 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(kind):
         handle.remove()
         mi.remove_mmdit_kernels(model, verbose=False)
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_hook_on_a_block_layernorm_still_runs(kind):
+    """The fused residual + LayerNorm + modulation does not call the block's norm2: where norm2 has a
+    hook, the block must call it as the original does."""
+    model = _model_with_blocks(kind)
+    kw = _inputs(model)
+    norm = model.transformer_blocks[0].norm2
+    fired = []
+    handle = norm.register_forward_hook(lambda m, a, o: fired.append(1) or o * 1.25)
+    try:
+        ref = _run(model, kw)
+        n_ref = len(fired)
+        fired.clear()
+        mi.inject_mmdit_kernels(model, verbose=False)
+        got = _run(model, kw)
+    finally:
+        handle.remove()
+        mi.remove_mmdit_kernels(model, verbose=False)
+    assert len(fired) == n_ref == 1
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+@pytest.mark.parametrize("where", ["attn", "ff", "ff_proj", "single_attn", "global"])
+def test_hooks_on_submodules_still_run(kind, where):
+    """The patched blocks call attention processors and feed-forward layers without Module.__call__
+    only where nothing hooks them: a forward hook on any of them (or a global one) must still run."""
+    model = _model_with_blocks(kind)
+    kw = _inputs(model)
+    blk = model.transformer_blocks[0]
+    single = getattr(model, "single_transformer_blocks", None)
+    target = {"attn": blk.attn, "ff": blk.ff, "ff_proj": blk.ff.net[2],
+              "single_attn": single[0].attn if single else blk.attn}.get(where)
+    fired = []
+
+    def hook(module, args, output):
+        fired.append(1)
+        return output * 1.5 if isinstance(output, torch.Tensor) else output
+
+    if target is None:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: hook(m, a, o) if m is blk.ff.net[2] else None)
+    else:
+        handle = target.register_forward_hook(hook)
+    try:
+        ref = _run(model, kw)
+        n_ref = len(fired)
+        fired.clear()
+        mi.inject_mmdit_kernels(model, verbose=False)
+        got = _run(model, kw)
+    finally:
+        handle.remove()
+        mi.remove_mmdit_kernels(model, verbose=False)
+    assert len(fired) == n_ref > 0
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
