@@ -301,11 +301,7 @@ def _check_input(x, name: str = "x", dtypes=_SUPPORTED_DTYPES) -> None:
     if x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; expected one of {names}")
-    if x.device.type == "cpu" and not _interpreting():
-        raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-        )
+    _check_device(name, x)
 
 
 def _check_approximate(approximate) -> bool:
@@ -795,6 +791,67 @@ def _sig(t):
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
+# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
+# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
+_KERNELS_INTERPRETED = _interpreting()
+
+
+def _check_device(name: str, t) -> None:
+    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
+    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
+    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
+    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
+    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
+    device = t.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting = _interpreting()
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
+               if _KERNELS_INTERPRETED else "")
+        )
+    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
+                                                     and _device_target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
+    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
+    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
+    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
+    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
+    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
+    no_grad, where this check passes."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names, tensors):
+            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+                raise RuntimeError(
+                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
+                    f"({ref or fn + '_ref'}) where gradients are needed"
+                )
+
+
 def _dense_like(x) -> bool:
     """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
     time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
@@ -1029,16 +1086,23 @@ def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     The result is contiguous, of x's shape and dtype. Rows may be strided as long as the last dim is
     contiguous. Note the default: "tanh" (LTX-Video, diffusers "gelu-approximate"); torch's default
     is "none".
+    The kernel has no backward: in grad mode, an input that requires grad raises RuntimeError (call it
+    under torch.no_grad() / torch.inference_mode(), or use gelu_ref where gradients are needed).
     """
     if torch.compiler.is_compiling():
         return _compile_op("gelu")(x, approximate)
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    _check_no_grad("gelu", ("x",), (x,))
     return _gelu_launch(x, approximate)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """gelu(x, approximate="tanh"): torch.nn.functional.gelu(x, approximate="tanh")."""
-    return gelu(x, "tanh")
+    """gelu(x, approximate="tanh"): torch.nn.functional.gelu(x, approximate="tanh").
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see gelu)."""
+    if torch.compiler.is_compiling():
+        return _compile_op("gelu")(x, "tanh")
+    _check_no_grad("gelu_tanh", ("x",), (x,), ref='gelu_ref(x, "tanh")')
+    return _gelu_launch(x, "tanh")
 
 
 def geglu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -1047,9 +1111,11 @@ def geglu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     x is [..., 2H] with a contiguous last dim (rows may be strided); the result is a contiguous
     [..., H] of x's dtype, computed in fp32 and rounded once. The default "none" (erf) is what
     diffusers' GEGLU uses.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see gelu).
     """
     if torch.compiler.is_compiling():
         return _compile_op("geglu")(x, approximate)
+    _check_no_grad("geglu", ("x",), (x,))
     return _geglu_launch(x, approximate)
 
 
@@ -1075,6 +1141,7 @@ def swiglu(
       fp8="per_token": (out_fp8, scales) with scales[row] = max(max|out[row]| / fp8_max, 1e-12), float32,
         shape [...]; dequantise as out_fp8.float() * scales[..., None].
     fp8_dtype: None picks float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere; pass either to force it.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see gelu).
     """
     mode = _fp8_mode(fp8)
     if fp8_dtype is not None and mode == 0:
@@ -1088,6 +1155,8 @@ def swiglu(
         out, row_scales = _compile_op("swiglu")(x, up, gate_first, mode, fp8_scale, fp8_dtype)
     else:
         # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+        _check_no_grad("swiglu", ("x", "up", "fp8_scale") if up is None else ("gate", "up", "fp8_scale"),
+                       (x, up, fp8_scale))
         out, row_scales = _swiglu_launch(x, up, gate_first, mode, fp8_scale, fp8_dtype)
     return (out, row_scales) if mode == 2 else out
 

@@ -228,11 +228,7 @@ def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_S
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but q is on {device}; move them to one device")
-    if t.device.type == "cpu" and not _interpreting():
-        raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-        )
+    _check_device(name, t)
 
 
 def _check_last_contiguous(name: str, t: torch.Tensor):
@@ -444,6 +440,67 @@ def _sig(t):
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
+# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
+# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
+_KERNELS_INTERPRETED = _interpreting()
+
+
+def _check_device(name: str, t) -> None:
+    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
+    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
+    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
+    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
+    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
+    device = t.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting = _interpreting()
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
+               if _KERNELS_INTERPRETED else "")
+        )
+    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
+                                                     and _device_target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
+    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
+    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
+    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
+    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
+    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
+    no_grad, where this check passes."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names, tensors):
+            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+                raise RuntimeError(
+                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
+                    f"({ref or fn + '_ref'}) where gradients are needed"
+                )
+
+
 def _dense_like(x) -> bool:
     """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
     time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
@@ -648,13 +705,19 @@ def _head_rms_norm_rope_op_fake(qs, ks, q_weights, k_weights, eps, cos, sin, cas
 _register("head_rms_norm_rope", _head_rms_norm_rope_op, _head_rms_norm_rope_op_fake)
 
 
-def _dispatch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
+def _dispatch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight, fn="head_rms_norm_rope"):
     if torch.compiler.is_compiling():
         return _compile_op("head_rms_norm_rope")(
             list(qs), list(ks), list(q_weights), list(k_weights), _eps_list(eps, len(qs)), cos, sin,
             bool(cast_before_weight),
         )
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    if torch.is_grad_enabled():  # (the names are built in grad mode only)
+        kinds = ("q", "k", "q_weight", "k_weight")
+        names = list(kinds) if fn == "head_rms_norm_rope" else [
+            f"{n} of part {i}" for i in range(len(qs)) for n in kinds]
+        tensors = [t for part in zip(qs, ks, q_weights, k_weights) for t in part]
+        _check_no_grad(fn, names + ["cos", "sin"], tensors + [cos, sin])
     return _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight)
 
 
@@ -679,6 +742,8 @@ def head_rms_norm_rope(
     interleaved pairs (diffusers ``apply_rotary_emb(..., use_real_unbind_dim=-1)``), D even.
     Returns contiguous [B, S, H, D] (q_out, k_out) of q's dtype. See the module docstring for
     ``cast_before_weight``.
+    The kernel has no backward: in grad mode, an input that requires grad raises RuntimeError (call it
+    under torch.no_grad() / torch.inference_mode(), or use head_rms_norm_rope_ref where gradients are needed).
     """
     return _dispatch([q], [k], [q_weight], [k_weight], eps, cos, sin, cast_before_weight)
 
@@ -699,6 +764,7 @@ def joint_head_rms_norm_rope(
     equal to ``torch.cat([rope(norm(q_i)) ...], dim=1)`` (and the same for k) without the copies.
     FLUX's double-stream attention: parts = [(text q, text k, norm_added_q.weight, norm_added_k.weight),
     (image q, image k, norm_q.weight, norm_k.weight)].
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see head_rms_norm_rope).
     """
     if isinstance(parts, tuple) and parts and isinstance(parts[0], torch.Tensor):
         raise TypeError("parts must be a sequence of (q, k, q_weight, k_weight) tuples")
@@ -706,7 +772,7 @@ def joint_head_rms_norm_rope(
     if any(len(p) != 4 for p in parts):
         raise ValueError("each part must be a (q, k, q_weight, k_weight) tuple")
     qs, ks, qws, kws = (list(c) for c in zip(*parts)) if parts else ([], [], [], [])
-    return _dispatch(qs, ks, qws, kws, eps, cos, sin, cast_before_weight)
+    return _dispatch(qs, ks, qws, kws, eps, cos, sin, cast_before_weight, fn="joint_head_rms_norm_rope")
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,10 +18,15 @@ eps=1e-6)`` followed by ``* (1 + scale) + shift`` with one scale/shift row per s
   None: ``h + y``), then ``layer_norm_modulate(h, ...)``; returns ``(h, out)``: the block step "attention
   output into the residual stream, then norm2 + MLP modulation".
 
-scale / shift / gate shapes: anything that broadcasts to x ([D], [B, 1, D], [B, S, D], ...), and also
-[B, D] for a 3-D x [B, S, D], meaning one row per sample ([B, 1, D]): the form of ``emb.chunk(6, dim=1)``
-in diffusers' AdaLN modules, whose views (row stride 6 * D) are read in place. Each ``*_ref`` function is
-the plain-PyTorch math the kernel replaces. The file depends on torch and triton only; copy it into
+scale / shift / gate shapes: anything that broadcasts to x as in torch ([D], [S, D], [B, 1, D], [B, S, D],
+...), and also [B, D] for a 3-D x [B, S, D] where B != S, meaning one row per sample ([B, 1, D]): the form
+of ``emb.chunk(6, dim=1)`` in diffusers' AdaLN modules, whose views (row stride 6 * D) are read in place,
+and where torch broadcasting would fail. A 2-D [X, D] with X == B == S > 1 could be either (one row per
+sample, or per token as torch broadcasts it) and is refused with ValueError: pass ``scale[:, None]`` for
+one row per sample or ``scale[None]`` for one row per token. rmsnorm.py reads the unambiguous forms the
+same way ([S, D] per token; it has no per-sample [B, D] form). Each ``*_ref`` function is the
+plain-PyTorch math the kernel replaces (with the same reading of a 2-D scale/shift/gate). The kernels
+have no backward: in grad mode, an input that requires grad raises RuntimeError. The file depends on torch and triton only; copy it into
 another project as is. Run ``python layernorm.py --help``.
 """
 
@@ -406,23 +411,34 @@ def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_S
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
-    if t.device.type == "cpu" and not _interpreting():
+    _check_device(name, t)
+
+
+def _per_sample(t: torch.Tensor, shape, name: str = "scale") -> torch.Tensor:
+    """How a modulation tensor t reads against an input of shape ``shape``: a 2-D [X, D] tensor for a 3-D
+    input [B, S, D] is one row per sample (viewed as [B, 1, D]) where X == B != S, as diffusers' AdaLN
+    modules chunk it and where torch broadcasting would fail; where X == S != B (or X == 1) it broadcasts
+    as in torch (one row per token), as in rmsnorm.py. X == B == S > 1 could mean either: refused."""
+    if len(shape) != 3 or t.dim() != 2:
+        return t
+    rows, batch, tokens = t.shape[0], shape[0], shape[1]
+    if rows == batch and rows != tokens:
+        return t.unsqueeze(1)
+    if rows == batch == tokens and rows > 1:
         raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            f"{name} of shape {tuple(t.shape)} is ambiguous for x of shape {tuple(shape)}: [{rows}, D] could be one "
+            f"row per sample (the [B, D] of diffusers' AdaLN chunks) or, as torch broadcasts it, one row per "
+            f"token; pass {name}[:, None] ([B, 1, D]) for one row per sample or {name}[None] ([1, S, D]) for one "
+            "row per token"
         )
-
-
-def _per_sample(t: torch.Tensor, x_dim: int) -> torch.Tensor:
-    """A [B, D] modulation tensor for a 3-D input [B, S, D] means one row per sample: view it as [B, 1, D]."""
-    return t.unsqueeze(1) if (x_dim == 3 and t.dim() == 2) else t
+    return t
 
 
 def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
     """Strides of t broadcast to shape (0 along broadcast dims), without materialising anything.
-    A [B, D] tensor for a 3-D input is read as [B, 1, D] (see _per_sample)."""
+    A [B, D] tensor for a 3-D input [B, S, D] with B != S is read as [B, 1, D] (see _per_sample)."""
     shown = tuple(t.shape)
-    t = _per_sample(t, len(shape))
+    t = _per_sample(t, shape, name)
     nd, td = len(shape), t.dim()
     if td > nd:
         raise ValueError(f"{name} of shape {shown} has more dimensions than the input {tuple(shape)}")
@@ -436,7 +452,7 @@ def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
         else:
             raise ValueError(
                 f"{name} of shape {shown} does not broadcast to the input's shape {tuple(shape)}; "
-                "expected [D], [B, D] (one row per sample of a [B, S, D] input), [B, 1, D] or [B, S, D]"
+                "expected [D], [B, D] (one row per sample of a [B, S, D] input), [S, D], [B, 1, D] or [B, S, D]"
             )
     if shape[-1] > 1 and out[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {out[-1]})")
@@ -757,6 +773,67 @@ def _sig(t):
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
+# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
+# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
+_KERNELS_INTERPRETED = _interpreting()
+
+
+def _check_device(name: str, t) -> None:
+    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
+    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
+    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
+    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
+    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
+    device = t.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting = _interpreting()
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
+               if _KERNELS_INTERPRETED else "")
+        )
+    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
+                                                     and _device_target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
+    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
+    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
+    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
+    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
+    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
+    no_grad, where this check passes."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names, tensors):
+            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+                raise RuntimeError(
+                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
+                    f"({ref or fn + '_ref'}) where gradients are needed"
+                )
+
+
 def _dense_like(x) -> bool:
     """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
     time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
@@ -963,13 +1040,19 @@ def _layer_norm_fused_op_fake(x, y, gate, weight, bias, scale, shift, scale2, sh
 _register("layer_norm_fused", _layer_norm_fused_op, _layer_norm_fused_op_fake)
 
 
-def _dispatch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+_GRAD_NAMES = ("x", "y", "gate", "weight", "bias", "scale", "shift", "scale2", "shift2")  # as errors name them
+
+
+def _dispatch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps, fn="layer_norm", grad_names=_GRAD_NAMES):
     if torch.compiler.is_compiling():
+        if isinstance(eps, bool):  # float(True) would hide it from the launcher's check
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
         h_out, out, out2 = _compile_op("layer_norm_fused")(
             x, y, gate, weight, bias, scale, shift, scale2, shift2, float(eps)
         )
         return (h_out if y is not None else None), out, (out2 if scale2 is not None else None)
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    _check_no_grad(fn, grad_names, (x, y, gate, weight, bias, scale, shift, scale2, shift2))
     return _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
 
 
@@ -986,6 +1069,8 @@ def layer_norm(
 
     x: any leading shape, last dim contiguous (rows may be strided). weight/bias: [D] or None.
     Output: x's dtype and shape, contiguous.
+    The kernel has no backward: in grad mode, an input that requires grad raises RuntimeError (call it
+    under torch.no_grad() / torch.inference_mode(), or use layer_norm_ref where gradients are needed).
     """
     return _dispatch(x, None, None, weight, bias, None, None, None, None, eps)[1]
 
@@ -1002,11 +1087,13 @@ def layer_norm_modulate(
     """AdaLN: ``layer_norm(x, weight, bias) * (1 + scale) + shift`` in one pass, fp32 math, one rounding.
 
     scale/shift: [B, D] (one row per sample of x [B, S, D], as diffusers' AdaLN chunks them), or any
-    shape broadcastable to x ([D], [B, 1, D], [B, S, D]). Strided views are read in place.
+    shape broadcastable to x as in torch ([D], [S, D], [B, 1, D], [B, S, D]); a [B, D] with B == S > 1 is
+    ambiguous and refused (see the module docstring). Strided views are read in place.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see layer_norm).
     """
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use layer_norm() for a plain norm")
-    return _dispatch(x, None, None, weight, bias, scale, shift, None, None, eps)[1]
+    return _dispatch(x, None, None, weight, bias, scale, shift, None, None, eps, fn="layer_norm_modulate")[1]
 
 
 def layer_norm_modulate_dual(
@@ -1018,10 +1105,12 @@ def layer_norm_modulate_dual(
     eps: float = 1e-6,
 ):
     """Two modulations of one LayerNorm: ``(n * (1 + scale) + shift, n * (1 + scale2) + shift2)`` with
-    ``n = layer_norm(x)``, reading x once (diffusers ``SD35AdaLayerNormZeroX``). Returns (out, out2)."""
+    ``n = layer_norm(x)``, reading x once (diffusers ``SD35AdaLayerNormZeroX``). Returns (out, out2).
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see layer_norm)."""
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
-    _, out, out2 = _dispatch(x, None, None, None, None, scale, shift, scale2, shift2, eps)
+    _, out, out2 = _dispatch(x, None, None, None, None, scale, shift, scale2, shift2, eps,
+                             fn="layer_norm_modulate_dual")
     return out, out2
 
 
@@ -1041,10 +1130,12 @@ def gated_residual_layer_norm_modulate(
     The MMDiT step ``h = h + gate_msa[:, None] * attn; n = norm2(h) * (1 + scale_mlp[:, None]) +
     shift_mlp[:, None]`` in one kernel. gate/scale/shift: [B, D] per sample (or broadcastable to h).
     scale/shift may both be None (plain residual add + LayerNorm). Returns (h_new, out).
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see layer_norm).
     """
     if y is None:
         raise ValueError("y is required; use layer_norm_modulate() without a residual")
-    h_out, out, _ = _dispatch(h, y, gate, weight, bias, scale, shift, None, None, eps)
+    h_out, out, _ = _dispatch(h, y, gate, weight, bias, scale, shift, None, None, eps,
+                              fn="gated_residual_layer_norm_modulate", grad_names=("h",) + _GRAD_NAMES[1:])
     return h_out, out
 
 
@@ -1060,12 +1151,14 @@ def gated_residual_layer_norm_modulate_dual(
 ):
     """h_new = h + gate * y (gate None: h + y), rounded to h's dtype; then the two modulations of
     ``layer_norm_modulate_dual(h_new)``. One kernel for a block's last gated residual and the next
-    block's ``SD35AdaLayerNormZeroX`` (SD3.5). Returns (h_new, out, out2)."""
+    block's ``SD35AdaLayerNormZeroX`` (SD3.5). Returns (h_new, out, out2).
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see layer_norm)."""
     if y is None:
         raise ValueError("y is required; use layer_norm_modulate_dual() without a residual")
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
-    return _dispatch(h, y, gate, None, None, scale, shift, scale2, shift2, eps)
+    return _dispatch(h, y, gate, None, None, scale, shift, scale2, shift2, eps,
+                     fn="gated_residual_layer_norm_modulate_dual", grad_names=("h",) + _GRAD_NAMES[1:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -1092,7 +1185,7 @@ def layer_norm_ref(x, weight=None, bias=None, eps=1e-5):
 def layer_norm_modulate_ref(x, scale, shift, eps=1e-6, weight=None, bias=None):
     f = _f(x)
     n = layer_norm_ref(x.to(f), weight, bias, eps)
-    sc, sh = _per_sample(scale, x.dim()).to(f), _per_sample(shift, x.dim()).to(f)
+    sc, sh = _per_sample(scale, x.shape, "scale").to(f), _per_sample(shift, x.shape, "shift").to(f)
     return (n * (1 + sc) + sh).to(x.dtype)
 
 
@@ -1102,7 +1195,7 @@ def layer_norm_modulate_dual_ref(x, scale, shift, scale2, shift2, eps=1e-6):
 
 def gated_residual_layer_norm_modulate_ref(h, y, gate, scale, shift, eps=1e-6, weight=None, bias=None):
     f = _f(h)
-    upd = y.to(f) if gate is None else _per_sample(gate, h.dim()).to(f) * y.to(f)
+    upd = y.to(f) if gate is None else _per_sample(gate, h.shape, "gate").to(f) * y.to(f)
     h_new = (h.to(f) + upd).to(h.dtype)
     if scale is None:
         return h_new, layer_norm_ref(h_new, weight, bias, eps)

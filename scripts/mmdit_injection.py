@@ -206,7 +206,9 @@ def _per_sample_ok(x: torch.Tensor, *vectors) -> bool:
     read in place."""
     if x.dim() != 3 or x.stride(-1) != 1:
         return False
-    b, _, d = x.shape
+    b, s, d = x.shape
+    if s == b > 1:  # layernorm.py cannot tell [B, D] per sample from [S, D] per token then (it refuses)
+        return False
     return all(v.dim() == 2 and v.shape[0] in (1, b) and v.shape[1] == d and v.dtype == x.dtype for v in vectors)
 
 

@@ -349,11 +349,7 @@ def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_S
         raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
-    if t.device.type == "cpu" and not _interpreting():
-        raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-        )
+    _check_device(name, t)
 
 
 def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
@@ -582,7 +578,9 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
         raise ValueError(
             f"{x_name} must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()"
         )
-    if not isinstance(eps, (float, int)) or eps < 0:
+    # bool is an int (True == 1.0 and hashes alike: the plan key holds type(eps) so that a plan made for
+    # eps=1.0 never serves eps=True); NaN fails eps >= 0 (and never equals a cached key)
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     has_residual = y is not None
     if has_residual:
@@ -724,6 +722,67 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
+# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
+_KERNELS_INTERPRETED = _interpreting()
+
+
+def _check_device(name: str, t) -> None:
+    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
+    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
+    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
+    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
+    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
+    device = t.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting = _interpreting()
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
+               if _KERNELS_INTERPRETED else "")
+        )
+    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
+                                                     and _device_target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
+    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
+    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
+    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
+    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
+    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
+    no_grad, where this check passes."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names, tensors):
+            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+                raise RuntimeError(
+                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
+                    f"({ref or fn + '_ref'}) where gradients are needed"
+                )
 
 
 def _dense_like(x) -> bool:
@@ -944,14 +1003,20 @@ def _rms_norm_fused_op_fake(
 _register("rms_norm_fused", _rms_norm_fused_op, _rms_norm_fused_op_fake)
 
 
+_GRAD_NAMES = ("x", "y", "gate", "weight", "scale", "shift", "fp8_scale")  # _dispatch's tensors, as named in errors
+
+
 def _dispatch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
-              names=("x", "y", "h")):
+              names=("x", "y", "h"), fn="rms_norm", grad_names=_GRAD_NAMES):
     if torch.compiler.is_compiling():
+        if isinstance(eps, bool):  # float(True) would hide it from the launcher's check
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
         h_out, out, row_scales = _compile_op("rms_norm_fused")(
             x, y, gate, weight, scale, shift, float(eps), bool(cast_before_weight), out_dtype, fp8_mode, fp8_scale
         )
         return (h_out if y is not None else None), out, (row_scales if fp8_mode == 2 else None)
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
+    _check_no_grad(fn, grad_names, (x, y, gate, weight, scale, shift, fp8_scale))
     return _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale, names)
 
 
@@ -974,6 +1039,8 @@ def rms_norm(
     F.rms_norm (whose eps=None means torch.finfo(torch.float32).eps for fp16/bf16/fp32 input), and
     diffusers RMSNorm with an fp32 weight (which then returns fp32: pass out_dtype=torch.float32).
     The output dtype defaults to x's.
+    The kernel has no backward: in grad mode, an input that requires grad raises RuntimeError (call it
+    under torch.no_grad() / torch.inference_mode(), or use rms_norm_ref where gradients are needed).
     """
     return _dispatch(x, None, None, weight, None, None, eps, cast_before_weight, out_dtype)[1]
 
@@ -990,10 +1057,11 @@ def rms_norm_modulate(
     """AdaLN: rms_norm(x, weight) * (1 + scale) + shift in one pass, with fp32 math and one rounding.
 
     scale and shift broadcast to x: [D], [B, 1, D] (LTX-Video, DiT: one per sample) or [B, S, D].
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use rms_norm() for a plain norm")
-    return _dispatch(x, None, None, weight, scale, shift, eps, cast_before_weight, None)[1]
+    return _dispatch(x, None, None, weight, scale, shift, eps, cast_before_weight, None, fn="rms_norm_modulate")[1]
 
 
 def gated_residual_rms_norm_modulate(
@@ -1010,10 +1078,12 @@ def gated_residual_rms_norm_modulate(
     """h_new = h + y * gate (gate None: h + y), rounded to h's dtype; out = rms_norm_modulate(h_new).
 
     Returns (h_new, out). scale/shift may both be None (plain fused residual add + RMSNorm).
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
     if y is None:
         raise ValueError("y is required; use rms_norm_modulate() without a residual")
-    h_out, out, _ = _dispatch(h, y, gate, weight, scale, shift, eps, cast_before_weight, None)
+    h_out, out, _ = _dispatch(h, y, gate, weight, scale, shift, eps, cast_before_weight, None,
+                              fn="gated_residual_rms_norm_modulate", grad_names=("h",) + _GRAD_NAMES[1:])
     return h_out, out
 
 
@@ -1022,13 +1092,18 @@ def gated_residual_add(h: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Te
     residual of DiT/LTX blocks (``torch.addcmul(h, y, gate)``; gate broadcasts like scale: [D],
     [B, 1, D] or [B, S, D]). Same kernel as the fused norms, with the norm switched off: torch's
     addcmul with a broadcast gate takes an unvectorised path that reaches about half the memory
-    bandwidth on an H200. Under torch.compile the PyTorch expression is returned instead, so that
-    the compiler fuses it with its neighbours.
+    bandwidth on an H200. Under torch.compile the PyTorch expression is returned instead (the same fp32
+    math and one rounding to h's dtype), so that the compiler fuses it with its neighbours.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
     if y is None:
         raise ValueError("y is required")
     if torch.compiler.is_compiling():
-        return h + y * gate if gate is not None else h + y
+        # as the kernel: fp32 math, one rounding to h's dtype (torch's type promotion would return fp32 for
+        # a bf16 h with an fp32 gate, and round y * gate to bf16 before the add with a bf16 gate)
+        upd = y.float() if gate is None else y.float() * gate.float()
+        return (h.float() + upd).to(h.dtype)
+    _check_no_grad("gated_residual_add", ("h", "y", "gate"), (h, y, gate))
     return _launch(h, y, gate, None, None, None, 0.0, True, None, 0, None, ("h", "y", "h"), norm=False)[0]
 
 
@@ -1062,6 +1137,7 @@ def fused_add_rms_norm(
         shape x.shape[:-1], and y_fp8 = fp8(y / scales[..., None]); dequantise as y_fp8.float() * scales[..., None].
     y is quantised from its fp32 value (it is not rounded to x's dtype first). fp8_dtype: None picks
     float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere; pass either to force it.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
     mode = _fp8_mode(fp8)
     if fp8_dtype is not None and mode == 0:
@@ -1072,7 +1148,7 @@ def fused_add_rms_norm(
         raise ValueError("residual is required; use rms_norm() without a residual")
     r, out, row_scales = _dispatch(
         x, residual, None, weight, None, None, eps, cast_before_weight, fp8_dtype, mode, fp8_scale,
-        names=("x", "residual", "x"),
+        names=("x", "residual", "x"), fn="fused_add_rms_norm", grad_names=("x", "residual") + _GRAD_NAMES[2:],
     )
     if mode == 2:
         return out, r, row_scales

@@ -164,7 +164,9 @@ def _sincos(a):
     |r| <= pi/4 (pi/2 split in three fp32 parts, fused multiply-adds), then minimax polynomials of sin and
     cos on [-pi/4, pi/4] and the quadrant j mod 4. Within 2 ulp of the correctly rounded fp32 results for
     the angles of video RoPE (|a| <= ~2e4; tests/test_rope.py). tl.sin and tl.cos (libdevice / OCML) each
-    reduce the argument on their own and carry a slow path for huge arguments."""
+    reduce the argument on their own and carry a slow path for huge arguments. At |a| >= 2**22 the
+    reduction no longer holds (round(a * 2/pi) leaves the trick's range): both results are NaN there, so
+    an out-of-range angle shows in the output instead of giving plausible wrong values."""
     j = (a * 0.6366197723675814 + 12582912.0) - 12582912.0  # round(a * 2/pi): 1.5 * 2**23 trick
     r = tl.fma(j, -1.5707963705062866, a)
     r = tl.fma(j, 4.371138828673793e-08, r)
@@ -178,7 +180,8 @@ def _sincos(a):
     cos_a = tl.where((q & 1) == 0, c, s)
     sin_a = tl.where(q >= 2, -sin_a, sin_a)
     cos_a = tl.where((q == 1) | (q == 2), -cos_a, cos_a)
-    return sin_a, cos_a
+    out_of_range = tl.abs(a) >= 4194304.0  # 2**22 (also true for inf; NaN stays NaN through the math)
+    return tl.where(out_of_range, float("nan"), sin_a), tl.where(out_of_range, float("nan"), cos_a)
 
 
 @triton.jit
@@ -297,11 +300,7 @@ def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_S
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the input is on {device}; move them to one device")
-    if t.device.type == "cpu" and not _interpreting():
-        raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-        )
+    _check_device(name, t)
 
 
 def _check_last_contiguous(name: str, t: torch.Tensor):
@@ -658,6 +657,67 @@ def _sig(t):
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
+# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
+# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
+_KERNELS_INTERPRETED = _interpreting()
+
+
+def _check_device(name: str, t) -> None:
+    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
+    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
+    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
+    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
+    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
+    device = t.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting = _interpreting()
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
+               if _KERNELS_INTERPRETED else "")
+        )
+    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
+                                                     and _device_target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
+    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
+    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
+    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
+    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
+    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
+    no_grad, where this check passes."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names, tensors):
+            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+                raise RuntimeError(
+                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
+                    f"({ref or fn + '_ref'}) where gradients are needed"
+                )
+
+
 def _dense_like(x) -> bool:
     """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
     time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
@@ -899,6 +959,13 @@ def _ltx_qk_rmsnorm_rope_coords_op_fake(q, k, q_weight, k_weight, eps, coords, f
 _register("ltx_qk_rmsnorm_rope_coords", _ltx_qk_rmsnorm_rope_coords_op, _ltx_qk_rmsnorm_rope_coords_op_fake)
 
 
+def _eps_arg(eps) -> float:
+    """eps for the compiled path's op: float(True) would hide a bool from the launcher's check."""
+    if isinstance(eps, bool):
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    return float(eps)
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
@@ -908,9 +975,12 @@ def ltx_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     x: [B, S, C] fp16/bf16/fp32, C even, channels contiguous (rows may be strided: a slice of a
     fused qkv output is read in place). cos/sin: [B or 1, S, C] or [S, C], any float dtype (fp32
     from LTXVideoRotaryPosEmbed). Returns a contiguous [B, S, C] tensor of x's dtype.
+    The kernel has no backward: in grad mode, an input that requires grad raises RuntimeError (call it
+    under torch.no_grad() / torch.inference_mode(), or use ltx_rope_ref where gradients are needed).
     """
     if torch.compiler.is_compiling():
         return _compile_op("ltx_rope")(x, cos, sin)
+    _check_no_grad("ltx_rope", ("x", "cos", "sin"), (x, cos, sin))
     return _ltx_rope_launch(x, cos, sin)  # eager: skip the custom-op dispatcher's overhead
 
 
@@ -921,9 +991,11 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     transpose of a projection). cos/sin: [S, D], [B or 1, S, D] (as transformers' rotary embedding
     returns them; the head dim is broadcast) or [B or 1, H or 1, S, D], any float dtype. The output
     has x's dtype, and x's layout when x is dense.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see ltx_rope).
     """
     if torch.compiler.is_compiling():
         return _compile_op("rope_rotate_half")(x, cos, sin)
+    _check_no_grad("rope_rotate_half", ("x", "cos", "sin"), (x, cos, sin))
     return _rope_rotate_half_launch(x, cos, sin)
 
 
@@ -948,11 +1020,14 @@ def ltx_qk_rmsnorm_rope(
     normalised row to the dtype before the weight, as the older composite implementation did.
     q, k: [B, S, C] with the same shape and dtype, each with its own row strides.
     cos/sin: [B or 1, S, C] or [S, C]. Returns contiguous (q_out, k_out).
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see ltx_rope).
     """
     if torch.compiler.is_compiling():
         return _compile_op("ltx_qk_rmsnorm_rope")(
-            q, k, q_weight, k_weight, float(eps), cos, sin, bool(cast_before_weight)
+            q, k, q_weight, k_weight, _eps_arg(eps), cos, sin, bool(cast_before_weight)
         )
+    _check_no_grad("ltx_qk_rmsnorm_rope", ("q", "k", "q_weight", "k_weight", "cos", "sin"),
+                   (q, k, q_weight, k_weight, cos, sin))
     return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
 
 
@@ -973,11 +1048,14 @@ def ltx_qk_rmsnorm_rope_coords(
     diffusers' LTXVideoRotaryPosEmbed builds its ``grid`` (after rope_interpolation_scale and the
     base sizes, before ``* 2 - 1``). freqs: [C // 6], ``ltx_rope_freqs(C, theta)``. The first C % 6
     channels are identity (cos 1, sin 0); channel pair p after them uses freqs[p // 3] on axis p % 3.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see ltx_rope).
     """
     if torch.compiler.is_compiling():
         return _compile_op("ltx_qk_rmsnorm_rope_coords")(
-            q, k, q_weight, k_weight, float(eps), coords, freqs, bool(cast_before_weight)
+            q, k, q_weight, k_weight, _eps_arg(eps), coords, freqs, bool(cast_before_weight)
         )
+    _check_no_grad("ltx_qk_rmsnorm_rope_coords", ("q", "k", "q_weight", "k_weight", "coords", "freqs"),
+                   (q, k, q_weight, k_weight, coords, freqs))
     return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
 
 

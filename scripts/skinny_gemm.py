@@ -36,7 +36,7 @@ Design (reasons beside each choice in the code):
 * split-K: programs = N tiles x SPLIT_K, enough to fill every CU; each program writes its fp32 partial to
   a [SPLIT_K, M, N] workspace, and the last program of an N tile to arrive (an atomic counter per tile)
   sums the partials in split order 0, 1, ..., SPLIT_K - 1 and applies scales, bias and the cast. One
-  launch, deterministic, and the counters are reset by the same program for the next call.
+  launch, deterministic; every launch gets its own zeroed counters (none kept across calls).
 * 8-XCD GPUs (MI300X, MI355X: workgroups go round-robin to 8 XCDs, each with its own L2): program ids
   are remapped so that each XCD runs a contiguous range of tiles (all K splits of neighbouring W rows),
   a bijection for any program count.
@@ -179,6 +179,15 @@ def _dot_step(acc, x_rows, w_rows, k, k_end, kk, MASKED: tl.constexpr, W_BITS: t
 
 
 @triton.jit
+def _ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE):
+    """int64 element offsets [BLOCK_M, BLOCK_N] of split ``split``'s partials, rows offs_m and columns
+    offs_n, in the workspace [SPLIT_K, M, N] (WS_SPLIT_STRIDE = M * N). In int64: the workspace holds
+    SPLIT_K * M * N elements, 2**31 or more for large N (M = 32, N = 2**21, 32 splits), where int32
+    products wrap. tl.cast: ``split`` may be a Python int (the interpreter's loop index)."""
+    return tl.cast(split, tl.int64) * WS_SPLIT_STRIDE + (offs_m.to(tl.int64) * N)[:, None] + offs_n[None, :]
+
+
+@triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
               HAS_BIAS: tl.constexpr, W_SCALE_MODE: tl.constexpr, HAS_X_SCALE: tl.constexpr):
     """Scales, bias, cast and store of an fp32 [BLOCK_M, BLOCK_N] result."""
@@ -208,7 +217,7 @@ def _skinny_gemm_kernel(
     X_SCALE,  # fp32 scale of an FP8 x, 1 value (HAS_X_SCALE)
     OUT, stride_om,  # y [M, N], rows stride_om elements apart
     WS,  # fp32 workspace [SPLIT_K, M, N] of partial sums (SPLIT_K > 1)
-    COUNTERS,  # int32 arrival counter per N tile (SPLIT_K > 1): zero on entry, left at zero
+    COUNTERS,  # int32 arrival counter per N tile (SPLIT_K > 1): zero on entry (fresh for each launch)
     M, N, K,
     WS_SPLIT_STRIDE,  # M * N: elements between two splits' partials in WS
     K_PER_SPLIT,  # K columns per split, a multiple of BLOCK_K
@@ -266,8 +275,7 @@ def _skinny_gemm_kernel(
 
     if IS_SPLIT:
         tile_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        ws_tile = WS + (offs_m * N)[:, None] + offs_n[None, :]
-        tl.store(ws_tile + split * WS_SPLIT_STRIDE, acc, mask=tile_mask)
+        tl.store(WS + _ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE), acc, mask=tile_mask)
         # Memory ordering: the barrier (a workgroup release/acquire fence pair around s_barrier /
         # bar.sync) orders every lane's partial store before the single atomic, whose gpu-scope
         # release publishes them all to other CUs; its acquire, followed by the second barrier,
@@ -277,11 +285,12 @@ def _skinny_gemm_kernel(
         tl.debug_barrier()
         if arrived == SPLIT_K - 1:
             # Last program of this tile: sum the partials in split order (a fixed order, so the
-            # result does not depend on which program came last), then leave the counter at zero.
+            # result does not depend on which program came last). The counter is left as it is: the
+            # launcher gives every launch fresh zeroed counters.
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, SPLIT_K):
-                total += tl.load(ws_tile + s * WS_SPLIT_STRIDE, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(COUNTERS + tile_n, 0, sem="relaxed", scope="gpu")
+                total += tl.load(WS + _ws_offset(s, offs_m, offs_n, N, WS_SPLIT_STRIDE), mask=tile_mask,
+                                 other=0.0, cache_modifier=".cg")
             _epilogue(total, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
                       HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE)
     else:
@@ -479,23 +488,6 @@ def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
     return y
 
 
-# Arrival counters, one per N tile, reused across calls (each launch leaves them at zero). One buffer
-# per (device, stream): launches on one stream run in order, launches on two streams may overlap.
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n_tiles: int) -> torch.Tensor:
-    if device.type == "cuda":
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (device.type, None)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n_tiles:
-        buf = torch.zeros(max(n_tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def _name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -508,11 +500,7 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None):
         raise TypeError(f"{name} has dtype {_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
-    if t.device.type == "cpu" and not _interpreting():
-        raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-        )
+    _check_device(name, t)
 
 
 def _check_scale(name: str, s, device, allowed_numel, what: str):
@@ -537,9 +525,13 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     The checks and the configuration depend only on the call's signature (each tensor's type, shape,
     strides, dtype and device, and the options), so they run once per signature: the plan they produce
     is kept and later calls with the same signature only allocate the outputs (and the split-K
-    workspace, with the current stream's arrival counters) and launch. The dispatch back to torch
+    workspace and zeroed arrival counters) and launch. The dispatch back to torch
     reads ``_KERNEL_MAX_M`` on every call, so a change to it applies at once.
     """
+    # no backward: inputs requiring grad are refused in grad mode (per call: grad mode is not in the key;
+    # the registered op runs this under no_grad, and torch refuses to differentiate through it)
+    _check_no_grad("skinny_gemm", ("x", "weight", "bias", "weight_scale", "x_scale"),
+                   (x, weight, bias, weight_scale, x_scale))
     try:
         key = (_sig(x), _sig(weight), bias if bias is None else _sig(bias),
                weight_scale if weight_scale is None else _sig(weight_scale),
@@ -695,9 +687,15 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
                 return y.reshape(shape)
         out = torch.empty(shape, dtype=out_dtype, device=device)
         if split:
-            # per call: the counters belong to the current stream, which may change between calls
             ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
-            counters = _counters(device, n_tiles)
+            # Fresh zeroed arrival counters for every launch (one allocation and one fill, both ordered
+            # on the current stream). Counters kept across calls went stale: a launch that did not finish
+            # (an exception, an interrupt, a killed kernel) left them non-zero and every later launch
+            # then reduced unwritten partials, silently; and a buffer kept per stream was shared by
+            # every CUDA graph captured on that stream. Zeroing a kept buffer before each launch costs
+            # the same fill plus a current-stream lookup and still shares it between graphs; allocated
+            # here, a graph gets its counters from its own memory pool and replays the fill.
+            counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
         else:
             ws = counters = out  # unused
         launch(
@@ -740,6 +738,67 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
+# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
+_KERNELS_INTERPRETED = _interpreting()
+
+
+def _check_device(name: str, t) -> None:
+    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
+    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
+    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
+    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
+    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
+    device = t.device
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting = _interpreting()
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
+               if _KERNELS_INTERPRETED else "")
+        )
+    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
+                                                     and _device_target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
+    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
+    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
+    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
+    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
+    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
+    no_grad, where this check passes."""
+    if torch.is_grad_enabled():
+        for name, t in zip(names, tensors):
+            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+                raise RuntimeError(
+                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
+                    f"({ref or fn + '_ref'}) where gradients are needed"
+                )
 
 
 def _dense_like(x) -> bool:
@@ -866,8 +925,7 @@ def _op_exists(name: str) -> bool:
 
 
 # Registered with custom_op only (the other kernel files also register a torch.library.triton_op
-# twin for Inductor): the split-K path keeps a per-stream counter buffer across calls, which a graph
-# traced once could not own, and rows above the measured per-architecture bound go to F.linear /
+# twin for Inductor): rows above the measured per-architecture bound go to F.linear /
 # torch._scaled_mm.
 if not _op_exists("skinny_gemm"):
 
@@ -912,6 +970,8 @@ def skinny_gemm(
     blocks in K and rounded down so that no split is empty); any value gives the same result up to fp32 rounding,
     and a given value gives bit-identical results run to run. More than 32 rows raise ValueError.
     Where measurements put torch ahead (``_KERNEL_MAX_M``), rows above that bound go to torch's GEMM.
+    No backward: in grad mode an input that requires grad raises RuntimeError (call it under
+    torch.no_grad() or torch.inference_mode()).
     """
     if torch.compiler.is_compiling():
         return getattr(torch.ops, _NS).skinny_gemm(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)

@@ -321,3 +321,28 @@ def test_torch_compile_traces_custom_ops():
         out = compiled(x)
     ref = act.gelu_ref(act.geglu_ref(x.double(), "tanh"), "none")
     assert_close(out, ref, torch.float32, seed=g.seed_value)
+
+
+# ---- inputs requiring grad ------------------------------------------------------------------------
+def _grad_cases(gen):
+    """Public function -> (call taking a dict of named tensors, the tensors)."""
+    f = torch.float32
+    x, up = randn((2, 3, 64), f, gen), randn((2, 3, 64), f, gen)
+    return {
+        "gelu": (lambda t: act.gelu(t["x"]), dict(x=x)),
+        "gelu_tanh": (lambda t: act.gelu_tanh(t["x"]), dict(x=x)),
+        "geglu": (lambda t: act.geglu(t["x"]), dict(x=x)),
+        "swiglu": (lambda t: act.swiglu(t["x"]), dict(x=x)),
+        "swiglu(gate, up)": (lambda t: act.swiglu(t["gate"], t["up"]), dict(gate=x, up=up)),
+        "swiglu(fp8)": (lambda t: act.swiglu(t["x"], fp8="per_tensor", fp8_scale=t["fp8_scale"]),
+                        dict(x=x, fp8_scale=torch.full((1,), 0.5, device=DEVICE))),
+    }
+
+
+@pytest.mark.parametrize("case", ["gelu", "gelu_tanh", "geglu", "swiglu", "swiglu(gate, up)", "swiglu(fp8)"])
+def test_inputs_requiring_grad_are_refused_in_grad_mode(case):
+    from test_launch import assert_refuses_inputs_requiring_grad
+
+    gen = make_generator()
+    call, tensors = _grad_cases(gen)[case]
+    assert_refuses_inputs_requiring_grad(case.split("(")[0], call, tensors)

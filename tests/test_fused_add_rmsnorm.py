@@ -136,7 +136,7 @@ def test_matches_llama_rmsnorm_bf16(rows, gen):
     D = 512
     m = LlamaRMSNorm(D, eps=1e-5)
     m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
-    m = m.to(DEVICE, torch.bfloat16)
+    m = m.to(DEVICE, torch.bfloat16).requires_grad_(False)  # inference: the kernels have no backward
     x = randn((rows, D), torch.bfloat16, gen, scale=2.0)
     res = randn((rows, D), torch.bfloat16, gen, scale=4.0)
     with poisoned_outputs():

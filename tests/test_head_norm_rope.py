@@ -167,7 +167,7 @@ def test_matches_flux_processor_steps(dtype, gen):
     for n in norms:
         with torch.no_grad():
             n.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
-        n.to(DEVICE, dtype)
+        n.to(DEVICE, dtype).requires_grad_(False)  # inference: the kernels have no backward
     nq, nk, naq, nak = norms
     q, k = randn((B, Si, H, D), dtype, gen, scale=2.0), randn((B, Si, H, D), dtype, gen)
     eq, ek = randn((B, St, H, D), dtype, gen, scale=2.0), randn((B, St, H, D), dtype, gen)
@@ -204,7 +204,7 @@ def test_matches_sd3_rmsnorm_on_transposed_heads(dtype, gen):
     for n in norms:
         with torch.no_grad():
             n.weight.copy_(1 + 0.3 * torch.randn(D, generator=gen))
-        n.to(DEVICE, dtype)
+        n.to(DEVICE, dtype).requires_grad_(False)  # inference: the kernels have no backward
     proj = randn((B, Si, 2 * H * D), dtype, gen, scale=2.0)
     eproj = randn((B, St, 2 * H * D), dtype, gen, scale=2.0)
     q, k = (t.view(B, Si, H, D) for t in proj.chunk(2, dim=-1))
@@ -324,3 +324,36 @@ def test_custom_op_under_torch_compile(gen):
         ([a, x], [a * 2, x * 3], [w, w], [w, w], [1e-6, 1e-6], cos, sin, False),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+# ---- inputs requiring grad ------------------------------------------------------------------------
+def _grad_cases(gen):
+    """Public function -> (call taking a dict of named tensors, the tensors)."""
+    f = torch.float32
+    q, k, w1, w2 = randn((2, 3, 2, 32), f, gen), randn((2, 3, 2, 32), f, gen), _w(32, f, gen), _w(32, f, gen)
+    q2, k2, w3, w4 = randn((2, 2, 2, 32), f, gen), randn((2, 2, 2, 32), f, gen), _w(32, f, gen), _w(32, f, gen)
+    cos, sin = _tables(3, 32, gen)
+    cos5, sin5 = _tables(5, 32, gen)
+
+    def joint(t):
+        parts = [(t["q of part 0"], t["k of part 0"], t["q_weight of part 0"], t["k_weight of part 0"]),
+                 (t["q of part 1"], t["k of part 1"], t["q_weight of part 1"], t["k_weight of part 1"])]
+        return hnr.joint_head_rms_norm_rope(parts, 1e-6, t["cos"], t["sin"])
+
+    return {
+        "head_rms_norm_rope": (
+            lambda t: hnr.head_rms_norm_rope(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["cos"], t["sin"]),
+            dict(q=q, k=k, q_weight=w1, k_weight=w2, cos=cos, sin=sin)),
+        "joint_head_rms_norm_rope": (joint, {
+            "q of part 0": q2, "k of part 0": k2, "q_weight of part 0": w3, "k_weight of part 0": w4,
+            "q of part 1": q, "k of part 1": k, "q_weight of part 1": w1, "k_weight of part 1": w2,
+            "cos": cos5, "sin": sin5}),
+    }
+
+
+@pytest.mark.parametrize("fn", ["head_rms_norm_rope", "joint_head_rms_norm_rope"])
+def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
+    from test_launch import assert_refuses_inputs_requiring_grad
+
+    call, tensors = _grad_cases(gen)[fn]
+    assert_refuses_inputs_requiring_grad(fn, call, tensors)

@@ -167,3 +167,186 @@ def test_plans_keep_no_tensor_alive(which, gen):
     gc.collect()
     alive = [i for i, ref in enumerate(refs) if ref() is not None]
     assert not alive, f"{which}: inputs {alive} are still referenced after the call (by a cached plan?)"
+
+
+# ---- per-call state that is not part of the plan key ------------------------------------------
+def _tensors_of(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def assert_refuses_inputs_requiring_grad(fn: str, call, tensors: dict):
+    """The kernels have no backward: in grad mode, any tensor input that requires grad must raise (a
+    RuntimeError naming the public function and the input), not return outputs without a grad_fn.
+    ``call(tensors)`` calls ``fn`` with the tensors of the dict (keyed by the name the error should
+    give). Each input is made to require grad in turn; the same call under torch.no_grad() and
+    torch.inference_mode() must still run and give what it gives without grad."""
+    import re
+
+    expected = _tensors_of(call(tensors))
+    for name in tensors:
+        args = {k: (v.detach().requires_grad_() if k == name else v) for k, v in tensors.items()}
+        pattern = (rf"^{re.escape(fn)}: {re.escape(name)} requires grad.*no backward.*"
+                   r"torch\.no_grad\(\).*torch\.inference_mode\(\).*PyTorch reference")
+        with pytest.raises(RuntimeError, match=pattern):
+            call(args)
+        for mode in (torch.no_grad, torch.inference_mode):
+            with mode():
+                got = _tensors_of(call(args))
+            assert len(got) == len(expected)
+            for g, e in zip(got, expected):
+                assert g.grad_fn is None and torch.equal(g, e), f"{fn} under {mode.__name__} with {name} requiring grad"
+    # a cached plan does not skip the check (grad mode is not part of the plan key)
+    every = {k: v.detach().requires_grad_() for k, v in tensors.items()}
+    with pytest.raises(RuntimeError, match=rf"^{re.escape(fn)}: .* requires grad"):
+        call(every)
+
+
+def test_skinny_gemm_refuses_inputs_requiring_grad(gen):
+    import skinny_gemm
+
+    x, w = randn((2, 64), torch.bfloat16, gen), randn((32, 64), torch.bfloat16, gen)
+    bias = randn((32,), torch.float32, gen)
+    assert_refuses_inputs_requiring_grad(
+        "skinny_gemm", lambda t: skinny_gemm.skinny_gemm(t["x"], t["weight"], t["bias"]),
+        dict(x=x, weight=w, bias=bias))
+
+
+def _meta_calls():
+    import activations
+    import head_norm_rope
+    import layernorm
+    import rmsnorm
+    import rope
+    import skinny_gemm
+
+    def m(*shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    return {
+        "rmsnorm": ("x", lambda: rmsnorm.rms_norm(m(2, 64), m(64))),
+        "rmsnorm_add": ("h", lambda: rmsnorm.gated_residual_add(m(2, 64), m(2, 64), m(64))),
+        "layernorm": ("x", lambda: layernorm.layer_norm_modulate(m(2, 3, 64), m(2, 64), m(2, 64))),
+        "rope": ("x", lambda: rope.ltx_rope(m(2, 3, 12), m(2, 3, 12), m(2, 3, 12))),
+        "rope_qk": ("q", lambda: rope.ltx_qk_rmsnorm_rope(m(2, 3, 12), m(2, 3, 12), None, None, 1e-6,
+                                                          m(3, 12), m(3, 12))),
+        "activations": ("x", lambda: activations.gelu(m(2, 64))),
+        "swiglu": ("gate", lambda: activations.swiglu(m(2, 64), m(2, 64))),
+        "head_norm_rope": ("q", lambda: head_norm_rope.head_rms_norm_rope(m(1, 2, 2, 8), m(1, 2, 2, 8), None, None,
+                                                                          1e-6)),
+        "skinny_gemm": ("x", lambda: skinny_gemm.skinny_gemm(m(2, 64, dtype=torch.bfloat16),
+                                                             m(32, 64, dtype=torch.bfloat16))),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_meta_calls()))
+def test_meta_tensors_are_refused_clearly(case):
+    """Meta tensors have a shape and a dtype but no data: a clear ValueError naming the argument, not a
+    crash deep inside Triton (or torch.cuda)."""
+    name, call = _meta_calls()[case]
+    with pytest.raises(ValueError, match=rf"^{name} is a meta tensor: meta tensors hold no data"):
+        call()
+
+
+_MODE_SCRIPT = r"""
+import json, os, sys, torch
+import activations, head_norm_rope, layernorm, rmsnorm, rope, skinny_gemm
+
+dev = sys.argv[1]
+def t(*shape, dtype=torch.float32):
+    return torch.ones(shape, dtype=dtype, device=dev)
+
+calls = {
+    "rmsnorm": lambda: rmsnorm.rms_norm(t(2, 64), t(64)),
+    "layernorm": lambda: layernorm.layer_norm(t(2, 64)),
+    "rope": lambda: rope.ltx_rope(t(2, 3, 12), t(2, 3, 12), t(2, 3, 12)),
+    "activations": lambda: activations.gelu(t(2, 64)),
+    "head_norm_rope": lambda: head_norm_rope.head_rms_norm_rope(t(1, 2, 2, 8), t(1, 2, 2, 8), None, None, 1e-6),
+    "skinny_gemm": lambda: skinny_gemm.skinny_gemm(t(2, 64, dtype=torch.bfloat16), t(32, 64, dtype=torch.bfloat16)),
+}
+at_import = os.environ.get("TRITON_INTERPRET")
+flipped = None if at_import else "1"
+out = {}
+for name, call in calls.items():
+    row = {}
+    for phase, value in (("as_imported", at_import), ("flipped", flipped)):
+        if value is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = value
+        try:
+            call()
+            row[phase] = "ok"
+        except Exception as e:
+            row[phase] = f"{type(e).__name__}: {e}"
+    out[name] = row
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run_mode_script(interpret_at_import: bool, device: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret_at_import:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = str(SCRIPTS) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    r = subprocess.run([sys.executable, "-c", _MODE_SCRIPT, device], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_triton_interpret_set_after_import_is_refused_clearly():
+    """Imported without TRITON_INTERPRET (kernels compiled for a GPU), called with CPU tensors: a clear
+    ValueError (CPU tensor). Then TRITON_INTERPRET=1 set in the environment, same calls: a clear
+    RuntimeError saying to set it before importing, not Triton's "0 active drivers" (or, on a GPU
+    machine, compiled kernels handed CPU pointers)."""
+    res = _run_mode_script(False, "cpu")
+    for name, row in res.items():
+        assert row["as_imported"].startswith("ValueError: x is a CPU tensor: Triton kernels run on a GPU") or \
+            row["as_imported"].startswith("ValueError: q is a CPU tensor: Triton kernels run on a GPU"), (name, row)
+        assert row["flipped"].startswith("RuntimeError: "), (name, row)
+        assert "TRITON_INTERPRET" in row["flipped"] and "before importing" in row["flipped"], (name, row)
+        assert "active drivers" not in row["flipped"], (name, row)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: kernels decorated for the interpreter "
+                    "then handed GPU tensors")
+def test_triton_interpret_unset_after_import_is_refused_clearly():
+    res = _run_mode_script(True, "cuda")
+    for name, row in res.items():
+        assert row["as_imported"] == "ok", (name, row)
+        assert row["flipped"].startswith("RuntimeError: "), (name, row)
+        assert "TRITON_INTERPRET" in row["flipped"] and "before importing" in row["flipped"], (name, row)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="this process imported the kernels for the interpreter")
+@pytest.mark.parametrize("case", ["rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm"])
+def test_cpu_tensor_after_unsetting_triton_interpret(case, monkeypatch):
+    """This process imported the kernels under TRITON_INTERPRET; with it unset now, a CPU tensor is
+    refused as before (ValueError: CPU tensor) and the message says that the variable was unset since
+    the import."""
+    import importlib
+
+    mod = importlib.import_module(case)
+    monkeypatch.delenv("TRITON_INTERPRET")
+
+    def t(*shape, dtype=torch.float32):
+        return torch.ones(shape, dtype=dtype)
+
+    call = {
+        "rmsnorm": lambda: mod.rms_norm(t(2, 64)),
+        "layernorm": lambda: mod.layer_norm(t(2, 64)),
+        "rope": lambda: mod.ltx_rope(t(2, 3, 12), t(2, 3, 12), t(2, 3, 12)),
+        "activations": lambda: mod.gelu(t(2, 64)),
+        "head_norm_rope": lambda: mod.head_rms_norm_rope(t(1, 2, 2, 8), t(1, 2, 2, 8), None, None, 1e-6),
+        "skinny_gemm": lambda: mod.skinny_gemm(t(2, 64, dtype=torch.bfloat16), t(32, 64, dtype=torch.bfloat16)),
+    }[case]
+    with pytest.raises(ValueError, match=r"CPU tensor: Triton kernels run on a GPU.*TRITON_INTERPRET was set "
+                                         r"when this module was imported"):
+        call()

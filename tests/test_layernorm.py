@@ -390,7 +390,7 @@ def test_matches_torch_layernorm(dtype, affine, gen):
     x = randn((3, 4, D), dtype, gen, scale=2.0, offset=1.0)
     with torch.no_grad():
         want = m(x)
-    with poisoned_outputs():
+    with poisoned_outputs(), torch.no_grad():  # the parameters require grad; the kernel has no backward
         got = layernorm.layer_norm(x, m.weight, m.bias, m.eps)
     assert_close(got, want.double(), dtype, **_module_tol(dtype), seed=gen.seed_value)
 
@@ -507,3 +507,113 @@ def test_custom_op_under_torch_compile(gen):
         (x, x * 2, sc, None, None, sc, sh, sh, sc, 1e-6),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+# ---- inputs requiring grad ------------------------------------------------------------------------
+def _grad_cases(gen):
+    """Public function -> (call taking a dict of named tensors, the tensors)."""
+    f = torch.float32
+    x, y = randn((2, 3, 64), f, gen), randn((2, 3, 64), f, gen)
+    w, b = randn((64,), f, gen, scale=0.2, offset=1.0), randn((64,), f, gen, scale=0.2)
+    g, sc, sh, sc2, sh2 = (randn((2, 64), f, gen, scale=0.3) for _ in range(5))
+    return {
+        "layer_norm": (lambda t: layernorm.layer_norm(t["x"], t["weight"], t["bias"]), dict(x=x, weight=w, bias=b)),
+        "layer_norm_modulate": (
+            lambda t: layernorm.layer_norm_modulate(t["x"], t["scale"], t["shift"], weight=t["weight"], bias=t["bias"]),
+            dict(x=x, scale=sc, shift=sh, weight=w, bias=b)),
+        "layer_norm_modulate_dual": (
+            lambda t: layernorm.layer_norm_modulate_dual(t["x"], t["scale"], t["shift"], t["scale2"], t["shift2"]),
+            dict(x=x, scale=sc, shift=sh, scale2=sc2, shift2=sh2)),
+        "gated_residual_layer_norm_modulate": (
+            lambda t: layernorm.gated_residual_layer_norm_modulate(t["h"], t["y"], t["gate"], t["scale"], t["shift"],
+                                                                   weight=t["weight"], bias=t["bias"]),
+            dict(h=x, y=y, gate=g, scale=sc, shift=sh, weight=w, bias=b)),
+        "gated_residual_layer_norm_modulate_dual": (
+            lambda t: layernorm.gated_residual_layer_norm_modulate_dual(t["h"], t["y"], t["gate"], t["scale"],
+                                                                        t["shift"], t["scale2"], t["shift2"]),
+            dict(h=x, y=y, gate=g, scale=sc, shift=sh, scale2=sc2, shift2=sh2)),
+    }
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "layer_norm_modulate", "layer_norm_modulate_dual",
+                                "gated_residual_layer_norm_modulate", "gated_residual_layer_norm_modulate_dual"])
+def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
+    from test_launch import assert_refuses_inputs_requiring_grad
+
+    call, tensors = _grad_cases(gen)[fn]
+    assert_refuses_inputs_requiring_grad(fn, call, tensors)
+
+
+# ---- 2-D [X, D] modulation with a 3-D x [B, S, D] ----------------------------------------------------
+def _torch_modulate(x, sc, sh, eps=1e-6):
+    """What torch broadcasting computes: layer_norm(x) * (1 + scale) + shift, in float64."""
+    return layernorm.layer_norm_ref(x.double(), eps=eps) * (1 + sc.double()) + sh.double()
+
+
+def test_2d_modulation_per_token_where_torch_broadcasts_it(gen):
+    """[S, D] with S != B: torch broadcasts it per token (rmsnorm.py does the same); so does the kernel."""
+    B, S, D = 2, 3, 48
+    x = randn((B, S, D), torch.float32, gen)
+    sc, sh = randn((S, D), torch.float32, gen, scale=0.3), randn((S, D), torch.float32, gen, scale=0.3)
+    with poisoned_outputs():
+        out = layernorm.layer_norm_modulate(x, sc, sh)
+    assert_close(out, _torch_modulate(x, sc, sh), torch.float32, seed=gen.seed_value)
+    assert_close(layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), _torch_modulate(x, sc, sh),
+                 torch.float32, seed=gen.seed_value, name="reference")
+    # the same reading in the gated residual (gate [S, D]) and the dual modulation
+    y, g = randn((B, S, D), torch.float32, gen), randn((S, D), torch.float32, gen)
+    h_new, out = layernorm.gated_residual_layer_norm_modulate(x, y, g, sc, sh)
+    h_ref = x.double() + g.double() * y.double()
+    assert_close(h_new, h_ref, torch.float32, seed=gen.seed_value, name="h")
+    assert_close(out, _torch_modulate(h_new, sc, sh), torch.float32, seed=gen.seed_value)
+    o1, o2 = layernorm.layer_norm_modulate_dual(x, sc, sh, sh, sc)
+    assert_close(o2, _torch_modulate(x, sh, sc), torch.float32, seed=gen.seed_value, name="out2")
+    # rmsnorm.py reads [S, D] the same way
+    import rmsnorm
+    assert_close(rmsnorm.rms_norm_modulate(x, sc, sh),
+                 rmsnorm.rms_norm_ref(x.double()) * (1 + sc.double()) + sh.double(), torch.float32,
+                 seed=gen.seed_value, name="rmsnorm")
+
+
+def test_2d_modulation_per_sample_where_torch_would_fail(gen):
+    """[B, D] with B != S: torch cannot broadcast it; it means one row per sample (diffusers' AdaLN chunks)."""
+    B, S, D = 3, 2, 48
+    x = randn((B, S, D), torch.float32, gen)
+    sc, sh = randn((B, D), torch.float32, gen, scale=0.3), randn((B, D), torch.float32, gen, scale=0.3)
+    assert_close(layernorm.layer_norm_modulate(x, sc, sh), _torch_modulate(x, sc[:, None], sh[:, None]),
+                 torch.float32, seed=gen.seed_value)
+    # one row for everything: [1, D] reads the same either way
+    assert_close(layernorm.layer_norm_modulate(x, sc[:1], sh[:1]), _torch_modulate(x, sc[:1], sh[:1]),
+                 torch.float32, seed=gen.seed_value, name="[1, D]")
+
+
+@pytest.mark.parametrize("which", ["scale", "shift", "gate", "scale2"])
+def test_2d_modulation_ambiguous_when_batch_equals_tokens(which, gen):
+    """x [3, 3, 48] with a [3, 48] scale: per sample (the diffusers form) or per token (torch
+    broadcasting)? They give different answers; the kernel refuses and says how to disambiguate."""
+    B = S = 3
+    D = 48
+    x, y = randn((B, S, D), torch.float32, gen), randn((B, S, D), torch.float32, gen)
+    t = {k: randn((B, 1, D), torch.float32, gen, scale=0.3) for k in ("scale", "shift", "gate", "scale2", "shift2")}
+    t[which] = t[which][:, 0]  # [3, 48]
+    call = {
+        "scale": lambda: layernorm.layer_norm_modulate(x, t["scale"], t["shift"]),
+        "shift": lambda: layernorm.layer_norm_modulate(x, t["scale"], t["shift"]),
+        "gate": lambda: layernorm.gated_residual_layer_norm_modulate(x, y, t["gate"], t["scale"], t["shift"]),
+        "scale2": lambda: layernorm.layer_norm_modulate_dual(x, t["scale"], t["shift"], t["scale2"], t["shift2"]),
+    }[which]
+    pattern = (rf"{which} of shape \(3, 48\) is ambiguous for x of shape \(3, 3, 48\).*"
+               rf"{which}\[:, None\].*one row per sample.*{which}\[None\].*one row per token")
+    with pytest.raises(ValueError, match=pattern):
+        call()
+    # the reference refuses it too, and both explicit forms work
+    if which in ("scale", "shift"):
+        with pytest.raises(ValueError, match="ambiguous"):
+            layernorm.layer_norm_modulate_ref(x, t["scale"], t["shift"])
+        sc, sh = t["scale"], t["shift"]
+        per_sample = [v[:, None] if v.dim() == 2 else v for v in (sc, sh)]
+        per_token = [v[None] if v.dim() == 2 else v for v in (sc, sh)]
+        assert_close(layernorm.layer_norm_modulate(x, *per_sample), _torch_modulate(x, *per_sample), torch.float32,
+                     seed=gen.seed_value, name="per sample")
+        assert_close(layernorm.layer_norm_modulate(x, *per_token), _torch_modulate(x, *per_token), torch.float32,
+                     seed=gen.seed_value, name="per token")

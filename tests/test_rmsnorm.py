@@ -226,7 +226,7 @@ def test_matches_diffusers_rmsnorm(dtype, affine, gen):
     m = RMSNorm(D, eps=1e-6, elementwise_affine=affine)
     if affine:
         m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
-    m = m.to(DEVICE, dtype)
+    m = m.to(DEVICE, dtype).requires_grad_(False)  # inference: the kernels have no backward
     x = randn((2, 9, D), dtype, gen, scale=2.0)
     expected = m(x)
     with poisoned_outputs():
@@ -242,7 +242,7 @@ def test_matches_torch_rmsnorm(dtype, eps, gen):
     D = 150
     m = torch.nn.RMSNorm(D, eps=eps)
     m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
-    m = m.to(DEVICE, dtype)
+    m = m.to(DEVICE, dtype).requires_grad_(False)  # inference: the kernels have no backward
     x = randn((3, 4, D), dtype, gen)
     expected = m(x)
     # torch.nn.RMSNorm multiplies the weight in fp32 and rounds once; eps=None means fp32's epsilon
@@ -258,7 +258,7 @@ def test_matches_llama_rmsnorm_bf16(gen):
     D = 256
     m = LlamaRMSNorm(D, eps=1e-5)
     m.weight.data = randn((D,), torch.float32, gen, scale=0.2, offset=1.0, device="cpu")
-    m = m.to(DEVICE, torch.bfloat16)
+    m = m.to(DEVICE, torch.bfloat16).requires_grad_(False)  # inference: the kernels have no backward
     x = randn((5, D), torch.bfloat16, gen, scale=4.0)
     expected = m(x)
     with poisoned_outputs():
@@ -281,7 +281,7 @@ def test_gemma_offset_weight(dtype, gen):
     D = 256
     m = gemma2.Gemma2RMSNorm(D, eps=1e-6)
     m.weight.data = randn((D,), torch.float32, gen, scale=0.3, device="cpu")
-    m = m.to(DEVICE, dtype)
+    m = m.to(DEVICE, dtype).requires_grad_(False)  # inference: the kernels have no backward
     x = randn((8, D), dtype, gen, scale=2.0, offset=0.3)
     expected = m(x)
     with poisoned_outputs():
@@ -381,3 +381,93 @@ def test_custom_op_under_torch_compile(gen):
         (x, x * 2, None, None, sc, sh, 1e-6, True, None),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+# ---- inputs requiring grad, eps validation, dtype under torch.compile -------------------------------
+def _grad_cases(gen):
+    """Public function -> (call taking a dict of named tensors, the tensors)."""
+    f = torch.float32
+    x, y = randn((2, 3, 64), f, gen), randn((2, 3, 64), f, gen)
+    w, sc, sh, g = _weight(64, f, gen), randn((2, 1, 64), f, gen), randn((2, 1, 64), f, gen), randn((64,), f, gen)
+    return {
+        "rms_norm": (lambda t: rmsnorm.rms_norm(t["x"], t["weight"]), dict(x=x, weight=w)),
+        "rms_norm_modulate": (lambda t: rmsnorm.rms_norm_modulate(t["x"], t["scale"], t["shift"], t["weight"]),
+                              dict(x=x, scale=sc, shift=sh, weight=w)),
+        "gated_residual_rms_norm_modulate": (
+            lambda t: rmsnorm.gated_residual_rms_norm_modulate(t["h"], t["y"], t["gate"], t["scale"], t["shift"],
+                                                               t["weight"]),
+            dict(h=x, y=y, gate=g, scale=sc, shift=sh, weight=w)),
+        "gated_residual_add": (lambda t: rmsnorm.gated_residual_add(t["h"], t["y"], t["gate"]), dict(h=x, y=y, gate=g)),
+        "fused_add_rms_norm": (lambda t: rmsnorm.fused_add_rms_norm(t["x"], t["residual"], t["weight"]),
+                               dict(x=x, residual=y, weight=w)),
+    }
+
+
+@pytest.mark.parametrize("fn", ["rms_norm", "rms_norm_modulate", "gated_residual_rms_norm_modulate",
+                                "gated_residual_add", "fused_add_rms_norm"])
+def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
+    from test_launch import assert_refuses_inputs_requiring_grad
+
+    call, tensors = _grad_cases(gen)[fn]
+    assert_refuses_inputs_requiring_grad(fn, call, tensors)
+
+
+def test_fp8_scale_requiring_grad_is_refused(gen):
+    x, r, w = randn((2, 64), torch.float32, gen), randn((2, 64), torch.float32, gen), _weight(64, torch.float32, gen)
+    s = torch.ones(1, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="^fused_add_rms_norm: fp8_scale requires grad"):
+        rmsnorm.fused_add_rms_norm(x, r, w, fp8="per_tensor", fp8_scale=s)
+
+
+_EPS_CALLS = {
+    "rms_norm": lambda x, eps: rmsnorm.rms_norm(x, eps=eps),
+    "rms_norm_modulate": lambda x, eps: rmsnorm.rms_norm_modulate(x, x[:, :1], x[:, :1], eps=eps),
+    "gated_residual_rms_norm_modulate": lambda x, eps: rmsnorm.gated_residual_rms_norm_modulate(x, x, None, None, None,
+                                                                                                eps=eps),
+    "fused_add_rms_norm": lambda x, eps: rmsnorm.fused_add_rms_norm(x, x, None, eps=eps),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(_EPS_CALLS))
+def test_eps_nan_and_bool_are_rejected(fn, gen):
+    """eps must be a real non-negative number, as in layernorm.py: NaN (which never equals itself, so
+    never finds a cached plan) and booleans are refused, also after a plan was cached for eps=1.0
+    (True == 1.0 and hash(True) == hash(1.0): the plan key holds type(eps))."""
+    import math
+
+    call = _EPS_CALLS[fn]
+    x = randn((2, 3, 64), torch.float32, gen)
+    call(x, 1.0)
+    call(x, 1)  # an int is a number
+    for bad in (True, False, float("nan"), math.nan, math.nan, -1.0, "1e-6", None):
+        with pytest.raises(ValueError, match="eps must be a non-negative float"):
+            call(x, bad)
+
+
+def test_eps_bool_rejected_under_torch_compile(gen):
+    """The compiled path converts eps with float(): a bool must be refused before that (float(True) is 1.0)."""
+    x = randn((2, 64), torch.float32, gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: rmsnorm.rms_norm(x, eps=True), backend="eager")
+    with pytest.raises(ValueError, match="eps must be a non-negative float"):
+        compiled(x)
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16, None])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_gated_residual_add_dtype_under_torch_compile(gate_dtype, backend, gen):
+    """bf16 h and y with an fp32 gate (Wan's modulation is fp32): eager returns bf16 (fp32 math, one
+    rounding to h's dtype); the compiled path must return the same dtype and values."""
+    h = randn((2, 5, 96), torch.bfloat16, gen, scale=2.0)
+    y = randn((2, 5, 96), torch.bfloat16, gen)
+    gate = None if gate_dtype is None else randn((2, 1, 96), gate_dtype, gen)
+    eager = rmsnorm.gated_residual_add(h, y, gate)
+    torch._dynamo.reset()
+    compiled = torch.compile(rmsnorm.gated_residual_add, backend=backend, fullgraph=True)(h, y, gate)
+    assert eager.dtype == compiled.dtype == torch.bfloat16
+    ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), None if gate is None else gate.double())
+    assert_close(compiled, ref, torch.bfloat16, seed=gen.seed_value, name="compiled")
+    # one rounding of the same fp32 value: at most one bf16 step apart from the kernel (the interpreter
+    # truncates where torch rounds), equal natively but for an FMA
+    assert_close(compiled, eager.double(), torch.bfloat16, rtol=2.0**-7, atol=1e-6, name="compiled vs eager",
+                 seed=gen.seed_value)

@@ -545,3 +545,64 @@ def test_sincos_over_video_rope_angles():
     ad = a.double()
     err = max((s.double() - torch.sin(ad)).abs().max().item(), (c.double() - torch.cos(ad)).abs().max().item())
     assert err < 2.5e-7, f"max |error| {err:.3g} (fp32 ulp at 1 is 1.2e-7)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs requiring grad
+# ---------------------------------------------------------------------------------------------
+def _grad_cases(gen):
+    """Public function -> (call taking a dict of named tensors, the tensors)."""
+    f = torch.float32
+    x, q, k = randn((2, 4, 48), f, gen), randn((2, 4, 48), f, gen), randn((2, 4, 48), f, gen)
+    cos, sin = _angles_cos_sin((2, 4, 48), gen)
+    wq, wk = _weight(48, f, gen), _weight(48, f, gen)
+    x4 = randn((1, 2, 4, 48), f, gen)
+    c4, s4 = _angles_cos_sin((4, 48), gen)
+    coords = torch.rand(2, 4, 3, generator=gen).to(DEVICE)
+    freqs = rope.ltx_rope_freqs(48, device=DEVICE)
+    return {
+        "ltx_rope": (lambda t: rope.ltx_rope(t["x"], t["cos"], t["sin"]), dict(x=x, cos=cos, sin=sin)),
+        "rope_rotate_half": (lambda t: rope.rope_rotate_half(t["x"], t["cos"], t["sin"]), dict(x=x4, cos=c4, sin=s4)),
+        "ltx_qk_rmsnorm_rope": (
+            lambda t: rope.ltx_qk_rmsnorm_rope(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["cos"], t["sin"]),
+            dict(q=q, k=k, q_weight=wq, k_weight=wk, cos=cos, sin=sin)),
+        "ltx_qk_rmsnorm_rope_coords": (
+            lambda t: rope.ltx_qk_rmsnorm_rope_coords(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["coords"],
+                                                      t["freqs"]),
+            dict(q=q, k=k, q_weight=wq, k_weight=wk, coords=coords, freqs=freqs)),
+    }
+
+
+@pytest.mark.parametrize("fn", ["ltx_rope", "rope_rotate_half", "ltx_qk_rmsnorm_rope", "ltx_qk_rmsnorm_rope_coords"])
+def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
+    from test_launch import assert_refuses_inputs_requiring_grad
+
+    call, tensors = _grad_cases(gen)[fn]
+    assert_refuses_inputs_requiring_grad(fn, call, tensors)
+
+
+@pytest.mark.parametrize("magnitude", [1e3, 1e5, 1e7, 1e9])
+def test_coords_kernel_angles_far_out_are_right_or_nan(magnitude, gen):
+    """The in-kernel sin/cos reduce the angle exactly only below 2**22 rad. Below that the output must
+    match the float64 reference; at or above it every output pair that used such an angle must be NaN,
+    never a plausible wrong (let alone unbounded) value."""
+    ch, batch, seq = 12, 1, 6
+    q, k = _fused_qk(batch, seq, ch, torch.float32, gen)
+    freqs = rope.ltx_rope_freqs(ch, device=DEVICE)  # 2 frequencies, the largest pi/2
+    coords = (torch.rand(batch, seq, 3, generator=gen) * magnitude).to(DEVICE)
+    with poisoned_outputs():
+        q4, _ = rope.ltx_qk_rmsnorm_rope_coords(q, k, None, None, 1e-5, coords, freqs)
+    qr, _ = rope.ltx_qk_rmsnorm_rope_coords_ref(q.double(), k.double(), None, None, 1e-5, coords, freqs)
+    # the angle of each output channel pair, as diffusers forms it: pair p (after the C % 6 padding
+    # pairs; none here) uses freqs[p // 3] on axis p % 3 of coords * 2 - 1
+    grid = coords.double() * 2 - 1
+    angles = torch.stack([grid[..., p % 3] * freqs[p // 3].double() for p in range(ch // 2)], -1)
+    angles = angles.repeat_interleave(2, -1).abs().cpu()
+    far, near = angles >= 2.0**22 * (1 + 1e-5), angles < 2.0**22 * (1 - 1e-5)  # fp32 rounding at the edge
+    q4c, qrc = q4.cpu().double(), qr.cpu().double()
+    assert torch.isnan(q4c[far]).all(), "angles >= 2**22 must give NaN"
+    assert torch.isfinite(q4c[near]).all()
+    # fp32 angles near 1e7 carry an absolute error of about 0.5 rad already in torch's own fp32 product;
+    # compare with the reference computed from the same fp32 angles only where that error is small
+    small = near & (angles < 2.0**14)
+    assert_close(q4c[small], qrc[small], torch.float64, rtol=1e-4, atol=1e-4, name="q", seed=gen.seed_value)

@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import skinny_gemm as sg
 from kernel_testing import DEVICE, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
@@ -300,8 +302,6 @@ def test_deterministic_and_split_invariant(m, gen):
     mag = float(sg.skinny_gemm_ref(x.double().abs(), w.double().abs()).max())
     assert_close(outs[4], outs[1].double(), torch.float32, rtol=0, atol=2 * (2 * k * 2.0**-24 * mag),
                  name="split 4 vs 1", seed=gen.seed_value)
-    # every arrival counter is left at zero for the next call
-    assert all(int(c.count_nonzero()) == 0 for c in sg._COUNTERS.values())
 
 
 @pytest.mark.parametrize("m,k", [(1, 1500), (3, 1500), (9, 1000), (32, 1000)])
@@ -324,6 +324,125 @@ def test_odd_split_and_program_count_not_multiple_of_8(m, k, gen):
     with poisoned_outputs():
         y = sg.skinny_gemm(x, w, b, split_k=3)
     _check(y, x, w, b, seed=gen.seed_value)
+
+
+class _DiesOnce:
+    """Stands in for the kernel: the first launch stops part-way, as an exception, an interrupt or a killed
+    kernel would leave it (every N tile's arrival counter advanced, no partial sum written, nothing reset);
+    later launches run the kernel, each recording the counters it was handed, as they were on entry."""
+
+    def __init__(self, kernel):
+        self.kernel, self.slot, self.entry_counters = kernel, kernel.arg_names.index("COUNTERS"), []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            counters = args[self.slot]
+            if not self.entry_counters:
+                counters.fill_(1)
+                self.entry_counters.append(None)
+                raise RuntimeError("launch killed part-way")
+            self.entry_counters.append(counters.clone())
+            return launch(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("m", [1, 12])
+def test_split_k_after_a_launch_that_did_not_finish(m, gen, monkeypatch):
+    """A split-K launch that does not finish leaves its arrival counters non-zero. The next split-K calls
+    (same stream, same and other shapes) must still be right: stale counters would make a program that is
+    not the last of its tile reduce partials not yet written (NaN in a poisoned workspace), silently."""
+    spy = _DiesOnce(sg._skinny_gemm_kernel)
+    monkeypatch.setattr(sg, "_skinny_gemm_kernel", spy)
+    n, k = 200, 2048
+    w = randn((n, k), torch.bfloat16, gen, scale=k**-0.5)
+    with pytest.raises(RuntimeError, match="killed part-way"):
+        sg.skinny_gemm(randn((m, k), torch.bfloat16, gen), w, split_k=4)
+    for split, n_ in ((4, n), (3, n), (4, 72)):  # the same signature again, another split, another N
+        x = randn((m, k), torch.bfloat16, gen)
+        w_ = w[:n_]
+        with poisoned_outputs():
+            y = sg.skinny_gemm(x, w_, split_k=split, out_dtype=torch.float32)
+        _check(y, x, w_, seed=gen.seed_value, name=f"split_k={split} N={n_} after an unfinished launch")
+    # every launch found its counters at zero
+    assert len(spy.entry_counters) == 4
+    assert all(int(c.count_nonzero()) == 0 for c in spy.entry_counters[1:])
+
+
+@triton.jit
+def _ws_offset_probe(OUT, split, N, WS_SPLIT_STRIDE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[BLOCK_M, BLOCK_N] = the kernel's workspace offsets of split `split`, rows 0.., the last BLOCK_N columns."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = (N - BLOCK_N) + tl.arange(0, BLOCK_N)
+    off = sg._ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE)
+    tl.store(OUT + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], off)
+
+
+def test_workspace_offsets_are_int64():
+    """The split-K workspace [SPLIT_K, M, N] holds 2**31 or more elements when split_k * M * N >= 2**31
+    (e.g. M = 32, N = 2**21, split_k = 32: 8 GiB, too big to run here): the kernel's workspace offsets
+    must not wrap in int32. Checked on the kernel's own offset helper, at offsets past 2**31 and 2**32
+    (and rows padded past M, whose offsets are computed though masked)."""
+    bm, bn = 32, 16
+    for m, n, split in ((32, 2**21, 32), (32, 2**21, 63), (17, 2**27 - 3, 2), (32, 12345, 5)):
+        out = torch.zeros((bm, bn), dtype=torch.int64, device=DEVICE)
+        _ws_offset_probe[(1,)](out, split, n, m * n, BLOCK_M=bm, BLOCK_N=bn)
+        rows = torch.arange(bm, dtype=torch.int64)[:, None]
+        cols = torch.arange(n - bn, n, dtype=torch.int64)[None, :]
+        assert torch.equal(out.cpu(), split * (m * n) + rows * n + cols), (m, n, split)
+
+
+@pytest.mark.skipif(INTERPRET, reason="a real launch of this size needs a GPU")
+def test_split_k_workspace_past_2_pow_31_elements(gen):
+    """A real split-K launch whose workspace holds more than 2**31 elements (9 GiB of fp32 partials):
+    the splits from 31 on sit past int32 offsets. W is a Hankel matrix (row n = buf[n : n + K], row stride
+    1), distinct rows in a few MiB."""
+    m, n, k, split = 32, 2**21 + 2**16, 4096, 32
+    if torch.cuda.mem_get_info(DEVICE)[0] < 24 * 2**30:
+        pytest.skip("needs about 20 GiB of free GPU memory")
+    assert split * m * n > 2**31
+    x = randn((m, k), torch.bfloat16, gen)
+    buf = randn((n + k,), torch.bfloat16, gen, scale=k**-0.5)
+    w = buf.as_strided((n, k), (1, 1))
+    with poisoned_outputs():
+        y = sg.skinny_gemm(x, w, split_k=split, out_dtype=torch.float32)
+    for c0 in range(0, n, 2**17):  # the float64 reference a slice of N at a time
+        wc = w[c0:c0 + 2**17]
+        _check(y[:, c0:c0 + 2**17], x, wc, seed=gen.seed_value, name=f"columns {c0}..")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="CUDA/HIP graphs need a GPU")
+def test_split_k_in_cuda_graphs(gen):
+    """Split-K calls captured in two graphs on one stream, replayed in turn and on two streams at once:
+    each replay is right (each graph owns its arrival counters)."""
+    n, k = 333, 2048
+    xs = [randn((3, k), torch.bfloat16, gen) for _ in range(2)]
+    ws = [randn((n, k), torch.bfloat16, gen, scale=k**-0.5) for _ in range(2)]
+    for x, w in zip(xs, ws):  # compile outside the capture
+        sg.skinny_gemm(x, w, split_k=4)
+    side = torch.cuda.Stream()
+    graphs, outs = [], []
+    with torch.cuda.stream(side):
+        for x, w in zip(xs, ws):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=side):
+                outs.append(sg.skinny_gemm(x, w, split_k=4))
+            graphs.append(g)
+    torch.cuda.current_stream().wait_stream(side)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(3):
+        for x in xs:
+            x.copy_(randn(x.shape, torch.bfloat16, gen))
+        for g, s in zip(graphs, streams):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                g.replay()
+        for s in streams:
+            torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for y, x, w in zip(outs, xs, ws):
+            _check(y, x, w, seed=gen.seed_value, name="graph replay")
 
 
 def test_split_k_larger_than_k_blocks_is_clamped(gen):

@@ -108,7 +108,7 @@ def test_matches_phi3_fused_gate_up_convention(gen):
     from transformers.models.phi3.modeling_phi3 import Phi3MLP
 
     cfg = Phi3Config(hidden_size=64, intermediate_size=96, hidden_act="silu")
-    mlp = Phi3MLP(cfg).to(DEVICE, torch.float32)
+    mlp = Phi3MLP(cfg).to(DEVICE, torch.float32).requires_grad_(False)  # the kernels have no backward
     x = _inputs((4, 64), torch.float32, gen)
     gate_up = mlp.gate_up_proj(x)
     with poisoned_outputs():
