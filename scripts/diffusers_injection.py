@@ -206,10 +206,8 @@ def _gelu_tanh_forward(self, hidden_states):
 
 def _runs_class_forward(m, cls) -> bool:
     """Whether m is a cls whose forward is cls.forward (a subclass may not override it), and calling m
-    runs that forward and nothing else: no hook, and no instance forward other than this file's patch."""
-    if not isinstance(m, cls) or type(m).forward is not cls.forward or not ic.hook_free(m):
-        return False
-    return "forward" not in m.__dict__ or _STATE in m.__dict__
+    runs that forward (or this file's patch of it) and nothing else (ic.unwrapped: no hook of any kind)."""
+    return isinstance(m, cls) and type(m).forward is cls.forward and ic.unwrapped(m, _STATE)
 
 
 def _modulated_norm_args(norm, x):
@@ -247,7 +245,7 @@ def _residual_into_next_norm1(block, h, y, gate, temb):
     norm left in the next block's carry; None when blocks are not linked or the kernel would not
     reproduce the next block's norm."""
     nxt = getattr(block, _NEXT, None)
-    if nxt is None or not ic.may_carry(block, nxt, temb):
+    if nxt is None or not ic.may_carry(block, nxt, temb, _STATE):
         return None
     args = _modulated_norm_args(nxt.norm1, h)
     table = nxt.scale_shift_table

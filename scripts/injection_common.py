@@ -83,11 +83,34 @@ _MM = torch.nn.modules.module
 
 
 def hook_free(module: torch.nn.Module) -> bool:
-    """Whether module(...) would run module.forward(...) and nothing else."""
+    """Whether module(...) would run module.forward(...) and nothing else (no torch hook, no
+    Module.compile() of it, no torch.jit tracing)."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or _MM._global_forward_hooks or _MM._global_forward_pre_hooks
                 or _MM._global_backward_hooks or _MM._global_backward_pre_hooks
+                or getattr(module, "_compiled_call_impl", None) is not None
                 or torch._C._get_tracing_state())
+
+
+def unwrapped(module: torch.nn.Module, state_key: Optional[str] = None) -> bool:
+    """Whether calling module runs its class's forward, or the forward an integration patched in under
+    state_key, and nothing else: hook_free, and no accelerate (_hf_hook) or diffusers (_diffusers_hook)
+    hook, which put their own wrapper into the instance's forward (offloading, caching, context
+    parallelism). A fused path that does not call a module, or reads its parameters before the module
+    would run, may do so only for such a module."""
+    d = module.__dict__
+    if not hook_free(module) or "_hf_hook" in d or "_diffusers_hook" in d:
+        return False
+    fwd = d.get("forward")
+    if fwd is None:
+        return True
+    state = d.get(state_key) if state_key else None
+    if state is None:
+        return False
+    # the integration's own patch: the same function (compared through patched_function, which
+    # torch.compile traces; it cannot trace an identity test of two partials) bound to this module
+    fn = patched_function(fwd)
+    return fn is not None and fn is patched_function(state["patched"]) and fwd.args[0] is module
 
 
 def call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -443,22 +466,23 @@ PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 # the next block's carry dict. The next block uses it only for the very tensors it was computed from, in
 # the state they were in then: same objects, same version counters (an in-place change between the two
 # blocks, by a hook or by other code, bumps the counter). Inference tensors (torch.inference_mode) keep
-# no version counter, and torch.compile traces no version counter either; then a value is carried only
-# when neither block has a hook that could change the tensor in between. Nothing is carried while
+# no version counter, and torch.compile traces no version counter either; a value is carried only when
+# neither block has a hook of any kind (may_carry), which also keeps a hook of the next block from
+# changing or bringing in the parameters the value was computed from. Nothing is carried while
 # autograd records: gradient checkpointing recomputes a block alone, and the recomputation must take the
 # path the first run took.
 def _version(t):
     return None if torch.compiler.is_compiling() or t.is_inference() else t._version
 
 
-def may_carry(block: torch.nn.Module, nxt: torch.nn.Module, temb) -> bool:
+def may_carry(block: torch.nn.Module, nxt: torch.nn.Module, temb, state_key: str) -> bool:
     """Whether block may leave nxt a value computed from temb and a residual it is about to make (see
-    above)."""
+    above). Both blocks must be unwrapped (no hook of any kind): a hook of block could change its output
+    after the value was computed, and one of nxt (an offloading hook, say) could change or bring in the
+    parameters the value was computed from before nxt runs."""
     if torch.is_grad_enabled():
         return False
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or temb.is_inference():
-        return hook_free(block) and hook_free(nxt)
-    return True
+    return unwrapped(block, state_key) and unwrapped(nxt, state_key)
 
 
 def put_carry(nxt: torch.nn.Module, attr: str, key: str, h, temb, value) -> None:

@@ -190,8 +190,8 @@ def _ln_args(norm, x: torch.Tensor):
     """
     if type(norm) not in (nn.LayerNorm, FP32LayerNorm) or len(norm.normalized_shape) != 1:
         return None
-    if "forward" in norm.__dict__ or not ic.hook_free(norm):  # the fused path does not call norm: nothing may
-        return None  # need the call (a hook, an offload wrapper, a replaced forward)
+    if not ic.unwrapped(norm):  # the fused path does not call norm: nothing may need the call (a hook, an
+        return None  # offloading or caching wrapper, a replaced forward)
     if norm.normalized_shape[0] != x.shape[-1]:
         return None
     w, b = norm.weight, norm.bias
@@ -272,6 +272,10 @@ def _residual_into_adaln(h, gate, y, norm, temb):
     module, the original operations otherwise); None for any other norm."""
     if getattr(norm, "emb", None) is not None:
         return None
+    # the next block's norm is computed here, before that block runs: it and its layers must run nothing
+    # but their forwards (no hook would see or change what they compute)
+    if not all(ic.unwrapped(m, _STATE) for m in norm.modules()):
+        return None
     if type(norm) is AdaLayerNormZero:
         return _adaln_zero_apply(norm, h, temb, y, gate)
     if type(norm) is SD35AdaLayerNormZeroX:
@@ -283,7 +287,7 @@ def _gated_add_to_next(block, key, h, gate, y, temb):
     """The block's last gated residual h + gate[:, None] * y; fused with the next block's norm1 (key "x")
     or norm1_context (key "c") when the blocks are linked and the kernel reproduces that norm."""
     nxt = getattr(block, _NEXT, None)
-    if nxt is not None and ic.may_carry(block, nxt, temb):
+    if nxt is not None and ic.may_carry(block, nxt, temb, _STATE):
         fused = _residual_into_adaln(h, gate, y, nxt.norm1 if key == "x" else nxt.norm1_context, temb)
         if fused is not None:
             ic.put_carry(nxt, _CARRY, key, fused[0], temb, fused[1])

@@ -833,14 +833,16 @@ class _Launch:
     says so, once).
     """
 
-    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "run", "full", "masks", "head")
+    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "direct")
 
     def __init__(self, kernel, grid, args, kwargs, slots, device):
         self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
         self.grid = tuple(grid)
         self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.device = device.index if device.type == "cuda" else None
-        self.run = None
+        # (runner, its leading arguments, the full argument list, the alignment masks), published in one
+        # store, so a call never pairs one first call's kernel with another's masks (two threads)
+        self.direct = None
 
     def _jit(self, tensors):
         args = self.args[:]
@@ -865,27 +867,28 @@ class _Launch:
         if not _DIRECT["ok"] or params is None:
             return
         bound = dict(zip(self.kernel.arg_names, self.args))
-        self.full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
+        full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
-        self.masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
-        self.head = (compiled.function, compiled.packed_metadata, None, None, None)
-        self.run = compiled.run
+        masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
+        head = (compiled.function, compiled.packed_metadata, None, None, None)
+        self.direct = (compiled.run, head, full, masks)
 
     def __call__(self, *tensors):
-        run = self.run
-        if run is not None and _current_device() == self.device and _hooks_idle():
-            full = self.full[:]
+        direct = self.direct
+        if direct is not None and _current_device() == self.device and _hooks_idle():
+            run, head, full, masks = direct
+            full = full[:]
             bad = 0
-            for i, t, m in zip(self.slots, tensors, self.masks):
+            for i, t, m in zip(self.slots, tensors, masks):
                 p = t.data_ptr()
                 full[i] = p
                 bad |= p & m
             if not bad:
                 g = self.grid3
-                run(g[0], g[1], g[2], _current_stream(self.device), *self.head, *full)
+                run(g[0], g[1], g[2], _current_stream(self.device), *head, *full)
                 return
         compiled = self._jit(tensors)
-        if run is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+        if direct is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
             self._adopt(compiled, tensors)
 
 

@@ -84,7 +84,7 @@ def test_direct_launch_serves_misaligned_and_aligned_pointers(gen):
     assert len(rmsnorm._PLANS) == 1
     launch = next(c.cell_contents for c in next(iter(rmsnorm._PLANS.values())).__closure__
                   if isinstance(c.cell_contents, rmsnorm._Launch))
-    assert launch.run is not None, "the plan should launch directly after its first call"
+    assert launch.direct is not None, "the plan should launch directly after its first call"
 
 
 def _public_calls(gen):
@@ -350,3 +350,65 @@ def test_cpu_tensor_after_unsetting_triton_interpret(case, monkeypatch):
     with pytest.raises(ValueError, match=r"CPU tensor: Triton kernels run on a GPU.*TRITON_INTERPRET was set "
                                          r"when this module was imported"):
         call()
+
+
+def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeypatch):
+    """Two threads making the first calls of one plan, one with a 16-byte aligned pointer and one
+    without, each get a compiled kernel from the JIT; whichever is kept must be kept with the alignment
+    masks of the call that compiled it (else misaligned pointers could later launch the aligned kernel).
+    Fake tensors and kernels: this tests the bookkeeping, on any machine."""
+    import contextlib
+    import inspect
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import rmsnorm as R
+
+    class Ptr:  # only data_ptr is read by _Launch
+        def __init__(self, p):
+            self.p = p
+
+        def data_ptr(self):
+            return self.p
+
+    class Compiled:
+        def __init__(self, name, slow):
+            self.name, self.slow, self.packed_metadata = name, slow, None
+
+        @property
+        def function(self):
+            if self.slow:
+                time.sleep(0.2)  # widens the window in which the other thread adopts its kernel
+            return self.name
+
+        def run(self, *a):
+            pass
+
+    sig = inspect.signature(getattr(R._rms_norm_kernel, "fn", R._rms_norm_kernel))
+
+    class Kernel:  # stands in for the JITFunction, with the real kernel's parameters
+        params = [SimpleNamespace(name=n, default=p.default) for n, p in sig.parameters.items()]
+        arg_names = list(sig.parameters)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                aligned = args[0].p % 16 == 0
+                return Compiled("aligned kernel" if aligned else "unaligned kernel", slow=aligned)
+            return launch
+
+    monkeypatch.setitem(R._DIRECT, "ok", True)
+    monkeypatch.setattr(R, "_current_device", lambda: 0)
+    monkeypatch.setattr(R, "_as_launched", lambda k: k)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+    launch = R._Launch(Kernel(), (1,), [None] * len(sig.parameters), {}, [0],
+                       torch.device("cuda", 0))
+    ta = threading.Thread(target=launch, args=(Ptr(4096),))
+    tb = threading.Thread(target=launch, args=(Ptr(4098),))
+    ta.start()
+    time.sleep(0.05)
+    tb.start()
+    ta.join()
+    tb.join()
+    run, head, full, masks = launch.direct
+    assert (head[0], masks) in {("aligned kernel", (15,)), ("unaligned kernel", (0,))}, (head[0], masks)

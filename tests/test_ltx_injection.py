@@ -801,3 +801,61 @@ def test_local_checkpoints_load_safetensors_only(loader, monkeypatch):
         pipe, what = mod.load_pipeline("cuda", False, 0)
     assert isinstance(pipe, FakePipe) and "local cache" in what
     assert seen.get("use_safetensors") is True and seen.get("local_files_only") is True, seen
+
+
+def test_carry_not_made_for_a_next_block_with_hooks():
+    """A pre-hook of block 1 that brings in its parameters (as weight streaming or offloading does) runs
+    after block 0 would have computed block 1's norm from them: with any hook on either block, nothing
+    is carried, and block 1 computes its norm itself once its hooks have run."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    kw = _inputs(gen)
+    b1 = tr.transformer_blocks[1]
+    real = b1.scale_shift_table.detach().clone()
+
+    def pre(module, args):
+        module.scale_shift_table.data.copy_(real)
+
+    def post(module, args, output):
+        module.scale_shift_table.data.zero_()
+
+    with torch.no_grad():
+        b1.scale_shift_table.zero_()  # "offloaded" until its pre-hook runs
+    handles = [b1.register_forward_pre_hook(pre), b1.register_forward_hook(post)]
+    try:
+        ref = _run(tr, kw)
+        di.inject_optimized_kernels(tr, verbose=False)
+        got = _run(tr, kw)
+    finally:
+        for h in handles:
+            h.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_diffusers_hook_changing_a_block_output_in_place(mode):
+    """A diffusers ModelHook (which wraps the instance's forward, not a torch hook) edits block 0's output
+    in place. Under inference_mode there is no version counter to notice: nothing may be carried past a
+    block with such a hook."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class InPlacePost(ModelHook):
+        def post_forward(self, module, output):
+            output.add_(0.5 * output.flip(-1))
+            return output
+
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers=2)
+    kw = _inputs(gen)
+    HookRegistry.check_if_exists_or_initialize(tr.transformer_blocks[0]).register_hook(InPlacePost(), "inplace")
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with ctx():
+        ref = tr(**kw)[0]
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        with ctx():
+            got = tr(**kw)[0]
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"

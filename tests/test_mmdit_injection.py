@@ -12,6 +12,7 @@ import torch
 import activations
 import diffusers_injection as di
 import head_norm_rope
+import injection_common as ic
 import layernorm
 import mmdit_injection as mi
 from kernel_testing import DEVICE, make_generator, rel_l2
@@ -222,18 +223,36 @@ def _count_norm_calls(model):
     for i, blk in enumerate(model.transformer_blocks):
         for name in ("norm1", "norm1_context"):
             norm = getattr(blk, name)
-            inner = norm.forward
+            state = norm.__dict__.get(mi._STATE)
+            if state is None:  # not patched (e.g. an AdaLayerNormContinuous the injection left alone)
+                inner = norm.forward
 
-            def counted(*a, _inner=inner, _key=(i, name), **k):
+                def counted(*a, _inner=inner, _key=(i, name), **k):
+                    calls[_key] += 1
+                    return _inner(*a, **k)
+
+                norm.forward = counted
+                wrapped.append((norm, inner, None))
+                continue
+            # a patched norm: count inside the integration's own patch (a foreign forward would make the
+            # blocks call the norm instead of carrying it, which is what the tests count)
+            patched = state["patched"]
+            fn = ic.patched_function(patched)
+
+            def counted_fn(self, *a, _fn=fn, _key=(i, name), **k):
                 calls[_key] += 1
-                return _inner(*a, **k)
+                return _fn(self, *a, **k)
 
-            norm.forward = counted
-            wrapped.append((norm, inner))
+            bound = ic.BoundForward(counted_fn, norm)
+            norm.__dict__["forward"], state["patched"] = bound, bound
+            wrapped.append((norm, patched, state))
 
     def undo():
-        for norm, inner in wrapped:
-            norm.forward = inner
+        for norm, inner, state in wrapped:
+            if state is None:
+                norm.forward = inner
+            else:
+                norm.__dict__["forward"], state["patched"] = inner, inner
 
     return calls, undo
 
@@ -624,4 +643,30 @@ def test_hooks_on_submodules_still_run(kind, where):
         handle.remove()
         mi.remove_mmdit_kernels(model, verbose=False)
     assert len(fired) == n_ref > 0
+    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_hook_on_the_next_block_norm1_still_runs(kind):
+    """Block 0 may compute block 1's norm1 with its own last residual; not where block 1's norm1 has a
+    hook, which must run and may change the output."""
+    model = _model_with_blocks(kind)
+    kw = _inputs(model)
+    fired = []
+
+    def hook(m, a, o):
+        fired.append(1)
+        return (o[0] * 1.5,) + tuple(o[1:])
+
+    handle = model.transformer_blocks[1].norm1.register_forward_hook(hook)
+    try:
+        ref = _run(model, kw)
+        n_ref = len(fired)
+        fired.clear()
+        mi.inject_mmdit_kernels(model, verbose=False)
+        got = _run(model, kw)
+    finally:
+        handle.remove()
+        mi.remove_mmdit_kernels(model, verbose=False)
+    assert len(fired) == n_ref == 1
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
