@@ -157,7 +157,10 @@ def gemm_gelu_enabled() -> bool:
 
 # Architectures PyTorch routes addmm's bias/GELU epilogue to hipBLASLt on, by minimum ROCm version, as
 # read in aten/src/ATen/native/cuda/Blas.cpp (isSupportedHipLtROCmArch); other PyTorch releases may
-# list others. Elsewhere PyTorch runs the GEMM, then gelu_(..., "tanh").
+# list others. Elsewhere PyTorch runs the GEMM, then gelu_(..., "tanh"). On ROCm as on CUDA the
+# variable that turns the Lt path off is DISABLE_ADDMM_CUDA_LT=1; Blas.cpp reads no
+# DISABLE_ADDMM_HIP_LT (getDisableAddmmCudaLt at pytorch/pytorch 960a68465f61,
+# isGloballyDisabledAddmmCudaLt at ROCm/pytorch 03c1b4882649 and cyyever/pytorch 0cecc5c1817a).
 _HIPBLASLT_ARCHS = (((0, 0), ("gfx90a", "gfx942")),
                     ((6, 3), ("gfx908", "gfx1100", "gfx1101", "gfx1200", "gfx1201")),
                     ((7, 0), ("gfx950", "gfx1150", "gfx1151")))
@@ -165,11 +168,11 @@ _HIPBLASLT_ARCHS = (((0, 0), ("gfx90a", "gfx942")),
 
 def gemm_gelu_lt_expected(device) -> bool:
     """Whether PyTorch would run _addmm_activation on this GPU through cuBLASLt / hipBLASLt, so that
-    the GELU happens in the GEMM's epilogue: not when DISABLE_ADDMM_CUDA_LT=1 (or, on ROCm,
-    DISABLE_ADDMM_HIP_LT=1), and on ROCm only on the architectures listed above."""
-    for var in ("DISABLE_ADDMM_CUDA_LT", "DISABLE_ADDMM_HIP_LT"):
-        if os.environ.get(var) == "1":
-            return False
+    the GELU happens in the GEMM's epilogue: not when DISABLE_ADDMM_CUDA_LT=1 (PyTorch reads that
+    name on CUDA and on ROCm; it reads no DISABLE_ADDMM_HIP_LT), and on ROCm only on the
+    architectures listed above."""
+    if os.environ.get("DISABLE_ADDMM_CUDA_LT") == "1":
+        return False
     if torch.version.hip is None:
         return True
     try:

@@ -167,6 +167,25 @@ def test_lt_path_expected_by_platform(hip, arch, expected, monkeypatch):
     assert ic.gemm_gelu_lt_expected("cuda:0") is False
 
 
+@pytest.mark.parametrize(
+    "hip, arch",
+    [(None, None), ("6.3.42131", "gfx1201"), ("7.0.51831", "gfx950"), ("6.2.41133", "gfx1201")],
+)
+def test_lt_path_env_var_names(hip, arch, monkeypatch):
+    """PyTorch reads DISABLE_ADDMM_CUDA_LT on CUDA and on ROCm (isGloballyDisabledAddmmCudaLt in
+    aten/src/ATen/native/cuda/Blas.cpp); DISABLE_ADDMM_HIP_LT is not read, so it changes nothing."""
+    monkeypatch.delenv("DISABLE_ADDMM_CUDA_LT", raising=False)
+    monkeypatch.delenv("DISABLE_ADDMM_HIP_LT", raising=False)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _Props(arch))
+    unset = ic.gemm_gelu_lt_expected("cuda:0")
+    monkeypatch.setenv("DISABLE_ADDMM_HIP_LT", "1")
+    assert ic.gemm_gelu_lt_expected("cuda:0") is unset
+    monkeypatch.delenv("DISABLE_ADDMM_HIP_LT")
+    monkeypatch.setenv("DISABLE_ADDMM_CUDA_LT", "1")
+    assert ic.gemm_gelu_lt_expected("cuda:0") is False
+
+
 def _linear(n_in, n_out, dtype, gen, bias=True, device=DEVICE):
     lin = torch.nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
     with torch.no_grad():
