@@ -402,8 +402,8 @@ def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: 
     _MIN_ROW_PROGRAMS programs, down to 4 bytes per lane (512 bf16 outputs): at decode sizes the time is
     latency, and spreading a row over more programs with less work per lane shortens it. Narrow rows
     are packed several to a program (BLOCK_M) to the same budget. Measured on an H200 (SwiGLU, bf16,
-    CUDA graphs replaying the same inputs, benchmark_decode_fusions_h200_before_evict_hint.json against
-    benchmark_decode_fusions_h200_before_row_grid.json): with this rule and
+    CUDA graphs replaying the same inputs, benchmark_decode_fusions_h200_before_evict_hint.json at commit
+    ce1e479 against benchmark_decode_fusions_h200_before_row_grid.json at commit ffca4bd): with this rule and
     the kernel's 2D grid, unmasked tiles and SiLU form, 1 and 32 rows of 4096-16384 took 1.14-1.63 us
     instead of 1.46-1.88 us and 1,024 x 4096 took 4.22 instead of 4.90 us; 4,096 rows did not change. In a
     sweep of 64-4096 outputs x 1-8 warps per program, 2048 outputs beat 4096 at 1,024 rows and 512 beat

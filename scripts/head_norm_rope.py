@@ -251,7 +251,8 @@ def _launch_config(head_dim: int, heads: int, warp_size: int):
     elements of a tile (one 16-byte bf16 vector per tensor); the warp count follows from the lane
     count (32 on NVIDIA and RDNA wave32, 64 on CDNA wave64). Measured on an H200 (bf16, CUDA-graph
     timing, the mmdit suite of scripts/benchmark_kernels.py;
-    examples/benchmark_kernels_mmdit_h200_before_cold_l2.json against ..._before_qk_token_programs.json): FLUX.1-dev [1, 4608, 24, 128] q/k with fp32 cos/sin took
+    examples/benchmark_kernels_mmdit_h200_before_cold_l2.json at commit 709f4f5 against
+    ..._before_qk_token_programs.json at commit 10b0815): FLUX.1-dev [1, 4608, 24, 128] q/k with fp32 cos/sin took
     31.6 us against 34.6 us with the previous programs of 8 heads, which loaded the weights and the
     token's cos/sin row three times per token; SD3.5's [2, 4429, 24, 64] q/k without RoPE 28.7 against
     28.0 us (no table to share there).
