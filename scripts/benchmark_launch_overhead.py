@@ -9,7 +9,9 @@ all in one process, with three yardsticks measured in the same run: F.rms_norm, 
 empty four-argument Triton kernel launched through its JIT. Host time: the GPU is first given a long
 torch.cuda._sleep, so the calls only queue work and the host clock measures issuing them; median over
 --repeats rounds of --calls calls (a round whose sleep ended before the host finished is rerun with a
-longer sleep). The ratios that matter are within one run: host speed differs between machines.
+longer sleep). The ratios that matter are within one run: host speed differs between machines, and drifts
+during a run, so each row times its three calls (the bundle's, the PyTorch ops', F.rms_norm) round by
+round in rotating order and divides their medians.
 
 Chain (--chain): one LTX-Video-like residual stream at a small size (default [2, 1320, 2048] bf16):
 --chain-calls times the fused gated residual + AdaLN RMSNorm, each call's output feeding the next,
@@ -138,6 +140,21 @@ TORCH_PROVIDERS = ("eager", "torch.matmul", "torch._scaled_mm")
 SKIP_PROVIDERS = ("triton(no evict hint)", "triton(integer FP8)", "triton_kernel")  # benchmark-only variants
 
 
+def _interleaved(fns: dict, calls: int, repeats: int) -> dict:
+    """{name: (median host us per call, GPU kept busy in every round)}, the fns measured round by round in
+    rotating order (one round of each, then the next), so that a drift of the host's speed during the run
+    reaches all of them alike and their ratios hold."""
+    times = {name: [] for name in fns}
+    busy = {name: True for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            us, ok = host_us(fns[name], calls, 1)
+            times[name].append(us)
+            busy[name] &= ok
+    return {name: (statistics.median(t), busy[name]) for name, t in times.items()}
+
+
 def per_kernel(args, argv) -> int:
     import benchmark_kernels as bk
 
@@ -146,7 +163,12 @@ def per_kernel(args, argv) -> int:
     yard = _yardsticks(args.calls, args.repeats)
     for name, us in yard.items():
         log(f"{name:60s} {us:8.2f} us")
-    rms = yard["F.rms_norm"]
+    xr = torch.randn(2, 1320, 2048, device="cuda", dtype=torch.bfloat16)
+    wr = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+
+    def rms():
+        return torch.nn.functional.rms_norm(xr, (2048,), wr, 1e-6)
+
     rows = []
     for suite, name, shape, build in _kernel_cases():
         if wanted is not None and name not in wanted:
@@ -154,23 +176,25 @@ def per_kernel(args, argv) -> int:
         case = build()
         providers = case["providers"]
         torch_name = next((p for p in TORCH_PROVIDERS if p in providers), None)
-        torch_us = torch_busy = None
-        if torch_name:
-            torch_us, torch_busy = host_us(providers[torch_name], args.calls, args.repeats)
-            torch_us = round(torch_us, 2)
         for prov, fn in providers.items():
             if not prov.startswith("triton") or prov in SKIP_PROVIDERS:
                 continue
-            us, busy = host_us(fn, args.calls, args.repeats)
-            us = round(us, 2)
+            fns = {"bundle": fn, "F.rms_norm": rms}
+            if torch_name:
+                fns["torch"] = providers[torch_name]
+            m = _interleaved(fns, args.calls, args.repeats)
+            us, busy = round(m["bundle"][0], 2), m["bundle"][1]
+            rms_us = round(m["F.rms_norm"][0], 2)
+            torch_us, torch_busy = (round(m["torch"][0], 2), m["torch"][1]) if torch_name else (None, None)
             row = {"suite": suite, "case": name, "provider": prov, "shape": shape, "bundle_us": us,
                    "gpu_kept_busy": busy, "torch_ops": torch_name, "torch_us": torch_us,
-                   "torch_gpu_kept_busy": torch_busy,
+                   "torch_gpu_kept_busy": torch_busy, "F_rms_norm_us": rms_us,
                    "vs_torch_ops": round(us / torch_us, 3) if torch_us else None,
-                   "vs_F_rms_norm": round(us / rms, 3)}
+                   "vs_F_rms_norm": round(us / rms_us, 3)}
             rows.append(row)
             log(f"{suite:6s} {name + ' ' + prov:52s} {us:8.2f} us   {torch_name or '-'} "
-                f"{torch_us if torch_us is not None else float('nan'):8.2f} us   x{row['vs_F_rms_norm']:.2f} F.rms_norm")
+                f"{torch_us if torch_us is not None else float('nan'):8.2f} us   F.rms_norm {rms_us:6.2f} us   "
+                f"x{row['vs_F_rms_norm']:.2f}")
         del case
     doc = {
         "benchmark": "host_cost_per_call",
@@ -179,7 +203,9 @@ def per_kernel(args, argv) -> int:
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
         "timing": "host clock over --calls back-to-back eager calls while the GPU sleeps (no call waits for it); "
-                  "median of --repeats rounds; microseconds per call",
+                  "median of --repeats rounds; microseconds per call. Per row, the bundle's call, the PyTorch ops it "
+                  "replaces and F.rms_norm are timed round by round in rotating order, and the row's ratios are "
+                  "of those medians (a drift of host speed during the run cancels out of them)",
         "calls": args.calls, "repeats": args.repeats, "dtype": "bfloat16",
         "yardsticks_us": yard,
         "rows": rows,

@@ -396,7 +396,8 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
             BLOCK_H=block_h, N_STEPS=(heads + block_h - 1) // block_h, MAX_UNROLL=_MAX_UNROLL, BLOCK_D=block_d,
             num_warps=num_warps,
-        ), (0, 4, 8, 9, 10, 12, 14, 15), dev)))
+        ), (0, 4, 8 if has_weight else None, 9 if has_weight else None, 10 if has_rope else None,
+            12 if has_rope else None, 14, 15), dev)))
         offset += seq
 
     # outputs are contiguous; with one part they have q's shape and dtype, and torch.empty_like(q) makes
@@ -410,12 +411,7 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             q_out = torch.empty(out_shape, dtype=dtype, device=dev)
             k_out = torch.empty(out_shape, dtype=dtype, device=dev)
         for i, launch in launches:
-            launch(
-                qs[i], ks[i],
-                q_weights[i] if has_weight else q_out, k_weights[i] if has_weight else q_out,
-                cos if has_rope else q_out, sin if has_rope else q_out,
-                q_out, k_out,
-            )
+            launch(qs[i], ks[i], q_weights[i], k_weights[i], cos, sin, q_out, k_out)
         return q_out, k_out
 
     return run
@@ -534,10 +530,12 @@ class _Launch:
     """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
 
     Built once per call signature; each call passes that call's tensors for the positions ``slots``
-    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    of ``args``, in order (a slot of None: an argument this plan leaves as it is in ``args``, None for
+    a tensor the kernel does not read; the call may pass anything there). The first call goes through Triton's JIT, which compiles or finds the
     kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
     runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
-    binding and specialisation of every argument.
+    binding and specialisation of every argument. That call is a small function generated for the
+    plan (``direct``), with every fixed argument written in as a constant.
 
     That is only right while the JIT would pick the same compiled kernel. The signature fixes every
     integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
@@ -550,63 +548,79 @@ class _Launch:
     says so, once).
     """
 
-    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "direct")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "device", "direct")
 
     def __init__(self, kernel, grid, args, kwargs, slots, device):
         self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
         self.grid = tuple(grid)
-        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.device = device.index if device.type == "cuda" else None
-        # (runner, its leading arguments, the full argument list, the alignment masks), published in one
-        # store, so a call never pairs one first call's kernel with another's masks (two threads)
+        # the generated direct launch: set once, in one store, after the first call (see _adopt)
         self.direct = None
 
-    def _jit(self, tensors):
+    def __call__(self, *tensors):
+        direct = self.direct
+        if direct is None or not direct(*tensors):
+            self._slow(tensors)
+
+    def _slow(self, tensors):
+        """Through Triton's JIT; the first such call also sets up the direct launch."""
         args = self.args[:]
         for i, t in zip(self.slots, tensors):
-            args[i] = t
+            if i is not None:
+                args[i] = t
         fn = _as_launched(self.kernel)
         if self.device is None or fn is not self.kernel:
-            return fn[self.grid](*args, **self.kwargs)
+            fn[self.grid](*args, **self.kwargs)
+            return
         with torch.cuda.device(self.device):
-            return fn[self.grid](*args, **self.kwargs)
+            compiled = fn[self.grid](*args, **self.kwargs)
+        if self.direct is None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
 
     def _adopt(self, compiled, tensors):
-        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        """Generate the direct launch of the compiled kernel the first call returned."""
         if _DIRECT["ok"] is None:
             _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
             if not _DIRECT["ok"]:
                 import warnings
 
                 warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
         bound = dict(zip(self.kernel.arg_names, self.args))
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
-        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
-        masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
-        head = (compiled.function, compiled.packed_metadata, None, None, None)
-        self.direct = (compiled.run, head, full, masks)
-
-    def __call__(self, *tensors):
-        direct = self.direct
-        if direct is not None and _current_device() == self.device and _hooks_idle():
-            run, head, full, masks = direct
-            full = full[:]
-            bad = 0
-            for i, t, m in zip(self.slots, tensors, masks):
-                p = t.data_ptr()
-                full[i] = p
-                bad |= p & m
-            if not bad:
-                g = self.grid3
-                run(g[0], g[1], g[2], _current_stream(self.device), *head, *full)
-                return
-        compiled = self._jit(tensors)
-        if direct is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
-            self._adopt(compiled, tensors)
+        # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
+        masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
+        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
+              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
+        values = []
+        for i, v in enumerate(full):
+            if i in slot_of:
+                values.append(f"p{slot_of[i]}")
+            elif v is None or type(v) in (bool, int) or (type(v) is float and v == v and abs(v) != float("inf")):
+                values.append(repr(v))  # repr of these reads back as the same value
+            else:
+                ns[f"_a{i}"] = v
+                values.append(f"_a{i}")
+        grid = self.grid + (1,) * (3 - len(self.grid))
+        n = len(self.slots)
+        aligned = [f"p{j}" for j in range(n) if masks[j]]
+        src = "\n".join(
+            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
+             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+             "        return False"]
+            + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
+            + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
+            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+               f"None, None, None, {', '.join(values)})",
+               "    return True", ""])
+        exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
+        direct = ns["direct"]
+        direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
+        self.direct = direct
 
 
 def _no_gpu(*_):

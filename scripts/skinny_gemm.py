@@ -465,10 +465,13 @@ def _kernel_max_m(target, w_fp8: bool) -> int:
 def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
     """torch's own GEMM for y = x2 @ W^T (scaled, + bias), or None where torch has none for these inputs.
 
-    16-bit: F.linear, rounded to x's dtype (then converted when out_dtype differs). FP8 x and W:
+    16-bit: F.linear, rounded to x's dtype (then converted when out_dtype differs; a bias of another dtype is
+    added to the rounded product in fp32). FP8 x and W:
     torch._scaled_mm, tensor-wise or, for per-channel weight scales, row-wise scaling.
     """
     if weight.dtype not in _FP8_DTYPES:
+        if bias is not None and bias.dtype != x2.dtype:  # F.linear takes one dtype: add this bias in fp32
+            return (torch.nn.functional.linear(x2, weight).float() + bias.float()).to(out_dtype)
         y = torch.nn.functional.linear(x2, weight, bias)
         return y if y.dtype == out_dtype else y.to(out_dtype)
     if x2.dtype not in _FP8_DTYPES or not hasattr(torch, "_scaled_mm"):
@@ -661,11 +664,11 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     args = (
         None, x2.stride(0),  # X
         None, weight.stride(0),  # W
-        None,  # BIAS (the output when there is none: unused)
+        None,  # BIAS (stays None when there is none: not read)
         None,  # W_SCALE (likewise)
         None,  # X_SCALE (likewise)
         None, n,  # OUT, rows n elements apart
-        None, None,  # WS, COUNTERS (the output when SPLIT_K == 1: unused)
+        None, None,  # WS, COUNTERS (stay None when SPLIT_K == 1: not read)
         m, n, k,
         m * n,
         cfg.k_per_split, cfg.split_k, num_programs,
@@ -678,7 +681,8 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         W_BITS=w_bits, X_BITS=x_bits, FNUZ=fnuz,
         NUM_XCDS=cfg.num_xcds,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    ), (0, 2, 4, 5, 6, 7, 9, 10), device)
+    ), (0, 2, 4 if bias is not None else None, 5 if weight_scale is not None else None,
+        6 if x_scale is not None else None, 7, 9 if split else None, 10 if split else None), device)
 
     def run(x, weight, bias, weight_scale, x_scale):
         if to_torch and m > _kernel_max_m(target, w_fp8):
@@ -697,15 +701,9 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
             # here, a graph gets its counters from its own memory pool and replays the fill.
             counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
         else:
-            ws = counters = out  # unused
-        launch(
-            x.view(torch.uint8) if x_bits else x,
-            weight.view(torch.uint8) if w_bits else weight,
-            bias if bias is not None else out,
-            weight_scale if weight_scale is not None else out,
-            x_scale if x_scale is not None else out,
-            out, ws, counters,
-        )
+            ws = counters = None  # not read
+        launch(x.view(torch.uint8) if x_bits else x, weight.view(torch.uint8) if w_bits else weight,
+               bias, weight_scale, x_scale, out, ws, counters)
         return out
 
     return run
@@ -833,10 +831,12 @@ class _Launch:
     """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
 
     Built once per call signature; each call passes that call's tensors for the positions ``slots``
-    of ``args``, in order. The first call goes through Triton's JIT, which compiles or finds the
+    of ``args``, in order (a slot of None: an argument this plan leaves as it is in ``args``, None for
+    a tensor the kernel does not read; the call may pass anything there). The first call goes through Triton's JIT, which compiles or finds the
     kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
     runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
-    binding and specialisation of every argument.
+    binding and specialisation of every argument. That call is a small function generated for the
+    plan (``direct``), with every fixed argument written in as a constant.
 
     That is only right while the JIT would pick the same compiled kernel. The signature fixes every
     integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
@@ -849,63 +849,79 @@ class _Launch:
     says so, once).
     """
 
-    __slots__ = ("kernel", "grid", "grid3", "args", "kwargs", "slots", "device", "direct")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "device", "direct")
 
     def __init__(self, kernel, grid, args, kwargs, slots, device):
         self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
         self.grid = tuple(grid)
-        self.grid3 = self.grid + (1,) * (3 - len(self.grid))
         self.device = device.index if device.type == "cuda" else None
-        # (runner, its leading arguments, the full argument list, the alignment masks), published in one
-        # store, so a call never pairs one first call's kernel with another's masks (two threads)
+        # the generated direct launch: set once, in one store, after the first call (see _adopt)
         self.direct = None
 
-    def _jit(self, tensors):
+    def __call__(self, *tensors):
+        direct = self.direct
+        if direct is None or not direct(*tensors):
+            self._slow(tensors)
+
+    def _slow(self, tensors):
+        """Through Triton's JIT; the first such call also sets up the direct launch."""
         args = self.args[:]
         for i, t in zip(self.slots, tensors):
-            args[i] = t
+            if i is not None:
+                args[i] = t
         fn = _as_launched(self.kernel)
         if self.device is None or fn is not self.kernel:
-            return fn[self.grid](*args, **self.kwargs)
+            fn[self.grid](*args, **self.kwargs)
+            return
         with torch.cuda.device(self.device):
-            return fn[self.grid](*args, **self.kwargs)
+            compiled = fn[self.grid](*args, **self.kwargs)
+        if self.direct is None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
+            self._adopt(compiled, tensors)
 
     def _adopt(self, compiled, tensors):
-        """Keep what the direct launch needs from the compiled kernel the first call returned."""
+        """Generate the direct launch of the compiled kernel the first call returned."""
         if _DIRECT["ok"] is None:
             _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
             if not _DIRECT["ok"]:
                 import warnings
 
                 warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=3)
+                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
         bound = dict(zip(self.kernel.arg_names, self.args))
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
-        # a pointer compiled as 16-byte aligned is masked with 15 (it must stay aligned), others with 0
-        masks = tuple(15 if t.data_ptr() % 16 == 0 else 0 for t in tensors)
-        head = (compiled.function, compiled.packed_metadata, None, None, None)
-        self.direct = (compiled.run, head, full, masks)
-
-    def __call__(self, *tensors):
-        direct = self.direct
-        if direct is not None and _current_device() == self.device and _hooks_idle():
-            run, head, full, masks = direct
-            full = full[:]
-            bad = 0
-            for i, t, m in zip(self.slots, tensors, masks):
-                p = t.data_ptr()
-                full[i] = p
-                bad |= p & m
-            if not bad:
-                g = self.grid3
-                run(g[0], g[1], g[2], _current_stream(self.device), *head, *full)
-                return
-        compiled = self._jit(tensors)
-        if direct is None and self.device is not None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
-            self._adopt(compiled, tensors)
+        # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
+        masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
+        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
+              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
+        values = []
+        for i, v in enumerate(full):
+            if i in slot_of:
+                values.append(f"p{slot_of[i]}")
+            elif v is None or type(v) in (bool, int) or (type(v) is float and v == v and abs(v) != float("inf")):
+                values.append(repr(v))  # repr of these reads back as the same value
+            else:
+                ns[f"_a{i}"] = v
+                values.append(f"_a{i}")
+        grid = self.grid + (1,) * (3 - len(self.grid))
+        n = len(self.slots)
+        aligned = [f"p{j}" for j in range(n) if masks[j]]
+        src = "\n".join(
+            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
+             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+             "        return False"]
+            + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
+            + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
+            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+               f"None, None, None, {', '.join(values)})",
+               "    return True", ""])
+        exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
+        direct = ns["direct"]
+        direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
+        self.direct = direct
 
 
 def _no_gpu(*_):

@@ -278,6 +278,9 @@ for name, call in calls.items():
             row[phase] = "ok"
         except Exception as e:
             row[phase] = f"{type(e).__name__}: {e}"
+        # the check runs when a plan is made: a plan made while the two agreed keeps serving its signature
+        for mod in (activations, head_norm_rope, layernorm, rmsnorm, rope, skinny_gemm):
+            mod._PLANS.clear()
     out[name] = row
 print("RESULT " + json.dumps(out))
 """
@@ -410,8 +413,8 @@ def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeyp
     tb.start()
     ta.join()
     tb.join()
-    run, head, full, masks = launch.direct
-    assert (head[0], masks) in {("aligned kernel", (15,)), ("unaligned kernel", (0,))}, (head[0], masks)
+    kept = (launch.direct.compiled_function, launch.direct.masks)
+    assert kept in {("aligned kernel", (15,)), ("unaligned kernel", (0,))}, kept
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA / HIP graphs need a GPU")
@@ -441,3 +444,85 @@ def test_direct_launch_inside_graph_capture(gen):
         torch.cuda.synchronize()
         ref = rmsnorm.rms_norm_modulate_ref(fresh.double(), sc.double(), sh.double())
         assert_close(out, ref.to(dtype), dtype, seed=gen.seed_value)
+
+
+def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
+    """The generated direct launch: the runner gets the grid, the current stream, the compiled kernel's
+    function and metadata, then every kernel parameter in order (this call's pointers where the tensors
+    go; the fixed arguments, keyword arguments and defaults elsewhere, constants of every kind kept as
+    they are). A pointer compiled as aligned that is not, another current device, or a launch hook
+    send the call back to the JIT. Fake tensors and kernels: any machine."""
+    import inspect
+    from types import SimpleNamespace
+
+    import rmsnorm as R
+
+    class Ptr:
+        def __init__(self, p):
+            self.p = p
+
+        def data_ptr(self):
+            return self.p
+
+    ran, jitted = [], []
+
+    class Compiled:
+        function, packed_metadata = "the function", ("the", "metadata")
+
+        def run(self, *a):
+            ran.append(a)
+
+    sig = inspect.signature(getattr(R._rms_norm_kernel, "fn", R._rms_norm_kernel))
+    names = list(sig.parameters)
+
+    class Kernel:
+        params = [SimpleNamespace(name=n, default=p.default) for n, p in sig.parameters.items()]
+        arg_names = names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                jitted.append((grid, args, kw))
+                return Compiled()
+            return launch
+
+    device = {"index": 0}
+    monkeypatch.setitem(R._DIRECT, "ok", True)
+    monkeypatch.setattr(R, "_current_device", lambda: device["index"])
+    monkeypatch.setattr(R, "_current_stream", lambda d: 1000 + d)
+    monkeypatch.setattr(R, "_as_launched", lambda k: k)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
+    odd = object()  # a constant that has no literal form
+    n_pos = 12
+    fixed = [None, 7, -3, None, 2.5, float("inf"), True, odd, torch.float16, 1e-300, 0, False][:n_pos]
+    kwargs = {names[-1]: 64, names[-2]: odd}
+    slots = (0, 3)
+    launch = R._Launch(Kernel(), (5, 2), fixed, kwargs, slots, torch.device("cuda", 0))
+    launch(Ptr(4096), Ptr(8192))  # first call: the JIT
+    assert len(jitted) == 1 and not ran and launch.direct is not None
+    launch(Ptr(4112), Ptr(12288))
+    assert len(jitted) == 1 and len(ran) == 1
+    expected_params = []
+    for i, name in enumerate(names):
+        if i in slots:
+            expected_params.append({0: 4112, 3: 12288}[i])
+        elif i < n_pos:
+            expected_params.append(fixed[i])
+        else:
+            expected_params.append(kwargs.get(name, sig.parameters[name].default))
+    got = ran[0]
+    assert got[:9] == (5, 2, 1, 1000, "the function", ("the", "metadata"), None, None, None)
+    assert len(got) == 9 + len(names)
+    for name, g, e in zip(names, got[9:], expected_params):
+        assert g is e or (type(g) is type(e) and g == e), (name, g, e)
+    # back to the JIT: a misaligned pointer compiled as aligned; another current device; a launch hook
+    launch(Ptr(4098), Ptr(8192))
+    assert len(jitted) == 2 and len(ran) == 1
+    device["index"] = 1
+    launch(Ptr(4096), Ptr(8192))
+    assert len(jitted) == 3 and len(ran) == 1
+    device["index"] = 0
+    monkeypatch.setattr(R, "_hooks_idle", lambda: False)
+    launch.direct = None  # regenerated with the patched hook check on the next JIT call
+    launch(Ptr(4096), Ptr(8192))
+    launch(Ptr(4096), Ptr(8192))
+    assert len(jitted) == 5 and len(ran) == 1

@@ -101,6 +101,27 @@ def test_bias_and_fp32_output(m, bias_dtype, gen):
     _check(y, x, w, b, seed=gen.seed_value)
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_dispatch_with_a_bias_of_any_dtype(bias_dtype, out_dtype, gen, monkeypatch):
+    """Above the per-arch M limit skinny_gemm hands 16-bit GEMMs to torch (F.linear), which takes one
+    dtype for x, W and bias; the documented bias of any float dtype must still work there (it raised
+    "self and mat2 must have the same dtype" for a float32 bias on a GPU). Two roundings on this path:
+    the product to x's dtype, then the sum with the bias."""
+    monkeypatch.setattr(sg, "_kernel_max_m", lambda target, w_fp8: 0)  # every M goes to torch
+    m, n, k = 5, 96, 200
+    x = randn((m, k), torch.bfloat16, gen)
+    w = randn((n, k), torch.bfloat16, gen, scale=k**-0.5)
+    b = randn((n,), bias_dtype, gen)
+    with poisoned_outputs():
+        y = sg.skinny_gemm(x, w, b, out_dtype=out_dtype)
+    assert y.dtype == (out_dtype or torch.bfloat16)
+    ref = sg.skinny_gemm_ref(x, w, b)
+    tol = 2 * 2.0**-7 if out_dtype is None else 2.0**-7  # the product rounded to bf16 (+ the output rounding)
+    scale = float(sg.skinny_gemm_ref(x, w).abs().max() + b.abs().max())  # rounding the product is relative to it
+    assert_close(y, ref, y.dtype, rtol=tol, atol=tol * scale, name="y", seed=gen.seed_value)
+
+
 def test_matches_torch_linear(gen):
     """Against torch's own bf16 linear: both are within one bf16 rounding of the exact value."""
     for m in (1, 5, 32):
