@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """GELU, GEGLU and SwiGLU activations, elementwise, with fp32 math and one rounding to the output dtype.
 
     gelu(x)  = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2)))            (approximate="none")

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The injected kernels under diffusers context parallelism: the LTX-Video transformer split along
 the sequence over several GPUs (Ulysses or ring attention), with and without the kernels.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End-to-end benchmark: does injecting the kernels make LTX-Video generation faster, against eager
 diffusers and against torch.compile, and do the outputs stay the same?
 

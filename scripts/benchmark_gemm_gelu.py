@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Linear + tanh-GELU at a feed-forward's up-projection: the GEMM then this bundle's GELU kernel, against
 one torch._addmm_activation call with GELU in the BLAS epilogue (cuBLASLt / hipBLASLt), plus the GEMM
 alone, PyTorch's GELU, and torch.compile of both forms. Also prints the injection's check of which GELU

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Micro-benchmarks: every kernel of the bundle against its peers, at LTX-Video's and LLM decoding's real shapes.
 
 For each kernel and shape: a correctness check against a float64 reference first (any failure of

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Host cost of launching the kernels: per public kernel (default), or a launch-bound chain.
 
 Per kernel (default): for every kernel case of scripts/benchmark_kernels.py at LTX-Video (25 frames

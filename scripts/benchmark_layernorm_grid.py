@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The grid behind scripts/layernorm.py's persistent form: one program per row block against a fixed
 grid of programs that loop over row blocks and prefetch the next one (layernorm._persistent_config).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ahead-of-time compile check of every Triton kernel of the bundle for AMD (and NVIDIA) GPUs, on any machine.
 
 For each case of ``CASES`` (a public launcher called on inputs of a real model's shapes) and each target

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Put the project's Triton kernels into diffusers' LTX-Video pipeline, and take them out again.
 
     counts = inject_optimized_kernels(pipe)      # or a bare LTXVideoTransformer3DModel / VAE

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-head RMSNorm of q and k, optionally followed by interleaved-pair RoPE, in one launch.
 
     y = cast(x / sqrt(mean(x**2 over the head dim) + eps) [cast] * w)        (per head, per token)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Machinery shared by the integration scripts (diffusers_injection.py, mmdit_injection.py,
 transformers_injection.py): when a kernel may replace torch for some tensors, and reversible
 per-instance forward patching. The kernel files themselves do not use it (each stays copyable

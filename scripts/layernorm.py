@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LayerNorm over the last dimension, optionally fused with AdaLN modulation and a gated residual.
 
     h   = h + gate * y                                          (optional: gated residual, h returned too)

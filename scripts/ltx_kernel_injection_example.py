@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LTX-Video with the Triton kernels injected: what is replaced, how fast a denoising step is, and
 how close the result stays to the unpatched pipeline.
 

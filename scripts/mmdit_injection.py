@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Put the project's Triton kernels into diffusers' MMDiT transformers (SD3 / SD3.5 and FLUX), and take
 them out again.
 

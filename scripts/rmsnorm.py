@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RMSNorm over the last dimension, optionally fused with AdaLN modulation, a gated residual and FP8 output.
 
     h   = h + y * gate                                   (optional: gated residual, h returned too)

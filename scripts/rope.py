@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rotary position embeddings (RoPE), alone or fused with LTX-Video's q/k RMSNorm.
 
     interleaved (LTX-Video): out[2i]   = x[2i]   * cos[2i]   - x[2i+1] * sin[2i]

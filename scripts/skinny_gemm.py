@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Skinny GEMM for decoding: y = x @ W^T (+ bias) for 1 <= M <= 32 rows, bf16/fp16 or FP8 weights.
 
     y[m, n] = (sum_k x[m, k] * W[n, k]) * w_scale[n or 0] * x_scale + bias[n]   (fp32 accumulation)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Put the project's Triton kernels into Hugging Face transformers' Llama-family models, and take them out again.
 
     counts = inject_llama_kernels(model)     # LlamaForCausalLM, LlamaModel, or any module holding them

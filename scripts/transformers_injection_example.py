@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A Llama model (LlamaForCausalLM) with the Triton kernels injected: what is replaced, how close logits
 and greedy tokens stay to the unpatched model, and decode tokens/s before and after.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """XCD-aware program-id remapping for tiled kernels (GEMMs) on multi-die AMD Instinct GPUs.
 
     tile = (pid % X) * (N // X) + min(pid % X, N % X) + pid // X      (N programs, X XCDs)

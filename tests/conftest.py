@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test set-up: run the kernels natively on a GPU, else through Triton's interpreter on the CPU.
 
 TRITON_INTERPRET must be set before any @triton.jit function is decorated, so it is decided here,

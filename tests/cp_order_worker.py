@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Worker for tests/test_context_parallel.py, launched with torchrun on 2 processes: kernels injected
 BEFORE enable_parallelism (the order opposite to scripts/benchmark_context_parallel.py), then
 removed while the model stays parallel. Prints one JSON line on rank 0; asserts on every rank."""

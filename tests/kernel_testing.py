@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared helpers for the kernel tests: device choice, poisoned outputs, fresh random inputs and a
 verbose closeness check against a float64 reference."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tests for scripts/activations.py: gelu (tanh and erf forms) and geglu against float64 references,
 torch.nn.functional.gelu and diffusers' GELU/GEGLU modules, on fresh random inputs."""
 

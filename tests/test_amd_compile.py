@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Ahead-of-time compile check (scripts/check_amd_compile.py): every kernel compiles for gfx942, gfx950,
 gfx1201 and sm90 at the launchers' real configurations, without spills or scratch on AMD; the checker
 compiles exactly what Triton's JIT would compile for the same launch; and the spill detector does flag

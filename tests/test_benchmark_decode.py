@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """scripts/benchmark_kernels.py's LLM-decode suite without a GPU: the command line selects the cases, and every
 case's bundle and eager providers run (through the interpreter here) and pass the script's own correctness
 check. Timing needs a GPU and is not exercised."""

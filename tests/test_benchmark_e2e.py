@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """scripts/benchmark_e2e.py without a GPU: the command line, the parity rule that decides the exit
 status, the kernel classification of the profile, and one tiny end-to-end run through the interpreter
 (timings mean nothing there; the run checks that every part of the script works)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """scripts/benchmark_layernorm_grid.py without a GPU: the command line, and a run of both measurements
 through the interpreter (timing replaced by a stand-in) whose every configuration passes the script's
 float64 check, and which reports a wrong kernel as a failure."""

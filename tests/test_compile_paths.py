@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """torch.compile over every registered kernel op, with static and dynamic shapes, against float64
 references.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kernels under diffusers context parallelism (Ulysses, 2 ranks): scripts/benchmark_context_parallel.py
 end to end, the opposite order (inject, then enable_parallelism, then remove), and the hook-aware
 forward patching both rely on.

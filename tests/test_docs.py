@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Keep the guidance honest: SKILL.md's frontmatter, links and paths that resolve, Python blocks that
 parse (and SKILL.md's usage example that runs), and every script's --help."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FP8 output through Triton's own cast (hardware conversion) vs the integer encoder (_fp8_encode).
 
 On a GPU where scripts/rmsnorm.py and scripts/activations.py pick the native cast (`_native_fp8`), the

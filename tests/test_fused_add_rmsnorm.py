@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """fused_add_rms_norm (scripts/rmsnorm.py): residual add + RMSNorm of an LLM decoder layer, with optional FP8
 output (static per-tensor scale or dynamic per-token scales), against float64 references, transformers'
 LlamaRMSNorm and a float64 quantize-dequantize reference; plus the FP8 encoder on every FP8 value."""

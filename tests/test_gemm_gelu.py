@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tests for injection_common's Linear + GELU-tanh in one BLAS call (torch._addmm_activation with the
 activation in the GEMM epilogue): the check of which GELU form the library computes, the conditions
 under which the path applies, that torch.compile keeps it, the LTX-Video and FLUX wiring, and on a GPU

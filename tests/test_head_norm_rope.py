@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-head q/k RMSNorm (+ interleaved RoPE) against float64 references and against the real modules:
 FLUX's torch.nn.RMSNorm(head_dim) + diffusers apply_rotary_emb(sequence_dim=1) with FluxPosEmbed tables,
 and SD3's diffusers RMSNorm(head_dim) on the [B, H, S, D] view."""

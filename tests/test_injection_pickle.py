@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Injected models survive torch.save / torch.load (weights_only=False) and copy.deepcopy: the loaded or
 copied model runs the kernels with the same output as the injected original, its patched forwards are
 bound to its own modules (not the original's), and removing the kernels from it gives back the unpatched

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Injecting from several threads at once: the once-per-process caches of transformers_injection.py (the
 numerics probe, the RoPE dispatcher of a model file) are filled safely, every model gets all its kernels,
 and removal leaves transformers' apply_rotary_pos_emb as it was. The slow steps are made slower so that

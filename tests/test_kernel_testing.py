@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The test helpers themselves: poisoning must poison, and must not leak into torch's state."""
 
 import subprocess

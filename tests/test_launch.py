@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The launch path shared by the kernel files: plans cached per call signature, launched directly.
 
 Every kernel file carries the same launch block (so that each file stays copyable alone); these tests

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LayerNorm, AdaLN-modulated LayerNorm (single and dual) and gated-residual + LayerNorm + modulation,
 against float64 references and against the real diffusers / torch modules (AdaLayerNormZero,
 AdaLayerNormZeroSingle, AdaLayerNormContinuous, SD35AdaLayerNormZeroX, nn.LayerNorm)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """inject_optimized_kernels / remove_optimized_kernels on diffusers' LTX-Video: parity with the
 unpatched model (tiny random transformer, VAE and full pipeline), counts on the real architecture,
 exact restoration, idempotence, non-LTX models left alone, accelerate offload, torch.compile, and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """inject_mmdit_kernels / remove_mmdit_kernels on diffusers' SD3 (SD3.5 MMDiT-X) and FLUX transformers:
 parity with the unpatched model in fp32 and bf16 (tiny random models through the interpreter), counts
 on the released architectures (meta device), exact restoration, idempotence, fallbacks, fused qkv

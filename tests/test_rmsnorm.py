@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RMSNorm, AdaLN-modulated RMSNorm and gated-residual + RMSNorm + modulation, against float64 references
 and against the real diffusers / torch modules."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RoPE kernels (interleaved LTX-Video, rotate-half Llama/HF, fused LTX q/k RMSNorm + RoPE with cos/sin
 given or computed from grid coordinates) against float64 references and against the real diffusers /
 transformers / torch code they replace."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Skinny GEMM (y = x @ W^T for M <= 32): bf16/fp16 and FP8 weights against a float64 reference and against
 torch (F.linear, torch._scaled_mm), split-K determinism, the XCD remap through the kernel, error paths."""
 

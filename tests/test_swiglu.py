@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """swiglu (scripts/activations.py): silu(gate) * up from a fused [..., 2H] projection or two [..., H] tensors,
 optionally with FP8 output, against float64 references, transformers' Llama / Phi-3 MLP conventions and a float64
 quantize-dequantize reference."""

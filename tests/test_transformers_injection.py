@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """inject_llama_kernels / remove_llama_kernels on transformers' Llama: parity with the unpatched model
 (logits, greedy tokens), the kernels really running, exact restoration, idempotence, counts (tiny model
 and the Llama-3-8B architecture on the meta device), models that are not Llama left alone, fallbacks

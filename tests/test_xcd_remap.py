@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """XCD-aware program-id remap: bijection on [0, N) for any N and XCD count, the Triton helper against the
 Python reference (through the demo kernel), and the locality property it exists for."""
 
