@@ -121,8 +121,13 @@ def call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     t = type(module)
     if "forward" not in module.__dict__:
         if t is torch.nn.Linear:
-            return F.linear(x, module.weight, module.bias)
-        if t is torch.nn.Dropout and (not module.training or module.p == 0):
+            # the registered parameters, read without Module.__getattr__ (a weight deleted and set again
+            # as a plain attribute is no longer among them: the module's own forward runs then)
+            p = module._parameters
+            w = p.get("weight")
+            if w is not None and "bias" in p:
+                return F.linear(x, w, p["bias"])
+        elif t is torch.nn.Dropout and (not module.training or module.p == 0):
             return x
     return module.forward(x)
 

@@ -599,6 +599,27 @@ def test_dropout_in_training_mode_is_applied():
     assert ic.call(d, x) is x
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_call_computes_a_linear_as_its_forward_does(bias):
+    """ic.call reads a Linear's registered parameters directly; a weight or bias deleted and set again as a
+    plain tensor attribute (no longer a registered parameter) must still be the one used."""
+    import injection_common as ic
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, generator=g)
+    m = torch.nn.Linear(8, 4, bias=bias)
+    assert torch.equal(ic.call(m, x), m(x))
+    w = torch.randn(4, 8, generator=g)
+    del m.weight
+    m.weight = w
+    assert torch.equal(ic.call(m, x), torch.nn.functional.linear(x, w, m.bias))
+    m2 = torch.nn.Linear(8, 4)
+    b = torch.randn(4, generator=g)
+    del m2.bias
+    m2.bias = b
+    assert torch.equal(ic.call(m2, x), torch.nn.functional.linear(x, m2.weight, b))
+
+
 # --------------------------------------------------------------------------------------------
 # Training edge cases: trainable weights inside a block, in-place changes between blocks, checkpointing
 # --------------------------------------------------------------------------------------------
