@@ -112,6 +112,7 @@ def _act_f32(x, ACT: tl.constexpr):
         return _gelu_f32(x, ACT == 1)
 
 
+# ---- shared block fp8_kernels begin: copies are identical (scripts/sync_shared_blocks.py) ----
 @triton.jit
 def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr):
     """The e4m3 code (0..255, int32) of fp32 v: saturated to +-FP8_MAX, rounded to nearest, ties to even.
@@ -157,6 +158,7 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
         return v.to(OUT.dtype.element_ty)
     else:
         return _fp8_encode(v, FP8_MAX, FP8_MIN_EXP, FP8_NAN).to(OUT.dtype.element_ty)
+# ---- shared block fp8_kernels end ----
 
 
 @triton.jit
@@ -274,35 +276,52 @@ def _act_rows_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-_TARGETS = {}
-
-
 def _device_target(device: torch.device):
-    """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32).
-
-    Cached per device: querying the driver on every launch adds host time to every call.
-    """
+    """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
-    key = (device.type, device.index)
-    if key not in _TARGETS:
-        with torch.cuda.device(device):  # torch.cuda also drives ROCm devices
-            target = triton.runtime.driver.active.get_current_target()
-        _TARGETS[key] = (target.backend, target.arch, target.warp_size)
-    return _TARGETS[key]
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _check_input(x, name: str = "x", dtypes=_SUPPORTED_DTYPES) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; expected one of {names}")
-    _check_device(name, x)
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
+    with torch.cuda.device(index):
+        target = triton.runtime.driver.active.get_current_target()
+    return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
+
+
+# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
+    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
+    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
+    _check_device(name, t)
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor):
+    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
+        )
+# ---- shared block checks end ----
 
 
 def _check_approximate(approximate) -> bool:
@@ -312,6 +331,7 @@ def _check_approximate(approximate) -> bool:
     return approximate == "tanh"
 
 
+# ---- shared block strides begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """True if these dims can be addressed as one flat index with a single stride."""
     dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
@@ -321,6 +341,7 @@ def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     dims = [st for s, st in zip(shape, strides) if s != 1]
     return dims[-1] if dims else 0
+# ---- shared block strides end ----
 
 
 def _row_layout(x: torch.Tensor):
@@ -380,13 +401,15 @@ _LANES = 256
 _VECTORS_PER_LANE = 2
 
 
+# ---- shared block sizes begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _cdiv(a: int, b: int) -> int:
-    # plain Python: triton.cdiv / triton.next_power_of_2 are constexpr_function objects, microseconds per host call
-    return -(-a // b)
+    return -(-a // b)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
 
 
 def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
+    return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+# ---- shared block sizes end ----
 
 
 @functools.lru_cache(maxsize=1024)  # pure function of its arguments; saves host time per call
@@ -479,14 +502,18 @@ def _whole_row_config(n_cols: int, n_rows: int, warp_size: int, max_whole: int, 
 # --------------------------------------------------------------------------------------------
 # FP8 output
 # --------------------------------------------------------------------------------------------
-# torch dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code); 3 mantissa
-# bits each.
+# ---- shared block fp8 begin: copies are identical (scripts/sync_shared_blocks.py) ----
+# FP8 output formats: torch dtype -> (largest finite value, fp32 biased exponent of the smallest normal,
+# NaN code).
+# e4m3fn (OCP): bias 7, max 448 = 1.75 * 2**8, smallest normal 2**-6. e4m3fnuz (AMD CDNA3): bias 8,
+# max 240 = 1.875 * 2**7, smallest normal 2**-7. Both have 3 mantissa bits.
 _FP8_FORMATS = {
-    torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F),  # OCP e4m3fn: bias 7
-    torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80),  # AMD CDNA3 e4m3fnuz: bias 8
+    torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F),
+    torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80),
 }
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
-# Per-row scales never go below this: 1 / scale stays finite, so a row of zeros quantises to zeros.
+# Per-token scales never go below this: a row of zeros gets this scale (its FP8 values are zeros) and
+# 1 / scale stays finite, so 0 * (1 / scale) cannot make a NaN.
 _MIN_DYNAMIC_SCALE = 1e-12
 _TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
@@ -531,21 +558,21 @@ def _fp8_mode(fp8) -> int:
 
 
 def _check_fp8(device, fp8_dtype, fp8_mode: int, fp8_scale) -> torch.dtype:
-    """Validate the FP8 arguments of an FP8 launch; returns the FP8 output dtype."""
+    """Validate the FP8 arguments of an FP8 launch; returns the FP8 output dtype (fp8_dtype, or the
+    device's when None)."""
     fp8_dtype = _fp8_dtype_for(device) if fp8_dtype is None else fp8_dtype
     if fp8_dtype not in _FP8_FORMATS:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
     if fp8_mode == 1:
         if fp8_scale is None:
             raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
-        _check_input(fp8_scale, "fp8_scale", dtypes=(torch.float32,))
-        if fp8_scale.device != device:
-            raise ValueError(f"fp8_scale is on {fp8_scale.device} but the input is on {device}")
+        _check_tensor("fp8_scale", fp8_scale, (torch.float32,), device, ref="the input")
         if fp8_scale.numel() != 1:
             raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
     elif fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
     return fp8_dtype
+# ---- shared block fp8 end ----
 
 
 _PLANS: dict = {}  # launch plans by call signature (see _gelu_launch)
@@ -572,7 +599,7 @@ def _gelu_launch(x: torch.Tensor, approximate: str) -> torch.Tensor:
 
 def _gelu_plan(x: torch.Tensor, approximate: str):
     """The checks and configuration of _gelu_launch; returns run(x) -> out."""
-    _check_input(x)
+    _check_tensor("x", x, _SUPPORTED_DTYPES)
     approx_tanh = _check_approximate(approximate)
     device, dtype, shape_t = x.device, x.dtype, tuple(x.shape)
     n_elements = x.numel()
@@ -633,7 +660,7 @@ def _geglu_launch(x: torch.Tensor, approximate: str) -> torch.Tensor:
 
 def _geglu_plan(x: torch.Tensor, approximate: str):
     """The checks and configuration of _geglu_launch; returns run(x, None, None) -> (out, None)."""
-    _check_input(x)
+    _check_tensor("x", x, _SUPPORTED_DTYPES)
     approx_tanh = _check_approximate(approximate)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the last one is split into value and gate)")
@@ -667,7 +694,7 @@ def _swiglu_plan(x, up, gate_first, fp8_mode: int, fp8_scale, fp8_dtype):
     """The checks and configuration of _swiglu_launch; returns run(x, up, fp8_scale) -> (out, row scales
     or None)."""
     if up is None:
-        _check_input(x)
+        _check_tensor("x", x, _SUPPORTED_DTYPES)
         if x.dim() == 0:
             raise ValueError("x must have at least one dimension (the last one is split into gate and up)")
         two_h = x.shape[-1]
@@ -677,10 +704,8 @@ def _swiglu_plan(x, up, gate_first, fp8_mode: int, fp8_scale, fp8_dtype):
         first, second = x[..., :h], x[..., h:]
         gate, up_v = (first, second) if gate_first else (second, first)
         return _gated_plan(gate, up_v, x, 2, fp8_mode, fp8_scale, fp8_dtype, gate_second=not gate_first)
-    _check_input(x, "gate")
-    _check_input(up, "up")
-    if up.device != x.device:
-        raise ValueError(f"up is on {up.device} but gate is on {x.device}; move them to one device")
+    _check_tensor("gate", x, _SUPPORTED_DTYPES)
+    _check_tensor("up", up, _SUPPORTED_DTYPES, x.device, ref="gate")
     if up.dtype != x.dtype:
         raise TypeError(f"up has dtype {up.dtype} but gate has dtype {x.dtype}; they must match")
     if up.shape != x.shape:
@@ -724,11 +749,8 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
         inner, g_o, g_i = _row_layout(parent)
         u_o, u_i = g_o, g_i
     else:
-        for name, t in (("gate", gate), ("up", up)):
-            if t.stride(-1) != 1 and h > 1:
-                raise ValueError(
-                    f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-                )
+        _check_last_contiguous("gate", gate)
+        _check_last_contiguous("up", up)
         inner, (g_o, g_i), (u_o, u_i) = _row_layout_pair(gate, up)
     m = n_out // h
     _, _, warp_size = _device_target(device)
@@ -990,6 +1012,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # --------------------------------------------------------------------------------------------
 # torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
+# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
 _NS = "rocm_triton_kernels"
 
 
@@ -997,6 +1020,17 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
+# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
+# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+# ---- shared block ops end ----
+
+
+# ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
 # launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
@@ -1005,11 +1039,6 @@ def _op_exists(name: str) -> bool:
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
-_TLS = threading.local()  # .tracing: a triton_op body runs in this thread (launch through wrap_triton)
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 def _symbolic(args) -> bool:
@@ -1051,6 +1080,7 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+# ---- shared block registration end ----
 
 
 def _gelu_op(x: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -1205,6 +1235,7 @@ def swiglu_ref(x: torch.Tensor, up: Optional[torch.Tensor] = None, gate_first: b
     return torch.nn.functional.silu(x) * up
 
 
+# ---- shared block fp8_ref begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """2**k (integer k in the normal range) built from its exponent bits: exact on every device
     (torch.ldexp on CUDA multiplies by a computed power and can be one ulp off in float64)."""
@@ -1219,7 +1250,8 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
 
     scale None: one dynamic scale per row (last dim), s = max(max|y_row| / fp8_max, 1e-12), shape
     y.shape[:-1]; else the given per-tensor scale (one element). Returns (q, s): q holds the FP8 values
-    (each exactly representable in fp8_dtype) in y's dtype, so that y ~ q * s (q * s[..., None] per row).
+    (each exactly representable in fp8_dtype) in y's dtype, so that y ~ q * s (q * s[..., None] per row);
+    q.to(fp8_dtype) is exact.
     """
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
     if scale is None:
@@ -1233,6 +1265,7 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
     e = (e - 1).clamp_min(min_exp - 127)  # exponent of the binade, not below the smallest normal's
     step = _exact_pow2(e - 3, v.dtype)  # 3 mantissa bits
     return torch.round(v / step) * step, s  # torch.round rounds half to even
+# ---- shared block fp8_ref end ----
 
 
 # --------------------------------------------------------------------------------------------

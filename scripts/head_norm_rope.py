@@ -198,6 +198,7 @@ def _head_rms_norm_rope_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -215,30 +216,45 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
 
 
+# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
-def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
+    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
+    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = ", ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}; move them to one device")
+        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
     _check_device(name, t)
 
 
 def _check_last_contiguous(name: str, t: torch.Tensor):
+    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
+        )
+# ---- shared block checks end ----
+
+
+# ---- shared block sizes begin: copies are identical (scripts/sync_shared_blocks.py) ----
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
 
 
 def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+    """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
+    return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+# ---- shared block sizes end ----
 
 
 @functools.lru_cache(maxsize=1024)
@@ -311,7 +327,7 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
     if n_parts == 0 or len(ks) != n_parts or len(q_weights) != n_parts or len(k_weights) != n_parts:
         raise ValueError("parts must be a non-empty sequence of (q, k, q_weight, k_weight)")
     eps = _eps_list(eps, n_parts)
-    _check_tensor("q", qs[0])
+    _check_tensor("q", qs[0], _SUPPORTED_DTYPES)
     dev = qs[0].device
     if qs[0].dim() != 4:
         raise ValueError(f"q must be [B, S, H, D] (4 dims), got shape {tuple(qs[0].shape)}")
@@ -321,8 +337,8 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
     total = 0
     for i, (q, k, qw, kw) in enumerate(zip(qs, ks, q_weights, k_weights)):
         tag = "" if n_parts == 1 else f" (part {i})"
-        _check_tensor("q" + tag, q, dev)
-        _check_tensor("k" + tag, k, dev)
+        _check_tensor("q" + tag, q, _SUPPORTED_DTYPES, dev, ref="q")
+        _check_tensor("k" + tag, k, _SUPPORTED_DTYPES, dev, ref="q")
         if q.dim() != 4 or q.shape[0] != bsz or q.shape[2] != heads or q.shape[3] != dim:
             raise ValueError(
                 f"q{tag} has shape {tuple(q.shape)}; expected [{bsz}, S, {heads}, {dim}] ([B, S, H, D], "
@@ -341,7 +357,7 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             raise ValueError("q_weight and k_weight must both be tensors or both be None, in every part")
         for nm, w in (("q_weight" + tag, qw), ("k_weight" + tag, kw)):
             if w is not None:
-                _check_tensor(nm, w, dev, _ANY_FLOAT)
+                _check_tensor(nm, w, _ANY_FLOAT, dev, ref="q")
                 if w.dim() != 1 or w.shape[0] != dim:
                     raise ValueError(f"{nm} must have shape [{dim}] (the head dim of q), got {tuple(w.shape)}")
                 if dim > 1 and w.stride(0) != 1:
@@ -356,7 +372,7 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
         if dim % 2:
             raise ValueError(f"q has head dim {dim}; interleaved RoPE needs an even head dim")
         for nm, t in (("cos", cos), ("sin", sin)):
-            _check_tensor(nm, t, dev, _ANY_FLOAT)
+            _check_tensor(nm, t, _ANY_FLOAT, dev, ref="q")
             if t.dim() != 2 or t.shape[0] != total or t.shape[1] != dim:
                 raise ValueError(
                     f"{nm} has shape {tuple(t.shape)}; expected [{total}, {dim}] (one row per token of the "
@@ -395,7 +411,7 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
         )
         launches.append((i, _Launch(_head_rms_norm_rope_kernel, grid, args, dict(
             HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
-            BLOCK_H=block_h, N_STEPS=(heads + block_h - 1) // block_h, MAX_UNROLL=_MAX_UNROLL, BLOCK_D=block_d,
+            BLOCK_H=block_h, N_STEPS=_cdiv(heads, block_h), MAX_UNROLL=_MAX_UNROLL, BLOCK_D=block_d,
             num_warps=num_warps,
         ), (0, 4, 8 if has_weight else None, 9 if has_weight else None, 10 if has_rope else None,
             12 if has_rope else None, 14, 15), dev)))
@@ -636,6 +652,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # --------------------------------------------------------------------------------------------
 # torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
+# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
 _NS = "rocm_triton_kernels"
 
 
@@ -643,6 +660,17 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
+# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
+# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+# ---- shared block ops end ----
+
+
+# ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
 # launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
@@ -651,11 +679,6 @@ def _op_exists(name: str) -> bool:
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
-_TLS = threading.local()  # .tracing: a triton_op body runs in this thread (launch through wrap_triton)
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 def _symbolic(args) -> bool:
@@ -697,6 +720,7 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+# ---- shared block registration end ----
 
 
 def _head_rms_norm_rope_op(

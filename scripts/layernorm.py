@@ -369,6 +369,7 @@ def _layer_norm_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -386,6 +387,7 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
 
 
 def _num_sms(device: torch.device) -> int:
@@ -400,19 +402,31 @@ def _gpu_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
-def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
+    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
+    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = ", ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
+        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
     _check_device(name, t)
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor):
+    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
+        )
+# ---- shared block checks end ----
 
 
 def _per_sample(t: torch.Tensor, shape, name: str = "scale") -> torch.Tensor:
@@ -460,6 +474,7 @@ def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
     return tuple(out)
 
 
+# ---- shared block strides begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """True if these dims can be addressed as one flat index with a single stride."""
     dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
@@ -469,23 +484,25 @@ def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     dims = [st for s, st in zip(shape, strides) if s != 1]
     return dims[-1] if dims else 0
+# ---- shared block strides end ----
 
 
+# ---- shared block rows begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _row_layout(stride_sets, lead_shape):
     """Express the leading dims of every operand as two levels of rows.
 
     stride_sets holds each operand's strides (broadcast to the input's shape, last dim excluded).
     Row r of the flattened [M, N] problem lives at (r // inner) * stride_o + (r % inner) * stride_i.
-    Up to two leading dims map directly ([B, S, D] and [M, D] cost nothing); more are collapsed
-    where every operand allows it. No copy is ever made; a layout that needs more than two levels
-    is rejected with a clear error.
+    Up to two leading dims map directly (the common [B, S, D] and [M, D] cases cost nothing); more
+    are collapsed where every operand allows it. No copy is ever made; a layout that needs more
+    than two levels is rejected with a clear error.
     """
     nlead = len(lead_shape)
-    if nlead == 0:
-        return 1, [(0, 0) for _ in stride_sets]
-    if nlead == 1:
-        return lead_shape[0], [(0, st[0]) for st in stride_sets]
-    if nlead == 2:
+    if nlead <= 2:
+        if nlead == 0:
+            return 1, [(0, 0) for _ in stride_sets]
+        if nlead == 1:
+            return lead_shape[0], [(0, st[0]) for st in stride_sets]
         return lead_shape[1], [(st[0], st[1]) for st in stride_sets]
     for k in range(nlead, -1, -1):
         layouts = []
@@ -505,14 +522,22 @@ def _row_layout(stride_sets, lead_shape):
     )
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
-
-
 def _dense(layout, m: int, inner: int) -> bool:
     """Whether rows at layout (stride_o, stride_i) sit at r * stride_i: one level of rows, or the outer
     stride spanning exactly INNER inner rows."""
     return m <= inner or layout[0] == inner * layout[1]
+# ---- shared block rows end ----
+
+
+# ---- shared block sizes begin: copies are identical (scripts/sync_shared_blocks.py) ----
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
+
+
+def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
+    return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+# ---- shared block sizes end ----
 
 
 def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = False):
@@ -577,7 +602,7 @@ def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int,
     unit is used on AMD, where it is untuned. With no more row blocks than programs there is nothing
     to prefetch and the grid is one program per block.
     """
-    num_warps = _next_pow2(max(1, -(-(block_m * n_cols) // (warp_size * 24))))
+    num_warps = _next_pow2(max(1, _cdiv(block_m * n_cols, warp_size * 24)))
     num_warps = min(num_warps, 16)
     programs = n_sms * max(1, 1024 // (num_warps * warp_size)) if n_sms else _INTERPRETER_PROGRAMS
     if n_blocks <= programs:
@@ -617,33 +642,31 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
 def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     """The checks and configuration of _launch; returns run(x, y, gate, weight, bias, scale, shift, scale2,
     shift2)."""
-    _check_tensor("x", x)
+    _check_tensor("x", x, _SUPPORTED_DTYPES)
     device = x.device
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (the normalised one)")
     shape = x.shape
     n = shape[-1]
-    if x.numel() > 0 and x.stride(-1) != 1 and n > 1:
-        raise ValueError(f"x must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()")
+    _check_last_contiguous("x", x)
     if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     has_residual = y is not None
     if has_residual:
-        _check_tensor("y", y, device)
+        _check_tensor("y", y, _SUPPORTED_DTYPES, device)
         if y.shape != shape:
             raise ValueError(f"y has shape {tuple(y.shape)} but h has shape {tuple(shape)}; they must match")
         if y.dtype != x.dtype:
             raise TypeError(f"y has dtype {_dtype_name(y.dtype)} but h has dtype {_dtype_name(x.dtype)}; they must match")
-        if y.numel() > 0 and y.stride(-1) != 1 and n > 1:
-            raise ValueError(f"y must be contiguous in its last dimension (stride {y.stride(-1)}); call .contiguous()")
+        _check_last_contiguous("y", y)
     elif gate is not None:
         raise ValueError("gate is only used with a residual branch y")
     if gate is not None:
-        _check_tensor("gate", gate, device)
+        _check_tensor("gate", gate, _SUPPORTED_DTYPES, device)
         g_strides = _bcast_strides("gate", gate, shape)
     for nm, p in (("weight", weight), ("bias", bias)):
         if p is not None:
-            _check_tensor(nm, p, device)
+            _check_tensor(nm, p, _SUPPORTED_DTYPES, device)
             if p.dim() != 1 or p.shape[0] != n:
                 raise ValueError(f"{nm} must have shape [{n}] (the last dim of x), got {tuple(p.shape)}")
             if p.stride(0) != 1 and n > 1:
@@ -655,8 +678,8 @@ def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
         if sc is None:
             mods.append(None)
             continue
-        _check_tensor(sc_name, sc, device)
-        _check_tensor(sh_name, sh, device)
+        _check_tensor(sc_name, sc, _SUPPORTED_DTYPES, device)
+        _check_tensor(sh_name, sh, _SUPPORTED_DTYPES, device)
         mods.append((sc, sh, _bcast_strides(sc_name, sc, shape), _bcast_strides(sh_name, sh, shape)))
     has_mod, has_mod2 = mods[0] is not None, mods[1] is not None
     if has_mod2 and not has_mod:
@@ -689,7 +712,7 @@ def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
 
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, has_residual)
-    n_blocks = (m + block_m - 1) // block_m  # plain Python: triton.cdiv costs microseconds per host call
+    n_blocks = _cdiv(m, block_m)
     programs = 0
     if single and _PERSISTENT and _persistent_variant(has_residual, has_mod, has_mod2):
         programs, p_warps = _persistent_config(n_blocks, block_m, n, warp_size, _num_sms(device))
@@ -960,6 +983,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # --------------------------------------------------------------------------------------------
 # torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
+# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
 _NS = "rocm_triton_kernels"
 
 
@@ -967,6 +991,17 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
+# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
+# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+# ---- shared block ops end ----
+
+
+# ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
 # launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
@@ -975,11 +1010,6 @@ def _op_exists(name: str) -> bool:
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
-_TLS = threading.local()  # .tracing: a triton_op body runs in this thread (launch through wrap_triton)
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 def _symbolic(args) -> bool:
@@ -1021,6 +1051,7 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+# ---- shared block registration end ----
 
 
 def _layer_norm_fused_op(

@@ -131,7 +131,6 @@ _PROCESSOR_KINDS = ("mmdit_qk_norm_fused", "mmdit_qk_norm_rope_fused")
 # When may a kernel run?
 # --------------------------------------------------------------------------------------------
 _interpreting = ic.interpreting
-_device_ok = ic.device_ok
 _usable = ic.usable
 
 

@@ -67,24 +67,11 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_FUSED_N = 16384
 _CHUNK_N = 4096
 
-# FP8 output formats: torch dtype -> (largest finite value, fp32 biased exponent of the smallest normal,
-# NaN code).
-# e4m3fn (OCP): bias 7, max 448 = 1.75 * 2**8, smallest normal 2**-6. e4m3fnuz (AMD CDNA3): bias 8,
-# max 240 = 1.875 * 2**7, smallest normal 2**-7. Both have 3 mantissa bits.
-_FP8_FORMATS = {
-    torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F),
-    torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80),
-}
-_FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
-# Per-token scales never go below this: a row of zeros gets this scale (its FP8 values are zeros) and
-# 1 / scale stays finite, so 0 * (1 / scale) cannot make a NaN.
-_MIN_DYNAMIC_SCALE = 1e-12
-_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
-
 
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
+# ---- shared block fp8_kernels begin: copies are identical (scripts/sync_shared_blocks.py) ----
 @triton.jit
 def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr):
     """The e4m3 code (0..255, int32) of fp32 v: saturated to +-FP8_MAX, rounded to nearest, ties to even.
@@ -130,6 +117,7 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
         return v.to(OUT.dtype.element_ty)
     else:
         return _fp8_encode(v, FP8_MAX, FP8_MIN_EXP, FP8_NAN).to(OUT.dtype.element_ty)
+# ---- shared block fp8_kernels end ----
 
 
 @triton.jit
@@ -324,6 +312,7 @@ def _rms_norm_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -337,20 +326,38 @@ def _device_target(device: torch.device):
 
 @functools.lru_cache(maxsize=None)
 def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
 
 
-def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
+    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
+    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
+        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
     _check_device(name, t)
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor):
+    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
+        )
+# ---- shared block checks end ----
 
 
 def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
@@ -375,6 +382,7 @@ def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
     return tuple(out)
 
 
+# ---- shared block strides begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """True if these dims can be addressed as one flat index with a single stride."""
     dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
@@ -384,8 +392,10 @@ def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     dims = [st for s, st in zip(shape, strides) if s != 1]
     return dims[-1] if dims else 0
+# ---- shared block strides end ----
 
 
+# ---- shared block rows begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _row_layout(stride_sets, lead_shape):
     """Express the leading dims of every operand as two levels of rows.
 
@@ -424,6 +434,7 @@ def _dense(layout, m: int, inner: int) -> bool:
     """Whether rows at layout (stride_o, stride_i) sit at r * stride_i: one level of rows, or the outer
     stride spanning exactly INNER inner rows."""
     return m <= inner or layout[0] == inner * layout[1]
+# ---- shared block rows end ----
 
 
 def _launch_config(n_cols: int, n_rows: int, warp_size: int):
@@ -470,8 +481,31 @@ def _input_evict(single_pass: bool, fused_add: bool, nbytes: int) -> str:
     return "evict_first" if single_pass and fused_add and nbytes <= _EVICT_FIRST_MAX_BYTES else ""
 
 
+# ---- shared block sizes begin: copies are identical (scripts/sync_shared_blocks.py) ----
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
+
+
 def _next_pow2(n: int) -> int:
+    """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+# ---- shared block sizes end ----
+
+
+# ---- shared block fp8 begin: copies are identical (scripts/sync_shared_blocks.py) ----
+# FP8 output formats: torch dtype -> (largest finite value, fp32 biased exponent of the smallest normal,
+# NaN code).
+# e4m3fn (OCP): bias 7, max 448 = 1.75 * 2**8, smallest normal 2**-6. e4m3fnuz (AMD CDNA3): bias 8,
+# max 240 = 1.875 * 2**7, smallest normal 2**-7. Both have 3 mantissa bits.
+_FP8_FORMATS = {
+    torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F),
+    torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80),
+}
+_FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
+# Per-token scales never go below this: a row of zeros gets this scale (its FP8 values are zeros) and
+# 1 / scale stays finite, so 0 * (1 / scale) cannot make a NaN.
+_MIN_DYNAMIC_SCALE = 1e-12
+_TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 
 def _fp8_dtype_for(device: torch.device) -> torch.dtype:
@@ -513,26 +547,28 @@ def _fp8_mode(fp8) -> int:
     return _FP8_MODES[fp8]
 
 
-def _result_dtype(x: torch.Tensor, out_dtype, fp8_mode: int) -> torch.dtype:
-    if out_dtype is not None:
-        return out_dtype
-    return _fp8_dtype_for(x.device) if fp8_mode else x.dtype
-
-
-def _check_fp8(device, out_dtype, fp8_mode: int, fp8_scale):
-    """Validate the FP8 arguments; returns the FP8 output dtype."""
-    out_dtype = _fp8_dtype_for(device) if out_dtype is None else out_dtype
-    if out_dtype not in _FP8_FORMATS:
-        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {out_dtype}")
+def _check_fp8(device, fp8_dtype, fp8_mode: int, fp8_scale) -> torch.dtype:
+    """Validate the FP8 arguments of an FP8 launch; returns the FP8 output dtype (fp8_dtype, or the
+    device's when None)."""
+    fp8_dtype = _fp8_dtype_for(device) if fp8_dtype is None else fp8_dtype
+    if fp8_dtype not in _FP8_FORMATS:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
     if fp8_mode == 1:
         if fp8_scale is None:
             raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
-        _check_tensor("fp8_scale", fp8_scale, device, dtypes=(torch.float32,))
+        _check_tensor("fp8_scale", fp8_scale, (torch.float32,), device, ref="the input")
         if fp8_scale.numel() != 1:
             raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
     elif fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
-    return out_dtype
+    return fp8_dtype
+# ---- shared block fp8 end ----
+
+
+def _result_dtype(x: torch.Tensor, out_dtype, fp8_mode: int) -> torch.dtype:
+    if out_dtype is not None:
+        return out_dtype
+    return _fp8_dtype_for(x.device) if fp8_mode else x.dtype
 
 
 _PLANS: dict = {}  # launch plans by call signature (see _launch)
@@ -569,23 +605,20 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
 def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale, names, norm):
     """The checks and configuration of _launch; returns run(x, y, gate, weight, scale, shift, fp8_scale)."""
     x_name, y_name, h_name = names
-    _check_tensor(x_name, x)
+    _check_tensor(x_name, x, _SUPPORTED_DTYPES)
     device = x.device
     if x.dim() == 0:
         raise ValueError(f"{x_name} must have at least one dimension (the normalised one)")
     n = x.shape[-1]
     shape = x.shape
-    if x.numel() > 0 and x.stride(-1) != 1 and n > 1:
-        raise ValueError(
-            f"{x_name} must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()"
-        )
+    _check_last_contiguous(x_name, x)
     # bool is an int (True == 1.0 and hashes alike: the plan key holds type(eps) so that a plan made for
     # eps=1.0 never serves eps=True); NaN fails eps >= 0 (and never equals a cached key)
     if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     has_residual = y is not None
     if has_residual:
-        _check_tensor(y_name, y, device)
+        _check_tensor(y_name, y, _SUPPORTED_DTYPES, device)
         if y.shape != shape:
             raise ValueError(
                 f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(shape)}; they must match"
@@ -595,10 +628,10 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
         if y.numel() > 0 and y.stride(-1) != 1 and n > 1:
             raise ValueError(f"{y_name} must be contiguous in its last dimension; call .contiguous()")
     if gate is not None:
-        _check_tensor("gate", gate, device)
+        _check_tensor("gate", gate, _SUPPORTED_DTYPES, device)
         g_strides = _bcast_strides("gate", gate, shape)
     if weight is not None:
-        _check_tensor("weight", weight, device)
+        _check_tensor("weight", weight, _SUPPORTED_DTYPES, device)
         if weight.dim() != 1 or weight.shape[0] != n:
             raise ValueError(f"weight must have shape [{n}] (the last dim of {x_name}), got {tuple(weight.shape)}")
         if weight.stride(0) != 1 and n > 1:
@@ -607,8 +640,8 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
     if has_mod:
         if scale is None or shift is None:
             raise ValueError("scale and shift must be given together")
-        _check_tensor("scale", scale, device)
-        _check_tensor("shift", shift, device)
+        _check_tensor("scale", scale, _SUPPORTED_DTYPES, device)
+        _check_tensor("shift", shift, _SUPPORTED_DTYPES, device)
         s_strides = _bcast_strides("scale", scale, shape)
         t_strides = _bcast_strides("shift", shift, shape)
     if fp8_mode not in (0, 1, 2):
@@ -654,7 +687,7 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
 
     _, _, warp_size = _device_target(device)
     block_m, block_n, single, num_warps = _launch_config(n, m, warp_size)
-    grid = ((m + block_m - 1) // block_m,)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
+    grid = (_cdiv(m, block_m),)
     out_size = torch.empty((), dtype=out_dtype).element_size()
     args = (
         None, xs[0], xs[1],  # X
@@ -922,6 +955,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # --------------------------------------------------------------------------------------------
 # torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
+# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
 _NS = "rocm_triton_kernels"
 
 
@@ -929,6 +963,17 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
+# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
+# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+# ---- shared block ops end ----
+
+
+# ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
 # launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
@@ -937,11 +982,6 @@ def _op_exists(name: str) -> bool:
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
-_TLS = threading.local()  # .tracing: a triton_op body runs in this thread (launch through wrap_triton)
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 def _symbolic(args) -> bool:
@@ -983,6 +1023,9 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+# ---- shared block registration end ----
+
+
 
 
 def _rms_norm_fused_op(
@@ -1206,6 +1249,7 @@ def gated_residual_rms_norm_modulate_ref(h, y, gate, scale, shift, weight=None, 
     return h_new, rms_norm_modulate_ref(h_new, scale, shift, weight, eps, cast_before_weight)
 
 
+# ---- shared block fp8_ref begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """2**k (integer k in the normal range) built from its exponent bits: exact on every device
     (torch.ldexp on CUDA multiplies by a computed power and can be one ulp off in float64)."""
@@ -1215,7 +1259,7 @@ def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ((k + 127) << 23).to(torch.int32).view(torch.float32).to(dtype)
 
 
-def fp8_quantize_ref(y, fp8_dtype=torch.float8_e4m3fn, scale=None):
+def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
     """Saturating round-to-nearest-even FP8 quantisation, computed in y's precision (use float64).
 
     scale None: one dynamic scale per row (last dim), s = max(max|y_row| / fp8_max, 1e-12), shape
@@ -1235,6 +1279,7 @@ def fp8_quantize_ref(y, fp8_dtype=torch.float8_e4m3fn, scale=None):
     e = (e - 1).clamp_min(min_exp - 127)  # exponent of the binade, not below the smallest normal's
     step = _exact_pow2(e - 3, v.dtype)  # 3 mantissa bits
     return torch.round(v / step) * step, s  # torch.round rounds half to even
+# ---- shared block fp8_ref end ----
 
 
 def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=True, fp8=None, fp8_scale=None,

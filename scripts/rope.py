@@ -270,6 +270,7 @@ def _ltx_qk_norm_rope_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -287,28 +288,34 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
 
 
+# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
-def _check_tensor(name: str, t, device: Optional[torch.device] = None, dtypes=_SUPPORTED_DTYPES):
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
+    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
+    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = ", ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the input is on {device}; move them to one device")
+        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
     _check_device(name, t)
 
 
 def _check_last_contiguous(name: str, t: torch.Tensor):
+    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
         )
+# ---- shared block checks end ----
 
 
 def _batch_table(name: str, t: torch.Tensor, batch: int, tokens: int, width: int, what: str) -> torch.Tensor:
@@ -343,12 +350,15 @@ def _launch_config(
     return block_m, block_c, _next_pow2(num_warps)
 
 
+# ---- shared block sizes begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
+    return -(-a // b)  # plain Python: triton.cdiv is a constexpr_function, microseconds per host call
 
 
 def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+    """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
+    return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+# ---- shared block sizes end ----
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,10 +396,10 @@ def _ltx_rope_launch(x, cos, sin):
 
 def _ltx_rope_plan(x, cos, sin):
     """The checks and configuration of _ltx_rope_launch; returns run(x, cos, sin)."""
-    _check_tensor("x", x)
+    _check_tensor("x", x, _SUPPORTED_DTYPES)
     dev = x.device
-    _check_tensor("cos", cos, dev, _ANY_FLOAT)
-    _check_tensor("sin", sin, dev, _ANY_FLOAT)
+    _check_tensor("cos", cos, _ANY_FLOAT, dev, ref="the input")
+    _check_tensor("sin", sin, _ANY_FLOAT, dev, ref="the input")
     if x.dim() != 3:
         raise ValueError(f"x must be [B, S, C] (3 dims), got shape {tuple(x.shape)}")
     bsz, seq, ch = x.shape
@@ -463,10 +473,10 @@ def _rope_rotate_half_launch(x, cos, sin):
 
 def _rope_rotate_half_plan(x, cos, sin):
     """The checks and configuration of _rope_rotate_half_launch; returns run(x, cos, sin)."""
-    _check_tensor("x", x)
+    _check_tensor("x", x, _SUPPORTED_DTYPES)
     dev = x.device
-    _check_tensor("cos", cos, dev, _ANY_FLOAT)
-    _check_tensor("sin", sin, dev, _ANY_FLOAT)
+    _check_tensor("cos", cos, _ANY_FLOAT, dev, ref="the input")
+    _check_tensor("sin", sin, _ANY_FLOAT, dev, ref="the input")
     if x.dim() != 4:
         raise ValueError(f"x must be [B, H, S, D] (4 dims), got shape {tuple(x.shape)}")
     bsz, heads, seq, dim = x.shape
@@ -511,9 +521,9 @@ def _rope_rotate_half_plan(x, cos, sin):
 
 
 def _qk_common_checks(q, k, q_weight, k_weight, eps):
-    _check_tensor("q", q)
+    _check_tensor("q", q, _SUPPORTED_DTYPES)
     dev = q.device
-    _check_tensor("k", k, dev)
+    _check_tensor("k", k, _SUPPORTED_DTYPES, dev, ref="the input")
     if q.dim() != 3:
         raise ValueError(f"q must be [B, S, C] (3 dims), got shape {tuple(q.shape)}")
     if k.shape != q.shape:
@@ -532,7 +542,7 @@ def _qk_common_checks(q, k, q_weight, k_weight, eps):
         raise ValueError("q_weight and k_weight must both be tensors or both be None")
     for nm, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w is not None:
-            _check_tensor(nm, w, dev, _ANY_FLOAT)
+            _check_tensor(nm, w, _ANY_FLOAT, dev, ref="the input")
             if w.dim() != 1 or w.shape[0] != ch:
                 raise ValueError(f"{nm} must have shape [{ch}] (the channel count of q), got {tuple(w.shape)}")
             if ch > 1 and w.stride(0) != 1:
@@ -572,16 +582,16 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
     # [B, S, W] views of the tables: the kernel gets the tables themselves (same data pointer) and
     # the views' strides, which the signature fixes.
     if from_coords:
-        _check_tensor("coords", coords, dev, _ANY_FLOAT)
-        _check_tensor("freqs", freqs, dev, _ANY_FLOAT)
+        _check_tensor("coords", coords, _ANY_FLOAT, dev, ref="the input")
+        _check_tensor("freqs", freqs, _ANY_FLOAT, dev, ref="the input")
         coords_v = _batch_table("coords", coords, bsz, seq, 3, "the (frame, height, width) grid coordinate per token")
         if freqs.dim() != 1 or freqs.shape[0] != ch // 6:
             raise ValueError(
                 f"freqs has shape {tuple(freqs.shape)}; expected [{ch // 6}] (C // 6 frequencies for C = {ch})"
             )
     else:
-        _check_tensor("cos", cos, dev, _ANY_FLOAT)
-        _check_tensor("sin", sin, dev, _ANY_FLOAT)
+        _check_tensor("cos", cos, _ANY_FLOAT, dev, ref="the input")
+        _check_tensor("sin", sin, _ANY_FLOAT, dev, ref="the input")
         cos_v = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
         sin_v = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
         _check_last_contiguous("cos", cos_v)
@@ -852,6 +862,7 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # --------------------------------------------------------------------------------------------
 # torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
+# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
 _NS = "rocm_triton_kernels"
 
 
@@ -859,6 +870,17 @@ def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
 
 
+# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
+# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+# ---- shared block ops end ----
+
+
+# ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
 # launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
@@ -867,11 +889,6 @@ def _op_exists(name: str) -> bool:
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
-_TLS = threading.local()  # .tracing: a triton_op body runs in this thread (launch through wrap_triton)
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 def _symbolic(args) -> bool:
@@ -913,6 +930,7 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+# ---- shared block registration end ----
 
 
 def _ltx_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -302,6 +302,7 @@ def _skinny_gemm_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -315,9 +316,11 @@ def _device_target(device: torch.device):
 
 @functools.lru_cache(maxsize=None)
 def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
 
 
 def _compute_units(device: torch.device, target) -> int:
@@ -492,26 +495,38 @@ def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
     return y
 
 
-def _name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
+# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
 
 
-def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None):
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
+    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
+    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        names = ", ".join(_name(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {_name(t.dtype)}; expected one of {names}")
+        names = ", ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
+        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
     _check_device(name, t)
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor):
+    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
+    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
+        )
+# ---- shared block checks end ----
 
 
 def _check_scale(name: str, s, device, allowed_numel, what: str):
     if not isinstance(s, torch.Tensor):
         raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(s).__name__}")
     if s.dtype != torch.float32:
-        raise TypeError(f"{name} has dtype {_name(s.dtype)}; expected float32")
+        raise TypeError(f"{name} has dtype {_dtype_name(s.dtype)}; expected float32")
     if s.device != device:
         raise ValueError(f"{name} is on {s.device} but x is on {device}; move them to one device")
     if s.numel() not in allowed_numel or sum(d != 1 for d in s.shape) > 1:
@@ -567,30 +582,36 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     if w_fp8:
         if x_fp8 and x.dtype != weight.dtype:
             raise TypeError(
-                f"x is {_name(x.dtype)} but weight is {_name(weight.dtype)}; FP8 x must have the weight's FP8 dtype"
+                f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; "
+                "FP8 x must have the weight's FP8 dtype"
             )
     elif x_fp8:
-        raise TypeError(f"x is {_name(x.dtype)} but weight is {_name(weight.dtype)}; FP8 x needs FP8 weights")
+        raise TypeError(
+            f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; FP8 x needs FP8 weights"
+        )
     elif x.dtype != weight.dtype:
         raise TypeError(
-            f"x is {_name(x.dtype)} but weight is {_name(weight.dtype)}; 16-bit weights must have x's dtype"
+            f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; "
+            "16-bit weights must have x's dtype"
         )
     # scales: required exactly where a tensor is FP8
     w_scale_mode = 0
     if w_fp8:
         if weight_scale is None:
-            raise ValueError(f"weight is {_name(weight.dtype)}: weight_scale (float32, 1 value or [N]) is required")
+            raise ValueError(
+                f"weight is {_dtype_name(weight.dtype)}: weight_scale (float32, 1 value or [N]) is required"
+            )
         _check_scale("weight_scale", weight_scale, device, (1, n),
                      f"1 value (per tensor) or [N] = [{n}] (per output channel)")
         w_scale_mode = 1 if weight_scale.numel() == 1 else 2
     elif weight_scale is not None:
-        raise ValueError(f"weight_scale is only for FP8 weights; weight is {_name(weight.dtype)}")
+        raise ValueError(f"weight_scale is only for FP8 weights; weight is {_dtype_name(weight.dtype)}")
     if x_fp8:
         if x_scale is None:
-            raise ValueError(f"x is {_name(x.dtype)}: x_scale (float32, 1 value) is required")
+            raise ValueError(f"x is {_dtype_name(x.dtype)}: x_scale (float32, 1 value) is required")
         _check_scale("x_scale", x_scale, device, (1,), "1 value (a per-tensor scale)")
     elif x_scale is not None:
-        raise ValueError(f"x_scale is only for FP8 x; x is {_name(x.dtype)}")
+        raise ValueError(f"x_scale is only for FP8 x; x is {_dtype_name(x.dtype)}")
     if bias is not None:
         _check_tensor("bias", bias, _BIAS_DTYPES, device)
         if bias.shape != (n,):
@@ -613,12 +634,8 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
             f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
             "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
         )
-    if k > 1 and m > 0 and x.stride(-1) != 1:
-        raise ValueError(f"x must be contiguous in its last dimension (stride {x.stride(-1)}); call .contiguous()")
-    if k > 1 and n > 0 and weight.stride(1) != 1:
-        raise ValueError(
-            f"weight must be contiguous in its last dimension (stride {weight.stride(1)}); call .contiguous()"
-        )
+    _check_last_contiguous("x", x)
+    _check_last_contiguous("weight", weight)
     shape = lead + (n,)
     if m == 0 or n == 0:
         def run_empty(x, weight, bias, weight_scale, x_scale):
@@ -708,15 +725,6 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         return out
 
     return run
-
-
-# Kernels launch through torch.library.wrap_triton while a triton_op body is being traced (_TLS.tracing);
-# this file registers no triton_op, so that is never set here, but the launch block asks.
-_TLS = threading.local()
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
 
 
 # ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
@@ -937,11 +945,22 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # --------------------------------------------------------------------------------------------
 # torch.library custom op: torch.compile traces through it instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
+# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
 _NS = "rocm_triton_kernels"
 
 
 def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
+
+
+# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
+# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
+_TLS = threading.local()
+
+
+def _as_launched(fn):
+    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+# ---- shared block ops end ----
 
 
 # Registered with custom_op only (the other kernel files also register a torch.library.triton_op
@@ -1111,8 +1130,8 @@ def _main(argv=None) -> int:
     err = ((y.double() - ref).abs() - rtol * ref.abs()) / mag.clamp_min(1e-30)
     worst = float(err.max())
     ok = bool(torch.isfinite(y).all()) and worst <= 1e-4
-    report = {"device": device, "m": args.m, "n": args.n, "k": args.k, "weight": _name(w.dtype),
-              "x": _name(x.dtype), "max_excess_err_over_magnitude": worst, "ok": ok}
+    report = {"device": device, "m": args.m, "n": args.n, "k": args.k, "weight": _dtype_name(w.dtype),
+              "x": _dtype_name(x.dtype), "max_excess_err_over_magnitude": worst, "ok": ok}
     if args.bench:
         if args.weight == "fp8" and args.fp8_x:
             x2d = x.reshape(-1, x.shape[-1])

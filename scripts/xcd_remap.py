@@ -89,6 +89,7 @@ def _xcd_remap_demo_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
+# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -102,9 +103,11 @@ def _device_target(device: torch.device):
 
 @functools.lru_cache(maxsize=None)
 def _gpu_target(index: int):
+    # cached: asking the driver costs microseconds of host time on every launch
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+# ---- shared block device end ----
 
 
 def _check_int(name: str, v, lo: int, hi: Optional[int] = None) -> int:
