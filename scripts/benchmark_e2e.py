@@ -56,6 +56,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# --model wan --variant: diffusers' WanTransformer3DModel configs of released checkpoints (wan_injection.WAN_CONFIGS)
+WAN_VARIANTS = ("2.1-t2v-1.3b", "2.1-t2v-14b", "2.2-ti2v-5b")
 MODES = ("baseline", "triton", "compile", "triton+compile")
 PROMPT = "a red fox runs through a snowy forest, camera follows"
 
@@ -66,11 +68,15 @@ def log(*a):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("ltx", "sd3", "flux"), default="ltx",
+    p.add_argument("--model", choices=("ltx", "sd3", "flux", "wan"), default="ltx",
                    help="ltx (default); sd3 or flux: one transformer forward at --height x --width (default "
-                   "1024x1024; SD3 B=2 with guidance, FLUX B=1), real architecture with random weights")
-    p.add_argument("--variant", choices=("sd3.5-medium", "sd3-medium"), default="sd3.5-medium",
-                   help="--model sd3: which released architecture (default sd3.5-medium)")
+                   "1024x1024; SD3 B=2 with guidance, FLUX B=1), real architecture with random weights; wan: one "
+                   "Wan transformer forward (B=1, as WanPipeline calls it per guidance branch; 512 text tokens) "
+                   "at --num-frames x --height x --width (default 81 x 480 x 832: 32,760 tokens), random weights "
+                   "with the fp32 modules from_pretrained keeps")
+    p.add_argument("--variant", choices=("sd3.5-medium", "sd3-medium") + WAN_VARIANTS,
+                   help="--model sd3: sd3.5-medium (default) or sd3-medium; --model wan: " + ", ".join(WAN_VARIANTS)
+                   + f" (default {WAN_VARIANTS[0]})")
     p.add_argument("--mode", default="all", help="one of %s, a comma-separated list, or all (default)" % ", ".join(MODES))
     p.add_argument("--num-frames", type=int, help="video frames, 8k+1 (default 121; CPU 9)")
     p.add_argument("--height", type=int, help="multiple of 32 (default 512; CPU 32)")
@@ -105,6 +111,21 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {v}")
+    defaults = {"sd3": "sd3.5-medium", "wan": WAN_VARIANTS[0]}
+    if args.variant is None:
+        args.variant = defaults.get(args.model)
+    elif args.model not in defaults or (args.model == "wan") != (args.variant in WAN_VARIANTS):
+        p.error(f"--variant {args.variant} does not apply to --model {args.model}")
+    if args.model == "wan":
+        args.transformer_only = True  # the Wan pipeline needs its UMT5 encoder and VAE: time the transformer
+        if args.num_frames is not None and (args.num_frames - 1) % 4:
+            p.error(f"--num-frames must be 4k+1 (Wan's temporal compression), got {args.num_frames}")
+        mult = 32 if args.variant == "2.2-ti2v-5b" else 16  # VAE 16x (Wan 2.2) or 8x, then 2x2 patches
+        for name in ("height", "width"):
+            v = getattr(args, name)
+            if v is not None and v % mult:
+                p.error(f"--{name} must be a multiple of {mult} for Wan {args.variant}, got {v}")
+        return args
     if args.model != "ltx":
         args.transformer_only = True  # the SD3 / FLUX pipelines need CLIP/T5 encoders: time the transformer
         for name in ("height", "width"):
@@ -131,6 +152,23 @@ def load_pipeline(device: str, tiny: bool, seed: int):
     if tiny:
         return di.build_tiny_ltx_pipeline(seed=seed).to(device), "tiny random pipeline (2 blocks, width 32)"
     return di.load_ltx_pipeline(device=device, seed=seed, log=log)
+
+
+def load_wan(args, device):
+    """(Wan transformer in fp32 with random weights, its forward's inputs in fp32, description)."""
+    import wan_injection as wi
+
+    config = "tiny" if args.tiny else args.variant
+    model = wi.build_wan_transformer(config, dtype=torch.float32, device=device, seed=args.seed)
+    vae_t, vae_s = 4, (16 if config == "2.2-ti2v-5b" else 8)
+    frames, height, width = (args.num_frames - 1) // vae_t + 1, args.height // vae_s, args.width // vae_s
+    if args.tiny:
+        frames, height, width = 3, 8, 8
+    inputs = wi.make_wan_inputs(model, batch=1, frames=frames, height=height, width=width,
+                                text_len=7 if args.tiny else 512, per_token_timestep=config == "2.2-ti2v-5b",
+                                dtype=torch.float32, device=device, seed=args.seed)
+    what = f"Wan {config} architecture" if not args.tiny else "tiny Wan"
+    return model.eval(), inputs, f"{what}, random weights (no checkpoint), batch 1, fp32 modules kept as from_pretrained does"
 
 
 def load_mmdit(args, device):
@@ -500,7 +538,8 @@ def chart(summary, path):
     c = summary["config"]
     what = "transformer forward" if summary["transformer_only"] else "denoising step"
     ax.set_ylabel(f"ms per {what} (median, p20-p80)")
-    name = {"ltx": f"LTX-Video {c['num_frames']}f", "sd3": "SD3", "flux": "FLUX"}[c["model"]]
+    name = {"ltx": f"LTX-Video {c['num_frames']}f", "sd3": "SD3", "flux": "FLUX",
+            "wan": f"Wan {c['variant']} {c['num_frames']}f"}[c["model"]]
     ax.set_title(f"{name} {c['height']}x{c['width']}, {c['dtype']}, {summary['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -518,7 +557,10 @@ def main(argv=None) -> int:
     cpu_defaults = dict(num_frames=9, height=32, width=32, steps=2, repeats=1, dtype="fp32", heat_seconds=0.0)
     gpu_defaults = dict(num_frames=121, height=512, width=768, steps=4, repeats=10 if args.transformer_only else 3,
                         dtype="bf16", heat_seconds=20.0)
-    if args.model != "ltx":
+    if args.model == "wan":
+        cpu_defaults.update(num_frames=9, height=64, width=64)
+        gpu_defaults.update(num_frames=81, height=480, width=832)
+    elif args.model != "ltx":
         cpu_defaults.update(num_frames=1, height=64, width=64)
         gpu_defaults.update(num_frames=1, height=1024, width=1024)
     for k, v in (cpu_defaults if not gpu else gpu_defaults).items():
@@ -545,7 +587,7 @@ def main(argv=None) -> int:
         log(f"{weights}; {args.num_frames} frames {args.height}x{args.width}; modes {list(args.modes)}")
     else:
         pipe = None
-        base_model, inputs, weights = load_mmdit(args, device)
+        base_model, inputs, weights = (load_wan if args.model == "wan" else load_mmdit)(args, device)
         log(f"{weights}; {args.height}x{args.width}; modes {list(args.modes)}")
 
     ref32 = None
@@ -562,6 +604,10 @@ def main(argv=None) -> int:
         if args.transformer_only and gpu:  # not needed: frees device memory
             pipe.text_encoder.to("cpu")
             pipe.vae.to("cpu")
+    elif args.model == "wan":
+        import wan_injection as wi
+
+        wi.cast_like_from_pretrained(base_model, dtype)  # Wan's _keep_in_fp32_modules stay fp32
     else:
         base_model.to(dtype)
     if inputs is not None:
@@ -608,7 +654,10 @@ def main(argv=None) -> int:
     if inputs is not None:
         hs = inputs["hidden_states"]
         p = getattr(base_model.config, "patch_size", 1) or 1
-        tokens = hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
+        if hs.dim() == 5:  # Wan latents [B, C, F, H, W], patch (t, h, w)
+            tokens = math.prod(n // q for n, q in zip(hs.shape[2:], p))
+        else:
+            tokens = hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
     summary = {
         "benchmark": "benchmark_e2e.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -619,7 +668,7 @@ def main(argv=None) -> int:
                      "diffusers": __import__("diffusers").__version__, "python": platform.python_version()},
         "weights": weights,
         "transformer_only": args.transformer_only,
-        "config": {"model": args.model, "variant": args.variant if args.model == "sd3" else None, "num_frames": args.num_frames, "height": args.height, "width": args.width,
+        "config": {"model": args.model, "variant": args.variant, "num_frames": args.num_frames, "height": args.height, "width": args.width,
                    "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
                    "seed": args.seed, "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2, "tokens": tokens, "compile_mode": args.compile_mode,
                    "heat_seconds": args.heat_seconds, "rounds": args.rounds},

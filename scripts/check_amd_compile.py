@@ -370,6 +370,54 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         lambda m: m.head_rms_norm_rope(_bf16(1, 1024, 64, 256), _bf16(1, 1024, 64, 256), _bf16(256), _bf16(256), 1e-6,
                                        _f32(1024, 256), _f32(1024, 256)),
     ),
+    # ---- Wan 2.1 T2V (scripts/wan_injection.py): 1.3B 1536 wide (12 heads x 128), 14B 5120 (40 x 128); B = 1,
+    # 32,760 tokens (81 frames 480x832); modulation, gates, norm2's weight and bias in fp32 (from_pretrained) ----
+    "wan_1.3B_qk_rmsnorm_rope[per-head table 1x32760x1536]": (
+        "rope",
+        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _bf16(1536), _bf16(1536), 1e-6,
+                                        _f32(1, 32760, 128), _f32(1, 32760, 128)),
+    ),
+    "wan_1.3B_layer_norm_modulate[fp32 modulation 1x32760x1536]": (
+        "layernorm", lambda m: m.layer_norm_modulate(_bf16(1, 32760, 1536), _f32(1, 1, 1536), _f32(1, 1, 1536), 1e-6),
+    ),
+    "wan_1.3B_gated_residual_layer_norm[fp32 gate, weight, bias 1x32760x1536]": (
+        "layernorm",
+        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _f32(1, 1, 1536), None,
+                                                       None, 1e-6, weight=_f32(1536), bias=_f32(1536)),
+    ),
+    "wan_1.3B_residual_layer_norm_modulate[1x32760x1536]": (
+        "layernorm",
+        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), None, _f32(1, 1, 1536),
+                                                       _f32(1, 1, 1536), 1e-6),
+    ),
+    "wan_1.3B_gated_residual_add[fp32 gate 1x32760x1536]": (
+        "rmsnorm", lambda m: m.gated_residual_add(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _f32(1, 1, 1536)),
+    ),
+    "wan_1.3B_cross_attn_rms_norm+w[1x512x1536]": ("rmsnorm", lambda m: m.rms_norm(_bf16(1, 512, 1536), _bf16(1536), 1e-6)),
+    "wan_1.3B_gelu_tanh[1x32760x8960]": ("activations", lambda m: m.gelu_tanh(_bf16(1, 32760, 8960))),
+    "wan_14B_qk_rmsnorm_rope[per-head table 1x32760x5120]": (
+        "rope",
+        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _bf16(5120), _bf16(5120), 1e-6,
+                                        _f32(1, 32760, 128), _f32(1, 32760, 128)),
+    ),
+    "wan_14B_layer_norm_modulate[fp32 modulation 1x32760x5120]": (
+        "layernorm", lambda m: m.layer_norm_modulate(_bf16(1, 32760, 5120), _f32(1, 1, 5120), _f32(1, 1, 5120), 1e-6),
+    ),
+    "wan_14B_gated_residual_layer_norm[fp32 gate, weight, bias 1x32760x5120]": (
+        "layernorm",
+        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _f32(1, 1, 5120), None,
+                                                       None, 1e-6, weight=_f32(5120), bias=_f32(5120)),
+    ),
+    "wan_14B_residual_layer_norm_modulate[1x32760x5120]": (
+        "layernorm",
+        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), None, _f32(1, 1, 5120),
+                                                       _f32(1, 1, 5120), 1e-6),
+    ),
+    "wan_14B_gated_residual_add[fp32 gate 1x32760x5120]": (
+        "rmsnorm", lambda m: m.gated_residual_add(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _f32(1, 1, 5120)),
+    ),
+    "wan_14B_cross_attn_rms_norm+w[1x512x5120]": ("rmsnorm", lambda m: m.rms_norm(_bf16(1, 512, 5120), _bf16(5120), 1e-6)),
+    "wan_14B_gelu_tanh[1x32760x13824]": ("activations", lambda m: m.gelu_tanh(_bf16(1, 32760, 13824))),
     # ---- scripts/xcd_remap.py ----
     # the XCD tile remap helper inside its demo kernel: 1003 programs (not a multiple of 8) over 8 XCDs
     "xcd_remap_demo[1003 programs, 8 XCDs]": ("xcd_remap", lambda m: m.xcd_remap_table(1003, 8)),

@@ -28,9 +28,10 @@ What is replaced, per kind (the default LTX-Video transformer has 28 blocks):
 * ``vae_rmsnorm``: the ``RMSNorm`` layers of ``AutoencoderKLLTXVideo`` (eps 1e-8, channel-last).
 * ``mmdit_*``: SD3 and FLUX transformers are handed to ``mmdit_injection.py`` (its counts are merged
   in under ``mmdit_`` keys).
+* ``wan_*``: Wan 2.1 / 2.2 transformers are handed to ``wan_injection.py`` (counts under ``wan_`` keys).
 
 Modules are recognised by class and attributes; anything else is left untouched (a model that is
-neither LTX-Video nor SD3/FLUX gets all-zero counts). Every patched forward reads its parameters when it runs (so accelerate's
+neither LTX-Video, SD3/FLUX nor Wan gets all-zero counts). Every patched forward reads its parameters when it runs (so accelerate's
 offload hooks, dtype casts and weight swaps keep working) and falls back to the original code for
 inputs the kernels do not cover: autograd (the kernels have no backward), tensors on a device the
 kernels cannot run on, unusual dtype mixes. Injecting twice changes nothing; removal restores the
@@ -111,7 +112,6 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # When may a kernel run?
 # --------------------------------------------------------------------------------------------
 _interpreting = ic.interpreting
-_device_ok = ic.device_ok
 _usable = ic.usable
 
 
@@ -625,7 +625,17 @@ def injected_counts(pipe_or_model) -> dict:
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
         counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
+    wan = _wan_module(pipe_or_model)
+    if wan is not None:  # Wan transformers: their kinds, from wan_injection.py
+        counts.update(wan.wan_injected_counts(pipe_or_model))
     return counts
+
+
+def _wan_module(pipe_or_model):
+    """wan_injection (imported on first use) if pipe_or_model holds a Wan transformer, else None."""
+    import wan_injection
+
+    return wan_injection if wan_injection.find_wan_models(pipe_or_model) else None
 
 
 def _mmdit_module(pipe_or_model):
@@ -702,6 +712,12 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             if _class_forward(m, DiffusersRMSNorm) and m.bias is None:
                 new["vae_rmsnorm"] += _patch_forward(m, _diffusers_rmsnorm_forward, "vae_rmsnorm")
 
+    wan = _wan_module(pipe_or_model)
+    if wan is not None:  # Wan 2.1 / 2.2 transformers: wan_injection.py
+        before = wan.wan_injected_counts(pipe_or_model)
+        after = wan.inject_wan_kernels(pipe_or_model, verbose=False)
+        new.update({k: after[k] - before[k] for k in after})
+
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
         before = mmdit.mmdit_injected_counts(pipe_or_model)
@@ -715,8 +731,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     already = sum(counts.values()) - sum(new.values())
     if already:
         msg += f" ({already} were already in place)"
-    if not transformers and not vaes and mmdit is None:
-        msg += " (no LTX-Video, SD3 or FLUX model found: nothing replaced)"
+    if not transformers and not vaes and mmdit is None and wan is None:
+        msg += " (no LTX-Video, SD3, FLUX or Wan model found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
     for note in dict.fromkeys(n for n in gelu_notes if n):
@@ -747,6 +763,9 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
         restored.update(mmdit.remove_mmdit_kernels(pipe_or_model, verbose=False))
+    wan = _wan_module(pipe_or_model)
+    if wan is not None:  # Wan transformers: wan_injection.py
+        restored.update(wan.remove_wan_kernels(pipe_or_model, verbose=False))
     msg = "removed kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
     logger.info(msg)
     if verbose:

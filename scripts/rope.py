@@ -208,6 +208,7 @@ def _ltx_qk_norm_rope_kernel(
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
     FROM_COORDS: tl.constexpr,  # compute cos/sin from COORDS and FREQS instead of loading them
+    TABLE_W: tl.constexpr,  # 0: cos/sin rows are C wide; else D: one head's row, read by every head
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # >= C (whole rows)
 ):
@@ -245,9 +246,8 @@ def _ltx_qk_norm_rope_kernel(
         axis = (pair % 3)[None, :]
         coord = tl.where(axis == 0, g0, tl.where(axis == 1, g1, g2))
         angle = freq[None, :] * (coord * 2.0 - 1.0)
-        # sin and cos share one argument reduction (_sincos): on an H200 at [2, 6144, 2048], two rows per
-        # program, this took 16 % less time than tl.sin + tl.cos (at one row per program the two tied);
-        # the results are within 2 ulp of fp32 sin/cos, far below bf16 rounding.
+        # sin and cos share one argument reduction (_sincos): 16 % faster than tl.sin + tl.cos at LTX's
+        # [2, 6144, 2048] on an H200, within 2 ulp of fp32 sin/cos (far below bf16 rounding).
         sa, ca = _sincos(angle)
         cp = tl.where(valid[None, :], ca, 1.0)
         sp = tl.where(valid[None, :], sa, 0.0)
@@ -256,9 +256,14 @@ def _ltx_qk_norm_rope_kernel(
         y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
         ko = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
     else:
-        # cos/sin as given, channel by channel (cos[2i] and cos[2i+1] need not be equal).
-        c = tl.load(COS + (b * c_sb + s * c_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + (b * s_sb + s * s_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # cos/sin as given, channel by channel (cos[2i] and cos[2i+1] need not be equal); a per-head table
+        # gives channel c the value of its channel within the head, c % D
+        if TABLE_W > 0:
+            tcols = cols % TABLE_W
+        else:
+            tcols = cols
+        c = tl.load(COS + (b * c_sb + s * c_ss)[:, None] + tcols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sn = tl.load(SIN + (b * s_sb + s * s_ss)[:, None] + tcols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = _rms_norm_rows(xq, QW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
         qo = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
         y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
@@ -592,8 +597,15 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
     else:
         _check_tensor("cos", cos, _ANY_FLOAT, dev, ref="the input")
         _check_tensor("sin", sin, _ANY_FLOAT, dev, ref="the input")
-        cos_v = _batch_table("cos", cos, bsz, seq, ch, "one row of C cos values per token")
-        sin_v = _batch_table("sin", sin, bsz, seq, ch, "one row of C sin values per token")
+        # a table one head wide (an even width dividing C: Wan's [1, S, 1, D] tables viewed as [1, S, D]) is
+        # read in place by every head; any other width must be C
+        tw = cos.shape[-1] if cos.dim() in (2, 3) else ch
+        if tw != ch and not (tw > 0 and tw % 2 == 0 and ch % tw == 0):
+            tw = ch  # the check below says what is expected
+        what = ("one row of C cos values per token, or of D values per token shared by the C / D heads "
+                "(D even, dividing C)")
+        cos_v = _batch_table("cos", cos, bsz, seq, tw, what)
+        sin_v = _batch_table("sin", sin, bsz, seq, tw, what.replace("cos", "sin"))
         _check_last_contiguous("cos", cos_v)
         _check_last_contiguous("sin", sin_v)
     shape_t, dtype = tuple(q.shape), q.dtype
@@ -603,10 +615,9 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
                     torch.empty(shape_t, dtype=dtype, device=dev))
         return run_empty
     m = bsz * seq
-    # About 4096 elements of each of q and k per program (two LTX rows) and 16 per lane (two 16-byte
-    # vectors of each per lane): on an H200 at [2, 6144, 2048] and [2, 1320, 2048] bf16 (coordinates
-    # path) this beat 2048 elements per program by 12-16 %, and 8 or 32 elements per lane, or 8192
-    # and 16384 elements per program, by 15-45 %.
+    # About 4096 elements of each of q and k per program (two LTX rows), 16 per lane (two 16-byte vectors
+    # of each): 12-16 % faster than 2048 per program, 15-45 % faster than 8 or 32 per lane or 8192-16384
+    # per program, at LTX shapes on an H200.
     block_m, block_c, num_warps = _launch_config(
         ch, m, _device_target(dev)[2], _MAX_NORM_WIDTH, 2 * _ELEMS_PER_PROGRAM, per_lane=16
     )
@@ -627,6 +638,7 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
         float(eps),
     ), dict(
         HAS_WEIGHT=has_w, CAST_BEFORE_WEIGHT=bool(cast_before_weight), FROM_COORDS=from_coords,
+        TABLE_W=0 if from_coords or tw == ch else tw,
         BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
     ), (0, 3, 6 if has_w else None, 7 if has_w else None, None if from_coords else 8, None if from_coords else 11,
         14 if from_coords else None, 18 if from_coords else None, 20, 21), dev)
@@ -883,9 +895,8 @@ def _as_launched(fn):
 # ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
-# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
-# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
-# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# launches the Triton kernel from its own generated code: about 11x less time per call than the custom
+# op for chained small fused norms on an H200 (examples/benchmark_launch_overhead_h200.json). The custom op
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
@@ -1055,7 +1066,9 @@ def ltx_qk_rmsnorm_rope(
     the fused ``torch.nn.functional.rms_norm`` of current PyTorch does; True also rounds the
     normalised row to the dtype before the weight, as the older composite implementation did.
     q, k: [B, S, C] with the same shape and dtype, each with its own row strides.
-    cos/sin: [B or 1, S, C] or [S, C]. Returns contiguous (q_out, k_out).
+    cos/sin: [B or 1, S, C] or [S, C]; or one head wide, [B or 1, S, D] or [S, D] with D even and dividing
+    C, read in place by each of the C / D heads (Wan's [1, S, 1, D] tables, viewed as [1, S, D]: no
+    expanded copy). Returns contiguous (q_out, k_out).
     No backward: in grad mode, an input that requires grad raises RuntimeError (see ltx_rope).
     """
     if torch.compiler.is_compiling():
@@ -1165,7 +1178,11 @@ def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
 
 
 def ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight=False):
-    """(apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))) as LTX's attention processor does."""
+    """(apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))) as LTX's attention processor does (a
+    per-head cos/sin table is repeated over the heads first)."""
+    reps = q.shape[-1] // cos.shape[-1]
+    if reps > 1:
+        cos, sin = (t.repeat(*((1,) * (t.dim() - 1)), reps) for t in (cos, sin))
     return (
         ltx_rope_ref(_rms_norm_module_ref(q, q_weight, eps, cast_before_weight), cos, sin),
         ltx_rope_ref(_rms_norm_module_ref(k, k_weight, eps, cast_before_weight), cos, sin),

@@ -21,9 +21,14 @@ def test_modes_and_bad_command_lines():
     assert be.parse_args([]).modes == be.MODES
     assert be.parse_args(["--mode", "triton,compile"]).modes == ("triton", "compile")
     assert be.parse_args(["--model", "flux"]).transformer_only  # SD3 / FLUX: one transformer forward
+    wan = be.parse_args(["--model", "wan"])
+    assert wan.transformer_only and wan.variant == "2.1-t2v-1.3b"
+    assert be.parse_args(["--model", "sd3"]).variant == "sd3.5-medium"
     for argv in (["--mode", "fast"], ["--num-frames", "24"], ["--height", "500"], ["--repeats", "0"],
-                 ["--model", "sd3", "--height", "1000"], ["--model", "wan"], ["--heat-seconds", "-1"],
-                 ["--rounds", "0"]):
+                 ["--model", "sd3", "--height", "1000"], ["--model", "wan", "--num-frames", "80"],
+                 ["--model", "wan", "--height", "488"], ["--model", "sd3", "--variant", "2.1-t2v-1.3b"],
+                 ["--model", "wan", "--variant", "sd3-medium"], ["--model", "ltx", "--variant", "sd3-medium"],
+                 ["--heat-seconds", "-1"], ["--rounds", "0"]):
         with pytest.raises(SystemExit) as exc:
             be.parse_args(argv)
         assert exc.value.code == 2
@@ -89,6 +94,23 @@ def test_tiny_mmdit_run(model, kind):
     tri = summary["results"]["triton"]
     assert tri["injected"][kind] > 0 and tri["injected"]["mmdit_fused_blocks"] > 0
     assert tri["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+def test_tiny_wan_run():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", "wan", "--mode", "baseline,triton",
+         "--heat-seconds", "0"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["ok"] and summary["transformer_only"] and summary["config"]["model"] == "wan"
+    tri = summary["results"]["triton"]
+    assert tri["injected"]["wan_blocks"] == 2 and tri["injected"]["wan_rmsnorm_weighted"] == 8
+    assert tri["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5
+    assert summary["config"]["tokens"] == 3 * 4 * 4
 
 
 def test_rounds_pool_the_timings():

@@ -250,6 +250,41 @@ def test_qk_rmsnorm_rope_broadcast_tables_no_weight_and_separate_tensors(gen):
         assert_pairs_close(ko, kr, _normed(k, kw, 1e-6), dtype, 5, True, gen, "k")
 
 
+@pytest.mark.parametrize("table_shape", ["1,S,D", "S,D", "B,S,D"])
+@pytest.mark.parametrize("dtype,heads,head_dim", [(torch.bfloat16, 3, 8), (torch.float32, 2, 6),
+                                                  (torch.float16, 5, 16)])
+def test_qk_rmsnorm_rope_reads_a_per_head_table(table_shape, dtype, heads, head_dim, gen):
+    """cos/sin of one head's width D (Wan: one row per token shared by every head) are read in place for
+    each of the C / D heads: the same result as the table repeated over the heads (bit for bit: the kernel
+    computes each element alike), and within the float64 reference's budget."""
+    batch, seq = 2, 5
+    ch = heads * head_dim
+    q = randn((batch, seq, ch), dtype, gen, scale=2.0)
+    k = randn((batch, seq, ch), dtype, gen, scale=0.5)
+    qw, kw = _weight(ch, dtype, gen), _weight(ch, dtype, gen)
+    lead = {"1,S,D": (1, seq), "S,D": (seq,), "B,S,D": (batch, seq)}[table_shape]
+    cos, sin = _angles_cos_sin(lead + (head_dim,), gen)
+    with poisoned_outputs():
+        qo, ko = rope.ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-6, cos, sin)
+    full = [t.repeat(*((1,) * (t.dim() - 1)), heads) for t in (cos, sin)]
+    assert full[0].shape[-1] == ch
+    qf, kf = rope.ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-6, *full)
+    assert torch.equal(qo, qf) and torch.equal(ko, kf)
+    qr, kr = rope.ltx_qk_rmsnorm_rope_ref(q.double(), k.double(), qw.double(), kw.double(), 1e-6,
+                                          cos.double(), sin.double())
+    assert_pairs_close(qo, qr, _normed(q, qw, 1e-6), dtype, 5, True, gen, "q vs float64")
+    assert_pairs_close(ko, kr, _normed(k, kw, 1e-6), dtype, 5, True, gen, "k vs float64")
+
+
+@pytest.mark.parametrize("width", [5, 6, 7])
+def test_qk_rmsnorm_rope_refuses_a_table_that_is_not_per_head(width, gen):
+    """A table narrower than C must be an even width dividing C (one head's pairs); others are refused."""
+    q = randn((1, 3, 20), torch.float32, gen)
+    cos, sin = _angles_cos_sin((1, 3, width), gen)
+    with pytest.raises(ValueError, match="cos has shape"):
+        rope.ltx_qk_rmsnorm_rope(q, q.clone(), None, None, 1e-6, cos, sin)
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. ltx_qk_rmsnorm_rope_coords: cos/sin computed in the kernel from the grid coordinates
 # ---------------------------------------------------------------------------------------------

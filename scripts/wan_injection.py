@@ -1,0 +1,556 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Put the project's Triton kernels into diffusers' Wan 2.1 / 2.2 transformer, and take them out again.
+
+    import wan_injection as wi
+    counts = wi.inject_wan_kernels(pipe)         # or a bare WanTransformer3DModel
+    ...                                          # pipe(...) now runs the kernels
+    wi.remove_wan_kernels(pipe)                  # original forwards are back
+
+(``diffusers_injection.inject_optimized_kernels`` finds Wan transformers too and calls this file.)
+
+What is replaced, per kind (Wan 2.1 T2V 1.3B has 30 blocks, 14B 40, Wan 2.2 TI2V 5B 30):
+
+* ``wan_blocks``: ``WanTransformerBlock.forward``. Its sites, each one kernel with fp32 math and one
+  rounding, as diffusers computes them (every Wan step upcasts to fp32 and rounds once):
+  norm1 + modulation (``layer_norm_modulate``); the self-attention's q and k RMSNorms (across heads)
+  with the rotary embedding (``rope.ltx_qk_rmsnorm_rope``: one launch for both); ``h + attn1 * gate``
+  with norm2 (LayerNorm with weight and bias) in one kernel that returns both; ``h + attn2`` with norm3
+  + modulation in one kernel; ``h + ff * gate`` with the next block's norm1 + modulation in one kernel
+  when blocks follow each other (the next block uses that norm only if it receives the very same h and
+  temb, unchanged), else alone. Modulation is per sample ([B, 6, D] time embedding: Wan 2.1, 2.2 A14B)
+  or per token ([B, S, 6, D]: Wan 2.2 TI2V 5B).
+* ``wan_rmsnorm_weighted``: the q/k norms of every attention (``torch.nn.RMSNorm``: the cross-attention's,
+  I2V's ``norm_added_k``, and the self-attention's where the fused path does not run).
+* ``wan_gelu_tanh``: each feed-forward's ``GELU(approximate="tanh")`` (the projection, then the kernel;
+  or the projection with the activation in its epilogue where the device's BLAS computes that form).
+
+Sites left to PyTorch: the GEMMs and attention; the time / text / image embedders and the final
+norm_out + modulation (once per forward); the cross-attention's image branch (I2V) as diffusers runs it.
+
+Wan keeps norm1/2/3, ``scale_shift_table``, the RoPE tables and the time embedder in fp32 when loaded
+with ``from_pretrained(torch_dtype=torch.bfloat16)`` (``_keep_in_fp32_modules``); ``model.to(bf16)``
+casts them. Both work: the kernels read every operand in its own dtype and compute in fp32.
+
+Every patched forward reads its parameters when it runs and falls back to the original code for
+inputs the kernels do not cover: autograd (the kernels have no backward: a trainable weight anywhere in
+a block, or an input that requires grad in grad mode), hooks on a block or on the modules it would skip
+calling, a subclass with a forward of its own, another attention processor or backend, fused
+projections, tensors on a device the kernels cannot run on. Injecting twice changes nothing; removal
+restores the original forwards, so outputs become bit-identical to the unpatched model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # the leaf kernels live beside this file
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import activations  # noqa: E402
+import injection_common as ic  # noqa: E402
+import layernorm  # noqa: E402
+import rmsnorm  # noqa: E402
+import rope  # noqa: E402
+
+from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
+from diffusers.models.attention import FeedForward  # noqa: E402
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
+from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
+from diffusers.models.transformers.transformer_wan import (  # noqa: E402
+    WanAttention,
+    WanAttnProcessor,
+    WanTransformer3DModel,
+    WanTransformerBlock,
+)
+
+__all__ = ["inject_wan_kernels", "remove_wan_kernels", "wan_injected_counts", "find_wan_models", "KINDS"]
+
+logger = logging.getLogger("wan_injection")
+
+KINDS = ("wan_blocks", "wan_rmsnorm_weighted", "wan_gelu_tanh")
+_STATE = "_rtk_wan_injection"  # per-module record of what was patched and how to undo it
+_NEXT = "_rtk_wan_next_block"  # the following block (a plain attribute, not a submodule)
+_CARRY = "_rtk_wan_carry"  # what the previous block left for this one
+# Whether the installed torch's F.rms_norm rounds to the input dtype before the weight multiply
+# (ic.probe_torch_rmsnorm), probed at injection, so the q/k norms match the installed torch.
+_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
+
+
+# --------------------------------------------------------------------------------------------
+# Which modules compute what the kernels reproduce
+# --------------------------------------------------------------------------------------------
+def _class_forward(m, cls) -> bool:
+    """m is a cls whose class does not override forward."""
+    return isinstance(m, cls) and type(m).forward is cls.forward
+
+
+def _runs_class_forward(m, cls) -> bool:
+    """m is a cls computing cls.forward, and calling m runs that (or this file's patch of it) and
+    nothing else: no hook of any kind (ic.unwrapped)."""
+    return _class_forward(m, cls) and ic.unwrapped(m, _STATE)
+
+
+def _layer_norm_args(norm, width: int):
+    """(weight, bias, eps) of an FP32LayerNorm over the last dim of width `width` that the kernels
+    reproduce (F.layer_norm in fp32, any weight / bias dtype), else None."""
+    if not _runs_class_forward(norm, FP32LayerNorm) or tuple(norm.normalized_shape) != (width,):
+        return None
+    return norm.weight, norm.bias, norm.eps
+
+
+def _is_gelu_tanh(m) -> bool:
+    return _class_forward(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
+
+
+def _original_forward(module: torch.nn.Module):
+    return ic.original_forward(module, _STATE)
+
+
+# --------------------------------------------------------------------------------------------
+# Replacement forwards of single modules
+# --------------------------------------------------------------------------------------------
+def _rmsnorm_forward(self, x):
+    """torch.nn.RMSNorm over one trailing dim with a weight of the input's dtype (else the original)."""
+    w = self.weight
+    if len(self.normalized_shape) != 1 or not ic.usable(x, w) or (w is not None and w.dtype != x.dtype) \
+            or x.stride(-1) != 1:
+        return _original_forward(self)(x)
+    return rmsnorm.rms_norm(x, w, ic.torch_rmsnorm_eps(self), cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
+
+
+def _gelu_tanh_forward(self, hidden_states):
+    """diffusers GELU(approximate="tanh"): see diffusers_injection._gelu_tanh_forward."""
+    fused = ic.linear_gelu_tanh(hidden_states, self.proj)
+    if fused is not None:
+        return fused
+    hidden_states = ic.call(self.proj, hidden_states)
+    if not ic.usable(hidden_states):
+        return self.gelu(hidden_states)
+    return activations.gelu_tanh(hidden_states)
+
+
+# --------------------------------------------------------------------------------------------
+# The block
+# --------------------------------------------------------------------------------------------
+def _modulation(block, temb):
+    """The six modulation tensors exactly as WanTransformerBlock.forward computes them (fp32):
+    [B, 1, D] each for a [B, 6, D] temb, [B, S, D] views for a per-token [B, S, 6, D] temb."""
+    table = block.scale_shift_table
+    if temb.ndim == 4:
+        return tuple(t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
+    return (table + temb.float()).chunk(6, dim=1)
+
+
+def _native_attention_active() -> bool:
+    reg = _AttentionBackendRegistry
+    return reg._active_backend == AttentionBackendName.NATIVE and not reg._checks_enabled
+
+
+def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
+    """Wan's (cos, sin), each [1, S, 1, head_dim] (one row per token, shared by every head), as the
+    [1, S, head_dim] tables rope.ltx_qk_rmsnorm_rope reads per head, or None when they have another
+    form. Wan's tables repeat each value over a pair of channels, which is what the kernel's pairwise
+    rotation (one cos / sin per channel) computes the same way as diffusers' apply_rotary_emb."""
+    if not isinstance(rotary_emb, (tuple, list)) or len(rotary_emb) != 2:
+        return None
+    cos, sin = rotary_emb
+    want = (1, seq, 1, head_dim)
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or tuple(cos.shape) != want \
+            or tuple(sin.shape) != want or head_dim % 2:
+        return None
+    return cos.view(1, seq, head_dim) if cos.is_contiguous() else cos.reshape(1, seq, head_dim), \
+        sin.view(1, seq, head_dim) if sin.is_contiguous() else sin.reshape(1, seq, head_dim)
+
+
+def _self_attention(attn, x, rotary_emb):
+    """attn(x, None, None, rotary_emb) for a plain WanAttention running diffusers' WanAttnProcessor with
+    the native attention backend: the projections, ONE kernel for the q and k RMSNorms (across heads)
+    with the rotary embedding, SDPA, the output projection. Anything else: the module itself."""
+    proc = attn.processor
+    nq, nk = attn.norm_q, attn.norm_k
+    fusable = (
+        type(attn) is WanAttention
+        and "forward" not in attn.__dict__
+        and ic.hook_free(attn)
+        and type(proc) is WanAttnProcessor
+        and getattr(proc, "_attention_backend", None) is None
+        and getattr(proc, "_parallel_config", None) is None
+        and _native_attention_active()
+        and not getattr(attn, "fused_projections", False)
+        and attn.add_k_proj is None
+        and _runs_class_forward(nq, torch.nn.RMSNorm)
+        and _runs_class_forward(nk, torch.nn.RMSNorm)
+        and nq.weight is not None
+        and nk.weight is not None
+        and ic.torch_rmsnorm_eps(nq) == ic.torch_rmsnorm_eps(nk)
+    )
+    if fusable:
+        heads = attn.heads
+        b, s, _ = x.shape
+        q = ic.call(attn.to_q, x)
+        k = ic.call(attn.to_k, x)
+        v = ic.call(attn.to_v, x)
+        c = q.shape[-1]
+        tables = _rope_tables(rotary_emb, s, heads, c // heads) if c % heads == 0 else None
+        if (
+            tables is not None
+            and tuple(nq.normalized_shape) == (c,)
+            and tuple(nk.normalized_shape) == (c,)
+            and q.shape == k.shape
+            and q.dtype == k.dtype == nq.weight.dtype == nk.weight.dtype
+            and ic.usable(q, k, v, nq.weight, nk.weight, *tables)
+        ):
+            q, k = rope.ltx_qk_rmsnorm_rope(q, k, nq.weight, nk.weight, ic.torch_rmsnorm_eps(nq), *tables,
+                                            cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
+            q, k, v = (t.view(b, s, heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+            out = out.permute(0, 2, 1, 3).flatten(2, 3)
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
+            return ic.call(attn.to_out[1], ic.call(attn.to_out[0], out))
+        # the projections are done: finish as diffusers' processor does, from here
+        return _processor_after_projections(attn, q, k, v, rotary_emb)
+    return attn(x, None, None, rotary_emb)
+
+
+def _processor_after_projections(attn, query, key, value, rotary_emb):
+    """WanAttnProcessor.__call__ for self-attention (no image branch), from its projections on."""
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+    query = query.unflatten(2, (attn.heads, -1))
+    key = key.unflatten(2, (attn.heads, -1))
+    value = value.unflatten(2, (attn.heads, -1))
+    if rotary_emb is not None:
+        query = _apply_rotary_emb(query, *rotary_emb)
+        key = _apply_rotary_emb(key, *rotary_emb)
+    out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3),
+                                         value.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False)
+    out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
+    return attn.to_out[1](attn.to_out[0](out))
+
+
+def _apply_rotary_emb(x, freqs_cos, freqs_sin):
+    """diffusers' Wan apply_rotary_emb (interleaved pairs)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _next_norm1(block, h, y, gate, temb):
+    """h + y * gate and the next block's norm1 + modulation of it in one kernel, the norm left in the
+    next block's carry; None when blocks are not linked or the kernel would not reproduce the next
+    block's norm."""
+    nxt = block.__dict__.get(_NEXT)
+    if nxt is None or not ic.may_carry(block, nxt, temb, _STATE):
+        return None
+    args = _layer_norm_args(nxt.norm1, h.shape[-1])
+    if args is None or args[0] is not None or args[1] is not None or not ic.usable(nxt.scale_shift_table):
+        return None
+    shift, scale = _modulation(nxt, temb)[:2]
+    h_new, norm = layernorm.gated_residual_layer_norm_modulate(h, y, gate, scale, shift, args[2])
+    ic.put_carry(nxt, _CARRY, "x", h_new, temb, norm)
+    return h_new
+
+
+def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+    """WanTransformerBlock.forward with the norms, modulation and residuals fused (see the module
+    docstring). Same math: every fused step computes in fp32 and rounds once to the activations'
+    dtype, where diffusers upcasts to fp32 and rounds once too."""
+    h = hidden_states
+    carried = ic.take_carry(self, _CARRY, "x", h, temb)
+    width = h.shape[-1]
+    n1 = _layer_norm_args(self.norm1, width)
+    n3 = _layer_norm_args(self.norm3, width)
+    norm2 = self.norm2
+    n2 = None if type(norm2) is torch.nn.Identity else _layer_norm_args(norm2, width)
+    if (
+        n1 is None or n3 is None or n1[0] is not None or n1[1] is not None or n3[0] is not None
+        or n3[1] is not None
+        or (n2 is None and not (type(norm2) is torch.nn.Identity and ic.hook_free(norm2)))
+        or h.dim() != 3
+        or temb.ndim not in (3, 4)
+        or not ic.usable(h, temb, self.scale_shift_table, *(() if n2 is None else (n2[0], n2[1])))
+        or ic.needs_autograd(self, h, encoder_hidden_states, temb, rotary_emb)
+    ):
+        return _original_forward(self)(hidden_states, encoder_hidden_states, temb, rotary_emb)
+
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(self, temb)
+
+    # 1. Self-attention
+    norm_h = carried if carried is not None else layernorm.layer_norm_modulate(h, scale_msa, shift_msa, n1[2])
+    attn_out = _self_attention(self.attn1, norm_h, rotary_emb)
+    if attn_out.dtype != h.dtype or attn_out.shape != h.shape:
+        # (not what diffusers' modules return; computed as the original from here)
+        h = (h.float() + attn_out * gate_msa).type_as(h)
+        norm_h = norm2(h.float()).type_as(h)
+    elif n2 is not None:
+        # h + attn1 * gate, then norm2 (LayerNorm with its weight and bias): one kernel, both outputs
+        h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, gate_msa, None, None, n2[2],
+                                                                 weight=n2[0], bias=n2[1])
+    else:
+        h = rmsnorm.gated_residual_add(h, attn_out, gate_msa)
+        norm_h = h
+
+    # 2. Cross-attention (its q/k norms run the RMSNorm kernel), then h + attn2 and norm3 + modulation
+    attn_out = self.attn2(norm_h, encoder_hidden_states, None, None)
+    if attn_out.dtype != h.dtype or attn_out.shape != h.shape:
+        h = h + attn_out
+        norm_h = (self.norm3(h.float()) * (1 + c_scale_msa) + c_shift_msa).type_as(h)
+    else:
+        h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, None, c_scale_msa, c_shift_msa,
+                                                                 n3[2])
+
+    # 3. Feed-forward, then h + ff * gate (with the next block's norm1 + modulation where it can)
+    ff_out = ic.feed_forward(self.ffn, norm_h, FeedForward)
+    if ff_out.dtype != h.dtype or ff_out.shape != h.shape:
+        return (h.float() + ff_out.float() * c_gate_msa).type_as(h)
+    fused = _next_norm1(self, h, ff_out, c_gate_msa, temb)
+    return fused if fused is not None else rmsnorm.gated_residual_add(h, ff_out, c_gate_msa)
+
+
+def _link_blocks(model) -> None:
+    """Link consecutive patched blocks of one transformer for _next_norm1."""
+    blocks = list(getattr(model, "blocks", None) or [])
+    for i, blk in enumerate(blocks):
+        if _STATE not in blk.__dict__ or blk.__dict__[_STATE]["kind"] != "wan_blocks":
+            continue
+        blk.__dict__.setdefault(_CARRY, {})
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        if nxt is not None and _STATE in nxt.__dict__ and nxt.__dict__[_STATE]["kind"] == "wan_blocks":
+            blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+def _roots(pipe_or_model):
+    if isinstance(pipe_or_model, torch.nn.Module):
+        return [pipe_or_model]
+    components = getattr(pipe_or_model, "components", None)
+    if isinstance(components, dict):
+        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
+    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
+
+
+def find_wan_models(pipe_or_model) -> list:
+    """Every WanTransformer3DModel inside the input (a pipeline's components, or a module), each once
+    (Wan 2.2 A14B pipelines hold two: transformer and transformer_2)."""
+    seen, out = set(), []
+    for root in _roots(pipe_or_model):
+        for m in root.modules():
+            if id(m) not in seen and isinstance(m, WanTransformer3DModel):
+                seen.add(id(m))
+                out.append(m)
+    return out
+
+
+def _empty_counts() -> dict:
+    return {k: 0 for k in KINDS}
+
+
+def wan_injected_counts(pipe_or_model) -> dict:
+    """Counts per kind of what is injected now in the Wan transformers of pipe_or_model."""
+    counts = _empty_counts()
+    seen = set()
+    for model in find_wan_models(pipe_or_model):
+        for m in model.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                state = m.__dict__.get(_STATE)
+                if state is not None:
+                    counts[state["kind"]] += 1
+    return counts
+
+
+def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+    """Inject the kernels into every Wan transformer of pipe_or_model (see the module docstring).
+
+    Returns the counts per kind of what is injected after the call; a second call wraps nothing twice.
+    Call it before torch.compile (the kernels are torch.library ops, so compile traces them).
+    """
+    global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
+    _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = ic.probe_torch_rmsnorm()
+    skipped = []
+    for model in find_wan_models(pipe_or_model):
+        for m in model.modules():
+            if _class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
+                ic.patch_forward(m, _rmsnorm_forward, "wan_rmsnorm_weighted", _STATE)
+            elif _is_gelu_tanh(m):
+                ic.patch_forward(m, _gelu_tanh_forward, "wan_gelu_tanh", _STATE)
+            elif _class_forward(m, WanTransformerBlock):
+                ic.patch_forward(m, _wan_block_forward, "wan_blocks", _STATE)
+            elif isinstance(m, WanTransformerBlock):
+                skipped.append(f"{type(m).__name__} (a forward of its own)")
+        _link_blocks(model)
+    counts = wan_injected_counts(pipe_or_model)
+    msg = "injected Wan kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+    if not find_wan_models(pipe_or_model):
+        msg += " (no Wan transformer found: nothing replaced)"
+    if skipped:
+        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return counts
+
+
+def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+    """Undo inject_wan_kernels: restore the original forwards. Returns the counts restored per kind."""
+    restored = _empty_counts()
+    seen = set()
+    for model in find_wan_models(pipe_or_model):
+        for m in model.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            m.__dict__.pop(_NEXT, None)
+            m.__dict__.pop(_CARRY, None)
+            state = ic.pop_state(m, _STATE)
+            if state is not None:
+                ic.restore_forward(m, state)
+                restored[state["kind"]] += 1
+    msg = "removed Wan kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return restored
+
+
+# --------------------------------------------------------------------------------------------
+# Models and inputs with random weights (no hub): shared by the tests and the benchmark
+# --------------------------------------------------------------------------------------------
+# diffusers' WanTransformer3DModel arguments of the released checkpoints' configs (transformer/config.json)
+WAN_CONFIGS = {
+    "2.1-t2v-1.3b": dict(num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                         ffn_dim=8960, num_layers=30),
+    "2.1-t2v-14b": dict(num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                        ffn_dim=13824, num_layers=40),
+    "2.1-i2v-14b": dict(num_attention_heads=40, attention_head_dim=128, in_channels=36, out_channels=16,
+                        ffn_dim=13824, num_layers=40, image_dim=1280, added_kv_proj_dim=5120),
+    "2.2-ti2v-5b": dict(num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+                        ffn_dim=14336, num_layers=30),
+    # tiny: 2 heads x 16 (the RoPE split 8 / 4 / 4), 2 blocks
+    "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=24,
+                 freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64),
+    "tiny-i2v": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=24,
+                     freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64, image_dim=20,
+                     added_kv_proj_dim=32),
+}
+
+
+def build_wan_transformer(config: str = "tiny", *, dtype=torch.float32, device="cpu", seed: int = 0,
+                          keep_fp32: bool = True, **overrides):
+    """A WanTransformer3DModel of a released architecture (WAN_CONFIGS) with random weights.
+
+    dtype bf16/fp16 with keep_fp32=True keeps the modules Wan lists in _keep_in_fp32_modules (norm1/2/3,
+    scale_shift_table, rope, time_embedder) in fp32, as from_pretrained(torch_dtype=...) does;
+    keep_fp32=False casts everything, as model.to(dtype) does. device "meta" builds without memory."""
+    kw = {**WAN_CONFIGS[config], **overrides}
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = WanTransformer3DModel(**kw).eval()
+    if device == "meta":
+        return model.to(dtype)
+    if dtype != torch.float32:
+        if keep_fp32:
+            cast_like_from_pretrained(model, dtype)
+        else:
+            model.to(dtype)
+    return model
+
+
+def cast_like_from_pretrained(model, dtype):
+    """model.to(dtype), except the modules and parameters named in Wan's _keep_in_fp32_modules (norm1/2/3,
+    scale_shift_table, rope, time_embedder), which stay fp32: the layout from_pretrained(torch_dtype=dtype)
+    gives. Returns model."""
+    model.to(dtype)
+    keep = set(type(model)._keep_in_fp32_modules)
+    for name, module in model.named_modules():
+        if keep.intersection(name.split(".")):
+            module.float()
+    for name, param in model.named_parameters():
+        if name.split(".")[-1] in keep:
+            param.data = param.data.float()
+    return model
+
+
+def make_wan_inputs(model, *, batch: int = 2, frames: int = 3, height: int = 8, width: int = 8,
+                    text_len: int = 7, per_token_timestep: bool = False, image_len: int = 0,
+                    dtype=torch.float32, device="cpu", seed: int = 0) -> dict:
+    """Keyword arguments of one forward: latents [B, C, frames, height, width] (tokens: frames x
+    height/2 x width/2 for the (1, 2, 2) patch), text embeddings [B, text_len, text_dim], timesteps [B]
+    (or [B, tokens] per token, as Wan 2.2 TI2V feeds them), image embeddings [B, image_len, image_dim]
+    for I2V models (its cross-attention takes the last 512 context tokens as text: text_len must be 512)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    tokens = frames * (height // cfg.patch_size[1]) * (width // cfg.patch_size[2])
+    kw = dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, frames, height, width, generator=g).to(device, dtype),
+        encoder_hidden_states=(torch.randn(batch, text_len, cfg.text_dim, generator=g) * 0.5).to(device, dtype),
+        return_dict=False,
+    )
+    t = torch.rand(batch, generator=g) * 1000
+    kw["timestep"] = (t[:, None] * (0.5 + torch.rand(batch, tokens, generator=g))).to(device) \
+        if per_token_timestep else t.to(device)
+    if image_len:
+        kw["encoder_hidden_states_image"] = torch.randn(batch, image_len, cfg.image_dim, generator=g).to(device, dtype)
+    return kw
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check: python wan_injection.py [--config tiny] [--dtype fp32]
+# --------------------------------------------------------------------------------------------
+def _main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(
+        description="Inject the kernels into a Wan transformer with random weights and compare one forward with the "
+        "unpatched model's (and with it again after removal). On a machine without a GPU, run it with "
+        "TRITON_INTERPRET=1 (the tiny configs). JSON on stdout; exit 1 if the outputs differ.")
+    p.add_argument("--config", choices=sorted(WAN_CONFIGS), default="tiny", help="architecture (default tiny)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 (default), or bf16 laid out as from_pretrained leaves it (fp32 modules kept)")
+    p.add_argument("--frames", type=int, default=3, help="latent frames (default 3)")
+    p.add_argument("--size", type=int, default=8, help="latent height and width (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.frames < 1 or args.size < 2 or args.size % 2:
+        p.error("--frames must be >= 1 and --size an even number >= 2")
+    gpu = torch.cuda.is_available() and not ic.interpreting()
+    if not gpu and not ic.interpreting():
+        print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)
+        return 2
+    device = "cuda" if gpu else "cpu"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = build_wan_transformer(args.config, dtype=dtype, device=device, seed=args.seed)
+    i2v = model.config.added_kv_proj_dim is not None
+    kw = make_wan_inputs(model, frames=args.frames, height=args.size, width=args.size, dtype=dtype, device=device,
+                         seed=args.seed, text_len=512 if i2v else 7, image_len=5 if i2v else 0)
+    with torch.no_grad():
+        ref = model(**kw)[0].float()
+        counts = inject_wan_kernels(model, verbose=False)
+        out = model(**kw)[0].float()
+        remove_wan_kernels(model, verbose=False)
+        back = model(**kw)[0].float()
+    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    ok = bool(torch.isfinite(out).all()) and rel <= tol and torch.equal(back, ref)
+    print(json.dumps({"config": args.config, "dtype": args.dtype, "device": device, "injected": counts,
+                      "rel_l2_vs_unpatched": rel, "tolerance": tol, "restored_bit_identical": torch.equal(back, ref),
+                      "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

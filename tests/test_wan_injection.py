@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+"""inject_wan_kernels / remove_wan_kernels on diffusers' WanTransformer3DModel (Wan 2.1 T2V / I2V, Wan
+2.2 TI2V with per-token modulation): parity with the unpatched model in fp32 and bf16 (tiny random models
+through the interpreter on the CPU), with both fp32-kept and fully cast weights, counts on the released
+architectures (meta device), the kernels actually called, exact restoration, idempotence, and the
+fallbacks (autograd with a trainable weight inside a block, hooks, another processor, fused projections,
+a carried norm after an in-place change)."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import activations
+import layernorm
+import rmsnorm
+import rope
+import wan_injection as wi
+from kernel_testing import DEVICE, rel_l2
+
+# fp32: each fused step is the same math with one rounding and another summation order
+FP32_REL = 1e-5
+
+VARIANTS = {
+    # name: (config, input options)
+    "t2v": ("tiny", dict()),
+    "t2v_no_cross_norm": ("tiny", dict()),
+    "ti2v_per_token": ("tiny", dict(per_token_timestep=True)),
+    "i2v": ("tiny-i2v", dict(text_len=512, image_len=5)),
+}
+
+
+def _model(variant, dtype=torch.float32, keep_fp32=True, seed=0):
+    config, _ = VARIANTS[variant]
+    extra = dict(cross_attn_norm=False) if variant == "t2v_no_cross_norm" else {}
+    return wi.build_wan_transformer(config, dtype=dtype, device=DEVICE, seed=seed, keep_fp32=keep_fp32, **extra)
+
+
+def _inputs(model, variant, dtype=torch.float32, seed=0):
+    return wi.make_wan_inputs(model, dtype=dtype, device=DEVICE, seed=seed, **VARIANTS[variant][1])
+
+
+def _run(model, kw):
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls of the leaf kernels (proves that the kernels, not torch, ran)."""
+    calls = Counter()
+    for mod, name in (
+        (layernorm, "layer_norm_modulate"),
+        (layernorm, "gated_residual_layer_norm_modulate"),
+        (rmsnorm, "gated_residual_add"),
+        (rmsnorm, "rms_norm"),
+        (rope, "ltx_qk_rmsnorm_rope"),
+        (activations, "gelu_tanh"),
+    ):
+        fn = getattr(mod, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fp32_matches_unpatched(variant, kernel_calls):
+    model = _model(variant)
+    kw = _inputs(model, variant)
+    ref = _run(model, kw)
+    counts = wi.inject_wan_kernels(model, verbose=False)
+    layers = model.config.num_layers
+    i2v = variant == "i2v"
+    assert counts == {"wan_blocks": layers, "wan_rmsnorm_weighted": (5 if i2v else 4) * layers, "wan_gelu_tanh": layers}
+    out = _run(model, kw)
+    assert torch.isfinite(out).all()
+    err = rel_l2(out, ref)
+    assert err < FP32_REL, f"{variant}: rel L2 {err:.3g} against the unpatched model"
+    # every site ran its kernel: block 0 computes block 1's norm1 (carried), so norm1 runs once
+    assert kernel_calls["layer_norm_modulate"] == 1
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == layers
+    assert kernel_calls["gelu_tanh"] == layers
+    # per block: norm3 (+ norm2 with cross_attn_norm), and block 0's last residual with block 1's norm1
+    per_block = 1 if variant == "t2v_no_cross_norm" else 2
+    assert kernel_calls["gated_residual_layer_norm_modulate"] == per_block * layers + (layers - 1)
+    # cross-attention q/k norms (+ I2V's norm_added_k) through the RMSNorm kernel
+    assert kernel_calls["rms_norm"] == (3 if i2v else 2) * layers
+    wi.remove_wan_kernels(model, verbose=False)
+    assert torch.equal(_run(model, kw), ref), "removal must restore the original forwards exactly"
+
+
+@pytest.mark.parametrize("keep_fp32", [True, False], ids=["from_pretrained_fp32_kept", "model_to_bf16"])
+@pytest.mark.parametrize("variant", ["t2v", "ti2v_per_token"])
+def test_bf16_is_as_accurate_as_unpatched(variant, keep_fp32):
+    """bf16 with Wan's fp32-kept modules (as from_pretrained(torch_dtype=bf16) loads it) and fully cast
+    (model.to(bf16)): the patched model is no further from an fp32 run of the same weights than the
+    unpatched bf16 model is (the kernels round once per fused step, where Wan also rounds once)."""
+    ref_model = _model(variant)
+    kw32 = _inputs(ref_model, variant)
+    ref = _run(ref_model, kw32)
+    model = _model(variant, dtype=torch.bfloat16, keep_fp32=keep_fp32)
+    kw = _inputs(model, variant, dtype=torch.bfloat16)
+    base = _run(model, kw).float()
+    counts = wi.inject_wan_kernels(model, verbose=False)
+    assert counts["wan_blocks"] == model.config.num_layers
+    out = _run(model, kw).float()
+    e_base, e_out = rel_l2(base, ref), rel_l2(out, ref)
+    assert e_out <= 1.5 * e_base + 1e-3, f"patched {e_out:.4g} vs unpatched {e_base:.4g} (rel L2 to fp32)"
+    assert rel_l2(out, base) < 0.05
+
+
+@pytest.mark.parametrize("config,blocks,norms", [
+    ("2.1-t2v-1.3b", 30, 120), ("2.1-t2v-14b", 40, 160), ("2.1-i2v-14b", 40, 200), ("2.2-ti2v-5b", 30, 120),
+])
+def test_counts_on_released_architectures(config, blocks, norms):
+    model = wi.build_wan_transformer(config, device="meta", dtype=torch.bfloat16)
+    counts = wi.inject_wan_kernels(model, verbose=False)
+    assert counts == {"wan_blocks": blocks, "wan_rmsnorm_weighted": norms, "wan_gelu_tanh": blocks}
+    assert wi.inject_wan_kernels(model, verbose=False) == counts  # idempotent
+    assert wi.remove_wan_kernels(model, verbose=False) == counts
+    assert wi.wan_injected_counts(model) == {k: 0 for k in counts}
+
+
+def test_trainable_weight_inside_a_block_gets_its_gradient():
+    """LoRA-style training: base frozen, one weight inside a block trainable. The patched model must
+    give that weight the same gradient as the unpatched one (the kernels have no backward: the block
+    runs its original forward)."""
+    model = _model("t2v")
+    kw = _inputs(model, "t2v")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    w = model.blocks[1].attn1.to_v.weight
+    w.requires_grad_(True)
+    model(**kw)[0].square().mean().backward()
+    ref = w.grad.clone()
+    w.grad = None
+    wi.inject_wan_kernels(model, verbose=False)
+    model(**kw)[0].square().mean().backward()
+    assert w.grad is not None and torch.allclose(w.grad, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_hooks_on_skipped_modules_still_run():
+    """A forward hook on a module the fused path would not call (the self-attention, its q norm, the
+    block) still runs, and the output stays right."""
+    model = _model("t2v")
+    kw = _inputs(model, "t2v")
+    ref = _run(model, kw)
+    wi.inject_wan_kernels(model, verbose=False)
+    for target in (model.blocks[0].attn1, model.blocks[0].attn1.norm_q, model.blocks[1], model.blocks[0].norm1):
+        seen = []
+        handle = target.register_forward_hook(lambda m, a, o: seen.append(1))
+        out = _run(model, kw)
+        handle.remove()
+        assert seen, f"hook on {type(target).__name__} did not run"
+        assert rel_l2(out, ref) < FP32_REL
+
+
+@pytest.mark.parametrize("where", ["post_hook_on_block_0", "pre_hook_on_block_1"])
+def test_carry_ignored_after_an_in_place_change_between_blocks(where):
+    """A hook that changes the residual stream in place between two blocks: block 1 must not use a norm
+    block 0 computed from the old values."""
+    model = _model("t2v")
+    kw = _inputs(model, "t2v")
+    b0, b1 = model.blocks
+
+    def change(h):  # not a shift or a scaling: LayerNorm would not see those
+        h.add_(0.5 * h.flip(-1))
+
+    handle = (b0.register_forward_hook(lambda m, a, o: change(o)) if where.startswith("post")
+              else b1.register_forward_pre_hook(lambda m, a: change(a[0])))
+    try:
+        ref = _run(model, kw)
+        wi.inject_wan_kernels(model, verbose=False)
+        got = _run(model, kw)
+    finally:
+        handle.remove()
+        wi.remove_wan_kernels(model, verbose=False)
+    assert rel_l2(got, ref) < FP32_REL
+
+
+def test_other_processor_or_fused_projections_fall_back(kernel_calls):
+    model = _model("t2v")
+    kw = _inputs(model, "t2v")
+    ref = _run(model, kw)
+    wi.inject_wan_kernels(model, verbose=False)
+
+    class MyProcessor(wi.WanAttnProcessor):
+        pass
+
+    model.blocks[0].attn1.set_processor(MyProcessor())
+    model.blocks[1].attn1.fuse_projections()
+    out = _run(model, kw)
+    assert rel_l2(out, ref) < FP32_REL
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == 0
+
+
+def test_dispatch_from_diffusers_injection():
+    import diffusers_injection as di
+
+    model = _model("t2v")
+    counts = di.inject_optimized_kernels(model, verbose=False)
+    assert counts["wan_blocks"] == model.config.num_layers
+    restored = di.remove_optimized_kernels(model, verbose=False)
+    assert restored["wan_blocks"] == model.config.num_layers
+    assert wi.wan_injected_counts(model)["wan_blocks"] == 0
