@@ -4,6 +4,7 @@ verbose closeness check against a float64 reference."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -117,3 +118,51 @@ class poisoned_outputs:
     def __exit__(self, *exc):
         torch.empty, torch.empty_like, torch.Tensor.new_empty = self._empty, self._empty_like, self._new_empty
         return False
+
+
+def _f32_to_bf16_bits_rne(a):
+    """bf16 bit patterns (uint16) of float32 values, rounded to nearest, ties to even (NaN stays a quiet NaN
+    of the same sign): what torch's and the GPUs' conversion gives."""
+    import numpy as np
+
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    u = a.view(np.uint32)
+    nan = np.isnan(a)
+    safe = np.where(nan, np.uint32(0), u)  # (no overflow of the addition below for NaN bit patterns)
+    r = ((safe + np.uint32(0x7FFF) + ((safe >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    return np.where(nan, ((u >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16), r)
+
+
+@contextlib.contextmanager
+def interpreter_bf16_round_to_nearest_even():
+    """Within the block, Triton's interpreter rounds fp32 -> bf16 to nearest even, as torch and GPUs do (it
+    truncates otherwise, which costs a full ulp per rounding and builds up over a model). Then a kernel
+    whose rounding points match a PyTorch expression's can be compared with it bit for bit on the CPU. A
+    no-op outside the interpreter (a GPU rounds to nearest even already)."""
+    if not INTERPRET:
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    builder = ti.InterpreterBuilder
+    cast_impl, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def rne(src):
+        return ti.TensorHandle(_f32_to_bf16_bits_rne(src.data), tl.bfloat16)
+
+    def patched_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return rne(src)
+        return cast_impl(self, src, dst_type)
+
+    def patched_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return rne(src)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.cast_impl, builder.create_fp_to_fp = patched_cast, patched_fp_to_fp
+    try:
+        yield
+    finally:
+        builder.cast_impl, builder.create_fp_to_fp = cast_impl, fp_to_fp

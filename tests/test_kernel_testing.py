@@ -38,3 +38,39 @@ def test_poisoned_outputs_keep_meta_device_working():
     tests_dir = str(Path(__file__).resolve().parent)
     r = subprocess.run([sys.executable, "-c", code], cwd=tests_dir, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_interpreter_bf16_rounding_matches_torch():
+    """interpreter_bf16_round_to_nearest_even: a kernel's fp32 -> bf16 cast gives torch's bits (nearest, ties
+    to even, overflow to inf, NaN kept) on values chosen to hit every case; on a GPU the helper is a no-op
+    and the hardware's cast must give the same."""
+    import triton
+    import triton.language as tl
+
+    from kernel_testing import DEVICE, INTERPRET, interpreter_bf16_round_to_nearest_even
+
+    @triton.jit
+    def to_bf16(X, Y, N, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        tl.store(Y + offs, tl.load(X + offs, mask=m).to(tl.bfloat16), mask=m)
+
+    g = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    normal = torch.randn(4000, generator=g) * torch.logspace(-30, 30, 4000)
+    hi = torch.randint(0, 1 << 15, (1000,), generator=g, dtype=torch.int32) << 16
+    ties = (hi | 0x8000).view(torch.float32)  # exactly halfway between two bf16 values
+    near = torch.cat([(hi | 0x7FFF).view(torch.float32), (hi | 0x8001).view(torch.float32)])
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.3895313892515355e38,
+                            torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny, 1e-45, -1e-45])
+    x = torch.cat([normal, ties, -ties, near, special]).to(DEVICE)
+    want = x.to(torch.bfloat16)
+    y = torch.full_like(want, float("nan"))
+    with interpreter_bf16_round_to_nearest_even():
+        to_bf16[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(y), nan)
+    bad = (y.view(torch.int16) != want.view(torch.int16)) & ~nan
+    assert not bad.any(), f"{int(bad.sum())} values differ, e.g. {x[bad][:4].tolist()}"
+    if INTERPRET:  # without the helper the interpreter truncates: the ties and the values above them differ
+        to_bf16[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+        assert ((y.view(torch.int16) != want.view(torch.int16)) & ~nan).any()
