@@ -24,7 +24,7 @@ Public functions:
   float8_e4m3fnuz (max 240) on gfx942, OCP float8_e4m3fn (max 448) elsewhere, or forced by
   ``fp8_dtype=``; values are saturated to +-fp8_max and rounded to nearest (ties to even), so a finite
   input never gives NaN: Triton's FP8 cast where the GPU has a conversion instruction for the format
-  (NVIDIA sm_89+, gfx942, gfx950 from Triton 3.9), else an integer-arithmetic encoder with the same bytes
+  (NVIDIA sm_89+, gfx942, gfx950 from Triton 3.6), else an integer-arithmetic encoder with the same bytes
   (checked on an NVIDIA H200; the AMD cast paths are compiled, not yet run on AMD hardware).
 
 One row kernel serves GELU on strided rows, GEGLU and SwiGLU (a constexpr picks the activation).
@@ -98,8 +98,8 @@ def _gelu_flat_kernel(
 def _silu_f32(x):
     """x * sigmoid(x) = x / (1 + exp(-x)) of an fp32 block. Overflow-safe as written: below x = -88.7
     exp(-x) is inf and x / inf = -0.0 (torch gives -0.0 too); above, the denominator is finite. One exp
-    and one division, no select: on an H200 (SwiGLU, bf16, CUDA graphs) it was faster than the exp(-|x|)
-    form with a select at 1,024 rows of 4096, where the data sits in L2 and instructions count."""
+    and one division, no select: faster than the exp(-|x|) form with a select for SwiGLU at 1,024 x 4096
+    on an H200, where the data sits in L2 and instructions count."""
     return x / (1.0 + tl.exp(-x))
 
 
@@ -148,8 +148,8 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
     per two values where the target has one (NVIDIA sm_89+: cvt.rn.satfinite; gfx942: v_cvt_pk_fp8_f32;
     gfx950: v_cvt_scalef32_pk_fp8_f32); the clamp keeps NaN (PropagateNan.ALL) and makes infinities
     saturate whatever the instruction does out of range. Else _fp8_encode's integer version, about 20
-    operations a value: on an H200 the native cast took 7-35 % less time in the fused FP8 kernels
-    (examples/benchmark_fp8_native_vs_integer_h200.json in the bundle).
+    operations a value; the native cast makes the fused FP8 kernels 7-35 % faster on an H200
+    (examples/benchmark_fp8_native_vs_integer_h200.json).
     """
     if NATIVE:
         v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -393,10 +393,9 @@ def _row_layout_pair(a: torch.Tensor, b: torch.Tensor):
 
 # Lanes (threads) per program: 8 warps of 32 or 4 wavefronts of 64. 256 lanes with two 16-byte
 # vectors each keep 8 KiB of loads in flight per program; with several programs resident per
-# compute unit that covers HBM latency. On an H200 (triton 3.6) gelu tanh on [2, 6144, 8192] bf16 ran
-# at 3.86 TB/s replayed, 92.8 % of the copy bandwidth and 91.5 % of an elementwise kernel moving the
-# same bytes (examples/benchmark_kernels_ltx_h200.json); in an earlier sweep whose output was not kept,
-# blocks of 1024-8192 elements with 2-16 warps were all within ~5% of each other there.
+# compute unit that covers HBM latency. GELU-tanh reaches 92.8 % of copy bandwidth at [2, 6144, 8192]
+# bf16 on an H200 (examples/benchmark_kernels_ltx_h200.json); blocks of 1024-8192 elements x 2-16 warps
+# were within ~5 % of each other there (unrecorded).
 _LANES = 256
 _VECTORS_PER_LANE = 2
 
@@ -425,13 +424,10 @@ def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: 
     lane and operand (2048 bf16 outputs per program of 8 warps) and, while that leaves fewer than
     _MIN_ROW_PROGRAMS programs, down to 4 bytes per lane (512 bf16 outputs): at decode sizes the time is
     latency, and spreading a row over more programs with less work per lane shortens it. Narrow rows
-    are packed several to a program (BLOCK_M) to the same budget. Measured on an H200 (SwiGLU, bf16,
-    CUDA graphs replaying the same inputs, benchmark_decode_fusions_h200_before_evict_hint.json at commit
-    ce1e479 against benchmark_decode_fusions_h200_before_row_grid.json at commit ffca4bd): with this rule and
-    the kernel's 2D grid, unmasked tiles and SiLU form, 1 and 32 rows of 4096-16384 took 1.14-1.63 us
-    instead of 1.46-1.88 us and 1,024 x 4096 took 4.22 instead of 4.90 us; 4,096 rows did not change. In a
-    sweep of 64-4096 outputs x 1-8 warps per program, 2048 outputs beat 4096 at 1,024 rows and 512 beat
-    whole 16-byte vectors at one row. The threshold is the H200's (132 SMs); not measured on AMD GPUs.
+    are packed several to a program (BLOCK_M) to the same budget (2048 outputs beat 4096 at 1,024 rows,
+    512 beat 2048 at one row). With the kernel's 2D grid, unmasked tiles and SiLU form, SwiGLU got 13-22 %
+    faster at 1-1,024 rows on an H200 (references/benchmarking.md). The threshold is the H200's (132
+    SMs); untuned on AMD.
     """
     vec = max(1, 16 // elem_bytes)
     num_warps = max(1, _LANES // warp_size)
@@ -484,13 +480,10 @@ _ROW_CHUNK = 4096
 def _whole_row_config(n_cols: int, n_rows: int, warp_size: int, max_whole: int, chunk: int):
     """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for whole-row programs.
 
-    Reasons: about 16 elements per lane per operand (two 16-byte bf16 vectors): fewer warps make the
-    row maximum's cross-warp reduction shorter; on an H200 (bf16, FP8 output, CUDA graphs) 8 warps
-    for a 4096-wide row took 7-9 % less time than 16 (8 elements per lane), and 16 warps stayed the
-    fastest for 8192. For 16384 the rule asks for 32 warps of 32 lanes; that took 11 % less time than
-    16 at 1024 rows (1-7 % less at 4096 rows, two runs). Short rows are packed several to a program
-    so that each program still moves a few KiB; at most 1024 lanes (a workgroup's limit: 16 wave64
-    warps on CDNA).
+    About 16 elements per lane per operand (two 16-byte bf16 vectors), so that fewer warps shorten the
+    row maximum's cross-warp reduction: 1-11 % faster than 8 per lane at 4096- and 16384-wide rows with
+    FP8 output on an H200. Short rows are packed several to a program so that each program still moves
+    a few KiB; at most 1024 lanes (a workgroup's limit: 16 wave64 warps on CDNA).
     """
     single = n_cols <= max_whole
     block_n = _next_pow2(n_cols) if single else chunk
@@ -1033,9 +1026,8 @@ def _as_launched(fn):
 # ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
-# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
-# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
-# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# launches the Triton kernel from its own generated code: about 11x less time per call than the custom
+# op for chained small fused norms on an H200 (examples/benchmark_launch_overhead_h200.json). The custom op
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()

@@ -153,8 +153,9 @@ def _head_rms_norm_rope_kernel(
 ):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     # One program per token: the norm weights and the token's cos/sin row are loaded once and serve
-    # all its heads (with 8 heads per program they were loaded three times per FLUX token, as many
-    # load instructions as q and k themselves).
+    # all its heads (programs of 8 heads load them three times per FLUX token, as many load instructions
+    # as q and k themselves): 9 % faster for FLUX's q/k + RoPE on an H200, 2 % slower for SD3.5's q/k
+    # without RoPE, which has no table to share (references/benchmarking.md).
     pid = tl.program_id(0)
     b = (pid // S).to(tl.int64)
     s = (pid % S).to(tl.int64)
@@ -178,8 +179,8 @@ def _head_rms_norm_rope_kernel(
     k_tok = K + b * k_sb + s * k_ss
     out_tok = (b * S_OUT + tok) * H * D
     # N_STEPS steps of BLOCK_H heads; the next step's heads are loaded before this step's are stored, so
-    # their latency overlaps the arithmetic. Up to _MAX_UNROLL steps the loop is unrolled (it was faster
-    # at FLUX's and SD3's 3 steps); beyond, a loop whose last "next" load is fully masked (no traffic).
+    # their latency overlaps the arithmetic. Up to _MAX_UNROLL steps the loop is unrolled (faster at
+    # FLUX's and SD3's 3 steps); beyond, a loop whose last "next" load is fully masked (no traffic).
     heads = hh.to(tl.int64)
     mask = col_mask & (heads < H)[:, None]
     xq, xk = _load_heads(q_tok, k_tok, q_sh, k_sh, heads, cols, mask)
@@ -266,13 +267,7 @@ def _launch_config(head_dim: int, heads: int, warp_size: int):
     within that budget that divides the head count (no masked rows; FLUX's and SD3's 24 heads: 3 steps
     of 8), unless only a small one would (then a masked last step). Each lane holds about 8 consecutive
     elements of a tile (one 16-byte bf16 vector per tensor); the warp count follows from the lane
-    count (32 on NVIDIA and RDNA wave32, 64 on CDNA wave64). Measured on an H200 (bf16, CUDA-graph
-    timing, the mmdit suite of scripts/benchmark_kernels.py;
-    examples/benchmark_kernels_mmdit_h200_before_cold_l2.json at commit 709f4f5 against
-    ..._before_qk_token_programs.json at commit 10b0815): FLUX.1-dev [1, 4608, 24, 128] q/k with fp32 cos/sin took
-    31.6 us against 34.6 us with the previous programs of 8 heads, which loaded the weights and the
-    token's cos/sin row three times per token; SD3.5's [2, 4429, 24, 64] q/k without RoPE 28.7 against
-    28.0 us (no table to share there).
+    count (32 on NVIDIA and RDNA wave32, 64 on CDNA wave64).
     """
     block_d = _next_pow2(max(head_dim, 2))
     cap = max(1, _ELEMS_PER_STEP // block_d)
@@ -673,9 +668,8 @@ def _as_launched(fn):
 # ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
-# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
-# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
-# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# launches the Triton kernel from its own generated code: about 11x less time per call than the custom
+# op for chained small fused norms on an H200 (examples/benchmark_launch_overhead_h200.json). The custom op
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()

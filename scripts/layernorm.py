@@ -231,9 +231,8 @@ def _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
     m1 = row_mask[:, None] & (c1 < N)[None, :]
     m2 = row_mask[:, None] & (c2 < N)[None, :]
     # With a residual, scale and shift are requested before the reductions so that their latency
-    # overlaps them (on an H200 the gated residual + norm + modulation took about 2 % less time at
-    # SD3's and FLUX's shapes). Without a residual that was 1-2 % slower, so they are loaded after,
-    # in _finish_rows.
+    # overlaps them (about 2 % faster at SD3's and FLUX's shapes on an H200); without one that was 1-2 %
+    # slower, so they are loaded after, in _finish_rows.
     PRE: tl.constexpr = HAS_RESIDUAL and HAS_MOD and not HAS_MOD2
     x0 = _residual(x0, y0, g0, H_OUT, out_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
     sc0, sh0 = _load_mod(SCALE, SHIFT, s_row, t_row, cols0, m0, PRE)
@@ -548,20 +547,12 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = Fa
 def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: int, chunk: int, residual: bool):
     """(BLOCK_M, BLOCK_D, single pass?, chunks per row, num_warps).
 
-    Reasons: one row per program for rows of 2048 elements or more (narrower rows are packed so a
-    program still covers about 2048 elements: small programs pay scheduling costs per row), and
-    about 32 elements of a row per lane: LayerNorm reduces twice (mean, then the variance around
-    it), and fewer warps per row make each cross-warp reduction shorter. The warp count follows
-    from the lane count (32 on NVIDIA and RDNA wave32, 64 on CDNA wave64). Measured on an H200
-    (bf16, CUDA-graph timing, SD3.5-medium [2, 4096, 1536] and FLUX.1-dev [1, 4096, 3072]): 2 and 4
-    warps per row were within 1 % of the fastest of 1-4 rows x 2-16 warps for the modulated and the
-    gated-residual variants (2 % off for SD3's modulated norm), and took 12-31 % less time than the
-    previous rule of 8 elements per lane (2 rows x 16 warps at 1536, 1 row x 16 warps at 3072).
-    Rows of 3 * 2**k elements (SD3's 1536, FLUX's 3072) are held as three chunks of 2**k instead of
-    one block of 4 * 2**k with a quarter of the lanes masked off; one 16-byte vector per lane per
-    chunk: on the same H200 shapes the modulated norm went from 72-75 % to 80-87 % of copy bandwidth
-    over three runs. Not for the gated-residual variant (x, y, gate and h per element): there the
-    chunks tied at 1536 and lost 2-3 % at 3072.
+    About 32 elements of a row per lane (warps from the lane count, 32 or 64): LayerNorm reduces twice
+    and fewer warps per row shorten each cross-warp reduction; 12-31 % faster than 8 per lane at SD3's
+    and FLUX's shapes on an H200. Rows under 2048 elements are packed to about 2048 per program. Rows
+    of 3 * 2**k (SD3's 1536, FLUX's 3072) are three chunks of 2**k (one 16-byte vector per lane each),
+    not one of 4 * 2**k a quarter masked off: 72-75 % -> 80-87 % of copy bandwidth for the modulated
+    norm; not with a residual (x, y, gate, h), where the chunks tied or lost 2-3 %.
     """
     single = n_cols <= max_fused
     third = n_cols // 3
@@ -577,30 +568,20 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
 
 
 def _persistent_variant(has_residual: bool, has_mod: bool, has_mod2: bool) -> bool:
-    """Which variants may use the persistent grid: LayerNorm + one modulation without a residual (the
-    others were slower on it; see _persistent_config)."""
+    """Which variants may use the persistent grid: LayerNorm + one modulation without a residual. The
+    plain norm gains nothing on it; two modulations or a residual are 8-39 % slower at SD3's and FLUX's
+    shapes on an H200 (examples/layernorm_grid_h200.json)."""
     return has_mod and not has_mod2 and not has_residual
 
 
 @functools.lru_cache(maxsize=1024)
 def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int, n_sms: int):
-    """(programs, num_warps) for the persistent form of the single-pass kernel, or (0, 0) to launch
-    one program per row block.
-
-    Reasons, measured on an H200 (bf16, CUDA-graph timing, LayerNorm + modulation, rows of 1536, 2048
-    and 3072 at SD3.5-medium, LTX-Video and FLUX.1-dev sizes; grids of 4-32 programs per SM x 1-8
-    warps; examples/layernorm_grid_h200.json, rerun with scripts/benchmark_layernorm_grid.py): the
-    fastest had 16-24 elements of a row block per lane (the rule asks for at most 24), with about 1024
-    lanes per SM in total (32 warps of 32), that is half the SM's warp slots, since each lane holds two
-    row blocks (the one it reduces and the next one); they took about 10 % less
-    time than one program per row (82-85 % of the speed of an elementwise kernel moving the same bytes
-    -> 91-95 %). Used for LayerNorm + one modulation only (_persistent_variant): in the same comparison
-    the plain norm changed by -1 to +4 % in time, and the variants holding more tiles per row (two
-    modulations; the gated residual's x, y and gate) took 8-39 % more time at SD3's and FLUX's shapes
-    (none faster with twice the warps, or half or twice the programs; at the LTX-Video width the
-    two-modulation variant was 3 % faster, the gated-residual ones 28-32 % slower). The same lane count per compute
-    unit is used on AMD, where it is untuned. With no more row blocks than programs there is nothing
-    to prefetch and the grid is one program per block.
+    """(programs, num_warps) for the persistent single-pass kernel, or (0, 0) for one program per row
+    block when there are no more row blocks than programs (nothing to prefetch). At most 24 elements of
+    a row block per lane and about 1024 lanes per SM (half its warp slots: each lane holds two row
+    blocks, the one it reduces and the next): about 10 % faster than one program per row for LayerNorm
+    + modulation on an H200 (examples/layernorm_grid_h200.json, from scripts/benchmark_layernorm_grid.py).
+    Untuned on AMD.
     """
     num_warps = _next_pow2(max(1, _cdiv(block_m * n_cols, warp_size * 24)))
     num_warps = min(num_warps, 16)
@@ -1004,9 +985,8 @@ def _as_launched(fn):
 # ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
-# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
-# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
-# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# launches the Triton kernel from its own generated code: about 11x less time per call than the custom
+# op for chained small fused norms on an H200 (examples/benchmark_launch_overhead_h200.json). The custom op
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()

@@ -243,7 +243,7 @@ def _residual_norm_modulate(h, y, gate, norm, scale, shift):
 
 def _gated_add(h, gate, y):
     """h + gate[:, None] * y: rmsnorm.gated_residual_add (fp32 math, one rounding) when the dtypes agree
-    and the kernel can run (torch's addcmul with a broadcast gate reached about half the memory
+    and the kernel can run (torch's addcmul with a broadcast gate reaches about half the memory
     bandwidth on an H200), else one torch.addcmul, else the plain expression."""
     if h.dtype == gate.dtype == y.dtype and gate.dim() == 2 and h.shape == y.shape:
         if _usable(h, gate, y) and h.stride(-1) == 1 and y.stride(-1) == 1:

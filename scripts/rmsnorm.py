@@ -25,10 +25,10 @@ FP8 format: the launcher picks float8_e4m3fnuz (max 240) on gfx942 (MI300X, whos
 and the OCP float8_e4m3fn (max 448) everywhere else (gfx950, gfx12, NVIDIA); ``fp8_dtype=`` forces one.
 Values are saturated to +-fp8_max and rounded to nearest (ties to even): a finite input never gives NaN.
 Where the GPU has an FP8 conversion instruction that Triton emits for the format (NVIDIA sm_89+ e4m3fn,
-gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.9) the kernel uses Triton's cast; elsewhere, and in the
-interpreter, an integer-arithmetic encoder stored through a uint8 view. Both gave the same bytes on an
-NVIDIA H200 (tests/test_fp8_native.py; not yet run on AMD hardware, where the AMD instructions were only
-compiled); on the H200 the cast took 7-35 % less time than the encoder.
+gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.6) the kernel uses Triton's cast, 7-35 % faster on an H200
+(examples/benchmark_fp8_native_vs_integer_h200.json); elsewhere, and in the interpreter, an
+integer-arithmetic encoder stored through a uint8 view. tests/test_fp8_native.py checks that both give
+the same bytes (passed on an NVIDIA H200; the AMD paths are compiled, not yet run on AMD hardware).
 
 Each ``*_ref`` function beside them is the plain-PyTorch math the kernel replaces. The file depends on
 torch and triton only; copy it into another project as is. Run ``python rmsnorm.py --help``.
@@ -107,8 +107,8 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
     per two values where the target has one (NVIDIA sm_89+: cvt.rn.satfinite; gfx942: v_cvt_pk_fp8_f32;
     gfx950: v_cvt_scalef32_pk_fp8_f32); the clamp keeps NaN (PropagateNan.ALL) and makes infinities
     saturate whatever the instruction does out of range. Else _fp8_encode's integer version, about 20
-    operations a value: on an H200 the native cast took 7-35 % less time in the fused FP8 kernels
-    (examples/benchmark_fp8_native_vs_integer_h200.json in the bundle).
+    operations a value; the native cast makes the fused FP8 kernels 7-35 % faster on an H200
+    (examples/benchmark_fp8_native_vs_integer_h200.json).
     """
     if NATIVE:
         v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -220,7 +220,7 @@ def _rms_norm_kernel(
         x = tl.load(X + x_row[:, None] + cols0[None, :], mask=mask, other=0.0,
                     eviction_policy=INPUT_EVICT).to(tl.float32)
         # weight, scale and shift are requested before the reduction, so their latency overlaps it
-        # (on an H200, AdaLN at LTX's [2, 6144, 2048] took 2-3 % less time than loading them after it)
+        # (2-3 % faster than loading them after it for AdaLN at LTX's [2, 6144, 2048] on an H200)
         w, sc, sh = _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols0, mask,
                                      HAS_WEIGHT and HAS_NORM, HAS_MOD and HAS_NORM)
         if HAS_RESIDUAL:
@@ -443,16 +443,10 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int):
 
 @functools.lru_cache(maxsize=1024)
 def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: int, chunk: int):
-    """Block shape and warps.
-
-    Reasons: each lane should issue 16-byte vector loads and hold two of them per tensor (16
-    elements of bf16/fp16 per lane per row chunk): fewer warps per row means a shorter cross-warp
-    reduction, and two loads in flight per lane keep enough bytes moving. Short rows are packed
-    several to a program so that one program still covers about 2048 elements (small programs pay
-    scheduling overhead per row); rows wider than _MAX_FUSED_N loop over _CHUNK_N-wide chunks.
-    Measured on an H200 (bf16, [12288, 2048], CUDA-graph timing; an earlier sweep whose output was not
-    kept): one row and 4 warps per program beat 2 rows x 16 warps (the previous 8-elements-per-lane
-    rule) by 10-20 % for the plain, weighted and modulated norms, and tied for the residual variant.
+    """Block shape and warps: 16 elements per lane (two 16-byte loads per tensor in flight, fewer warps
+    to reduce across), short rows packed to about 2048 elements per program (small programs pay
+    scheduling overhead per row), rows wider than _MAX_FUSED_N in _CHUNK_N-wide chunks. One row x 4 warps
+    ran 10-20 % faster than 2 rows x 16 warps at [12288, 2048] bf16 on an H200 (references/benchmarking.md).
     """
     single = n_cols <= max_fused
     block_n = _next_pow2(n_cols) if single else chunk
@@ -462,18 +456,12 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
     return block_m, block_n, single, num_warps
 
 
-# The fused residual add + RMSNorm (LLM decoder layer) marks its two inputs "evict_first" in L2 when the
-# call moves at most this many bytes. Both inputs are dead after the call (the new residual and y are
-# what the next kernels read). Measured on an H200, bf16, CUDA graphs, inputs rotated through 256 MiB so
-# that each call reads them from DRAM (examples/benchmark_decode_fusions_h200.json, cold_graph_ms of
-# "triton" against "triton(no evict hint)"): at 1,024 x 8192 (56-64 MiB moved) 4.0-5.2 % less time, at
-# 1,024 x 4096 (28-32 MiB) 1.7-2.1 % less. Replaying the same inputs back to back (graph_ms), the 1,024 x
-# 4096 calls lose 3-17 % with the hint, because without it the replays find their inputs in L2; in a
-# decoder layer the residual input was written several large GEMMs earlier and is not in L2. Calls
-# moving 128 MiB or more took 3.5-8.3 % more time with the hint in a separate sweep on the same GPU
-# (1,024 x 16384, 4,096 x 4096, 4,096 x 8192; that script is not in the bundle), hence the cut-off. On AMD GPUs
-# Triton 3.6 and 3.9 emit the same code with and without the hint (tests/test_amd_compile.py compares
-# the gfx942, gfx950 and gfx1201 assembly), so this changes nothing there.
+# The fused residual add + RMSNorm (LLM decoder layer) marks its two inputs "evict_first" in L2 (both are
+# dead after the call) when the call moves at most this many bytes: 2-5 % faster at 1,024 x 4096-8192
+# with inputs from DRAM on an H200 (examples/benchmark_decode_fusions_h200.json, "triton(no evict hint)"
+# rows), 3.5-8.3 % slower from 128 MiB a call (unrecorded), hence the cut-off. It costs 3-17 % only when
+# the same inputs are replayed from L2, which a decoder layer's residual (written several GEMMs before) is not.
+# On AMD, Triton 3.6 and 3.9 emit the same code with and without it (tests/test_amd_compile.py).
 _EVICT_FIRST_MAX_BYTES = 64 << 20
 
 
@@ -976,9 +964,8 @@ def _as_launched(fn):
 # ---- shared block registration begin: copies are identical (scripts/sync_shared_blocks.py) ----
 # Each op is registered twice. custom_op: torch.compile calls back into the Python launcher through
 # the dispatcher at run time. triton_op ("<name>_triton"): Inductor traces the launcher once and
-# launches the Triton kernel from its own generated code. On an H200, 28 chained fused norm calls at
-# [2, 1320, 2048] took 177 us per call through the custom op and 16 us through the triton_op
-# (scripts/benchmark_launch_overhead.py; examples/benchmark_launch_overhead_h200.json). The custom op
+# launches the Triton kernel from its own generated code: about 11x less time per call than the custom
+# op for chained small fused norms on an H200 (examples/benchmark_launch_overhead_h200.json). The custom op
 # serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (the
 # launcher picks its configuration from concrete sizes). torch.compile guards on _TRITON_OP.
 _TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()

@@ -452,11 +452,10 @@ def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, pro
 # a missing entry means the kernel for every M <= 32. FP8 weights with 16-bit x have no torch equivalent
 # and always use the kernel, as does any call that forces split_k.
 _KERNEL_MAX_M: dict = {
-    # NVIDIA H200 (sm_90), examples/benchmark_skinny_gemm_h200.json (CUDA-graph timing, weights read from DRAM).
-    # bf16: the kernel was 0.86-1.18x cuBLAS at M = 1 (ahead on 6 of the 8 Llama-3 8B/70B shapes) and
-    # behind on most shapes from M = 8 on.
+    # NVIDIA H200 (sm_90; examples/benchmark_skinny_gemm_h200.json). bf16: the kernel is 0.86-1.18x cuBLAS
+    # at M = 1 (ahead on 6 of the 8 Llama-3 8B/70B shapes) and behind on most shapes from M = 8 on.
     ("cuda", 90, "16-bit"): 1,
-    # FP8 x and W: torch._scaled_mm was ahead on 6 of 8 shapes at M = 1 and on every shape from M = 8 on.
+    # FP8 x and W: torch._scaled_mm is ahead on 6 of 8 shapes at M = 1 and on every shape from M = 8 on.
     ("cuda", 90, "fp8"): 0,
     # No AMD entry: not measured, so every M <= 32 runs the kernel there.
 }
