@@ -230,8 +230,7 @@ def _modulated_norm_args(norm, x):
 # kernel (rmsnorm.gated_residual_rms_norm_modulate): block i computes block i+1's ada values for it and
 # leaves the normalised output in block i+1's carry dict. Block i+1 takes it only if it receives that
 # very h and temb (identity), so anything done to h between blocks makes it compute its norm itself.
-# Linked at injection (_NEXT: a plain attribute, not a submodule), unlinked at removal.
-_NEXT = "_rtk_next_block"
+# Linked at injection (ic.link_next, kept outside the blocks), unlinked at removal.
 _CARRY = "_rtk_carry"
 
 
@@ -245,7 +244,7 @@ def _residual_into_next_norm1(block, h, y, gate, temb):
     """(h + y * gate, next block's norm1(h_new) * (1 + scale_msa) + shift_msa) in one kernel, the
     norm left in the next block's carry; None when blocks are not linked or the kernel would not
     reproduce the next block's norm."""
-    nxt = getattr(block, _NEXT, None)
+    nxt = ic.next_block(block)
     if nxt is None or not ic.may_carry(block, nxt, temb, _STATE):
         return None
     args = _modulated_norm_args(nxt.norm1, h)
@@ -275,8 +274,8 @@ def _link_blocks(model) -> None:
             continue
         blk.__dict__.setdefault(_CARRY, {})
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        if type(nxt) is LTXVideoTransformerBlock and _STATE in nxt.__dict__:
-            blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
+        linked = type(nxt) is LTXVideoTransformerBlock and _STATE in nxt.__dict__
+        ic.link_next(blk, nxt if linked else None)
 
 
 def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
@@ -755,7 +754,7 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             if id(m) in seen:
                 continue
             seen.add(id(m))
-            m.__dict__.pop(_NEXT, None)
+            ic.link_next(m, None)
             m.__dict__.pop(_CARRY, None)
             kind = _unpatch(m)
             if kind is not None:

@@ -14,6 +14,7 @@ import functools
 import os
 import sys
 import types
+import weakref
 from typing import Optional
 
 import torch
@@ -474,14 +475,39 @@ PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 # A block may compute the next block's first norm together with its own last residual and leave it in
 # the next block's carry dict. The next block uses it only for the very tensors it was computed from, in
 # the state they were in then: same objects, same version counters (an in-place change between the two
-# blocks, by a hook or by other code, bumps the counter). Inference tensors (torch.inference_mode) keep
-# no version counter, and torch.compile traces no version counter either; a value is carried only when
-# neither block has a hook of any kind (may_carry), which also keeps a hook of the next block from
-# changing or bringing in the parameters the value was computed from. Nothing is carried while
-# autograd records: gradient checkpointing recomputes a block alone, and the recomputation must take the
-# path the first run took.
+# blocks, by a hook or by code that runs the blocks itself, bumps the counter). Nothing is carried where
+# no version counter can tell: inference tensors (torch.inference_mode) keep none, and torch.compile
+# traces none; there an in-place change between two blocks would go unseen, so each block computes its
+# own norm. A value is carried only when neither block has a hook of any kind (may_carry), which also
+# keeps a hook of the next block from changing or bringing in the parameters the value was computed
+# from. Nothing is carried while autograd records: gradient checkpointing recomputes a block alone, and
+# the recomputation must take the path the first run took.
 def _version(t):
     return None if torch.compiler.is_compiling() or t.is_inference() else t._version
+
+
+# Which block follows which, for the carry: kept here, outside the blocks (weak on both sides), so that
+# saving or copying one block does not take every later block with it, a copy starts unlinked (it computes
+# its own norms until the kernels are injected into it), and a block dropped from the model is no longer
+# fed by the one before it once the model is injected again.
+_LINKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def link_next(block: torch.nn.Module, nxt: Optional[torch.nn.Module]) -> None:
+    """Record nxt as the block after block (None: block has no linked successor)."""
+    if nxt is None:
+        _LINKS.pop(block, None)
+    else:
+        _LINKS[block] = weakref.ref(nxt)
+
+
+def next_block(block: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The block linked after block, or None (always None while torch.compile traces: nothing is carried
+    there, see above)."""
+    if torch.compiler.is_compiling():
+        return None
+    ref = _LINKS.get(block)
+    return None if ref is None else ref()
 
 
 def may_carry(block: torch.nn.Module, nxt: torch.nn.Module, temb, state_key: str) -> bool:
@@ -489,7 +515,8 @@ def may_carry(block: torch.nn.Module, nxt: torch.nn.Module, temb, state_key: str
     above). Both blocks must be unwrapped (no hook of any kind): a hook of block could change its output
     after the value was computed, and one of nxt (an offloading hook, say) could change or bring in the
     parameters the value was computed from before nxt runs."""
-    if torch.is_grad_enabled():
+    # (is_compiling first: torch.compile cannot trace torch.is_inference_mode_enabled)
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return False
     return unwrapped(block, state_key) and unwrapped(nxt, state_key)
 
@@ -510,7 +537,7 @@ def take_carry(block: torch.nn.Module, attr: str, key: str, h, temb):
     if pending is None or torch.is_grad_enabled():
         return None
     ph, vh, pt, vt, value = pending
-    if ph is h and pt is temb and vh == _version(h) and vt == _version(temb):
+    if ph is h and pt is temb and vh is not None and vt is not None and vh == _version(h) and vt == _version(temb):
         return value
     return None
 

@@ -22,7 +22,7 @@ transformers it finds. What is replaced, per kind (counts on SD3.5-medium / FLUX
   input of the feed-forward), the same for the text stream, and ``rmsnorm.gated_residual_add`` for
   the other gated residual adds. Between two blocks of one kind, a block's last gated residual also
   computes the next block's norm1 (and AdaLayerNormZero norm1_context) in the same kernel; the next
-  block uses that result only if it receives the very same hidden states (see _NEXT / _CARRY).
+  block uses that result only if it receives the very same hidden states (see _CARRY, ic.next_block).
 * ``mmdit_qk_norm_fused`` (37 / 0): SD3 attention processors (``JointAttnProcessor2_0`` with
   ``qk_norm="rms_norm"``): the per-head q/k RMSNorms of the image and text streams in one launch,
   written straight into the concatenated ``[B, S_img + S_txt, H, D]`` buffers that SDPA reads
@@ -261,8 +261,7 @@ def _gated_add(h, gate, y):
 # outputs in the next block's carry dict. The next block takes them only if it receives that very h
 # and temb (identity), so anything done to h between the blocks (ControlNet residuals, skipped
 # blocks) makes it compute its norm itself. Set up by inject_mmdit_kernels for consecutive blocks of
-# one transformer: _NEXT on block i (plain attribute, not a submodule), _CARRY on every linked block.
-_NEXT = "_rtk_mmdit_next_block"
+# one transformer: ic.link_next(block i, block i + 1) (kept outside the blocks), _CARRY on every linked block.
 _CARRY = "_rtk_mmdit_carry"
 
 
@@ -286,7 +285,7 @@ def _residual_into_adaln(h, gate, y, norm, temb):
 def _gated_add_to_next(block, key, h, gate, y, temb):
     """The block's last gated residual h + gate[:, None] * y; fused with the next block's norm1 (key "x")
     or norm1_context (key "c") when the blocks are linked and the kernel reproduces that norm."""
-    nxt = getattr(block, _NEXT, None)
+    nxt = ic.next_block(block)
     if nxt is not None and ic.may_carry(block, nxt, temb, _STATE):
         fused = _residual_into_adaln(h, gate, y, nxt.norm1 if key == "x" else nxt.norm1_context, temb)
         if fused is not None:
@@ -308,13 +307,14 @@ def _link_blocks(model) -> None:
             continue
         blk.__dict__.setdefault(_CARRY, {})
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        if nxt is not None and type(nxt) is type(blk) and _STATE in nxt.__dict__:
-            blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
+        linked = nxt is not None and type(nxt) is type(blk) and _STATE in nxt.__dict__
+        ic.link_next(blk, nxt if linked else None)
+        if linked:
             nxt.__dict__.setdefault(_CARRY, {})
 
 
 def _unlink_block(module) -> None:
-    module.__dict__.pop(_NEXT, None)
+    ic.link_next(module, None)
     module.__dict__.pop(_CARRY, None)
 
 

@@ -29,7 +29,10 @@ norm_out + modulation (once per forward); the cross-attention's image branch (I2
 
 Wan keeps norm1/2/3, ``scale_shift_table``, the RoPE tables and the time embedder in fp32 when loaded
 with ``from_pretrained(torch_dtype=torch.bfloat16)`` (``_keep_in_fp32_modules``); ``model.to(bf16)``
-casts them. Both work: the kernels read every operand in its own dtype and compute in fp32.
+casts them. Both take the fused path: the kernels read every operand in its own dtype and compute in
+fp32. With the RoPE tables cast to bf16 / fp16, diffusers rounds each product of the rotation to that
+dtype where the kernel rounds once, so the two differ by about a rounding there (the kernel's result is
+the closer to an fp32 run).
 
 Every patched forward reads its parameters when it runs and falls back to the original code for
 inputs the kernels do not cover: autograd (the kernels have no backward: a trainable weight anywhere in
@@ -75,7 +78,6 @@ logger = logging.getLogger("wan_injection")
 
 KINDS = ("wan_blocks", "wan_rmsnorm_weighted", "wan_gelu_tanh")
 _STATE = "_rtk_wan_injection"  # per-module record of what was patched and how to undo it
-_NEXT = "_rtk_wan_next_block"  # the following block (a plain attribute, not a submodule)
 _CARRY = "_rtk_wan_carry"  # what the previous block left for this one
 # Whether the installed torch's F.rms_norm rounds to the input dtype before the weight multiply
 # (ic.probe_torch_rmsnorm), probed at injection, so the q/k norms match the installed torch.
@@ -250,7 +252,7 @@ def _next_norm1(block, h, y, gate, temb):
     """h + y * gate and the next block's norm1 + modulation of it in one kernel, the norm left in the
     next block's carry; None when blocks are not linked or the kernel would not reproduce the next
     block's norm."""
-    nxt = block.__dict__.get(_NEXT)
+    nxt = ic.next_block(block)
     if nxt is None or not ic.may_carry(block, nxt, temb, _STATE):
         return None
     args = _layer_norm_args(nxt.norm1, h.shape[-1])
@@ -326,8 +328,8 @@ def _link_blocks(model) -> None:
             continue
         blk.__dict__.setdefault(_CARRY, {})
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        if nxt is not None and _STATE in nxt.__dict__ and nxt.__dict__[_STATE]["kind"] == "wan_blocks":
-            blk.__dict__[_NEXT] = nxt  # in __dict__ directly: not registered as a submodule
+        linked = nxt is not None and _STATE in nxt.__dict__ and nxt.__dict__[_STATE]["kind"] == "wan_blocks"
+        ic.link_next(blk, nxt if linked else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = ic.probe_torch_rmsnorm()
-    skipped = []
+    skipped, notes = [], []
     for model in find_wan_models(pipe_or_model):
         for m in model.modules():
             if _class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
@@ -392,12 +394,16 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             elif isinstance(m, WanTransformerBlock):
                 skipped.append(f"{type(m).__name__} (a forward of its own)")
         _link_blocks(model)
+        # the GEMM-GELU probe now, so a torch.compile trace later finds its result cached
+        notes.append(ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)))
     counts = wan_injected_counts(pipe_or_model)
     msg = "injected Wan kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     if not find_wan_models(pipe_or_model):
         msg += " (no Wan transformer found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
+    for note in dict.fromkeys(n for n in notes if n):
+        msg += "; " + note
     logger.info(msg)
     if verbose:
         print(msg, file=sys.stderr)
@@ -413,7 +419,7 @@ def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             if id(m) in seen:
                 continue
             seen.add(id(m))
-            m.__dict__.pop(_NEXT, None)
+            ic.link_next(m, None)
             m.__dict__.pop(_CARRY, None)
             state = ic.pop_state(m, _STATE)
             if state is not None:

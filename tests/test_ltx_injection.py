@@ -16,6 +16,7 @@ import torch
 
 import activations
 import diffusers_injection as di
+import injection_common as ic
 import rmsnorm
 import rope
 from kernel_testing import DEVICE, make_generator, rel_l2
@@ -132,7 +133,7 @@ def test_last_residual_fused_into_the_next_norm1():
     ref = _run(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False)
     blocks = list(tr.transformer_blocks)
-    assert [di._NEXT in b.__dict__ for b in blocks] == [True, True, False]
+    assert [ic.next_block(b) is not None for b in blocks] == [True, True, False]
     calls, seen_norm = Counter(), []
     orig = rmsnorm.gated_residual_rms_norm_modulate
 
@@ -155,7 +156,7 @@ def test_last_residual_fused_into_the_next_norm1():
     assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
     assert all(not b.__dict__[di._CARRY] for b in blocks)  # nothing left behind
     di.remove_optimized_kernels(tr, verbose=False)
-    assert all(di._NEXT not in b.__dict__ and di._CARRY not in b.__dict__ for b in blocks)
+    assert all(ic.next_block(b) is None and di._CARRY not in b.__dict__ for b in blocks)
     assert torch.equal(_run(tr, kw), ref)
 
 

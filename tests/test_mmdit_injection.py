@@ -281,7 +281,7 @@ def test_last_residual_fused_into_the_next_norm(kind, kernel_calls):
     assert dict(calls) == expected
     assert all(not blk.__dict__.get(mi._CARRY) for blk in model.transformer_blocks)  # nothing left behind
     mi.remove_mmdit_kernels(model, verbose=False)
-    assert all(mi._NEXT not in b.__dict__ and mi._CARRY not in b.__dict__ for b in model.transformer_blocks)
+    assert all(ic.next_block(b) is None and mi._CARRY not in b.__dict__ for b in model.transformer_blocks)
     assert torch.equal(_run(model, kw), ref)
 
 
