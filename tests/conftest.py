@@ -37,6 +37,39 @@ def pytest_report_header(config):
 
 import pytest  # noqa: E402
 
+from kernel_testing import FRESH_SEEDS, SeededGenerator, make_generator  # noqa: E402
+
+
+@pytest.fixture
+def gen():
+    """A CPU generator with a fresh seed (KERNEL_TEST_SEED replays one); a failing test reports it."""
+    return make_generator()
+
+
+def pytest_runtest_setup(item):
+    FRESH_SEEDS.clear()  # from here on, the seeds this test draws (fixtures included)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that drew a fresh seed (the gen fixture, or make_generator() in its body) says how to
+    replay it: in a section of its failure report and at the end of its short summary line."""
+    report = yield
+    if report.failed:
+        seeds = [g.seed_value for g in getattr(item, "funcargs", {}).values() if isinstance(g, SeededGenerator)]
+        seeds += [s for s in FRESH_SEEDS if s not in seeds]
+        if seeds:
+            line = f"replay with KERNEL_TEST_SEED={seeds[0]}"
+            if len(seeds) > 1:
+                line += f" (seeds drawn: {', '.join(map(str, seeds))}; the variable gives every generator that one)"
+            report.sections.append(("kernel test seed", line))
+            crash = getattr(report.longrepr, "reprcrash", None)
+            if crash is not None:  # the short summary shows the message's first line
+                first, nl, rest = crash.message.partition("\n")
+                crash.message = f"{first} [replay with KERNEL_TEST_SEED={seeds[0]}]{nl}{rest}"
+    return report
+
+
 KERNEL_MODULES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
 
 

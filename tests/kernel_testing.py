@@ -32,11 +32,17 @@ class SeededGenerator(torch.Generator):
     seed_value: int = 0
 
 
+# Seeds that make_generator() drew (or read from KERNEL_TEST_SEED) since conftest.py last cleared the list,
+# at the start of each test: the failure report of a test names them (see pytest_runtest_makereport there).
+FRESH_SEEDS: list[int] = []
+
+
 def make_generator(seed: int | None = None) -> torch.Generator:
     """A CPU generator: fresh entropy unless a seed is given (set KERNEL_TEST_SEED to replay)."""
     if seed is None:
         env = os.environ.get("KERNEL_TEST_SEED")
         seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
+        FRESH_SEEDS.append(seed)
     g = SeededGenerator(device="cpu")
     g.manual_seed(seed)
     g.seed_value = seed  # reported on failure so a run can be replayed

@@ -246,29 +246,37 @@ def test_empty_inputs():
     assert act.geglu(torch.empty((3, 0), device=DEVICE, dtype=torch.float16)).shape == (3, 0)
 
 
-def test_errors():
-    x = torch.ones(4, 8, device=DEVICE)
-    for fn in (act.gelu, act.geglu):
-        with pytest.raises(TypeError, match="x has dtype int32; expected one of"):
-            fn(torch.ones(4, 8, device=DEVICE, dtype=torch.int32))
-        with pytest.raises(TypeError, match="x has dtype float64"):
-            fn(x.double())
-        with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-            fn([1.0, 2.0])
-        for bad in ("Tanh", "exact", None, True):
-            with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
-                fn(x, bad)
-        with pytest.raises(ValueError, match="contiguous in its last dimension"):
-            fn(torch.ones(8, 4, device=DEVICE).t())
-        with pytest.raises(ValueError, match="contiguous in its last dimension"):
-            fn(torch.ones(4, 16, device=DEVICE)[:, ::2])
-        three_levels = torch.ones(4, 6, 8, 10, device=DEVICE)[::2, ::2, ::2, :4]
-        with pytest.raises(ValueError, match="two strides"):
-            fn(three_levels)
-    with pytest.raises(ValueError, match="last dim of x must be even"):
-        act.geglu(torch.ones(3, 7, device=DEVICE))
-    with pytest.raises(ValueError, match="at least one dimension"):
-        act.geglu(torch.ones((), device=DEVICE))
+def _ones(*shape, dtype=None):
+    return torch.ones(*shape, dtype=dtype, device=DEVICE)
+
+
+# Refused by both gelu and geglu: (id, exception, message, call taking the function)
+_GELU_AND_GEGLU_ERRORS = [
+    ("x int32", TypeError, "x has dtype int32; expected one of", lambda fn: fn(_ones(4, 8, dtype=torch.int32))),
+    ("x float64", TypeError, "x has dtype float64", lambda fn: fn(_ones(4, 8).double())),
+    ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda fn: fn([1.0, 2.0])),
+    *[(f"approximate={bad!r}", ValueError, "approximate must be 'none' or 'tanh'", lambda fn, bad=bad: fn(_ones(4, 8), bad))
+      for bad in ("Tanh", "exact", None, True)],
+    ("x transposed", ValueError, "contiguous in its last dimension", lambda fn: fn(_ones(8, 4).t())),
+    ("x last stride 2", ValueError, "contiguous in its last dimension", lambda fn: fn(_ones(4, 16)[:, ::2])),
+    ("rows need three strides", ValueError, "two strides", lambda fn: fn(_ones(4, 6, 8, 10)[::2, ::2, ::2, :4])),
+]
+
+ERROR_CASES = [
+    (f"{name} {what}", exc, match, lambda name=name, call=call: call(getattr(act, name)))
+    for name in ("gelu", "geglu")
+    for what, exc, match, call in _GELU_AND_GEGLU_ERRORS
+] + [
+    ("geglu odd last dim", ValueError, "last dim of x must be even", lambda: act.geglu(_ones(3, 7))),
+    ("geglu x 0-d", ValueError, "at least one dimension", lambda: act.geglu(torch.ones((), device=DEVICE))),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+def test_errors(case):
+    _, exc, match, call = case
+    with pytest.raises(exc, match=match):
+        call()
 
 
 def test_cpu_tensor_without_interpreter():

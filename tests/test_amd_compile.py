@@ -136,6 +136,7 @@ def full_report(tmp_path_factory):
     return res.returncode, report
 
 
+@pytest.mark.slow  # full_report: check_amd_compile.py over every case, 10-20 s
 def test_every_case_compiles_for_every_target_without_spills(full_report):
     rc, report = full_report
     records = report["records"]
@@ -148,6 +149,7 @@ def test_every_case_compiles_for_every_target_without_spills(full_report):
     assert report["tools"]["triton"] == triton.__version__
 
 
+@pytest.mark.slow
 def test_records_are_sane(full_report):
     _, report = full_report
     for r in report["records"]:
@@ -172,6 +174,7 @@ def test_records_are_sane(full_report):
             assert r.get("spill_store_bytes", 0) == 0 and r.get("spill_load_bytes", 0) == 0, where
 
 
+@pytest.mark.slow
 def test_fp8_kernels_use_the_conversion_instruction_where_chosen(full_report):
     """The FP8 cases take Triton's cast on gfx942 (e4m3fnuz), gfx950 (e4m3fn, Triton >= 3.9) and sm90
     (e4m3fn), and the compiled code then holds the hardware conversion; elsewhere the integer encoder

@@ -37,6 +37,7 @@ import triton.language as tl
 ROOT = Path(__file__).resolve().parents[1]
 OPTS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 2}
 TORCH_MINOR = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
+pytestmark = pytest.mark.slow  # every test reads one report, made in a subprocess of 10-20 s
 
 
 @triton.jit

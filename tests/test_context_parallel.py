@@ -70,6 +70,7 @@ def test_needs_torchrun():
     assert r.returncode == 0 and "Ulysses" in r.stdout
 
 
+@pytest.mark.slow
 @needs_two_ranks
 @pytest.mark.parametrize("mask", ["padded prompt", "no mask"])
 def test_script_two_ranks(tmp_path, mask):

@@ -106,6 +106,7 @@ def _native_and_software(mod, fmt, monkeypatch, call):
     return native, software
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(FP8_MAX))
 @pytest.mark.parametrize("mode", ["per_tensor", "per_token"])
 def test_swiglu_native_equals_integer_encoder(fmt, mode, monkeypatch):
@@ -131,6 +132,7 @@ def test_swiglu_native_equals_integer_encoder(fmt, mode, monkeypatch):
         assert (q.abs() == FP8_MAX[fmt]).any() and ((q != 0) & (q.abs() < 2.0**-6)).any()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(FP8_MAX))
 @pytest.mark.parametrize("mode", ["per_tensor", "per_token"])
 @pytest.mark.parametrize("h", [4096, 5000, 20000])  # one pass in registers, masked tail, chunked passes

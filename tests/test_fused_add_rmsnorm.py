@@ -3,6 +3,8 @@
 output (static per-tensor scale or dynamic per-token scales), against float64 references, transformers'
 LlamaRMSNorm and a float64 quantize-dequantize reference; plus the FP8 encoder on every FP8 value."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
@@ -18,11 +20,6 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 # A mismatch is an element whose FP8 value differs from the float64 reference's by one FP8 step (the
 # kernel's fp32 value fell on the other side of a rounding boundary); more than one step fails outright.
 MAX_MISMATCH_FRACTION = 0.01
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 def _weight(n, dtype, gen):
@@ -392,47 +389,56 @@ def test_empty_inputs():
     assert q.shape == (0, 64) and s.shape == (0,) and q.dtype in rmsnorm._FP8_FORMATS
 
 
-def test_errors(gen):
-    x = randn((2, 4, 64), torch.float32, gen)
-    w = torch.ones(64, device=DEVICE)
-    sc = torch.ones(1, device=DEVICE)
-    f = rmsnorm.fused_add_rms_norm
-    with pytest.raises(ValueError, match="fp8 must be None, 'per_tensor' or 'per_token'"):
-        f(x, x, w, fp8="per_row")
-    with pytest.raises(ValueError, match="fp8 must be None"):
-        f(x, x, w, fp8=True)
-    with pytest.raises(ValueError, match="needs fp8_scale"):
-        f(x, x, w, fp8="per_tensor")
-    with pytest.raises(ValueError, match="fp8_scale is only used with fp8='per_tensor'"):
-        f(x, x, w, fp8="per_token", fp8_scale=sc)
-    with pytest.raises(ValueError, match="fp8_scale is only used with fp8='per_tensor'"):
-        f(x, x, w, fp8_scale=sc)
-    with pytest.raises(ValueError, match=r"fp8_scale must hold one element .* got shape \(2,\)"):
-        f(x, x, w, fp8="per_tensor", fp8_scale=torch.ones(2, device=DEVICE))
-    with pytest.raises(TypeError, match="fp8_scale has dtype float64; expected one of float32"):
-        f(x, x, w, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.float64))
-    with pytest.raises(TypeError, match="fp8_scale must be a torch.Tensor"):
-        f(x, x, w, fp8="per_tensor", fp8_scale=0.5)
-    with pytest.raises(TypeError, match="fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz"):
-        f(x, x, w, fp8="per_token", fp8_dtype=torch.float8_e5m2)
-    with pytest.raises(ValueError, match="fp8_dtype is only used with"):
-        f(x, x, w, fp8_dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"residual has shape \(2, 4, 63\) but x has shape \(2, 4, 64\)"):
-        f(x, x[..., :63], w)
-    with pytest.raises(TypeError, match="residual has dtype torch.float16 but x has dtype torch.float32"):
-        f(x, x.half(), w)
-    with pytest.raises(ValueError, match="residual is required"):
-        f(x, None, w)
-    with pytest.raises(ValueError, match=r"weight must have shape \[64\]"):
-        f(x, x, torch.ones(63, device=DEVICE))
-    with pytest.raises(TypeError, match="x has dtype float64"):
-        f(x.double(), x.double(), w)
-    with pytest.raises(ValueError, match="x must be contiguous in its last dimension"):
-        f(x.transpose(1, 2), x.transpose(1, 2), w[:4])
-    with pytest.raises(ValueError, match="residual must be contiguous in its last dimension"):
-        f(x, randn((2, 64, 4), torch.float32, gen).transpose(1, 2), w)
+def _error_inputs(gen):
+    return SimpleNamespace(gen=gen, x=randn((2, 4, 64), torch.float32, gen), w=torch.ones(64, device=DEVICE),
+                           sc=torch.ones(1, device=DEVICE))
 
 
+def _far(*args, **kwargs):
+    return rmsnorm.fused_add_rms_norm(*args, **kwargs)
+
+
+ERROR_CASES = [
+    ("fp8 mode", ValueError, "fp8 must be None, 'per_tensor' or 'per_token'", lambda t: _far(t.x, t.x, t.w, fp8="per_row")),
+    ("fp8 True", ValueError, "fp8 must be None", lambda t: _far(t.x, t.x, t.w, fp8=True)),
+    ("per_tensor without scale", ValueError, "needs fp8_scale", lambda t: _far(t.x, t.x, t.w, fp8="per_tensor")),
+    ("per_token with scale", ValueError, "fp8_scale is only used with fp8='per_tensor'",
+     lambda t: _far(t.x, t.x, t.w, fp8="per_token", fp8_scale=t.sc)),
+    ("scale without fp8", ValueError, "fp8_scale is only used with fp8='per_tensor'",
+     lambda t: _far(t.x, t.x, t.w, fp8_scale=t.sc)),
+    ("fp8_scale shape", ValueError, r"fp8_scale must hold one element .* got shape \(2,\)",
+     lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=torch.ones(2, device=DEVICE))),
+    ("fp8_scale float64", TypeError, "fp8_scale has dtype float64; expected one of float32",
+     lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.float64))),
+    ("fp8_scale a float", TypeError, "fp8_scale must be a torch.Tensor",
+     lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=0.5)),
+    ("fp8_dtype e5m2", TypeError, "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz",
+     lambda t: _far(t.x, t.x, t.w, fp8="per_token", fp8_dtype=torch.float8_e5m2)),
+    ("fp8_dtype without fp8", ValueError, "fp8_dtype is only used with",
+     lambda t: _far(t.x, t.x, t.w, fp8_dtype=torch.float8_e4m3fn)),
+    ("residual shape", ValueError, r"residual has shape \(2, 4, 63\) but x has shape \(2, 4, 64\)",
+     lambda t: _far(t.x, t.x[..., :63], t.w)),
+    ("residual dtype", TypeError, "residual has dtype torch.float16 but x has dtype torch.float32",
+     lambda t: _far(t.x, t.x.half(), t.w)),
+    ("residual missing", ValueError, "residual is required", lambda t: _far(t.x, None, t.w)),
+    ("weight shape", ValueError, r"weight must have shape \[64\]", lambda t: _far(t.x, t.x, torch.ones(63, device=DEVICE))),
+    ("x float64", TypeError, "x has dtype float64", lambda t: _far(t.x.double(), t.x.double(), t.w)),
+    ("x last stride", ValueError, "x must be contiguous in its last dimension",
+     lambda t: _far(t.x.transpose(1, 2), t.x.transpose(1, 2), t.w[:4])),
+    ("residual last stride", ValueError, "residual must be contiguous in its last dimension",
+     lambda t: _far(t.x, randn((2, 64, 4), torch.float32, t.gen).transpose(1, 2), t.w)),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+def test_errors(case, gen):
+    _, exc, match, call = case
+    t = _error_inputs(gen)
+    with pytest.raises(exc, match=match):
+        call(t)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
 def test_scale_on_another_device(gen):
     x = randn((2, 64), torch.float32, gen)

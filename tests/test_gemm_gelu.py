@@ -326,6 +326,7 @@ def test_injection_note_empty_without_gpu_projections():
 # --------------------------------------------------------------------------------------------
 # On a GPU: the real library
 # --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU projection")
 def test_injection_note_names_the_device():
     from diffusers.models.activations import GELU as DiffusersGELU
@@ -339,6 +340,7 @@ def test_injection_note_names_the_device():
         assert note.startswith("GELU kernel after the GEMM on cuda")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the BLAS epilogue runs on a GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 77, 256), (3, 1, 128)])
@@ -356,6 +358,7 @@ def test_gpu_result_against_float64(dtype, shape):
     assert_close(y, ref, dtype, name="linear_gelu_tanh", seed=gen.seed_value)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the BLAS epilogue runs on a GPU")
 @torch.no_grad()
 def test_gpu_form_on_random_gemms_in_the_discriminating_range():

@@ -3,17 +3,14 @@
 FLUX's torch.nn.RMSNorm(head_dim) + diffusers apply_rotary_emb(sequence_dim=1) with FluxPosEmbed tables,
 and SD3's diffusers RMSNorm(head_dim) on the [B, H, S, D] view."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import head_norm_rope as hnr
-from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn, rel_l2
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn, rel_l2
 
 
 def _tables(seq, dim, gen, device=DEVICE):
@@ -241,52 +238,63 @@ def test_empty_inputs(gen):
     assert hnr.head_rms_norm_rope(b0, b0, None, None, 1e-6)[0].shape == (0, 5, 3, 16)
 
 
-def test_errors(gen):
+def _error_inputs(gen):
     x = randn((2, 4, 3, 16), torch.float32, gen)
-    w = torch.ones(16, device=DEVICE)
     cos, sin = _tables(4, 16, gen)
-    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
-        hnr.head_rms_norm_rope([1.0], x, None, None, 1e-6)
-    with pytest.raises(TypeError, match="q has dtype float64"):
-        hnr.head_rms_norm_rope(x.double(), x, None, None, 1e-6)
-    with pytest.raises(ValueError, match=r"q must be \[B, S, H, D\]"):
-        hnr.head_rms_norm_rope(x[0], x[0], None, None, 1e-6)
-    with pytest.raises(ValueError, match=r"k has shape \(2, 4, 3, 8\)"):
-        hnr.head_rms_norm_rope(x, x[..., :8], None, None, 1e-6)
-    with pytest.raises(TypeError, match="every q and k must have the dtype float32"):
-        hnr.head_rms_norm_rope(x, x.half(), None, None, 1e-6)
-    with pytest.raises(ValueError, match="both be tensors or both be None"):
-        hnr.head_rms_norm_rope(x, x, w, None, 1e-6)
-    with pytest.raises(ValueError, match=r"q_weight must have shape \[16\]"):
-        hnr.head_rms_norm_rope(x, x, torch.ones(15, device=DEVICE), torch.ones(15, device=DEVICE), 1e-6)
-    with pytest.raises(TypeError, match="q_weight has dtype int64"):
-        hnr.head_rms_norm_rope(x, x, torch.ones(16, dtype=torch.long, device=DEVICE), w, 1e-6)
-    with pytest.raises(ValueError, match="eps must be a non-negative"):
-        hnr.head_rms_norm_rope(x, x, None, None, -1.0)
-    with pytest.raises(ValueError, match="contiguous in its last dimension"):
-        hnr.head_rms_norm_rope(x.transpose(2, 3), x.transpose(2, 3), None, None, 1e-6)
-    with pytest.raises(ValueError, match="cos and sin must be given together"):
-        hnr.head_rms_norm_rope(x, x, None, None, 1e-6, cos, None)
-    with pytest.raises(ValueError, match=r"cos has shape \(3, 16\); expected \[4, 16\]"):
-        hnr.head_rms_norm_rope(x, x, None, None, 1e-6, cos[:3], sin[:3])
-    with pytest.raises(ValueError, match="interleaved RoPE needs an even head dim"):
-        y = randn((1, 4, 2, 7), torch.float32, gen)
-        hnr.head_rms_norm_rope(y, y, None, None, 1e-6, cos[:, :7], sin[:, :7])
-    with pytest.raises(ValueError, match="supports at most"):
-        big = torch.empty((1, 1, 1, 8192), device=DEVICE)
-        hnr.head_rms_norm_rope(big, big, None, None, 1e-6)
-    with pytest.raises(ValueError, match=r"q \(part 1\) has shape \(2, 4, 2, 16\)"):
-        hnr.joint_head_rms_norm_rope([(x, x, None, None), (x[:, :, :2], x[:, :, :2], None, None)], 1e-6)
-    with pytest.raises(ValueError, match="in every part"):
-        hnr.joint_head_rms_norm_rope([(x, x, None, None), (x, x, w, w)], 1e-6)
-    with pytest.raises(ValueError, match="eps has 1 values for 2 parts"):
-        hnr.joint_head_rms_norm_rope([(x, x, None, None), (x, x, None, None)], [1e-6])
-    with pytest.raises(ValueError, match="each part must be a"):
-        hnr.joint_head_rms_norm_rope([(x, x, None)], 1e-6)
-    with pytest.raises(TypeError, match="parts must be a sequence"):
-        hnr.joint_head_rms_norm_rope((x, x, None, None), 1e-6)
-    with pytest.raises(ValueError, match="non-empty sequence"):
-        hnr.joint_head_rms_norm_rope([], 1e-6)
+    return SimpleNamespace(gen=gen, x=x, w=torch.ones(16, device=DEVICE), cos=cos, sin=sin)
+
+
+def _odd_head_dim(t):
+    y = randn((1, 4, 2, 7), torch.float32, t.gen)
+    hnr.head_rms_norm_rope(y, y, None, None, 1e-6, t.cos[:, :7], t.sin[:, :7])
+
+
+def _too_wide(t):
+    big = torch.empty((1, 1, 1, 8192), device=DEVICE)
+    hnr.head_rms_norm_rope(big, big, None, None, 1e-6)
+
+
+ERROR_CASES = [
+    ("q not a tensor", TypeError, "q must be a torch.Tensor", lambda t: hnr.head_rms_norm_rope([1.0], t.x, None, None, 1e-6)),
+    ("q float64", TypeError, "q has dtype float64", lambda t: hnr.head_rms_norm_rope(t.x.double(), t.x, None, None, 1e-6)),
+    ("q 3d", ValueError, r"q must be \[B, S, H, D\]", lambda t: hnr.head_rms_norm_rope(t.x[0], t.x[0], None, None, 1e-6)),
+    ("k shape", ValueError, r"k has shape \(2, 4, 3, 8\)",
+     lambda t: hnr.head_rms_norm_rope(t.x, t.x[..., :8], None, None, 1e-6)),
+    ("k dtype", TypeError, "every q and k must have the dtype float32",
+     lambda t: hnr.head_rms_norm_rope(t.x, t.x.half(), None, None, 1e-6)),
+    ("one weight", ValueError, "both be tensors or both be None", lambda t: hnr.head_rms_norm_rope(t.x, t.x, t.w, None, 1e-6)),
+    ("weight shape", ValueError, r"q_weight must have shape \[16\]",
+     lambda t: hnr.head_rms_norm_rope(t.x, t.x, torch.ones(15, device=DEVICE), torch.ones(15, device=DEVICE), 1e-6)),
+    ("weight int64", TypeError, "q_weight has dtype int64",
+     lambda t: hnr.head_rms_norm_rope(t.x, t.x, torch.ones(16, dtype=torch.long, device=DEVICE), t.w, 1e-6)),
+    ("eps negative", ValueError, "eps must be a non-negative", lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, -1.0)),
+    ("x last stride", ValueError, "contiguous in its last dimension",
+     lambda t: hnr.head_rms_norm_rope(t.x.transpose(2, 3), t.x.transpose(2, 3), None, None, 1e-6)),
+    ("cos without sin", ValueError, "cos and sin must be given together",
+     lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, 1e-6, t.cos, None)),
+    ("cos shape", ValueError, r"cos has shape \(3, 16\); expected \[4, 16\]",
+     lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, 1e-6, t.cos[:3], t.sin[:3])),
+    ("odd head dim", ValueError, "interleaved RoPE needs an even head dim", _odd_head_dim),
+    ("head dim too wide", ValueError, "supports at most", _too_wide),
+    ("joint part shape", ValueError, r"q \(part 1\) has shape \(2, 4, 2, 16\)",
+     lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x[:, :, :2], t.x[:, :, :2], None, None)], 1e-6)),
+    ("joint weights in one part", ValueError, "in every part",
+     lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x, t.x, t.w, t.w)], 1e-6)),
+    ("joint eps count", ValueError, "eps has 1 values for 2 parts",
+     lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x, t.x, None, None)], [1e-6])),
+    ("joint part of 3", ValueError, "each part must be a", lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None)], 1e-6)),
+    ("joint parts a tuple", TypeError, "parts must be a sequence",
+     lambda t: hnr.joint_head_rms_norm_rope((t.x, t.x, None, None), 1e-6)),
+    ("joint no parts", ValueError, "non-empty sequence", lambda t: hnr.joint_head_rms_norm_rope([], 1e-6)),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+def test_errors(case, gen):
+    _, exc, match, call = case
+    t = _error_inputs(gen)
+    with pytest.raises(exc, match=match):
+        call(t)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
@@ -297,6 +305,7 @@ def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
         hnr.head_rms_norm_rope(x, x, None, None, 1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
 def test_device_mismatch(gen):
     x = randn((1, 2, 2, 8), torch.float32, gen)

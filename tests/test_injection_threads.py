@@ -90,11 +90,11 @@ def test_numerics_probe_filled_from_many_threads(monkeypatch):
     assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
 
 
-def test_rope_dispatcher_installed_from_many_threads(monkeypatch):
+def test_rope_dispatcher_installed_from_many_threads(monkeypatch, gen):
     """8 threads put the RoPE dispatcher in place at once: one dispatcher, wrapping transformers' own
     function, held by every model, so that removing some models leaves the kernel to the others."""
     models = _models(THREADS)
-    ids = torch.randint(3, 256, (1, 5), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    ids = torch.randint(3, 256, (1, 5), generator=gen).to(DEVICE)
     with torch.no_grad():
         refs = [m(ids).logits for m in models]
     ti._llama_numerics_ok()

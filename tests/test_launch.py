@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_MODULES, SCRIPTS
-from kernel_testing import DEVICE, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, INTERPRET, assert_close, poisoned_outputs, randn
 
 BEGIN = "# ---- launch block begin"
 END = "# ---- launch block end ----"
@@ -29,11 +29,6 @@ def test_launch_block_copies_are_identical():
     first = blocks["rmsnorm"]
     for name, text in blocks.items():
         assert text == first, f"scripts/{name}.py's launch block differs from scripts/rmsnorm.py's"
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 def test_plan_reused_only_for_the_same_signature(gen):
@@ -67,6 +62,7 @@ def test_bad_input_after_a_cached_plan_still_raises(gen):
         rmsnorm.rms_norm(x, w, eps=-1.0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="the direct launch exists for compiled kernels only")
 def test_direct_launch_serves_misaligned_and_aligned_pointers(gen):
     """A plan compiled for 16-byte aligned pointers must not serve a misaligned one (it falls back to
@@ -319,6 +315,7 @@ def test_triton_interpret_set_after_import_is_refused_clearly():
         assert "active drivers" not in row["flipped"], (name, row)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: kernels decorated for the interpreter "
                     "then handed GPU tensors")
 def test_triton_interpret_unset_after_import_is_refused_clearly():
@@ -418,6 +415,7 @@ def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeyp
     assert kept in {("aligned kernel", (15,)), ("unaligned kernel", (0,))}, kept
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA / HIP graphs need a GPU")
 def test_direct_launch_inside_graph_capture(gen):
     """A plan first used eagerly, then captured into a CUDA / HIP graph: the replay computes from the

@@ -3,19 +3,16 @@
 against float64 references and against the real diffusers / torch modules (AdaLayerNormZero,
 AdaLayerNormZeroSingle, AdaLayerNormContinuous, SD35AdaLayerNormZeroX, nn.LayerNorm)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import layernorm
 from conftest import clear_launch_plans
-from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn, rel_l2
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn, rel_l2
 
 SHAPES = [(1, 1), (1, 127), (3, 2049), (2, 5, 64), (2, 3, 7, 96)]
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 def _module_tol(dtype):
@@ -424,56 +421,63 @@ def test_empty_inputs():
     assert h_new.shape == out.shape == (2, 0, 64)
 
 
-def test_errors(gen):
-    x = randn((2, 4, 64), torch.float32, gen)
-    one = torch.ones(64, device=DEVICE)
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        layernorm.layer_norm([1.0, 2.0])
-    with pytest.raises(TypeError, match="x has dtype int32"):
-        layernorm.layer_norm(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(TypeError, match="x has dtype float64"):
-        layernorm.layer_norm(x.double())
-    with pytest.raises(ValueError, match=r"weight must have shape \[64\]"):
-        layernorm.layer_norm(x, torch.ones(63, device=DEVICE))
-    with pytest.raises(ValueError, match=r"bias must have shape \[64\]"):
-        layernorm.layer_norm(x, None, torch.ones(2, 64, device=DEVICE))
-    with pytest.raises(ValueError, match="contiguous in its last dimension"):
-        layernorm.layer_norm(x.transpose(1, 2))
-    with pytest.raises(ValueError, match="eps must be a non-negative"):
-        layernorm.layer_norm(x, eps=-1.0)
-    with pytest.raises(ValueError, match="at least one dimension"):
-        layernorm.layer_norm(torch.tensor(1.0, device=DEVICE))
-    with pytest.raises(ValueError, match=r"scale of shape \(3, 64\) does not broadcast"):
-        layernorm.layer_norm_modulate(x, torch.ones(3, 64, device=DEVICE), torch.ones(2, 64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"shift of shape \(2, 1, 32\) does not broadcast"):
-        layernorm.layer_norm_modulate(x, torch.ones(2, 1, 64, device=DEVICE), torch.ones(2, 1, 32, device=DEVICE))
-    with pytest.raises(ValueError, match="scale must be contiguous in its last dimension"):
-        layernorm.layer_norm_modulate(x, torch.ones(2, 64, 2, device=DEVICE)[..., 0], one)
-    with pytest.raises(ValueError, match="scale and shift are required"):
-        layernorm.layer_norm_modulate(x, None, None)
-    with pytest.raises(ValueError, match="scale, shift, scale2 and shift2 are all required"):
-        layernorm.layer_norm_modulate_dual(x, one, one, None, one)
-    with pytest.raises(ValueError, match="scale and shift must be given together"):
-        layernorm.gated_residual_layer_norm_modulate(x, x, None, one, None)
-    with pytest.raises(ValueError, match=r"y has shape \(2, 4, 63\)"):
-        layernorm.gated_residual_layer_norm_modulate(x, x[..., :63], None, None, None)
-    with pytest.raises(TypeError, match="y has dtype float16"):
-        layernorm.gated_residual_layer_norm_modulate(x, x.half(), None, None, None)
-    with pytest.raises(ValueError, match="y is required"):
-        layernorm.gated_residual_layer_norm_modulate(x, None, None, None, None)
-    with pytest.raises(ValueError, match=r"gate of shape \(5, 64\) does not broadcast"):
-        layernorm.gated_residual_layer_norm_modulate(x, x, torch.ones(5, 64, device=DEVICE), None, None)
-    with pytest.raises(TypeError, match="scale has dtype int64"):
-        layernorm.layer_norm_modulate(x, torch.ones(64, dtype=torch.int64, device=DEVICE), one)
-    with pytest.raises(ValueError, match="gate is only used with a residual"):
-        layernorm._launch(x, None, one, None, None, None, None, None, None, 1e-6)
-    with pytest.raises(ValueError, match="scale2/shift2 need scale/shift"):
-        layernorm._launch(x, None, None, None, None, None, None, one, one, 1e-6)
-    odd = randn((4, 3, 5, 64), torch.float32, gen).permute(1, 0, 2, 3)[:, :, ::2]
-    with pytest.raises(ValueError, match="cannot be addressed with two strides"):
-        layernorm.layer_norm(odd)
+def _error_inputs(gen):
+    return SimpleNamespace(gen=gen, x=randn((2, 4, 64), torch.float32, gen), one=torch.ones(64, device=DEVICE))
 
 
+def _ones(*shape, dtype=None):
+    return torch.ones(*shape, dtype=dtype, device=DEVICE)
+
+
+ERROR_CASES = [
+    ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda t: layernorm.layer_norm([1.0, 2.0])),
+    ("x int32", TypeError, "x has dtype int32", lambda t: layernorm.layer_norm(_ones(2, 4, dtype=torch.int32))),
+    ("x float64", TypeError, "x has dtype float64", lambda t: layernorm.layer_norm(t.x.double())),
+    ("weight shape", ValueError, r"weight must have shape \[64\]", lambda t: layernorm.layer_norm(t.x, _ones(63))),
+    ("bias shape", ValueError, r"bias must have shape \[64\]", lambda t: layernorm.layer_norm(t.x, None, _ones(2, 64))),
+    ("x last stride", ValueError, "contiguous in its last dimension", lambda t: layernorm.layer_norm(t.x.transpose(1, 2))),
+    ("eps negative", ValueError, "eps must be a non-negative", lambda t: layernorm.layer_norm(t.x, eps=-1.0)),
+    ("x 0-d", ValueError, "at least one dimension", lambda t: layernorm.layer_norm(torch.tensor(1.0, device=DEVICE))),
+    ("scale broadcast", ValueError, r"scale of shape \(3, 64\) does not broadcast",
+     lambda t: layernorm.layer_norm_modulate(t.x, _ones(3, 64), _ones(2, 64))),
+    ("shift broadcast", ValueError, r"shift of shape \(2, 1, 32\) does not broadcast",
+     lambda t: layernorm.layer_norm_modulate(t.x, _ones(2, 1, 64), _ones(2, 1, 32))),
+    ("scale last stride", ValueError, "scale must be contiguous in its last dimension",
+     lambda t: layernorm.layer_norm_modulate(t.x, _ones(2, 64, 2)[..., 0], t.one)),
+    ("modulate no scale shift", ValueError, "scale and shift are required",
+     lambda t: layernorm.layer_norm_modulate(t.x, None, None)),
+    ("dual scale2 missing", ValueError, "scale, shift, scale2 and shift2 are all required",
+     lambda t: layernorm.layer_norm_modulate_dual(t.x, t.one, t.one, None, t.one)),
+    ("gated shift without scale", ValueError, "scale and shift must be given together",
+     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x, None, t.one, None)),
+    ("gated y shape", ValueError, r"y has shape \(2, 4, 63\)",
+     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x[..., :63], None, None, None)),
+    ("gated y float16", TypeError, "y has dtype float16",
+     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x.half(), None, None, None)),
+    ("gated y missing", ValueError, "y is required",
+     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, None, None, None, None)),
+    ("gate broadcast", ValueError, r"gate of shape \(5, 64\) does not broadcast",
+     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x, _ones(5, 64), None, None)),
+    ("scale int64", TypeError, "scale has dtype int64",
+     lambda t: layernorm.layer_norm_modulate(t.x, _ones(64, dtype=torch.int64), t.one)),
+    ("launch gate without residual", ValueError, "gate is only used with a residual",
+     lambda t: layernorm._launch(t.x, None, t.one, None, None, None, None, None, None, 1e-6)),
+    ("launch scale2 without scale", ValueError, "scale2/shift2 need scale/shift",
+     lambda t: layernorm._launch(t.x, None, None, None, None, None, None, t.one, t.one, 1e-6)),
+    ("rows need three strides", ValueError, "cannot be addressed with two strides",
+     lambda t: layernorm.layer_norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2])),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+def test_errors(case, gen):
+    _, exc, match, call = case
+    t = _error_inputs(gen)
+    with pytest.raises(exc, match=match):
+        call(t)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
 def test_device_mismatch(gen):
     x = randn((2, 64), torch.float32, gen)

@@ -64,12 +64,12 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _model(kind, dtype=torch.float32, seed=0):
+def _model(kind, dtype=torch.float32, *, seed):
     build = mi.build_sd3_transformer if kind == "sd3" else mi.build_flux_transformer
     return build("tiny", dtype=dtype, device=DEVICE, seed=seed)
 
 
-def _inputs(model, dtype=torch.float32, seed=0):
+def _inputs(model, dtype=torch.float32, *, seed):
     # 64x64 pixels: 16 image tokens in both models; 7 text tokens
     return mi.make_mmdit_inputs(model, batch=2, height=64, width=64, text_len=7, dtype=dtype, device=DEVICE, seed=seed)
 
@@ -328,7 +328,7 @@ def test_transposed_rows_fall_back_to_torch():
 
 def test_injecting_twice_is_harmless(kernel_calls):
     gen = make_generator()
-    model = _model("flux")
+    model = _model("flux", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     ref = _run(model, kw)
     first = mi.inject_mmdit_kernels(model, verbose=False)
@@ -353,7 +353,7 @@ def test_injecting_twice_is_harmless(kernel_calls):
 def test_fused_qkv_projections(kernel_calls):
     """model.fuse_qkv_projections(): q/k/v are chunks of one projection, read in place (strided)."""
     gen = make_generator()
-    model = _model("flux")
+    model = _model("flux", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     model.fuse_qkv_projections()
     ref = _run(model, kw)
@@ -366,7 +366,7 @@ def test_fused_qkv_projections(kernel_calls):
 def test_autograd_runs_the_original_code(kernel_calls):
     """The kernels have no backward: with gradients wanted, the original operations run and backward works."""
     gen = make_generator()
-    model = _model("sd3")
+    model = _model("sd3", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     ref = model(**kw)[0]
     mi.inject_mmdit_kernels(model, verbose=False)
@@ -377,17 +377,16 @@ def test_autograd_runs_the_original_code(kernel_calls):
     assert all(p.grad is not None for p in model.transformer_blocks[0].norm1.linear.parameters())
 
 
-def test_other_processor_and_ff_chunking_left_to_the_original():
+def test_other_processor_and_ff_chunking_left_to_the_original(gen):
     """A processor set by the user is not replaced (and not restored over); FF chunking runs the original block."""
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    model = _model("sd3")
+    model = _model("sd3", seed=gen.seed_value % 1000)
     attn2 = model.transformer_blocks[0].attn2
     attn2.set_processor(AttnProcessor2_0())
     counts = mi.inject_mmdit_kernels(model, verbose=False)
     assert counts["mmdit_qk_norm_fused"] == 2 and type(attn2.processor) is AttnProcessor2_0
     model.enable_forward_chunking(chunk_size=1, dim=0)
-    gen = make_generator()
     kw = _inputs(model, seed=gen.seed_value)
     out = _run(model, kw)
     mi.remove_mmdit_kernels(model, verbose=False)
@@ -398,7 +397,7 @@ def test_other_processor_and_ff_chunking_left_to_the_original():
 def test_torch_compile_fullgraph_traces_the_kernels(kind):
     """The patched model compiles without graph breaks (the kernels are torch.library custom ops)."""
     gen = make_generator()
-    model = _model(kind)
+    model = _model(kind, seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     ref = _run(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
@@ -466,7 +465,7 @@ def test_dispatch_from_inject_optimized_kernels(kernel_calls):
     """inject_optimized_kernels on an object with a FLUX transformer (a pipeline-like .components)
     injects the MMDiT kernels and reports their kinds next to the LTX kinds; removal restores it."""
     gen = make_generator()
-    model = _model("flux")
+    model = _model("flux", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     ref = _run(model, kw)
 
@@ -510,7 +509,7 @@ def test_command_line(capsys):
 # --------------------------------------------------------------------------------------------
 # Training edge cases: gradient checkpointing, trainable weights inside blocks, in-place changes
 # --------------------------------------------------------------------------------------------
-def _model_with_blocks(kind, seed=0):
+def _model_with_blocks(kind, seed):
     """The tiny models, FLUX with two double blocks (the cross-block hand-over needs two)."""
     if kind == "sd3":
         return _model(kind, seed=seed)
@@ -526,12 +525,12 @@ def _all_grads(model, kw):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_gradient_checkpointing_matches_without_it(kind):
+def test_gradient_checkpointing_matches_without_it(kind, gen):
     """diffusers' gradient-checkpointing equivalence, with the kernels injected: checkpointing recomputes
     each block in backward, which must take the path the first run took (no hand-over of a norm to the
     next block while autograd records), and the gradients must equal those without checkpointing."""
-    model = _model_with_blocks(kind)
-    kw = _inputs(model)
+    model = _model_with_blocks(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
     model.train()
     ref = _all_grads(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
@@ -549,10 +548,10 @@ def test_gradient_checkpointing_matches_without_it(kind):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_trainable_weight_inside_a_block_gets_its_gradient(kind):
+def test_trainable_weight_inside_a_block_gets_its_gradient(kind, gen):
     """LoRA-style: everything frozen but one projection inside block 0's attention."""
-    model = _model_with_blocks(kind)
-    kw = _inputs(model)
+    model = _model_with_blocks(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
     model.requires_grad_(False)
     name = "transformer_blocks.0.attn.to_v.weight"
     model.get_parameter(name).requires_grad_(True)
@@ -567,11 +566,11 @@ def test_trainable_weight_inside_a_block_gets_its_gradient(kind):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_carry_ignored_after_an_in_place_change_between_blocks(kind):
+def test_carry_ignored_after_an_in_place_change_between_blocks(kind, gen):
     """A forward hook on block 0 changes its output in place: block 1 must not use the norm block 0
     computed from the old values."""
-    model = _model_with_blocks(kind)
-    kw = _inputs(model)
+    model = _model_with_blocks(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
     b0 = model.transformer_blocks[0]
 
     def post(module, args, output):
@@ -591,11 +590,11 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(kind):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_hook_on_a_block_layernorm_still_runs(kind):
+def test_hook_on_a_block_layernorm_still_runs(kind, gen):
     """The fused residual + LayerNorm + modulation does not call the block's norm2: where norm2 has a
     hook, the block must call it as the original does."""
-    model = _model_with_blocks(kind)
-    kw = _inputs(model)
+    model = _model_with_blocks(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
     norm = model.transformer_blocks[0].norm2
     fired = []
     handle = norm.register_forward_hook(lambda m, a, o: fired.append(1) or o * 1.25)
@@ -614,11 +613,11 @@ def test_hook_on_a_block_layernorm_still_runs(kind):
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 @pytest.mark.parametrize("where", ["attn", "ff", "ff_proj", "single_attn", "global"])
-def test_hooks_on_submodules_still_run(kind, where):
+def test_hooks_on_submodules_still_run(kind, where, gen):
     """The patched blocks call attention processors and feed-forward layers without Module.__call__
     only where nothing hooks them: a forward hook on any of them (or a global one) must still run."""
-    model = _model_with_blocks(kind)
-    kw = _inputs(model)
+    model = _model_with_blocks(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
     blk = model.transformer_blocks[0]
     single = getattr(model, "single_transformer_blocks", None)
     target = {"attn": blk.attn, "ff": blk.ff, "ff_proj": blk.ff.net[2],
@@ -648,11 +647,11 @@ def test_hooks_on_submodules_still_run(kind, where):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_hook_on_the_next_block_norm1_still_runs(kind):
+def test_hook_on_the_next_block_norm1_still_runs(kind, gen):
     """Block 0 may compute block 1's norm1 with its own last residual; not where block 1's norm1 has a
     hook, which must run and may change the output."""
-    model = _model_with_blocks(kind)
-    kw = _inputs(model)
+    model = _model_with_blocks(kind, gen.seed_value % 1000)
+    kw = _inputs(model, seed=gen.seed_value)
     fired = []
 
     def hook(m, a, o):

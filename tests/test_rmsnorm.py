@@ -2,11 +2,13 @@
 """RMSNorm, AdaLN-modulated RMSNorm and gated-residual + RMSNorm + modulation, against float64 references
 and against the real diffusers / torch modules."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import rmsnorm
-from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn
 
 def _module_tol(dtype):
     """Kernel vs the real module: both round at the same places, so natively they differ by at most
@@ -17,11 +19,6 @@ def _module_tol(dtype):
 
 
 SHAPES = [(1, 1), (1, 127), (3, 2049), (2, 5, 64), (2, 3, 7, 96)]
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 def _weight(n, dtype, gen):
@@ -309,46 +306,53 @@ def test_empty_inputs():
     assert h_new.shape == out.shape == (2, 0, 64)
 
 
-def test_errors(gen):
-    x = randn((2, 4, 64), torch.float32, gen)
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        rmsnorm.rms_norm([1.0, 2.0])
-    with pytest.raises(TypeError, match="x has dtype int32"):
-        rmsnorm.rms_norm(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(TypeError, match="x has dtype float64"):
-        rmsnorm.rms_norm(x.double())
-    with pytest.raises(ValueError, match=r"weight must have shape \[64\]"):
-        rmsnorm.rms_norm(x, torch.ones(63, device=DEVICE))
-    with pytest.raises(ValueError, match="contiguous in its last dimension"):
-        rmsnorm.rms_norm(x.transpose(1, 2))
-    with pytest.raises(ValueError, match="eps must be a non-negative"):
-        rmsnorm.rms_norm(x, eps=-1.0)
-    with pytest.raises(ValueError, match="at least one dimension"):
-        rmsnorm.rms_norm(torch.tensor(1.0, device=DEVICE))
-    with pytest.raises(ValueError, match=r"scale of shape \(3, 1, 64\) does not broadcast"):
-        rmsnorm.rms_norm_modulate(x, torch.ones(3, 1, 64, device=DEVICE), torch.ones(2, 1, 64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"shift of shape \(2, 1, 32\) does not broadcast"):
-        rmsnorm.rms_norm_modulate(x, torch.ones(2, 1, 64, device=DEVICE), torch.ones(2, 1, 32, device=DEVICE))
-    with pytest.raises(ValueError, match="scale and shift are required"):
-        rmsnorm.rms_norm_modulate(x, None, None)
-    with pytest.raises(ValueError, match="scale and shift must be given together"):
-        rmsnorm.gated_residual_rms_norm_modulate(x, x, None, torch.ones(64, device=DEVICE), None)
-    with pytest.raises(ValueError, match=r"y has shape \(2, 4, 63\)"):
-        rmsnorm.gated_residual_rms_norm_modulate(x, x[..., :63], None, None, None)
-    with pytest.raises(TypeError, match="y has dtype"):
-        rmsnorm.gated_residual_rms_norm_modulate(x, x.half(), None, None, None)
-    with pytest.raises(ValueError, match="y is required"):
-        rmsnorm.gated_residual_rms_norm_modulate(x, None, None, None, None)
-    with pytest.raises(TypeError, match="scale has dtype int64"):
-        rmsnorm.rms_norm_modulate(x, torch.ones(64, dtype=torch.int64, device=DEVICE), torch.ones(64, device=DEVICE))
-    with pytest.raises(TypeError, match="out_dtype"):
-        rmsnorm.rms_norm(x, out_dtype=torch.int8)
-    # rows that need more than two strides to address
-    odd = randn((4, 3, 5, 64), torch.float32, gen).permute(1, 0, 2, 3)[:, :, ::2]
-    with pytest.raises(ValueError, match="cannot be addressed with two strides"):
-        rmsnorm.rms_norm(odd)
+def _error_inputs(gen):
+    return SimpleNamespace(gen=gen, x=randn((2, 4, 64), torch.float32, gen))
 
 
+def _ones(*shape, dtype=None):
+    return torch.ones(*shape, dtype=dtype, device=DEVICE)
+
+
+ERROR_CASES = [
+    ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda t: rmsnorm.rms_norm([1.0, 2.0])),
+    ("x int32", TypeError, "x has dtype int32", lambda t: rmsnorm.rms_norm(_ones(2, 4, dtype=torch.int32))),
+    ("x float64", TypeError, "x has dtype float64", lambda t: rmsnorm.rms_norm(t.x.double())),
+    ("weight shape", ValueError, r"weight must have shape \[64\]", lambda t: rmsnorm.rms_norm(t.x, _ones(63))),
+    ("x last stride", ValueError, "contiguous in its last dimension", lambda t: rmsnorm.rms_norm(t.x.transpose(1, 2))),
+    ("eps negative", ValueError, "eps must be a non-negative", lambda t: rmsnorm.rms_norm(t.x, eps=-1.0)),
+    ("x 0-d", ValueError, "at least one dimension", lambda t: rmsnorm.rms_norm(torch.tensor(1.0, device=DEVICE))),
+    ("scale broadcast", ValueError, r"scale of shape \(3, 1, 64\) does not broadcast",
+     lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(3, 1, 64), _ones(2, 1, 64))),
+    ("shift broadcast", ValueError, r"shift of shape \(2, 1, 32\) does not broadcast",
+     lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(2, 1, 64), _ones(2, 1, 32))),
+    ("modulate no scale shift", ValueError, "scale and shift are required",
+     lambda t: rmsnorm.rms_norm_modulate(t.x, None, None)),
+    ("gated shift without scale", ValueError, "scale and shift must be given together",
+     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x, None, _ones(64), None)),
+    ("gated y shape", ValueError, r"y has shape \(2, 4, 63\)",
+     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x[..., :63], None, None, None)),
+    ("gated y dtype", TypeError, "y has dtype",
+     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x.half(), None, None, None)),
+    ("gated y missing", ValueError, "y is required",
+     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, None, None, None, None)),
+    ("scale int64", TypeError, "scale has dtype int64",
+     lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(64, dtype=torch.int64), _ones(64))),
+    ("out_dtype int8", TypeError, "out_dtype", lambda t: rmsnorm.rms_norm(t.x, out_dtype=torch.int8)),
+    ("rows need three strides", ValueError, "cannot be addressed with two strides",
+     lambda t: rmsnorm.rms_norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2])),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+def test_errors(case, gen):
+    _, exc, match, call = case
+    t = _error_inputs(gen)
+    with pytest.raises(exc, match=match):
+        call(t)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
 def test_device_mismatch(gen):
     x = randn((2, 64), torch.float32, gen)

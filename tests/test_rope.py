@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rope
-from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, poisoned_outputs, randn
 
 ltx = pytest.importorskip("diffusers.models.transformers.transformer_ltx")
 
@@ -53,11 +53,6 @@ def assert_pairs_close(out, ref, rotated, dtype, ulps, interleaved, gen, name="o
 def _normed(x, w, eps=1e-5):
     """The float64 RMSNorm output: the pair that the fused kernels rotate."""
     return rope._rms_norm_module_ref(x.double(), None if w is None else w.double(), eps, False)
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 def _angles_cos_sin(shape, gen, dtype=torch.float32, scale=20.0):
@@ -554,7 +549,7 @@ def test_supported_dtypes():
     assert set(DTYPES) == set(rope._SUPPORTED_DTYPES)
 
 
-def test_sincos_over_video_rope_angles():
+def test_sincos_over_video_rope_angles(gen):
     """The kernel's shared-reduction sin/cos (_sincos) against float64 over |angle| <= 2e4 (LTX-Video's
     largest frequency is 10000 * pi / 2 times coordinates in [-1, 1]) and around the quadrant edges."""
     import triton
@@ -568,7 +563,6 @@ def test_sincos_over_video_rope_angles():
         tl.store(S + offs, s, mask=m)
         tl.store(C + offs, c, mask=m)
 
-    gen = torch.Generator().manual_seed(7)
     edges = torch.arange(-40, 41, dtype=torch.float64) * (math.pi / 4)
     a = torch.cat([
         (torch.rand(20000, generator=gen, dtype=torch.float64) * 2 - 1) * 2e4,

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 import skinny_gemm as sg
-from kernel_testing import DEVICE, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, INTERPRET, assert_close, poisoned_outputs, randn
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 
@@ -19,11 +19,6 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
 def _kernel_for_every_m(monkeypatch):
     """Test the kernel itself at every M: the per-arch dispatch table would otherwise send some M to torch."""
     monkeypatch.setattr(sg, "_KERNEL_MAX_M", {})
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,6 +410,7 @@ def test_workspace_offsets_are_int64():
         assert torch.equal(out.cpu(), split * (m * n) + rows * n + cols), (m, n, split)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="a real launch of this size needs a GPU")
 def test_split_k_workspace_past_2_pow_31_elements(gen):
     """A real split-K launch whose workspace holds more than 2**31 elements (9 GiB of fp32 partials):
@@ -434,6 +430,7 @@ def test_split_k_workspace_past_2_pow_31_elements(gen):
         _check(y[:, c0:c0 + 2**17], x, wc, seed=gen.seed_value, name=f"columns {c0}..")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="CUDA/HIP graphs need a GPU")
 def test_split_k_in_cuda_graphs(gen):
     """Split-K calls captured in two graphs on one stream, replayed in turn and on two streams at once:
@@ -630,6 +627,7 @@ def test_cpu_tensor_without_interpreter_raises(monkeypatch):
         sg.skinny_gemm(x, w)
 
 
+@pytest.mark.gpu
 def test_tensors_on_different_devices_raise():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU next to the CPU")

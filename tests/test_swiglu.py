@@ -3,17 +3,14 @@
 optionally with FP8 output, against float64 references, transformers' Llama / Phi-3 MLP conventions and a float64
 quantize-dequantize reference."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import activations as act
-from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, make_generator, poisoned_outputs, randn
+from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, poisoned_outputs, randn
 from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
-
-
-@pytest.fixture
-def gen():
-    return make_generator()
 
 
 def _inputs(shape, dtype, gen):
@@ -290,48 +287,57 @@ def test_empty_inputs():
     assert act.swiglu(x[:, :32], x[:, 32:]).shape == (0, 32)
 
 
-def test_errors(gen):
-    x = randn((4, 64), torch.float32, gen)
-    sc = torch.ones(1, device=DEVICE)
-    with pytest.raises(ValueError, match="the last dim of x must be even"):
-        act.swiglu(x[:, :63])
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        act.swiglu([1.0, 2.0])
-    with pytest.raises(TypeError, match="x has dtype int32"):
-        act.swiglu(torch.ones((2, 4), dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="x must have at least one dimension"):
-        act.swiglu(torch.tensor(1.0, device=DEVICE))
-    with pytest.raises(ValueError, match="x must be contiguous in its last dimension"):
-        act.swiglu(randn((64, 4), torch.float32, gen).t())
-    with pytest.raises(ValueError, match=r"up has shape \(4, 31\) but gate has shape \(4, 32\)"):
-        act.swiglu(x[:, :32], x[:, 33:])
-    with pytest.raises(TypeError, match="up has dtype torch.float16 but gate has dtype torch.float32"):
-        act.swiglu(x[:, :32], x[:, 32:].half())
-    with pytest.raises(TypeError, match="up has dtype int64"):
-        act.swiglu(x[:, :32], torch.ones((4, 32), dtype=torch.int64, device=DEVICE))
-    with pytest.raises(ValueError, match="up must be contiguous in its last dimension"):
-        act.swiglu(x[:, :4], randn((4, 4), torch.float32, gen).t())
-    with pytest.raises(ValueError, match="gate_first applies to the fused"):
-        act.swiglu(x[:, :32], x[:, 32:], gate_first=False)
-    with pytest.raises(ValueError, match="fp8 must be None, 'per_tensor' or 'per_token'"):
-        act.swiglu(x, fp8="dynamic")
-    with pytest.raises(ValueError, match="needs fp8_scale"):
-        act.swiglu(x, fp8="per_tensor")
-    with pytest.raises(ValueError, match="fp8_scale is only used with fp8='per_tensor'"):
-        act.swiglu(x, fp8="per_token", fp8_scale=sc)
-    with pytest.raises(ValueError, match=r"fp8_scale must hold one element .* got shape \(1, 2\)"):
-        act.swiglu(x, fp8="per_tensor", fp8_scale=torch.ones((1, 2), device=DEVICE))
-    with pytest.raises(TypeError, match="fp8_scale has dtype bfloat16; expected one of float32"):
-        act.swiglu(x, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz"):
-        act.swiglu(x, fp8="per_token", fp8_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="fp8_dtype is only used with"):
-        act.swiglu(x, fp8_dtype=torch.float8_e4m3fn)
-    # layouts that need more than two row levels (gate and up disagree)
-    g = randn((4, 3, 5, 8), torch.float32, gen).permute(1, 0, 2, 3)[:, :, ::2]
-    u = randn((3, 4, 3, 8), torch.float32, gen)
-    with pytest.raises(ValueError, match="cannot be addressed"):
-        act.swiglu(g, u)
+def _error_inputs(gen):
+    return SimpleNamespace(gen=gen, x=randn((4, 64), torch.float32, gen), sc=torch.ones(1, device=DEVICE))
+
+
+def _three_row_levels(t):
+    """A layout that needs more than two row levels (gate and up disagree)."""
+    g = randn((4, 3, 5, 8), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2]
+    u = randn((3, 4, 3, 8), torch.float32, t.gen)
+    act.swiglu(g, u)
+
+
+ERROR_CASES = [
+    ("odd last dim", ValueError, "the last dim of x must be even", lambda t: act.swiglu(t.x[:, :63])),
+    ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda t: act.swiglu([1.0, 2.0])),
+    ("x int32", TypeError, "x has dtype int32",
+     lambda t: act.swiglu(torch.ones((2, 4), dtype=torch.int32, device=DEVICE))),
+    ("x 0-d", ValueError, "x must have at least one dimension", lambda t: act.swiglu(torch.tensor(1.0, device=DEVICE))),
+    ("x last stride", ValueError, "x must be contiguous in its last dimension",
+     lambda t: act.swiglu(randn((64, 4), torch.float32, t.gen).t())),
+    ("up shape", ValueError, r"up has shape \(4, 31\) but gate has shape \(4, 32\)",
+     lambda t: act.swiglu(t.x[:, :32], t.x[:, 33:])),
+    ("up dtype", TypeError, "up has dtype torch.float16 but gate has dtype torch.float32",
+     lambda t: act.swiglu(t.x[:, :32], t.x[:, 32:].half())),
+    ("up int64", TypeError, "up has dtype int64",
+     lambda t: act.swiglu(t.x[:, :32], torch.ones((4, 32), dtype=torch.int64, device=DEVICE))),
+    ("up last stride", ValueError, "up must be contiguous in its last dimension",
+     lambda t: act.swiglu(t.x[:, :4], randn((4, 4), torch.float32, t.gen).t())),
+    ("gate_first with up", ValueError, "gate_first applies to the fused",
+     lambda t: act.swiglu(t.x[:, :32], t.x[:, 32:], gate_first=False)),
+    ("fp8 mode", ValueError, "fp8 must be None, 'per_tensor' or 'per_token'", lambda t: act.swiglu(t.x, fp8="dynamic")),
+    ("per_tensor without scale", ValueError, "needs fp8_scale", lambda t: act.swiglu(t.x, fp8="per_tensor")),
+    ("per_token with scale", ValueError, "fp8_scale is only used with fp8='per_tensor'",
+     lambda t: act.swiglu(t.x, fp8="per_token", fp8_scale=t.sc)),
+    ("fp8_scale shape", ValueError, r"fp8_scale must hold one element .* got shape \(1, 2\)",
+     lambda t: act.swiglu(t.x, fp8="per_tensor", fp8_scale=torch.ones((1, 2), device=DEVICE))),
+    ("fp8_scale bfloat16", TypeError, "fp8_scale has dtype bfloat16; expected one of float32",
+     lambda t: act.swiglu(t.x, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.bfloat16))),
+    ("fp8_dtype bfloat16", TypeError, "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz",
+     lambda t: act.swiglu(t.x, fp8="per_token", fp8_dtype=torch.bfloat16)),
+    ("fp8_dtype without fp8", ValueError, "fp8_dtype is only used with",
+     lambda t: act.swiglu(t.x, fp8_dtype=torch.float8_e4m3fn)),
+    ("rows need three levels", ValueError, "cannot be addressed", _three_row_levels),
+]
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+def test_errors(case, gen):
+    _, exc, match, call = case
+    t = _error_inputs(gen)
+    with pytest.raises(exc, match=match):
+        call(t)
 
 
 def test_custom_op_under_torch_compile(gen):
