@@ -140,8 +140,7 @@ def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl
 
 
 @triton.jit
-def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr,
-                 NATIVE: tl.constexpr):
+def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 v -> the element type of OUT (FP8 or, when not NATIVE, the uint8 view of an FP8 tensor).
 
     NATIVE: saturate, then Triton's own cast (round to nearest even), which is one hardware conversion
@@ -158,6 +157,8 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
         return v.to(OUT.dtype.element_ty)
     else:
         return _fp8_encode(v, FP8_MAX, FP8_MIN_EXP, FP8_NAN).to(OUT.dtype.element_ty)
+
+
 # ---- shared block fp8_kernels end ----
 
 
@@ -191,12 +192,16 @@ def _act_tile(X, U, x_row, u_row, cols, mask, ACT: tl.constexpr, GATED: tl.const
 @triton.jit
 def _act_rows_kernel(
     X,  # activation input, last dim contiguous: the input (GATED False) or the gate (GATED True)
-    x_stride_o, x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
+    x_stride_o,
+    x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
     U,  # GATED: the operand multiplied by act(gate) (GEGLU's value, SwiGLU's up); same row layout rules
-    u_stride_o, u_stride_i,
+    u_stride_o,
+    u_stride_i,
     OUT,  # contiguous [M, N] output (FP8_MODE > 0: the FP8 output, or its uint8 view when not NATIVE_FP8)
     FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
-    M, N, INNER,  # rows, output width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
+    M,
+    N,
+    INNER,  # rows, output width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
     # cdiv(N, BLOCK_N), 1 when WHOLE_ROWS; used when not GRID_2D: program p covers row block
     # p // n_col_blocks, column block p % n_col_blocks
     n_col_blocks,
@@ -294,6 +299,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -318,9 +325,9 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
 # ---- shared block checks end ----
 
 
@@ -341,6 +348,8 @@ def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     dims = [st for s, st in zip(shape, strides) if s != 1]
     return dims[-1] if dims else 0
+
+
 # ---- shared block strides end ----
 
 
@@ -383,8 +392,11 @@ def _row_layout_pair(a: torch.Tensor, b: torch.Tensor):
             inner = 1
             for sz in lead[k:]:
                 inner *= sz
-            return (max(inner, 1), (_flat_stride(lead[:k], sa[:k]), _flat_stride(lead[k:], sa[k:])),
-                    (_flat_stride(lead[:k], sb[:k]), _flat_stride(lead[k:], sb[k:])))
+            return (
+                max(inner, 1),
+                (_flat_stride(lead[:k], sa[:k]), _flat_stride(lead[k:], sa[k:])),
+                (_flat_stride(lead[:k], sb[:k]), _flat_stride(lead[k:], sb[k:])),
+            )
     raise ValueError(
         "the leading dimensions of gate and up cannot be addressed with one pair of row levels "
         f"(shape {tuple(a.shape)}, strides {tuple(a.stride())} and {tuple(b.stride())}); call .contiguous() on one"
@@ -408,6 +420,8 @@ def _cdiv(a: int, b: int) -> int:
 def _next_pow2(n: int) -> int:
     """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
 # ---- shared block sizes end ----
 
 
@@ -565,6 +579,8 @@ def _check_fp8(device, fp8_dtype, fp8_mode: int, fp8_scale) -> torch.dtype:
     elif fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
     return fp8_dtype
+
+
 # ---- shared block fp8 end ----
 
 
@@ -597,15 +613,23 @@ def _gelu_plan(x: torch.Tensor, approximate: str):
     device, dtype, shape_t = x.device, x.dtype, tuple(x.shape)
     n_elements = x.numel()
     if n_elements == 0:
+
         def run_empty(x):
             return torch.empty(shape_t, dtype=dtype, device=device)
+
         return run_empty
     like_x = _dense_like(x)  # the output is contiguous; empty_like costs less host time where it gives the same
     _, _, warp_size = _device_target(device)
     if x.is_contiguous():
         _, block, warps = _launch_config(n_elements, n_elements, x.element_size(), warp_size, flat=True)
-        launch = _Launch(_gelu_flat_kernel, (_cdiv(n_elements, block),), (None, None, n_elements),
-                         dict(APPROX_TANH=approx_tanh, BLOCK=block, num_warps=warps), (0, 1), device)
+        launch = _Launch(
+            _gelu_flat_kernel,
+            (_cdiv(n_elements, block),),
+            (None, None, n_elements),
+            dict(APPROX_TANH=approx_tanh, BLOCK=block, num_warps=warps),
+            (0, 1),
+            device,
+        )
     else:
         n = x.shape[-1]
         if x.stride(-1) != 1 and n > 1:
@@ -617,23 +641,43 @@ def _gelu_plan(x: torch.Tensor, approximate: str):
         block_m, block_n, warps = _launch_config(n_elements, n, x.element_size(), warp_size, flat=False)
         grid, grid_2d, n_col_blocks, even = _row_grid(m, n, block_m, block_n)
         # X per call; U None (not read when not GATED); OUT per call; FP8_SCALE None
-        launch = _Launch(_act_rows_kernel, grid,
-                         (None, stride_o, stride_i, None, 0, 0, None, None, m, n, inner, n_col_blocks), dict(
-                             ACT=int(approx_tanh), GATED=False, FP8_MODE=0, FP8_MAX=0.0, FP8_MIN_EXP=0, FP8_NAN=0,
-                             MIN_SCALE=0.0, NATIVE_FP8=False, BLOCK_M=block_m, BLOCK_N=block_n, WHOLE_ROWS=False,
-                             SINGLE_PASS=False, GRID_2D=grid_2d, EVEN=even, num_warps=warps,
-                         ), (0, 6), device)
+        launch = _Launch(
+            _act_rows_kernel,
+            grid,
+            (None, stride_o, stride_i, None, 0, 0, None, None, m, n, inner, n_col_blocks),
+            dict(
+                ACT=int(approx_tanh),
+                GATED=False,
+                FP8_MODE=0,
+                FP8_MAX=0.0,
+                FP8_MIN_EXP=0,
+                FP8_NAN=0,
+                MIN_SCALE=0.0,
+                NATIVE_FP8=False,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                WHOLE_ROWS=False,
+                SINGLE_PASS=False,
+                GRID_2D=grid_2d,
+                EVEN=even,
+                num_warps=warps,
+            ),
+            (0, 6),
+            device,
+        )
 
         def run_rows(x):
             out = torch.empty(shape_t, dtype=dtype, device=device)  # x is not contiguous: no empty_like
             launch(x, out)
             return out
+
         return run_rows
 
     def run_flat(x):
         out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=dtype, device=device)
         launch(x, out)
         return out
+
     return run_flat
 
 
@@ -659,9 +703,7 @@ def _geglu_plan(x: torch.Tensor, approximate: str):
         raise ValueError("x must have at least one dimension (the last one is split into value and gate)")
     two_h = x.shape[-1]
     if two_h % 2:
-        raise ValueError(
-            f"the last dim of x must be even (value and gate halves of width H each), got {two_h}"
-        )
+        raise ValueError(f"the last dim of x must be even (value and gate halves of width H each), got {two_h}")
     h = two_h // 2
     # diffusers GEGLU: value first, gate second
     return _gated_plan(x[..., h:], x[..., :h], x, int(approx_tanh), 0, None, None, gate_second=True)
@@ -671,8 +713,15 @@ def _swiglu_launch(x, up, gate_first, fp8_mode: int, fp8_scale, fp8_dtype):
     """Validate and launch SwiGLU; returns (out, row scales or None). Plans kept per call signature, as
     in _gelu_launch."""
     try:
-        key = ("swiglu", _sig(x), up if up is None else _sig(up), gate_first, fp8_mode,
-               fp8_scale if fp8_scale is None else _sig(fp8_scale), fp8_dtype)
+        key = (
+            "swiglu",
+            _sig(x),
+            up if up is None else _sig(up),
+            gate_first,
+            fp8_mode,
+            fp8_scale if fp8_scale is None else _sig(fp8_scale),
+            fp8_dtype,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):
         key = plan = None
@@ -728,9 +777,11 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
     rows_t = shape_t[:-1]
     n_out = gate.numel()
     if n_out == 0:
+
         def run_empty(x, up, fp8_scale):
             out = torch.empty(shape_t, dtype=out_dtype, device=device)
             return out, (torch.empty(rows_t, dtype=torch.float32, device=device) if fp8_mode == 2 else None)
+
         return run_empty
     h = gate.shape[-1]
     if parent is not None:
@@ -755,13 +806,30 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
         single = False
     grid, grid_2d, n_col_blocks, even = _row_grid(m, h, block_m, block_n, whole_rows=fp8_mode == 2)
     # per call: X (gate), U (up), OUT and, with FP8, FP8_SCALE (the given scale or the per-row scales)
-    launch = _Launch(_act_rows_kernel, grid,
-                     (None, g_o, g_i, None, u_o, u_i, None, None, m, h, inner, n_col_blocks), dict(
-                         ACT=act, GATED=True, FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
-                         FP8_NAN=fp8_nan, MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native_fp8, BLOCK_M=block_m,
-                         BLOCK_N=block_n, WHOLE_ROWS=fp8_mode == 2, SINGLE_PASS=single, GRID_2D=grid_2d,
-                         EVEN=even, num_warps=warps,
-                     ), (0, 3, 6, 7) if fp8_mode else (0, 3, 6), device)
+    launch = _Launch(
+        _act_rows_kernel,
+        grid,
+        (None, g_o, g_i, None, u_o, u_i, None, None, m, h, inner, n_col_blocks),
+        dict(
+            ACT=act,
+            GATED=True,
+            FP8_MODE=fp8_mode,
+            FP8_MAX=fp8_max,
+            FP8_MIN_EXP=fp8_min_exp,
+            FP8_NAN=fp8_nan,
+            MIN_SCALE=_MIN_DYNAMIC_SCALE,
+            NATIVE_FP8=native_fp8,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            WHOLE_ROWS=fp8_mode == 2,
+            SINGLE_PASS=single,
+            GRID_2D=grid_2d,
+            EVEN=even,
+            num_warps=warps,
+        ),
+        (0, 3, 6, 7) if fp8_mode else (0, 3, 6),
+        device,
+    )
     # the output has gate's shape: empty_like where gate is a dense plain tensor of the output dtype
     like_gate = parent is None and out_dtype == gate.dtype and _dense_like(gate)
     dense_fp8 = bool(fp8_mode) and not native_fp8  # stored through a uint8 view (see _fp8_convert)
@@ -831,11 +899,15 @@ def _check_device(name: str, t) -> None:
         raise ValueError(
             f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
-               if _KERNELS_INTERPRETED else "")
+            + (
+                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
+                if _KERNELS_INTERPRETED
+                else ""
+            )
         )
-    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
-                                                     and _device_target(device)[0] != "interpreter"):
+    if interpreting != _KERNELS_INTERPRETED and not (
+        device.type == "cpu" and _device_target(device)[0] != "interpreter"
+    ):
         if interpreting:
             raise RuntimeError(
                 f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
@@ -954,8 +1026,11 @@ class _Launch:
             if not _DIRECT["ok"]:
                 import warnings
 
-                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
+                warnings.warn(
+                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                    "kernels launch through the JIT (more host time per call)",
+                    stacklevel=4,
+                )
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
@@ -963,8 +1038,14 @@ class _Launch:
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
         masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
-              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        ns = {
+            "_run": compiled.run,
+            "_function": compiled.function,
+            "_metadata": compiled.packed_metadata,
+            "_current_device": _current_device,
+            "_current_stream": _current_stream,
+            "_hooks_idle": _hooks_idle,
+        }
         slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
         values = []
         for i, v in enumerate(full):
@@ -979,14 +1060,20 @@ class _Launch:
         n = len(self.slots)
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
-            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
-             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-             "        return False"]
+            [
+                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+                "        return False",
+            ]
             + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
             + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-               f"None, None, None, {', '.join(values)})",
-               "    return True", ""])
+            + [
+                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+                f"None, None, None, {', '.join(values)})",
+                "    return True",
+                "",
+            ]
+        )
         exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
         direct = ns["direct"]
         direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
@@ -1020,6 +1107,8 @@ _TLS = threading.local()
 
 def _as_launched(fn):
     return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
 # ---- shared block ops end ----
 
 
@@ -1072,6 +1161,8 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
 # ---- shared block registration end ----
 
 
@@ -1120,6 +1211,7 @@ def _swiglu_op_fake(x, up, gate_first, fp8_mode, fp8_scale, fp8_dtype):
 
 
 _register("swiglu", _swiglu_op, _swiglu_op_fake)
+
 
 # --------------------------------------------------------------------------------------------
 # Public API
@@ -1199,8 +1291,9 @@ def swiglu(
         out, row_scales = _compile_op("swiglu")(x, up, gate_first, mode, fp8_scale, fp8_dtype)
     else:
         # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
-        _check_no_grad("swiglu", ("x", "up", "fp8_scale") if up is None else ("gate", "up", "fp8_scale"),
-                       (x, up, fp8_scale))
+        _check_no_grad(
+            "swiglu", ("x", "up", "fp8_scale") if up is None else ("gate", "up", "fp8_scale"), (x, up, fp8_scale)
+        )
         out, row_scales = _swiglu_launch(x, up, gate_first, mode, fp8_scale, fp8_dtype)
     return (out, row_scales) if mode == 2 else out
 
@@ -1257,6 +1350,8 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
     e = (e - 1).clamp_min(min_exp - 127)  # exponent of the binade, not below the smallest normal's
     step = _exact_pow2(e - 3, v.dtype)  # 3 mantissa bits
     return torch.round(v / step) * step, s  # torch.round rounds half to even
+
+
 # ---- shared block fp8_ref end ----
 
 
@@ -1276,7 +1371,8 @@ def _main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--bench", action="store_true",
+        "--bench",
+        action="store_true",
         help="GPU only: also time gelu/geglu/swiglu against torch on a [2, rows, width] input with "
         "triton.testing.do_bench",
     )
@@ -1317,8 +1413,9 @@ def _main(argv=None) -> int:
         report[name] = {"max_rel_err": err, "ok": good}
         ok &= good
     fp8_mismatch = float((q.double() != q_ref).double().mean())
-    report["swiglu_fp8_per_token"].update(fp8_dtype=str(q.dtype).replace("torch.", ""),
-                                          fraction_one_step_off=fp8_mismatch)
+    report["swiglu_fp8_per_token"].update(
+        fp8_dtype=str(q.dtype).replace("torch.", ""), fraction_one_step_off=fp8_mismatch
+    )
     ok &= fp8_mismatch <= 0.05
     result = {"device": str(device), "dtype": args.dtype, "checks": report, "ok": bool(ok)}
     if args.bench:

@@ -84,24 +84,43 @@ def _use_tiny(args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ulysses-degree", type=int, help="Ulysses (all-to-all over heads) degree; default: the world size unless --ring-degree is given")
+    p.add_argument(
+        "--ulysses-degree",
+        type=int,
+        help="Ulysses (all-to-all over heads) degree; default: the world size unless --ring-degree is given",
+    )
     p.add_argument("--ring-degree", type=int, default=1, help="ring-attention degree (default 1)")
-    p.add_argument("--attention-backend", help="diffusers attention backend for every attention (model.set_attention_backend), "
-                   "e.g. _native_cudnn or flash; default: diffusers' default (native SDPA, which supports Ulysses but not ring)")
+    p.add_argument(
+        "--attention-backend",
+        help="diffusers attention backend for every attention (model.set_attention_backend), "
+        "e.g. _native_cudnn or flash; default: diffusers' default (native SDPA, which supports Ulysses but not ring)",
+    )
     p.add_argument("--mode", default="all", help="baseline, triton, a comma-separated list, or all (default)")
     p.add_argument("--num-frames", type=int, default=None, help="video frames, 8k+1 (default 121; --tiny 9)")
     p.add_argument("--height", type=int, default=None, help="multiple of 32 (default 512; --tiny 32)")
     p.add_argument("--width", type=int, default=None, help="multiple of 32 (default 768; --tiny 32)")
     p.add_argument("--repeats", type=int, default=10, help="timed forwards per mode and layout (default 10)")
-    p.add_argument("--rounds", type=int, default=3, help="context-parallel timing rounds, modes interleaved (default 3)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="context-parallel timing rounds, modes interleaved (default 3)"
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed forwards before timing (default 2)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true",
-                   help="after timing, profile one split forward per mode (rank 0's device time: GEMM / attention / other, "
-                        "with the NCCL kernels among 'other': their time includes waiting for the other ranks)")
-    p.add_argument("--no-text-mask", action="store_true",
-                   help="pass no prompt mask (default: a mask with padding in one sample, as the pipeline passes)")
-    p.add_argument("--tiny", action="store_true", help="2-block toy transformer (a check that the code path works; not a measurement)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one split forward per mode (rank 0's device time: GEMM / attention / other, "
+        "with the NCCL kernels among 'other': their time includes waiting for the other ranks)",
+    )
+    p.add_argument(
+        "--no-text-mask",
+        action="store_true",
+        help="pass no prompt mask (default: a mask with padding in one sample, as the pipeline passes)",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="2-block toy transformer (a check that the code path works; not a measurement)",
+    )
     p.add_argument("--output-json", help="also write rank 0's JSON summary here")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -152,8 +171,13 @@ def scaling(t1: float, tcp: float, world: int) -> dict:
 def _median_slowest(per_rank: list[list[float]]) -> dict:
     """Per repeat, the slowest rank's time; then the median and spread of those."""
     slowest = [max(ts) for ts in zip(*per_rank)]
-    return {"median": statistics.median(slowest), "min": min(slowest), "max": max(slowest), "n": len(slowest),
-            "per_rank_median": [statistics.median(ts) for ts in per_rank]}
+    return {
+        "median": statistics.median(slowest),
+        "min": min(slowest),
+        "max": max(slowest),
+        "n": len(slowest),
+        "per_rank_median": [statistics.median(ts) for ts in per_rank],
+    }
 
 
 def main(argv=None) -> int:
@@ -163,8 +187,10 @@ def main(argv=None) -> int:
             log(f"overriding {k}={os.environ[k]} with {v} (NVLink multicast stays off)", all_ranks=True)
         os.environ[k] = v
     if "WORLD_SIZE" not in os.environ:
-        print("error: launch with torchrun, e.g. torchrun --nproc-per-node 2 scripts/benchmark_context_parallel.py",
-              file=sys.stderr)
+        print(
+            "error: launch with torchrun, e.g. torchrun --nproc-per-node 2 scripts/benchmark_context_parallel.py",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -199,10 +225,11 @@ def main(argv=None) -> int:
 
 def _run(args, torch, dist, device, gpu, rank, world) -> int:
     sys.path.insert(0, HERE)
-    import benchmark_e2e as be
-    import diffusers_injection as di
     from diffusers import ContextParallelConfig
     from diffusers.utils import logging as diffusers_logging
+
+    import benchmark_e2e as be
+    import diffusers_injection as di
 
     diffusers_logging.set_verbosity_error()
     ulysses = args.ulysses_degree if args.ulysses_degree is not None else max(world // args.ring_degree, 1)
@@ -229,8 +256,10 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
     if why:
         log(f"error: {why}")
         return 2
-    log(f"{what}; {args.num_frames} frames {args.height}x{args.width} -> {tokens} tokens, B=2; "
-        f"world {world}: ulysses {ulysses} x ring {ring}; modes {list(args.modes)}")
+    log(
+        f"{what}; {args.num_frames} frames {args.height}x{args.width} -> {tokens} tokens, B=2; "
+        f"world {world}: ulysses {ulysses} x ring {ring}; modes {list(args.modes)}"
+    )
 
     clock = be.Clock(gpu)
     dtype = torch.float32 if not gpu else torch.bfloat16
@@ -245,8 +274,10 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
 
     ref32 = forward(model, inputs)[0]
     model.to(dtype)
-    inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
-              for k, v in inputs.items()}
+    inputs = {
+        k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
+        for k, v in inputs.items()
+    }
 
     def set_mode(mode):
         di.remove_optimized_kernels(model, verbose=False)
@@ -301,7 +332,9 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
                 continue
             gathered = [None] * world
             dist.all_gather_object(gathered, times)
-            runs[mode]["times"] = [a + b for a, b in zip(runs[mode]["times"], gathered)] if runs[mode]["times"] else gathered
+            runs[mode]["times"] = (
+                [a + b for a, b in zip(runs[mode]["times"], gathered)] if runs[mode]["times"] else gathered
+            )
             runs[mode]["round_medians"].append(_median_slowest(gathered)["median"])
             runs[mode].update(out=out, peak=peak)
     profiles = {}
@@ -316,7 +349,9 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
             err = run["error"]
             results[mode]["context_parallel"] = {"error": err}
             if mode == "baseline":  # diffusers as shipped: reported, not this script's failure
-                results[mode]["context_parallel"]["note"] = KNOWN_BASELINE_FAILURE if inputs.get("encoder_attention_mask") is not None else None
+                results[mode]["context_parallel"]["note"] = (
+                    KNOWN_BASELINE_FAILURE if inputs.get("encoder_attention_mask") is not None else None
+                )
                 log(f"CP x{world} baseline (diffusers as shipped) failed: {err}")
             else:
                 failed = True
@@ -325,14 +360,19 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
         out = run["out"]
         peaks = [None] * world
         dist.all_gather_object(peaks, run["peak"])
-        cp = {"forward_ms": _median_slowest(run["times"]), "round_medians_ms": run["round_medians"],
-              "peak_memory_gb_per_rank": peaks}
+        cp = {
+            "forward_ms": _median_slowest(run["times"]),
+            "round_medians_ms": run["round_medians"],
+            "peak_memory_gb_per_rank": peaks,
+        }
         finite = bool(torch.isfinite(out).all())
         vs32 = be.distance(out, ref32)
         base32 = be.distance(single["baseline"], ref32)
         ok = finite and vs32["rel_l2"] <= 1.5 * base32["rel_l2"] + 1e-6
         cp["parity"] = {
-            "finite": finite, "vs_fp32": vs32, "vs_one_gpu_same_mode": be.distance(out, single[mode]),
+            "finite": finite,
+            "vs_fp32": vs32,
+            "vs_one_gpu_same_mode": be.distance(out, single[mode]),
             "one_gpu_baseline_vs_fp32": base32,
             "rule": "finite and rel_l2(cp output, fp32 one-GPU output) <= 1.5 * rel_l2(one-GPU baseline, fp32) + 1e-6",
             "ok": bool(ok),
@@ -342,10 +382,13 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
             cp["profile_rank0"] = profiles[mode]
         results[mode]["context_parallel"] = cp
         failed |= not ok
-        log(f"CP x{world} {mode:>8}: {cp['forward_ms']['median']:.2f} ms (slowest rank; rounds "
+        log(
+            f"CP x{world} {mode:>8}: {cp['forward_ms']['median']:.2f} ms (slowest rank; rounds "
             f"{', '.join(f'{t:.1f}' for t in run['round_medians'])}), efficiency {cp['efficiency']:.2f}, "
             f"rel-L2 vs 1 GPU {cp['parity']['vs_one_gpu_same_mode']['rel_l2']:.2e}, "
-            f"parity {'ok' if ok else 'FAILED'}", all_ranks=not ok)
+            f"parity {'ok' if ok else 'FAILED'}",
+            all_ranks=not ok,
+        )
     di.remove_optimized_kernels(model, verbose=False)
 
     flag = torch.tensor([1.0 if failed else 0.0], device=device)
@@ -356,23 +399,51 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
             "benchmark": "benchmark_context_parallel.py",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": f"torchrun --nproc-per-node {world} scripts/benchmark_context_parallel.py "
-                       + " ".join(args.argv),
-            "device": (f"{world} x {torch.cuda.get_device_name()}" if gpu else f"{world} CPU processes (gloo, Triton interpreter; not a measurement)"),
-            "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                         "diffusers": __import__("diffusers").__version__, "python": platform.python_version()},
+            + " ".join(args.argv),
+            "device": (
+                f"{world} x {torch.cuda.get_device_name()}"
+                if gpu
+                else f"{world} CPU processes (gloo, Triton interpreter; not a measurement)"
+            ),
+            "versions": {
+                "torch": torch.__version__,
+                "triton": __import__("triton").__version__,
+                "diffusers": __import__("diffusers").__version__,
+                "python": platform.python_version(),
+            },
             "weights": what,
-            "config": {"num_frames": args.num_frames, "height": args.height, "width": args.width, "tokens": tokens,
-                       "text_tokens": text_tokens, "text_mask": not args.no_text_mask, "batch": 2, "dtype": str(dtype).replace("torch.", ""),
-                       "world_size": world, "ulysses_degree": ulysses, "ring_degree": ring,
-                       "attention_backend": args.attention_backend or "diffusers default",
-                       "repeats": args.repeats, "rounds": args.rounds, "warmup": args.warmup, "seed": args.seed},
-            "timing": ("CUDA events around each forward, after a barrier; per repeat the slowest rank; one GPU: "
-                       "--repeats forwards; context parallel: --rounds x --repeats, modes interleaved") if gpu else "host clock",
+            "config": {
+                "num_frames": args.num_frames,
+                "height": args.height,
+                "width": args.width,
+                "tokens": tokens,
+                "text_tokens": text_tokens,
+                "text_mask": not args.no_text_mask,
+                "batch": 2,
+                "dtype": str(dtype).replace("torch.", ""),
+                "world_size": world,
+                "ulysses_degree": ulysses,
+                "ring_degree": ring,
+                "attention_backend": args.attention_backend or "diffusers default",
+                "repeats": args.repeats,
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "seed": args.seed,
+            },
+            "timing": (
+                "CUDA events around each forward, after a barrier; per repeat the slowest rank; one GPU: "
+                "--repeats forwards; context parallel: --rounds x --repeats, modes interleaved"
+            )
+            if gpu
+            else "host clock",
             "results": results,
             "ok": ok,
         }
-        cp_ms = {m: r["context_parallel"]["forward_ms"]["median"] for m, r in results.items()
-                 if "forward_ms" in r.get("context_parallel", {})}
+        cp_ms = {
+            m: r["context_parallel"]["forward_ms"]["median"]
+            for m, r in results.items()
+            if "forward_ms" in r.get("context_parallel", {})
+        }
         if "baseline" in cp_ms and "triton" in cp_ms:
             summary["triton_speedup_vs_baseline_context_parallel"] = cp_ms["baseline"] / cp_ms["triton"]
         text = json.dumps(summary, indent=2, default=str)

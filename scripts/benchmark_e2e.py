@@ -68,35 +68,62 @@ def log(*a):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("ltx", "sd3", "flux", "wan"), default="ltx",
-                   help="ltx (default); sd3 or flux: one transformer forward at --height x --width (default "
-                   "1024x1024; SD3 B=2 with guidance, FLUX B=1), real architecture with random weights; wan: one "
-                   "Wan transformer forward (B=1, as WanPipeline calls it per guidance branch; 512 text tokens) "
-                   "at --num-frames x --height x --width (default 81 x 480 x 832: 32,760 tokens), random weights "
-                   "with the fp32 modules from_pretrained keeps")
-    p.add_argument("--variant", choices=("sd3.5-medium", "sd3-medium") + WAN_VARIANTS,
-                   help="--model sd3: sd3.5-medium (default) or sd3-medium; --model wan: " + ", ".join(WAN_VARIANTS)
-                   + f" (default {WAN_VARIANTS[0]})")
-    p.add_argument("--mode", default="all", help="one of %s, a comma-separated list, or all (default)" % ", ".join(MODES))
+    p.add_argument(
+        "--model",
+        choices=("ltx", "sd3", "flux", "wan"),
+        default="ltx",
+        help="ltx (default); sd3 or flux: one transformer forward at --height x --width (default "
+        "1024x1024; SD3 B=2 with guidance, FLUX B=1), real architecture with random weights; wan: one "
+        "Wan transformer forward (B=1, as WanPipeline calls it per guidance branch; 512 text tokens) "
+        "at --num-frames x --height x --width (default 81 x 480 x 832: 32,760 tokens), random weights "
+        "with the fp32 modules from_pretrained keeps",
+    )
+    p.add_argument(
+        "--variant",
+        choices=("sd3.5-medium", "sd3-medium") + WAN_VARIANTS,
+        help="--model sd3: sd3.5-medium (default) or sd3-medium; --model wan: "
+        + ", ".join(WAN_VARIANTS)
+        + f" (default {WAN_VARIANTS[0]})",
+    )
+    p.add_argument(
+        "--mode", default="all", help="one of %s, a comma-separated list, or all (default)" % ", ".join(MODES)
+    )
     p.add_argument("--num-frames", type=int, help="video frames, 8k+1 (default 121; CPU 9)")
     p.add_argument("--height", type=int, help="multiple of 32 (default 512; CPU 32)")
     p.add_argument("--width", type=int, help="multiple of 32 (default 768; CPU 32)")
     p.add_argument("--steps", type=int, help="denoising steps per pipeline call (default 4; CPU 2)")
-    p.add_argument("--repeats", type=int, help="timed pipeline calls, or forwards with --transformer-only (default 3 / 10; CPU 1)")
+    p.add_argument(
+        "--repeats", type=int, help="timed pipeline calls, or forwards with --transformer-only (default 3 / 10; CPU 1)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per mode before timing (default 1)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the modes this many times in alternating order and pool the timings (default 1)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the modes this many times in alternating order and pool the timings (default 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (CPU fp32)")
-    p.add_argument("--transformer-only", action="store_true", help="time one transformer forward instead of the pipeline")
-    p.add_argument("--profile", action="store_true", help="split one forward's device time into GEMM / attention / other")
+    p.add_argument(
+        "--transformer-only", action="store_true", help="time one transformer forward instead of the pipeline"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="split one forward's device time into GEMM / attention / other"
+    )
     p.add_argument("--compile-mode", default="default", help="torch.compile mode (default 'default')")
-    p.add_argument("--heat-seconds", type=float,
-                   help="untimed baseline calls for this long before the first mode, so every mode runs on a GPU "
-                   "at its working temperature and clocks (default 20 on a GPU, 0 on the CPU)")
+    p.add_argument(
+        "--heat-seconds",
+        type=float,
+        help="untimed baseline calls for this long before the first mode, so every mode runs on a GPU "
+        "at its working temperature and clocks (default 20 on a GPU, 0 on the CPU)",
+    )
     p.add_argument("--no-fp32-reference", action="store_true", help="skip the float32 run; parity by PSNR vs baseline")
-    p.add_argument("--min-psnr", type=float, default=30.0, help="PSNR floor vs baseline without the fp32 reference (dB)")
-    p.add_argument("--tiny", action="store_true", help="tiny random pipeline (on the CPU through the interpreter if no GPU)")
+    p.add_argument(
+        "--min-psnr", type=float, default=30.0, help="PSNR floor vs baseline without the fp32 reference (dB)"
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny random pipeline (on the CPU through the interpreter if no GPU)"
+    )
     p.add_argument("--output-json", help="also write the JSON summary here")
     p.add_argument("--png", help="chart of per-step (or per-forward) time per mode, if matplotlib is installed")
     args = p.parse_args(argv)
@@ -164,11 +191,24 @@ def load_wan(args, device):
     frames, height, width = (args.num_frames - 1) // vae_t + 1, args.height // vae_s, args.width // vae_s
     if args.tiny:
         frames, height, width = 3, 8, 8
-    inputs = wi.make_wan_inputs(model, batch=1, frames=frames, height=height, width=width,
-                                text_len=7 if args.tiny else 512, per_token_timestep=config == "2.2-ti2v-5b",
-                                dtype=torch.float32, device=device, seed=args.seed)
+    inputs = wi.make_wan_inputs(
+        model,
+        batch=1,
+        frames=frames,
+        height=height,
+        width=width,
+        text_len=7 if args.tiny else 512,
+        per_token_timestep=config == "2.2-ti2v-5b",
+        dtype=torch.float32,
+        device=device,
+        seed=args.seed,
+    )
     what = f"Wan {config} architecture" if not args.tiny else "tiny Wan"
-    return model.eval(), inputs, f"{what}, random weights (no checkpoint), batch 1, fp32 modules kept as from_pretrained does"
+    return (
+        model.eval(),
+        inputs,
+        f"{what}, random weights (no checkpoint), batch 1, fp32 modules kept as from_pretrained does",
+    )
 
 
 def load_mmdit(args, device):
@@ -200,13 +240,15 @@ def transformer_inputs(model, args, device, dtype):
     hidden = torch.randn(2, tokens, cfg.in_channels, generator=g)
     enc = torch.randn(2, text, cfg.caption_channels, generator=g) * 0.1
     mask = torch.ones(2, text)
-    mask[1, text // 2:] = 0  # padding in one sample, as a real prompt batch has
+    mask[1, text // 2 :] = 0  # padding in one sample, as a real prompt batch has
     return dict(
         hidden_states=hidden.to(device, dtype),
         encoder_hidden_states=enc.to(device, dtype),
         timestep=torch.tensor([500.0, 500.0], device=device),
         encoder_attention_mask=mask.to(device),
-        num_frames=lf, height=lh, width=lw,
+        num_frames=lf,
+        height=lh,
+        width=lw,
         rope_interpolation_scale=(8 / 25, 32, 32) if not args.tiny else (4 / 25, 4, 4),
         return_dict=False,
     )
@@ -254,9 +296,14 @@ def run_pipeline(pipe, transformer, args, clock, capture=None):
     try:
         marks["start"] = clock.mark()
         frames = pipe(
-            prompt=PROMPT, num_frames=args.num_frames, height=args.height, width=args.width,
-            num_inference_steps=args.steps, generator=torch.Generator("cpu").manual_seed(args.seed),
-            output_type="pt", callback_on_step_end=on_step_end,
+            prompt=PROMPT,
+            num_frames=args.num_frames,
+            height=args.height,
+            width=args.width,
+            num_inference_steps=args.steps,
+            generator=torch.Generator("cpu").manual_seed(args.seed),
+            output_type="pt",
+            callback_on_step_end=on_step_end,
             max_sequence_length=min(128, pipe.tokenizer.model_max_length),
         ).frames
         end = clock.mark()
@@ -287,7 +334,10 @@ def classify_kernel(name: str) -> str:
         return "other"  # inductor's pointwise/reduction kernels (named after the ops they fuse, e.g. "..._sdpa_...")
     if any(k in n for k in ("flash", "fmha", "attention", "attn", "sdpa", "mha_")):
         return "attention"
-    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "cijk", "_mm_", "tem_fused_mm", "wgmma")):
+    if any(
+        k in n
+        for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "cijk", "_mm_", "tem_fused_mm", "wgmma")
+    ):
         return "gemm"
     return "other"
 
@@ -338,7 +388,7 @@ def profile_forward(model, inputs, gpu: bool, top_n: int = 12):
 # --------------------------------------------------------------------------------------------
 def distance(a, b):
     """rel L2 and PSNR (dB, peak = max |b|) of a against b."""
-    d = (a.double() - b.double())
+    d = a.double() - b.double()
     mse = d.pow(2).mean().item()
     peak = b.double().abs().max().item()
     return {
@@ -409,11 +459,16 @@ def percentile(xs, q):
 
 
 def stats(xs):
-    return {"median": statistics.median(xs), "p20": percentile(xs, 0.2), "p80": percentile(xs, 0.8), "n": len(xs)} if xs else None
+    return (
+        {"median": statistics.median(xs), "p20": percentile(xs, 0.2), "p80": percentile(xs, 0.8), "n": len(xs)}
+        if xs
+        else None
+    )
 
 
 def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress, profile=None):
     """Warm up, time, measure peak memory; returns (result dict, outputs dict, model used)."""
+
     def holder(m):
         if pipe is not None:
             object.__setattr__(pipe, "transformer", m)  # plain attribute: keep the pipeline's config as is
@@ -460,7 +515,9 @@ def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress, p
     steady = statistics.median(walls)
     res["warmup_wall_s"] = [round(w, 3) for w in warm_wall]
     res["warmup_overhead_s"] = round(max(warm_wall) - steady, 3) if warm_wall else None
-    res["what_warmup_overhead_is"] = "first call's wall time minus a timed call's: torch.compile / Triton compilation, autotuning, allocator"
+    res["what_warmup_overhead_is"] = (
+        "first call's wall time minus a timed call's: torch.compile / Triton compilation, autotuning, allocator"
+    )
     if args.profile if profile is None else profile:
         fwd_inputs = inputs if pipe is None else capture.get("kwargs")
         if fwd_inputs is not None:
@@ -468,8 +525,10 @@ def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress, p
             if gpu and key == "forward_ms" and res[key]["median"] > 0:
                 # well below 1: the GPU idles inside the forward, waiting for the host to launch work
                 res["gpu_busy_share"] = round(res["profile"]["total_device_ms"] / res[key]["median"], 3)
-                res["what_gpu_busy_share_is"] = ("device time of the profiled forward / median timed forward; "
-                                                 "well below 1 means the forward waits on the host (launches)")
+                res["what_gpu_busy_share_is"] = (
+                    "device time of the profiled forward / median timed forward; "
+                    "well below 1 means the forward waits on the host (launches)"
+                )
     return res, outs
 
 
@@ -482,8 +541,9 @@ def merge_rounds(prev: dict, new: dict, transformer_only: bool) -> dict:
     merged[key + "_all"] = prev[key + "_all"] + new[key + "_all"]
     merged[key] = stats(merged[key + "_all"])
     merged[key + "_round_medians"] = prev.get(key + "_round_medians", [prev[key]["median"]]) + [new[key]["median"]]
-    merged["sm_clock_mhz_after_rounds"] = (prev.get("sm_clock_mhz_after_rounds", [prev.get("sm_clock_mhz_after")])
-                                           + [new.get("sm_clock_mhz_after")])
+    merged["sm_clock_mhz_after_rounds"] = prev.get("sm_clock_mhz_after_rounds", [prev.get("sm_clock_mhz_after")]) + [
+        new.get("sm_clock_mhz_after")
+    ]
     peaks = [m for m in (prev.get("peak_memory_gb"), new.get("peak_memory_gb")) if m is not None]
     if peaks:
         merged["peak_memory_gb"] = max(peaks)
@@ -538,8 +598,12 @@ def chart(summary, path):
     c = summary["config"]
     what = "transformer forward" if summary["transformer_only"] else "denoising step"
     ax.set_ylabel(f"ms per {what} (median, p20-p80)")
-    name = {"ltx": f"LTX-Video {c['num_frames']}f", "sd3": "SD3", "flux": "FLUX",
-            "wan": f"Wan {c['variant']} {c['num_frames']}f"}[c["model"]]
+    name = {
+        "ltx": f"LTX-Video {c['num_frames']}f",
+        "sd3": "SD3",
+        "flux": "FLUX",
+        "wan": f"Wan {c['variant']} {c['num_frames']}f",
+    }[c["model"]]
     ax.set_title(f"{name} {c['height']}x{c['width']}, {c['dtype']}, {summary['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -555,8 +619,15 @@ def main(argv=None) -> int:
         log("no GPU: tiny random pipeline on the CPU through Triton's interpreter (not a measurement)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cpu_defaults = dict(num_frames=9, height=32, width=32, steps=2, repeats=1, dtype="fp32", heat_seconds=0.0)
-    gpu_defaults = dict(num_frames=121, height=512, width=768, steps=4, repeats=10 if args.transformer_only else 3,
-                        dtype="bf16", heat_seconds=20.0)
+    gpu_defaults = dict(
+        num_frames=121,
+        height=512,
+        width=768,
+        steps=4,
+        repeats=10 if args.transformer_only else 3,
+        dtype="bf16",
+        heat_seconds=20.0,
+    )
     if args.model == "wan":
         cpu_defaults.update(num_frames=9, height=64, width=64)
         gpu_defaults.update(num_frames=81, height=480, width=832)
@@ -567,8 +638,9 @@ def main(argv=None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     sys.path.insert(0, HERE)
-    import diffusers_injection as di
     from diffusers.utils import logging as diffusers_logging
+
+    import diffusers_injection as di
 
     diffusers_logging.set_verbosity_error()
     try:
@@ -594,7 +666,9 @@ def main(argv=None) -> int:
     if not args.no_fp32_reference and dtype != torch.float32:
         log("float32 reference run")
         if args.transformer_only:
-            inputs32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+            inputs32 = {
+                k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
+            }
             ref32 = {"output": run_forward(base_model, inputs32, clock)[0]}
         else:
             lat, frames, _ = run_pipeline(pipe, base_model, args, clock)
@@ -611,8 +685,10 @@ def main(argv=None) -> int:
     else:
         base_model.to(dtype)
     if inputs is not None:
-        inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
-                  for k, v in inputs.items()}
+        inputs = {
+            k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
+            for k, v in inputs.items()
+        }
 
     if args.heat_seconds > 0:
         # The first mode would otherwise run on a cool GPU. (Clocks can still fall later in the run: in the
@@ -636,8 +712,18 @@ def main(argv=None) -> int:
         for r, order in enumerate(orders):
             for mode in order:
                 progress.set_description(mode if args.rounds == 1 else f"{mode} (round {r + 1})")
-                res, outs = bench_mode(mode, args, gpu, clock, None if args.transformer_only else pipe, base_model,
-                                       inputs, di, progress, profile=args.profile and r == len(orders) - 1)
+                res, outs = bench_mode(
+                    mode,
+                    args,
+                    gpu,
+                    clock,
+                    None if args.transformer_only else pipe,
+                    base_model,
+                    inputs,
+                    di,
+                    progress,
+                    profile=args.profile and r == len(orders) - 1,
+                )
                 results[mode] = res if mode not in results else merge_rounds(results[mode], res, args.transformer_only)
                 outputs[mode] = outs
     finally:
@@ -664,27 +750,50 @@ def main(argv=None) -> int:
         "command": "python scripts/benchmark_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter; not a measurement)",
         "arch": _arch() if gpu else None,
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                     "diffusers": __import__("diffusers").__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "diffusers": __import__("diffusers").__version__,
+            "python": platform.python_version(),
+        },
         "weights": weights,
         "transformer_only": args.transformer_only,
-        "config": {"model": args.model, "variant": args.variant, "num_frames": args.num_frames, "height": args.height, "width": args.width,
-                   "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
-                   "seed": args.seed, "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2, "tokens": tokens, "compile_mode": args.compile_mode,
-                   "heat_seconds": args.heat_seconds, "rounds": args.rounds},
-        "timing": ("CUDA events around each transformer forward" if args.transformer_only else
-                   "CUDA events per denoising step: transformer call (guidance batch 2) + guidance + scheduler step")
-        if gpu else "host clock (interpreter)",
+        "config": {
+            "model": args.model,
+            "variant": args.variant,
+            "num_frames": args.num_frames,
+            "height": args.height,
+            "width": args.width,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2,
+            "tokens": tokens,
+            "compile_mode": args.compile_mode,
+            "heat_seconds": args.heat_seconds,
+            "rounds": args.rounds,
+        },
+        "timing": (
+            "CUDA events around each transformer forward"
+            if args.transformer_only
+            else "CUDA events per denoising step: transformer call (guidance batch 2) + guidance + scheduler step"
+        )
+        if gpu
+        else "host clock (interpreter)",
         "results": results,
         "targets": targets(results, args.transformer_only) if gpu else None,
         "ok": ok,
     }
     key = "forward_ms" if args.transformer_only else "step_ms"
     for mode, r in results.items():
-        log(f"{mode:>15}: {key} median {r[key]['median']:.2f} (p20 {r[key]['p20']:.2f}, p80 {r[key]['p80']:.2f})"
+        log(
+            f"{mode:>15}: {key} median {r[key]['median']:.2f} (p20 {r[key]['p20']:.2f}, p80 {r[key]['p80']:.2f})"
             + (f", peak {r['peak_memory_gb']:.2f} GB" if "peak_memory_gb" in r else "")
             + (f", GPU busy {100 * r['gpu_busy_share']:.0f} %" if "gpu_busy_share" in r else "")
-            + f", parity {'ok' if r['parity']['ok'] else 'FAILED'}")
+            + f", parity {'ok' if r['parity']['ok'] else 'FAILED'}"
+        )
     text = json.dumps(summary, indent=2, default=str)
     print(text)
     if args.output_json:

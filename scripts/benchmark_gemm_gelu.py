@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         y, z = ic._gemm_gelu_outputs(dev, dt)
         tanh_m, erf_m = ic.gelu_forms_matched(y, z, dt)
         result["form_check"][str(dt).replace("torch.", "")] = {
-            "matches_tanh": tanh_m, "matches_erf": erf_m,
+            "matches_tanh": tanh_m,
+            "matches_erf": erf_m,
             "max_abs_diff_tanh": float((y - F.gelu(z, approximate="tanh")).abs().max()),
             "max_abs_diff_erf": float((y - F.gelu(z)).abs().max()),
         }

@@ -64,8 +64,14 @@ DEVICE = "cuda"  # where the cases build their inputs
 # Skinny GEMMs of LLM decoding: (N, K) of the projections of Llama-3 8B and 70B (q/k/v and gate/up fused,
 # as serving engines store them), at --gemm-rows rows (1 = one sequence decoding, 32 = a decode batch).
 GEMM_SHAPES = {
-    "8B_qkv": (6144, 4096), "8B_o": (4096, 4096), "8B_gate_up": (28672, 4096), "8B_down": (4096, 14336),
-    "70B_qkv": (10240, 8192), "70B_o": (8192, 8192), "70B_gate_up": (57344, 8192), "70B_down": (8192, 28672),
+    "8B_qkv": (6144, 4096),
+    "8B_o": (4096, 4096),
+    "8B_gate_up": (28672, 4096),
+    "8B_down": (4096, 14336),
+    "70B_qkv": (10240, 8192),
+    "70B_o": (8192, 8192),
+    "70B_gate_up": (57344, 8192),
+    "70B_down": (8192, 28672),
 }
 GEMM_ROWS = (1, 8, 16, 32)
 
@@ -126,8 +132,10 @@ def same_size_copy(nbytes: int, cold: bool = False):
     replays may weigh on a copy too (a launched kernel, unlike the 512 MiB copy_, which is a memcpy).
     cold: cycle through input/output pairs spanning COLD_SPAN, like the cases' cold providers."""
     n = max(1, nbytes // 4)  # bf16 elements per side
-    pairs = [(torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16))
-             for _ in range(max(2, _copies_to_span(nbytes)) if cold else 1)]
+    pairs = [
+        (torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.empty(n, device="cuda", dtype=torch.bfloat16))
+        for _ in range(max(2, _copies_to_span(nbytes)) if cold else 1)
+    ]
     if not cold:
         x, y = pairs[0]
         return lambda: torch.neg(x, out=y)
@@ -402,7 +410,9 @@ def case_ltx_qk_norm_rope(B, S, dtype):
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
-    ref = rope.ltx_qk_rmsnorm_rope_ref(q.double(), k.double(), wq.double(), wk.double(), eps, cos.double(), sin.double())
+    ref = rope.ltx_qk_rmsnorm_rope_ref(
+        q.double(), k.double(), wq.double(), wk.double(), eps, cos.double(), sin.double()
+    )
     # the bytes the op must move: q, k in and out, weights, per-token coords (cos/sin are derivable);
     # the variant reading cos/sin tables moves more than that (no same-size copy figure for it)
     return dict(_case(fns, (q, k), ref, _nbytes(q, k, q, k, wq, wk, coords)), moves_more=("triton(cos/sin read)",))
@@ -444,8 +454,12 @@ def case_geglu(B, S, dtype):
     lo = _liger()
     if lo is not None and hasattr(lo, "LigerGELUMulFunction"):
         # Liger takes gate and value as two contiguous tensors (its kernel assumes equal row strides)
-        _add_split_provider(case, "liger", lambda g, v: lo.LigerGELUMulFunction.apply(g, v),
-                            [(a[..., FF:].contiguous(), a[..., :FF].contiguous()) for (a,) in sets])
+        _add_split_provider(
+            case,
+            "liger",
+            lambda g, v: lo.LigerGELUMulFunction.apply(g, v),
+            [(a[..., FF:].contiguous(), a[..., :FF].contiguous()) for (a,) in sets],
+        )
     return case
 
 
@@ -491,6 +505,7 @@ def _quant_per_tensor(y, scale, fp8_dtype):
 
 def _with_attr(module, name, value, fn):
     """fn with module.<name> replaced by value for the duration of each call (restored after it)."""
+
     def run(*args):
         saved = getattr(module, name)
         setattr(module, name, value)
@@ -498,6 +513,7 @@ def _with_attr(module, name, value, fn):
             return fn(*args)
         finally:
             setattr(module, name, saved)
+
     return run
 
 
@@ -535,8 +551,10 @@ def _cold_sets(inputs, moved):
     k = _copies_to_span(moved)
     if k > COLD_MAX_SETS:
         return [inputs]
-    gen = [tuple((torch.randn(t.shape, device=t.device) * t.float().std()).to(t.dtype) for t in inputs)
-           for _ in range(max(k, 2) - 1)]
+    gen = [
+        tuple((torch.randn(t.shape, device=t.device) * t.float().std()).to(t.dtype) for t in inputs)
+        for _ in range(max(k, 2) - 1)
+    ]
     return [inputs] + gen
 
 
@@ -546,6 +564,7 @@ def _cycling(fn, sets):
     def call():
         state[0] = (state[0] + 1) % len(sets)
         return fn(*sets[state[0]])
+
     return call
 
 
@@ -587,11 +606,13 @@ def case_fused_add_rmsnorm(M, H, dtype, fp8=None):
     if fp8 is None:
         eager = norm
     elif fp8 == "per_token":
+
         def eager(x, res):
             y, r = norm(x, res)
             q, s = _quant_per_token(y, fp8_dtype)
             return q, r, s
     else:
+
         def eager(x, res):
             y, r = norm(x, res)
             return _quant_per_tensor(y, scale, fp8_dtype), r
@@ -651,8 +672,12 @@ def case_swiglu(M, H, dtype, fp8=None):
     lo = _liger()
     if fp8 is None and lo is not None and hasattr(lo, "LigerSiLUMulFunction"):
         # Liger takes gate and up as two contiguous tensors (it would copy strided views on every call)
-        _add_split_provider(case, "liger", lambda g, u: lo.LigerSiLUMulFunction.apply(g, u),
-                            [(a[..., :H].contiguous(), a[..., H:].contiguous()) for (a,) in sets])
+        _add_split_provider(
+            case,
+            "liger",
+            lambda g, u: lo.LigerSiLUMulFunction.apply(g, u),
+            [(a[..., :H].contiguous(), a[..., H:].contiguous()) for (a,) in sets],
+        )
     if fp8 == "per_token":
         case.update(post=lambda out: out[0].double() * out[1].double()[:, None], max_err=FP8_MAX_ERR)
     elif fp8 == "per_tensor":
@@ -668,7 +693,7 @@ def case_skinny_gemm(M, N, K, dtype, fp8=False):
     import skinny_gemm as sg
 
     x = _rand((M, K), dtype, 1.0)
-    w = _rand((N, K), dtype, K ** -0.5)
+    w = _rand((N, K), dtype, K**-0.5)
     ws = xs = None
     if fp8:
         f8 = _fp8_dtype()
@@ -691,6 +716,7 @@ def case_skinny_gemm(M, N, K, dtype, fp8=False):
         def call():
             state[0] = (state[0] + 1) % n_copies
             return fn(copies[state[0]])
+
         return call
 
     def kernel_only(W):
@@ -707,8 +733,11 @@ def case_skinny_gemm(M, N, K, dtype, fp8=False):
     }
     if fp8:
         if sg._torch_linear(x, w, None, ws, xs, torch.bfloat16) is not None:
-            providers["torch._scaled_mm"] = cycling(lambda W: torch._scaled_mm(
-                x, W.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()), out_dtype=torch.bfloat16))
+            providers["torch._scaled_mm"] = cycling(
+                lambda W: torch._scaled_mm(
+                    x, W.t(), scale_a=xs.reshape(()), scale_b=ws.reshape(()), out_dtype=torch.bfloat16
+                )
+            )
     else:
         providers["torch.matmul"] = cycling(lambda W: torch.matmul(x, W.t()))
     moved = _nbytes(x, w) + M * N * 2
@@ -778,8 +807,9 @@ def case_residual_layernorm_modulate(model, dtype):
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
-    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), gate.double(),
-                                                                scale.double(), shift.double(), eps)
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(
+        h.double(), y.double(), gate.double(), scale.double(), shift.double(), eps
+    )
     out_ref = layernorm.layer_norm_modulate_ref(h_ref.to(dtype).double(), scale.double(), shift.double(), eps)
     return dict(_case(fns, (h, y), (h_ref, out_ref), _nbytes(h, y, gate, scale, shift, h, h)), pattern=(2, 2))
 
@@ -803,16 +833,18 @@ def case_residual_layernorm_modulate_dual(model, dtype):
         return hn, n * (1 + scale[:, None]) + shift[:, None], n * (1 + scale2[:, None]) + shift2[:, None]
 
     fns = {
-        "triton": lambda h, y: layernorm.gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2,
-                                                                                 shift2, eps),
+        "triton": lambda h, y: layernorm.gated_residual_layer_norm_modulate_dual(
+            h, y, gate, scale, shift, scale2, shift2, eps
+        ),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
     d = [t.double() for t in (h, y, gate, scale, shift, scale2, shift2)]
     h_ref, _, _ = layernorm.gated_residual_layer_norm_modulate_dual_ref(*d, eps)
     o1, o2 = layernorm.layer_norm_modulate_dual_ref(h_ref.to(dtype).double(), *d[3:], eps)
-    return dict(_case(fns, (h, y), (h_ref, o1, o2), _nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h)),
-                pattern=(2, 3))
+    return dict(
+        _case(fns, (h, y), (h_ref, o1, o2), _nbytes(h, y, gate, scale, shift, scale2, shift2, h, h, h)), pattern=(2, 3)
+    )
 
 
 def case_head_qk_norm(model, dtype):
@@ -851,9 +883,15 @@ def case_head_qk_norm(model, dtype):
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
-    ref = head_norm_rope.head_rms_norm_rope_ref(q.double(), k.double(), wq.double(), wk.double(), eps,
-                                                None if cos is None else cos.double(),
-                                                None if sin is None else sin.double())
+    ref = head_norm_rope.head_rms_norm_rope_ref(
+        q.double(),
+        k.double(),
+        wq.double(),
+        wk.double(),
+        eps,
+        None if cos is None else cos.double(),
+        None if sin is None else sin.double(),
+    )
     return _case(fns, (q, k), ref, _nbytes(q, k, q, k, wq, wk, cos, sin))
 
 
@@ -911,28 +949,54 @@ def work_items(args):
         for name in [k for k in CASES if not flt or any(f in k for f in flt)]:
             for s in args.shapes:
                 B, S = LTX_SHAPES[s]
-                items.append((name, lambda name=name, B=B, S=S: CASES[name](B, S, args.torch_dtype),
-                              {"suite": "ltx", "tokens": S, "batch": B, "width": None}, f"B={B} S={S}", True))
+                items.append(
+                    (
+                        name,
+                        lambda name=name, B=B, S=S: CASES[name](B, S, args.torch_dtype),
+                        {"suite": "ltx", "tokens": S, "batch": B, "width": None},
+                        f"B={B} S={S}",
+                        True,
+                    )
+                )
     if args.suite in ("mmdit", "all"):
         for name in [k for k in MMDIT_CASES if not flt or any(f in k for f in flt)]:
             for model in MMDIT_SHAPES:
                 c = MMDIT_SHAPES[model]
-                items.append((name, lambda name=name, model=model: MMDIT_CASES[name](model, args.torch_dtype),
-                              {"suite": "mmdit", "tokens": c["S"], "batch": c["B"], "width": c["D"], "model": model},
-                              f"{model} B={c['B']} S={c['S']}", True))
+                items.append(
+                    (
+                        name,
+                        lambda name=name, model=model: MMDIT_CASES[name](model, args.torch_dtype),
+                        {"suite": "mmdit", "tokens": c["S"], "batch": c["B"], "width": c["D"], "model": model},
+                        f"{model} B={c['B']} S={c['S']}",
+                        True,
+                    )
+                )
     if args.suite in ("decode", "all"):
         for name in [k for k in DECODE_CASES if not flt or any(f in k for f in flt)]:
             for h in args.widths:
                 for m in args.rows:
-                    items.append((name, lambda name=name, m=m, h=h: DECODE_CASES[name](m, h, args.torch_dtype),
-                                  {"suite": "decode", "tokens": m, "batch": 1, "width": h}, f"M={m} H={h}", True))
+                    items.append(
+                        (
+                            name,
+                            lambda name=name, m=m, h=h: DECODE_CASES[name](m, h, args.torch_dtype),
+                            {"suite": "decode", "tokens": m, "batch": 1, "width": h},
+                            f"M={m} H={h}",
+                            True,
+                        )
+                    )
         for name in [k for k in GEMM_CASES if not flt or any(f in k for f in flt)]:
             for shape in args.gemm_shapes:
                 n, k = GEMM_SHAPES[shape]
                 for m in args.gemm_rows:
-                    items.append((name, lambda name=name, m=m, n=n, k=k: GEMM_CASES[name](m, n, k, args.torch_dtype),
-                                  {"suite": "decode", "tokens": m, "batch": 1, "width": n, "k": k, "gemm": shape},
-                                  f"{shape} M={m}", True))
+                    items.append(
+                        (
+                            name,
+                            lambda name=name, m=m, n=n, k=k: GEMM_CASES[name](m, n, k, args.torch_dtype),
+                            {"suite": "decode", "tokens": m, "batch": 1, "width": n, "k": k, "gemm": shape},
+                            f"{shape} M={m}",
+                            True,
+                        )
+                    )
     return items
 
 
@@ -1038,7 +1102,9 @@ def run(args):
                 ccg = [r["cold_graph_ms"] for r in copy_recs if r.get("cold_graph_ms")]
                 if rec.get("cold_graph_ms") and ccg:
                     rec["same_size_copy_cold_graph_ms"] = statistics.median(ccg)
-                    rec["pct_same_size_copy_cold_graph"] = 100 * rec["same_size_copy_cold_graph_ms"] / rec["cold_graph_ms"]
+                    rec["pct_same_size_copy_cold_graph"] = (
+                        100 * rec["same_size_copy_cold_graph_ms"] / rec["cold_graph_ms"]
+                    )
             if pat_recs and prov.startswith("triton") and prov not in case.get("moves_more", ()):
                 rec["same_pattern"] = list(pattern)
                 for key in ("graph_ms", "cold_graph_ms"):
@@ -1127,25 +1193,51 @@ def _int_list(text, what):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["ltx", "mmdit", "decode", "all"], default="ltx",
-                   help="ltx: LTX-Video kernels at --shapes (default); mmdit: SD3.5-medium and FLUX.1-dev kernels "
-                   "at 1024x1024; decode: LLM decode fusions at --rows x --widths and the skinny GEMM; all: every suite")
-    p.add_argument("--kernel", action="append", default=[],
-                   help=f"substring filter, repeatable; ltx kernels: {', '.join(CASES)}; "
-                   f"mmdit kernels: {', '.join(MMDIT_CASES)}; "
-                   f"decode kernels: {', '.join(DECODE_CASES)}, {', '.join(GEMM_CASES)}")
-    p.add_argument("--shapes", default="1320,6144",
-                   help="ltx suite: token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)")
-    p.add_argument("--rows", type=lambda t: _int_list(t, "--rows"), default=list(DECODE_ROWS),
-                   help=f"decode suite: rows (tokens in flight), default {','.join(map(str, DECODE_ROWS))}")
-    p.add_argument("--widths", type=lambda t: _int_list(t, "--widths"), default=list(DECODE_WIDTHS),
-                   help="decode suite: hidden sizes (SwiGLU: output width H, input 2H), "
-                   f"default {','.join(map(str, DECODE_WIDTHS))}")
-    p.add_argument("--gemm-rows", type=lambda t: _int_list(t, "--gemm-rows"), default=list(GEMM_ROWS),
-                   help=f"decode suite, skinny GEMM: rows M (1..32), default {','.join(map(str, GEMM_ROWS))}")
-    p.add_argument("--gemm-shapes", default=",".join(GEMM_SHAPES),
-                   help=f"decode suite, skinny GEMM: named (N, K) shapes, default all: {', '.join(GEMM_SHAPES)}")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--suite",
+        choices=["ltx", "mmdit", "decode", "all"],
+        default="ltx",
+        help="ltx: LTX-Video kernels at --shapes (default); mmdit: SD3.5-medium and FLUX.1-dev kernels "
+        "at 1024x1024; decode: LLM decode fusions at --rows x --widths and the skinny GEMM; all: every suite",
+    )
+    p.add_argument(
+        "--kernel",
+        action="append",
+        default=[],
+        help=f"substring filter, repeatable; ltx kernels: {', '.join(CASES)}; "
+        f"mmdit kernels: {', '.join(MMDIT_CASES)}; "
+        f"decode kernels: {', '.join(DECODE_CASES)}, {', '.join(GEMM_CASES)}",
+    )
+    p.add_argument(
+        "--shapes", default="1320,6144", help="ltx suite: token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)"
+    )
+    p.add_argument(
+        "--rows",
+        type=lambda t: _int_list(t, "--rows"),
+        default=list(DECODE_ROWS),
+        help=f"decode suite: rows (tokens in flight), default {','.join(map(str, DECODE_ROWS))}",
+    )
+    p.add_argument(
+        "--widths",
+        type=lambda t: _int_list(t, "--widths"),
+        default=list(DECODE_WIDTHS),
+        help="decode suite: hidden sizes (SwiGLU: output width H, input 2H), "
+        f"default {','.join(map(str, DECODE_WIDTHS))}",
+    )
+    p.add_argument(
+        "--gemm-rows",
+        type=lambda t: _int_list(t, "--gemm-rows"),
+        default=list(GEMM_ROWS),
+        help=f"decode suite, skinny GEMM: rows M (1..32), default {','.join(map(str, GEMM_ROWS))}",
+    )
+    p.add_argument(
+        "--gemm-shapes",
+        default=",".join(GEMM_SHAPES),
+        help=f"decode suite, skinny GEMM: named (N, K) shapes, default all: {', '.join(GEMM_SHAPES)}",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     p.add_argument("--output-json", help="write the JSON here (default: stdout)")

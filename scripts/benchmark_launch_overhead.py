@@ -52,13 +52,18 @@ def _parse(argv):
     p.add_argument("--chain", action="store_true", help="time the launch-bound chain instead of each kernel")
     p.add_argument("--cases", help="per kernel: comma-separated case names to time (default all)")
     p.add_argument("--calls", type=int, default=100, help="per kernel: calls per timed round (default 100)")
-    p.add_argument("--repeats", type=int, default=25, help="timed rounds per kernel (default 25) or chain calls "
-                   "per variant with --chain (default 50)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=25,
+        help="timed rounds per kernel (default 25) or chain calls per variant with --chain (default 50)",
+    )
     p.add_argument("--tokens", type=int, default=1320, help="--chain: tokens per sample (default 1320)")
     p.add_argument("--batch", type=int, default=2, help="--chain: batch (default 2)")
     p.add_argument("--hidden", type=int, default=2048, help="--chain: hidden size (default 2048)")
-    p.add_argument("--chain-calls", type=int, default=28, help="--chain: fused norm calls in the chain (default 28: "
-                   "LTX's blocks)")
+    p.add_argument(
+        "--chain-calls", type=int, default=28, help="--chain: fused norm calls in the chain (default 28: LTX's blocks)"
+    )
     p.add_argument("--output-json", help="also write the JSON here")
     args = p.parse_args(argv)
     if args.chain and "--repeats" not in (argv if argv is not None else sys.argv[1:]):
@@ -149,7 +154,7 @@ def _interleaved(fns: dict, calls: int, repeats: int) -> dict:
     busy = {name: True for name in fns}
     names = list(fns)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             us, ok = host_us(fns[name], calls, 1)
             times[name].append(us)
             busy[name] &= ok
@@ -187,15 +192,26 @@ def per_kernel(args, argv) -> int:
             us, busy = round(m["bundle"][0], 2), m["bundle"][1]
             rms_us = round(m["F.rms_norm"][0], 2)
             torch_us, torch_busy = (round(m["torch"][0], 2), m["torch"][1]) if torch_name else (None, None)
-            row = {"suite": suite, "case": name, "provider": prov, "shape": shape, "bundle_us": us,
-                   "gpu_kept_busy": busy, "torch_ops": torch_name, "torch_us": torch_us,
-                   "torch_gpu_kept_busy": torch_busy, "F_rms_norm_us": rms_us,
-                   "vs_torch_ops": round(us / torch_us, 3) if torch_us else None,
-                   "vs_F_rms_norm": round(us / rms_us, 3)}
+            row = {
+                "suite": suite,
+                "case": name,
+                "provider": prov,
+                "shape": shape,
+                "bundle_us": us,
+                "gpu_kept_busy": busy,
+                "torch_ops": torch_name,
+                "torch_us": torch_us,
+                "torch_gpu_kept_busy": torch_busy,
+                "F_rms_norm_us": rms_us,
+                "vs_torch_ops": round(us / torch_us, 3) if torch_us else None,
+                "vs_F_rms_norm": round(us / rms_us, 3),
+            }
             rows.append(row)
-            log(f"{suite:6s} {name + ' ' + prov:52s} {us:8.2f} us   {torch_name or '-'} "
+            log(
+                f"{suite:6s} {name + ' ' + prov:52s} {us:8.2f} us   {torch_name or '-'} "
                 f"{torch_us if torch_us is not None else float('nan'):8.2f} us   F.rms_norm {rms_us:6.2f} us   "
-                f"x{row['vs_F_rms_norm']:.2f}")
+                f"x{row['vs_F_rms_norm']:.2f}"
+            )
         del case
     doc = {
         "benchmark": "host_cost_per_call",
@@ -204,10 +220,12 @@ def per_kernel(args, argv) -> int:
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
         "timing": "host clock over --calls back-to-back eager calls while the GPU sleeps (no call waits for it); "
-                  "median of --repeats rounds; microseconds per call. Per row, the bundle's call, the PyTorch ops it "
-                  "replaces and F.rms_norm are timed round by round in rotating order, and the row's ratios are "
-                  "of those medians (a drift of host speed during the run cancels out of them)",
-        "calls": args.calls, "repeats": args.repeats, "dtype": "bfloat16",
+        "median of --repeats rounds; microseconds per call. Per row, the bundle's call, the PyTorch ops it "
+        "replaces and F.rms_norm are timed round by round in rotating order, and the row's ratios are "
+        "of those medians (a drift of host speed during the run cancels out of them)",
+        "calls": args.calls,
+        "repeats": args.repeats,
+        "dtype": "bfloat16",
         "yardsticks_us": yard,
         "rows": rows,
         "worst_vs_F_rms_norm": max((r["vs_F_rms_norm"] for r in rows), default=None),
@@ -267,11 +285,16 @@ def main(argv=None) -> int:
 
     reference = chain(h, y).clone()
     results, ok = {}, True
-    variants = [("eager", None, None), ("compile custom_op", False, "default"), ("compile triton_op", True, "default"),
-                ("compile custom_op reduce-overhead", False, "reduce-overhead"),
-                ("compile triton_op reduce-overhead", True, "reduce-overhead")]
+    variants = [
+        ("eager", None, None),
+        ("compile custom_op", False, "default"),
+        ("compile triton_op", True, "default"),
+        ("compile custom_op reduce-overhead", False, "reduce-overhead"),
+        ("compile triton_op reduce-overhead", True, "reduce-overhead"),
+    ]
     for name, use_triton_op, mode in variants:
         if use_triton_op is None:
+
             def fn():
                 return chain(h, y)
         else:
@@ -293,18 +316,30 @@ def main(argv=None) -> int:
         finally:
             rmsnorm._TRITON_OP = True
             torch._dynamo.reset()
-        results[name] = {"chain_ms": round(ms, 4), "us_per_call": round(ms * 1000 / args.chain_calls, 2),
-                         "output_equals_eager": same}
-        print(f"{name:36s} {ms:8.3f} ms per chain  {ms * 1000 / args.chain_calls:7.2f} us per call"
-              f"{'' if same else '  OUTPUT DIFFERS'}", file=sys.stderr, flush=True)
-    bytes_per_call = 4 * h.numel() * h.element_size()  # read h, y; write h, out (gate, scale, shift: one row per sample)
+        results[name] = {
+            "chain_ms": round(ms, 4),
+            "us_per_call": round(ms * 1000 / args.chain_calls, 2),
+            "output_equals_eager": same,
+        }
+        print(
+            f"{name:36s} {ms:8.3f} ms per chain  {ms * 1000 / args.chain_calls:7.2f} us per call"
+            f"{'' if same else '  OUTPUT DIFFERS'}",
+            file=sys.stderr,
+            flush=True,
+        )
+    bytes_per_call = (
+        4 * h.numel() * h.element_size()
+    )  # read h, y; write h, out (gate, scale, shift: one row per sample)
     doc = {
         "benchmark": "launch_overhead",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": _command(argv),
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
-        "shape": list(shape), "dtype": "bfloat16", "calls": args.chain_calls, "repeats": args.repeats,
+        "shape": list(shape),
+        "dtype": "bfloat16",
+        "calls": args.chain_calls,
+        "repeats": args.repeats,
         "bytes_per_call": bytes_per_call,
         "results": results,
         "ok": ok,

@@ -74,14 +74,26 @@ def _ints(text: str):
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--shapes", type=_shape, nargs="+", default=[_shape(k) for k in _NAMED],
-                   help="row shapes: sd3, flux, ltx or BxSxD (default: sd3 flux ltx)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument(
+        "--shapes",
+        type=_shape,
+        nargs="+",
+        default=[_shape(k) for k in _NAMED],
+        help="row shapes: sd3, flux, ltx or BxSxD (default: sd3 flux ltx)",
+    )
     p.add_argument("--only", choices=("ab", "sweep"), help="run one of the two measurements (default: both)")
     p.add_argument("--warps", type=_ints, default=[1, 2, 4, 8], help="sweep: warps per program (default 1,2,4,8)")
-    p.add_argument("--per-sm", type=_ints, default=[4, 8, 12, 16, 24, 32],
-                   help="sweep: programs per SM / compute unit (default 4,8,12,16,24,32)")
+    p.add_argument(
+        "--per-sm",
+        type=_ints,
+        default=[4, 8, 12, 16, 24, 32],
+        help="sweep: programs per SM / compute unit (default 4,8,12,16,24,32)",
+    )
     p.add_argument("--rep", type=int, default=40, help="do_bench_cudagraph rep in ms (default 40)")
     p.add_argument("--output-json", help="also write the JSON to this path")
     args = p.parse_args(argv)
@@ -143,12 +155,18 @@ def _variants(x, y, c):
     return {
         "ln": (lambda: layernorm.layer_norm(x, eps=1e-6), lambda o: [ln(xd)]),
         "ln_mod": (lambda: layernorm.layer_norm_modulate(x, c[0], c[1]), lambda o: [mod(xd, 0)]),
-        "dual": (lambda: layernorm.layer_norm_modulate_dual(x, c[0], c[1], c[3], c[4]),
-                 lambda o: [mod(xd, 0), mod(xd, 3)]),
-        "gres_mod": (lambda: layernorm.gated_residual_layer_norm_modulate(x, y, c[2], c[0], c[1]),
-                     lambda o: [xd + cd[2] * yd, mod(o[0].double(), 0)]),
-        "gres_dual": (lambda: layernorm.gated_residual_layer_norm_modulate_dual(x, y, c[2], c[0], c[1], c[3], c[4]),
-                      lambda o: [xd + cd[2] * yd, mod(o[0].double(), 0), mod(o[0].double(), 3)]),
+        "dual": (
+            lambda: layernorm.layer_norm_modulate_dual(x, c[0], c[1], c[3], c[4]),
+            lambda o: [mod(xd, 0), mod(xd, 3)],
+        ),
+        "gres_mod": (
+            lambda: layernorm.gated_residual_layer_norm_modulate(x, y, c[2], c[0], c[1]),
+            lambda o: [xd + cd[2] * yd, mod(o[0].double(), 0)],
+        ),
+        "gres_dual": (
+            lambda: layernorm.gated_residual_layer_norm_modulate_dual(x, y, c[2], c[0], c[1], c[3], c[4]),
+            lambda o: [xd + cd[2] * yd, mod(o[0].double(), 0), mod(o[0].double(), 3)],
+        ),
     }
 
 
@@ -181,13 +199,25 @@ def run(args, dev, bench, sms: int, warp_size: int, copy_gbps: float):
             failures.append(f"{tag} {variant} {config}: error {err:.2f} bf16 steps")
         us = bench(fn)
         nbytes = _PASSES[variant] * b * s * d * 2
-        rec = dict(shape=tag, B=b, S=s, D=d, variant=variant, config=config, us=us, bytes=nbytes,
-                   pct_copy=nbytes / (us * 1e3) / copy_gbps * 100,
-                   pct_same_size_copy=copy_us * _PASSES[variant] / 2 / us * 100, max_err_bf16_steps=err)
+        rec = dict(
+            shape=tag,
+            B=b,
+            S=s,
+            D=d,
+            variant=variant,
+            config=config,
+            us=us,
+            bytes=nbytes,
+            pct_copy=nbytes / (us * 1e3) / copy_gbps * 100,
+            pct_same_size_copy=copy_us * _PASSES[variant] / 2 / us * 100,
+            max_err_bf16_steps=err,
+        )
         rec.update(extra or {})
         records.append(rec)
-        log(f"{tag:>14} {variant:<10} {config:<34} {us:8.1f} us  {rec['pct_copy']:5.1f} % of copy  "
-            f"{rec['pct_same_size_copy']:5.1f} % of same-size copy  err {err:.2f} steps")
+        log(
+            f"{tag:>14} {variant:<10} {config:<34} {us:8.1f} us  {rec['pct_copy']:5.1f} % of copy  "
+            f"{rec['pct_same_size_copy']:5.1f} % of same-size copy  err {err:.2f} steps"
+        )
 
     for tag, (b, s, d) in args.shapes:
         x, y, c = _inputs(b, s, d, dev, seed=b * 1_000_003 + s * 7 + d)
@@ -200,14 +230,22 @@ def run(args, dev, bench, sms: int, warp_size: int, copy_gbps: float):
         rule = layernorm._persistent_config(n_blocks, block_m, d, warp_size, sms)
         if args.only in (None, "ab"):
             for name, (fn, refs) in variants.items():
-                configs = [("one program per row block", None),
-                           (f"persistent, rule {rule[0]} x {rule[1]} warps" if rule[0] else
-                            "persistent rule: one program per row block", "rule")]
+                configs = [
+                    ("one program per row block", None),
+                    (
+                        f"persistent, rule {rule[0]} x {rule[1]} warps"
+                        if rule[0]
+                        else "persistent rule: one program per row block",
+                        "rule",
+                    ),
+                ]
                 if name in ("dual", "gres_mod", "gres_dual") and rule[0] >= 2:
                     p, w = rule
-                    configs += [(f"persistent {p // 2} x {2 * w} warps", lambda *a, p=p, w=w: (p // 2, 2 * w)),
-                                (f"persistent {2 * p} x {w} warps", lambda *a, p=p, w=w: (2 * p, w)),
-                                (f"persistent {p // 2} x {w} warps", lambda *a, p=p, w=w: (p // 2, w))]
+                    configs += [
+                        (f"persistent {p // 2} x {2 * w} warps", lambda *a, p=p, w=w: (p // 2, 2 * w)),
+                        (f"persistent {2 * p} x {w} warps", lambda *a, p=p, w=w: (2 * p, w)),
+                        (f"persistent {p // 2} x {w} warps", lambda *a, p=p, w=w: (p // 2, w)),
+                    ]
                 for label, how in configs:
                     with _Grid(how):
                         record(tag, b, s, d, name, label, fn, refs, copy_us)
@@ -216,8 +254,18 @@ def run(args, dev, bench, sms: int, warp_size: int, copy_gbps: float):
             for w in args.warps:
                 for per_sm in args.per_sm:
                     with _Grid(lambda *a, p=per_sm * max(sms, 1), w=w: (p, w)):
-                        record(tag, b, s, d, "ln_mod", f"sweep {w} warps x {per_sm}/SM", fn, refs, copy_us,
-                               dict(warps=w, programs_per_sm=per_sm))
+                        record(
+                            tag,
+                            b,
+                            s,
+                            d,
+                            "ln_mod",
+                            f"sweep {w} warps x {per_sm}/SM",
+                            fn,
+                            refs,
+                            copy_us,
+                            dict(warps=w, programs_per_sm=per_sm),
+                        )
             record(tag, b, s, d, "ln_mod", "launcher", fn, refs, copy_us)
     return records, failures
 
@@ -256,10 +304,15 @@ def main(argv=None) -> int:
         benchmark="benchmark_layernorm_grid.py",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command="python scripts/benchmark_layernorm_grid.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        device=props.name, sms=sms, warp_size=warp_size,
+        device=props.name,
+        sms=sms,
+        warp_size=warp_size,
         versions=dict(torch=torch.__version__, triton=triton.__version__),
-        copy_bandwidth_GBps=copy_gbps, timing="do_bench_cudagraph median (us)",
-        records=records, failures=failures, ok=not failures,
+        copy_bandwidth_GBps=copy_gbps,
+        timing="do_bench_cudagraph median (us)",
+        records=records,
+        failures=failures,
+        ok=not failures,
     )
     text = json.dumps(result, indent=1)
     print(text)

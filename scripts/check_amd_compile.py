@@ -139,8 +139,14 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     ),
     # ---- scripts/rope.py ----
     # LTX interleaved RoPE on q/k [B, S, 2048] with fp32 cos/sin [B, S, 2048] from LTXVideoRotaryPosEmbed
-    "ltx_rope[2x1320x2048]": ("rope", lambda m: m.ltx_rope(_bf16(2, 1320, 2048), _f32(2, 1320, 2048), _f32(2, 1320, 2048))),
-    "ltx_rope[2x6144x2048]": ("rope", lambda m: m.ltx_rope(_bf16(2, 6144, 2048), _f32(2, 6144, 2048), _f32(2, 6144, 2048))),
+    "ltx_rope[2x1320x2048]": (
+        "rope",
+        lambda m: m.ltx_rope(_bf16(2, 1320, 2048), _f32(2, 1320, 2048), _f32(2, 1320, 2048)),
+    ),
+    "ltx_rope[2x6144x2048]": (
+        "rope",
+        lambda m: m.ltx_rope(_bf16(2, 6144, 2048), _f32(2, 6144, 2048), _f32(2, 6144, 2048)),
+    ),
     # rows strided: q read in place from a fused [B, S, 3 * 2048] qkv projection
     "ltx_rope[qkv slice 2x6144x2048]": (
         "rope",
@@ -148,7 +154,8 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     ),
     # transformers' rotate-half layout: [B, H, S, D] (Llama-like head dim 128), and a [B, S, H, D] transpose
     "rope_rotate_half[1x32x4096x128]": (
-        "rope", lambda m: m.rope_rotate_half(_bf16(1, 32, 4096, 128), _bf16(1, 4096, 128), _bf16(1, 4096, 128)),
+        "rope",
+        lambda m: m.rope_rotate_half(_bf16(1, 32, 4096, 128), _bf16(1, 4096, 128), _bf16(1, 4096, 128)),
     ),
     "rope_rotate_half[transposed 2x32x6144x64]": (
         "rope",
@@ -157,26 +164,50 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     # LTX self-attention: norm_q/norm_k (weighted RMSNorm over 2048, eps 1e-5) + RoPE, one launch
     "ltx_qk_rmsnorm_rope[2x1320x2048]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(2, 1320, 2048), _bf16(2, 1320, 2048), _bf16(2048), _bf16(2048), 1e-5,
-                                        _f32(2, 1320, 2048), _f32(2, 1320, 2048)),
+        lambda m: m.ltx_qk_rmsnorm_rope(
+            _bf16(2, 1320, 2048),
+            _bf16(2, 1320, 2048),
+            _bf16(2048),
+            _bf16(2048),
+            1e-5,
+            _f32(2, 1320, 2048),
+            _f32(2, 1320, 2048),
+        ),
     ),
     "ltx_qk_rmsnorm_rope[2x6144x2048]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2048), _bf16(2048), 1e-5,
-                                        _f32(2, 6144, 2048), _f32(2, 6144, 2048)),
+        lambda m: m.ltx_qk_rmsnorm_rope(
+            _bf16(2, 6144, 2048),
+            _bf16(2, 6144, 2048),
+            _bf16(2048),
+            _bf16(2048),
+            1e-5,
+            _f32(2, 6144, 2048),
+            _f32(2, 6144, 2048),
+        ),
     ),
     # the same with cos/sin computed in the kernel from grid coordinates [B, S, 3] and 2048 // 6 frequencies
     "ltx_qk_rmsnorm_rope_coords[2x6144x2048]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope_coords(_bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2048), _bf16(2048),
-                                               1e-5, _f32(2, 6144, 3), _f32(2048 // 6)),
+        lambda m: m.ltx_qk_rmsnorm_rope_coords(
+            _bf16(2, 6144, 2048),
+            _bf16(2, 6144, 2048),
+            _bf16(2048),
+            _bf16(2048),
+            1e-5,
+            _f32(2, 6144, 3),
+            _f32(2048 // 6),
+        ),
     ),
     # ---- scripts/activations.py ----
     # LTX feed-forward: GELU(tanh) on the [B, S, 8192] up-projection (contiguous: flat kernel)
     "gelu[tanh 2x6144x8192]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 8192), "tanh")),
     "gelu[erf 2x6144x8192]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 8192), "none")),
     # strided rows (a slice of a wider projection): row kernel
-    "gelu[tanh rows 2x6144x8192 of 16384]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 16384)[..., :8192], "tanh")),
+    "gelu[tanh rows 2x6144x8192 of 16384]": (
+        "activations",
+        lambda m: m.gelu(_bf16(2, 6144, 16384)[..., :8192], "tanh"),
+    ),
     # diffusers GEGLU: [B, S, 2 x 8192] -> [B, S, 8192]
     "geglu[erf 2x6144x16384]": ("activations", lambda m: m.geglu(_bf16(2, 6144, 16384), "none")),
     "geglu[tanh 2x6144x16384]": ("activations", lambda m: m.geglu(_bf16(2, 6144, 16384), "tanh")),
@@ -190,16 +221,25 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         )
         for h in (4096, 8192)
         for m in (1, 32, 4096)
-        for tag, kw in (("", dict), ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
-                        ("+fp8 per_token", lambda: dict(fp8="per_token")))
+        for tag, kw in (
+            ("", dict),
+            ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
+            ("+fp8 per_token", lambda: dict(fp8="per_token")),
+        )
     },
     # each FP8 format forced on every target (the native cast where the target has it, else the integer encoder)
     **{
         f"fused_add_rms_norm+fp8 {mode} {name}[32x{h}]": (
             "rmsnorm",
             lambda mod, h=h, mode=mode, dt=dt: mod.fused_add_rms_norm(
-                _bf16(32, h), _bf16(32, h), _bf16(h), 1e-5, fp8=mode, fp8_dtype=dt,
-                fp8_scale=_f32(1) if mode == "per_tensor" else None),
+                _bf16(32, h),
+                _bf16(32, h),
+                _bf16(h),
+                1e-5,
+                fp8=mode,
+                fp8_dtype=dt,
+                fp8_scale=_f32(1) if mode == "per_tensor" else None,
+            ),
         )
         for h in (4096, 8192)
         for mode in ("per_tensor", "per_token")
@@ -214,8 +254,11 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     **{
         f"swiglu{tag}[{m}x2x14336]": ("activations", lambda mod, m=m, kw=kw: mod.swiglu(_bf16(m, 2 * 14336), **kw()))
         for m in (1, 4096)
-        for tag, kw in (("", dict), ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
-                        ("+fp8 per_token", lambda: dict(fp8="per_token")))
+        for tag, kw in (
+            ("", dict),
+            ("+fp8 per_tensor", lambda: dict(fp8="per_tensor", fp8_scale=_f32(1))),
+            ("+fp8 per_token", lambda: dict(fp8="per_token")),
+        )
     },
     "swiglu[gate, up 4096x14336]": ("activations", lambda m: m.swiglu(_bf16(4096, 14336), _bf16(4096, 14336))),
     # more row blocks than a grid's second dimension takes (65,535): the row kernel's one-dimensional grid
@@ -231,20 +274,34 @@ CASES: Dict[str, Tuple[str, Callable]] = {
             "skinny_gemm",
             lambda mod, m=m, n=n, k=k, fp8=fp8: mod.skinny_gemm(
                 _bf16(m, k),
-                _t(n, k, dtype=(torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn)
-                   if fp8 else torch.bfloat16),
-                weight_scale=_f32(n) if fp8 else None),
+                _t(
+                    n,
+                    k,
+                    dtype=(torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn)
+                    if fp8
+                    else torch.bfloat16,
+                ),
+                weight_scale=_f32(n) if fp8 else None,
+            ),
         )
-        for name, (n, k) in (("8B qo 4096x4096", (4096, 4096)), ("8B gate-up 14336x4096", (14336, 4096)),
-                             ("8B kv 1024x4096", (1024, 4096)), ("8B down 4096x14336", (4096, 14336)),
-                             ("70B qo 8192x8192", (8192, 8192)), ("70B gate-up 28672x8192", (28672, 8192)),
-                             ("70B down 8192x28672", (8192, 28672)))
+        for name, (n, k) in (
+            ("8B qo 4096x4096", (4096, 4096)),
+            ("8B gate-up 14336x4096", (14336, 4096)),
+            ("8B kv 1024x4096", (1024, 4096)),
+            ("8B down 4096x14336", (4096, 14336)),
+            ("70B qo 8192x8192", (8192, 8192)),
+            ("70B gate-up 28672x8192", (28672, 8192)),
+            ("70B down 8192x28672", (8192, 28672)),
+        )
         for m in (1, 32)
         for tag, fp8 in (("", False), ("+fp8", True))
     },
     # the rows between: M = 2, 4 (multiply-add path), 8, 16 (tl.dot path)
     **{
-        f"skinny_gemm[8B qo 4096x4096 M{m}]": ("skinny_gemm", lambda mod, m=m: mod.skinny_gemm(_bf16(m, 4096), _bf16(4096, 4096)))
+        f"skinny_gemm[8B qo 4096x4096 M{m}]": (
+            "skinny_gemm",
+            lambda mod, m=m: mod.skinny_gemm(_bf16(m, 4096), _bf16(4096, 4096)),
+        )
         for m in (2, 4, 8, 16)
     },
     # each FP8 format on every target (decoded from its bits where the GPU has no conversion for it)
@@ -261,9 +318,20 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         f"skinny_gemm+fp8 x[8B qo 4096x4096 M{m}]": (
             "skinny_gemm",
             lambda mod, m=m: mod.skinny_gemm(
-                _t(m, 4096, dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn),
-                _t(4096, 4096, dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn),
-                _bf16(4096), weight_scale=_f32(1), x_scale=_f32(1)),
+                _t(
+                    m,
+                    4096,
+                    dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn,
+                ),
+                _t(
+                    4096,
+                    4096,
+                    dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn,
+                ),
+                _bf16(4096),
+                weight_scale=_f32(1),
+                x_scale=_f32(1),
+            ),
         )
         for m in (1, 32)
     },
@@ -293,26 +361,33 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     "gated_residual_layer_norm_modulate[sd3 2x4096x1536]": (
         "layernorm",
         lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 3 * 1536).chunk(3, dim=1)),
+            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 3 * 1536).chunk(3, dim=1)
+        ),
     ),
     # a block's last gated residual + the next block's SD35AdaLayerNormZeroX (two modulations)
     "gated_residual_layer_norm_modulate_dual[sd3.5 2x4096x1536]": (
         "layernorm",
         lambda m: m.gated_residual_layer_norm_modulate_dual(
-            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 5 * 1536).chunk(5, dim=1)),
+            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 5 * 1536).chunk(5, dim=1)
+        ),
     ),
     "gated_residual_layer_norm_modulate[flux 1x4096x3072]": (
         "layernorm",
         lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 4096, 3072), _bf16(1, 4096, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)),
+            _bf16(1, 4096, 3072), _bf16(1, 4096, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)
+        ),
     ),
     "gated_residual_layer_norm_modulate[flux text 1x512x3072]": (
         "layernorm",
         lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 512, 3072), _bf16(1, 512, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)),
+            _bf16(1, 512, 3072), _bf16(1, 512, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)
+        ),
     ),
     # nn.LayerNorm with weight and bias; the widest single-pass fp32 row; the chunked three-pass path
-    "layer_norm+w+b[2x4096x1536]": ("layernorm", lambda m: m.layer_norm(_bf16(2, 4096, 1536), _bf16(1536), _bf16(1536))),
+    "layer_norm+w+b[2x4096x1536]": (
+        "layernorm",
+        lambda m: m.layer_norm(_bf16(2, 4096, 1536), _bf16(1536), _bf16(1536)),
+    ),
     "layer_norm+w+b[fp32 2x256x16384]": (
         "layernorm",
         lambda m: m.layer_norm(_f32(2, 256, 16384), _f32(16384), _f32(16384)),
@@ -320,7 +395,8 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     "gated_residual_layer_norm_modulate[chunked 1x64x32768]": (
         "layernorm",
         lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 64, 32768), _bf16(1, 64, 32768), *_bf16(1, 3 * 32768).chunk(3, dim=1)),
+            _bf16(1, 64, 32768), _bf16(1, 64, 32768), *_bf16(1, 3 * 32768).chunk(3, dim=1)
+        ),
     ),
     # ---- scripts/head_norm_rope.py: per-head q/k RMSNorm (+ RoPE) ----
     # FLUX double-stream attention: text (512) and image (4096) q/k as [1, S, 24, 128] views of the projections,
@@ -328,11 +404,24 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     "joint_head_rms_norm_rope[flux double 1x(512+4096)x24x128]": (
         "head_norm_rope",
         lambda m: m.joint_head_rms_norm_rope(
-            [(_bf16(1, 512, 3072).unflatten(-1, (24, 128)), _bf16(1, 512, 3072).unflatten(-1, (24, 128)),
-              _bf16(128), _bf16(128)),
-             (_bf16(1, 4096, 3072).unflatten(-1, (24, 128)), _bf16(1, 4096, 3072).unflatten(-1, (24, 128)),
-              _bf16(128), _bf16(128))],
-            1e-6, _f32(4608, 128), _f32(4608, 128)),
+            [
+                (
+                    _bf16(1, 512, 3072).unflatten(-1, (24, 128)),
+                    _bf16(1, 512, 3072).unflatten(-1, (24, 128)),
+                    _bf16(128),
+                    _bf16(128),
+                ),
+                (
+                    _bf16(1, 4096, 3072).unflatten(-1, (24, 128)),
+                    _bf16(1, 4096, 3072).unflatten(-1, (24, 128)),
+                    _bf16(128),
+                    _bf16(128),
+                ),
+            ],
+            1e-6,
+            _f32(4608, 128),
+            _f32(4608, 128),
+        ),
     ),
     # FLUX single-stream attention with fused qkv projections: q/k are chunks of one [1, 4608, 3 * 3072] output
     "head_rms_norm_rope[flux single qkv slices 1x4608x24x128]": (
@@ -340,83 +429,157 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         lambda m: m.head_rms_norm_rope(
             _bf16(1, 4608, 3 * 3072)[..., :3072].unflatten(-1, (24, 128)),
             _bf16(1, 4608, 3 * 3072)[..., 3072:6144].unflatten(-1, (24, 128)),
-            _bf16(128), _bf16(128), 1e-6, _f32(4608, 128), _f32(4608, 128)),
+            _bf16(128),
+            _bf16(128),
+            1e-6,
+            _f32(4608, 128),
+            _f32(4608, 128),
+        ),
     ),
     # SD3.5 joint attention: diffusers RMSNorm(64) per head (bf16 weights: rounded before the multiply), no RoPE,
     # image (4096) then text (333) tokens
     "joint_head_rms_norm_rope[sd3.5 norm only 2x(4096+333)x24x64]": (
         "head_norm_rope",
         lambda m: m.joint_head_rms_norm_rope(
-            [(_bf16(2, 4096, 1536).view(2, 4096, 24, 64), _bf16(2, 4096, 1536).view(2, 4096, 24, 64),
-              _bf16(64), _bf16(64)),
-             (_bf16(2, 333, 1536).view(2, 333, 24, 64), _bf16(2, 333, 1536).view(2, 333, 24, 64),
-              _bf16(64), _bf16(64))],
-            1e-6, cast_before_weight=True),
+            [
+                (
+                    _bf16(2, 4096, 1536).view(2, 4096, 24, 64),
+                    _bf16(2, 4096, 1536).view(2, 4096, 24, 64),
+                    _bf16(64),
+                    _bf16(64),
+                ),
+                (
+                    _bf16(2, 333, 1536).view(2, 333, 24, 64),
+                    _bf16(2, 333, 1536).view(2, 333, 24, 64),
+                    _bf16(64),
+                    _bf16(64),
+                ),
+            ],
+            1e-6,
+            cast_before_weight=True,
+        ),
     ),
     # fp32 activations (twice the registers per element) and a wide 256 head
     "head_rms_norm_rope[fp32 1x4608x24x128]": (
         "head_norm_rope",
-        lambda m: m.head_rms_norm_rope(_f32(1, 4608, 24, 128), _f32(1, 4608, 24, 128), _f32(128), _f32(128), 1e-6,
-                                       _f32(4608, 128), _f32(4608, 128)),
+        lambda m: m.head_rms_norm_rope(
+            _f32(1, 4608, 24, 128), _f32(1, 4608, 24, 128), _f32(128), _f32(128), 1e-6, _f32(4608, 128), _f32(4608, 128)
+        ),
     ),
     "head_rms_norm_rope[1x4096x16x256]": (
         "head_norm_rope",
-        lambda m: m.head_rms_norm_rope(_bf16(1, 4096, 16, 256), _bf16(1, 4096, 16, 256), _bf16(256), _bf16(256), 1e-6,
-                                       _f32(4096, 256), _f32(4096, 256)),
+        lambda m: m.head_rms_norm_rope(
+            _bf16(1, 4096, 16, 256),
+            _bf16(1, 4096, 16, 256),
+            _bf16(256),
+            _bf16(256),
+            1e-6,
+            _f32(4096, 256),
+            _f32(4096, 256),
+        ),
     ),
     # more head steps than the kernel unrolls (64 heads of 256: 16 steps of 4): the looped form
     "head_rms_norm_rope[looped head steps 1x1024x64x256]": (
         "head_norm_rope",
-        lambda m: m.head_rms_norm_rope(_bf16(1, 1024, 64, 256), _bf16(1, 1024, 64, 256), _bf16(256), _bf16(256), 1e-6,
-                                       _f32(1024, 256), _f32(1024, 256)),
+        lambda m: m.head_rms_norm_rope(
+            _bf16(1, 1024, 64, 256),
+            _bf16(1, 1024, 64, 256),
+            _bf16(256),
+            _bf16(256),
+            1e-6,
+            _f32(1024, 256),
+            _f32(1024, 256),
+        ),
     ),
     # ---- Wan 2.1 T2V (scripts/wan_injection.py): 1.3B 1536 wide (12 heads x 128), 14B 5120 (40 x 128); B = 1,
     # 32,760 tokens (81 frames 480x832); modulation, gates, norm2's weight and bias in fp32 (from_pretrained) ----
     "wan_1.3B_qk_rmsnorm_rope[per-head table 1x32760x1536]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _bf16(1536), _bf16(1536), 1e-6,
-                                        _f32(1, 32760, 128), _f32(1, 32760, 128)),
+        lambda m: m.ltx_qk_rmsnorm_rope(
+            _bf16(1, 32760, 1536),
+            _bf16(1, 32760, 1536),
+            _bf16(1536),
+            _bf16(1536),
+            1e-6,
+            _f32(1, 32760, 128),
+            _f32(1, 32760, 128),
+        ),
     ),
     "wan_1.3B_layer_norm_modulate[fp32 modulation 1x32760x1536]": (
-        "layernorm", lambda m: m.layer_norm_modulate(_bf16(1, 32760, 1536), _f32(1, 1, 1536), _f32(1, 1, 1536), 1e-6),
+        "layernorm",
+        lambda m: m.layer_norm_modulate(_bf16(1, 32760, 1536), _f32(1, 1, 1536), _f32(1, 1, 1536), 1e-6),
     ),
     "wan_1.3B_gated_residual_layer_norm[fp32 gate, weight, bias 1x32760x1536]": (
         "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _f32(1, 1, 1536), None,
-                                                       None, 1e-6, weight=_f32(1536), bias=_f32(1536)),
+        lambda m: m.gated_residual_layer_norm_modulate(
+            _bf16(1, 32760, 1536),
+            _bf16(1, 32760, 1536),
+            _f32(1, 1, 1536),
+            None,
+            None,
+            1e-6,
+            weight=_f32(1536),
+            bias=_f32(1536),
+        ),
     ),
     "wan_1.3B_residual_layer_norm_modulate[1x32760x1536]": (
         "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), None, _f32(1, 1, 1536),
-                                                       _f32(1, 1, 1536), 1e-6),
+        lambda m: m.gated_residual_layer_norm_modulate(
+            _bf16(1, 32760, 1536), _bf16(1, 32760, 1536), None, _f32(1, 1, 1536), _f32(1, 1, 1536), 1e-6
+        ),
     ),
     "wan_1.3B_gated_residual_add[fp32 gate 1x32760x1536]": (
-        "rmsnorm", lambda m: m.gated_residual_add(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _f32(1, 1, 1536)),
+        "rmsnorm",
+        lambda m: m.gated_residual_add(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _f32(1, 1, 1536)),
     ),
-    "wan_1.3B_cross_attn_rms_norm+w[1x512x1536]": ("rmsnorm", lambda m: m.rms_norm(_bf16(1, 512, 1536), _bf16(1536), 1e-6)),
+    "wan_1.3B_cross_attn_rms_norm+w[1x512x1536]": (
+        "rmsnorm",
+        lambda m: m.rms_norm(_bf16(1, 512, 1536), _bf16(1536), 1e-6),
+    ),
     "wan_1.3B_gelu_tanh[1x32760x8960]": ("activations", lambda m: m.gelu_tanh(_bf16(1, 32760, 8960))),
     "wan_14B_qk_rmsnorm_rope[per-head table 1x32760x5120]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _bf16(5120), _bf16(5120), 1e-6,
-                                        _f32(1, 32760, 128), _f32(1, 32760, 128)),
+        lambda m: m.ltx_qk_rmsnorm_rope(
+            _bf16(1, 32760, 5120),
+            _bf16(1, 32760, 5120),
+            _bf16(5120),
+            _bf16(5120),
+            1e-6,
+            _f32(1, 32760, 128),
+            _f32(1, 32760, 128),
+        ),
     ),
     "wan_14B_layer_norm_modulate[fp32 modulation 1x32760x5120]": (
-        "layernorm", lambda m: m.layer_norm_modulate(_bf16(1, 32760, 5120), _f32(1, 1, 5120), _f32(1, 1, 5120), 1e-6),
+        "layernorm",
+        lambda m: m.layer_norm_modulate(_bf16(1, 32760, 5120), _f32(1, 1, 5120), _f32(1, 1, 5120), 1e-6),
     ),
     "wan_14B_gated_residual_layer_norm[fp32 gate, weight, bias 1x32760x5120]": (
         "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _f32(1, 1, 5120), None,
-                                                       None, 1e-6, weight=_f32(5120), bias=_f32(5120)),
+        lambda m: m.gated_residual_layer_norm_modulate(
+            _bf16(1, 32760, 5120),
+            _bf16(1, 32760, 5120),
+            _f32(1, 1, 5120),
+            None,
+            None,
+            1e-6,
+            weight=_f32(5120),
+            bias=_f32(5120),
+        ),
     ),
     "wan_14B_residual_layer_norm_modulate[1x32760x5120]": (
         "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), None, _f32(1, 1, 5120),
-                                                       _f32(1, 1, 5120), 1e-6),
+        lambda m: m.gated_residual_layer_norm_modulate(
+            _bf16(1, 32760, 5120), _bf16(1, 32760, 5120), None, _f32(1, 1, 5120), _f32(1, 1, 5120), 1e-6
+        ),
     ),
     "wan_14B_gated_residual_add[fp32 gate 1x32760x5120]": (
-        "rmsnorm", lambda m: m.gated_residual_add(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _f32(1, 1, 5120)),
+        "rmsnorm",
+        lambda m: m.gated_residual_add(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _f32(1, 1, 5120)),
     ),
-    "wan_14B_cross_attn_rms_norm+w[1x512x5120]": ("rmsnorm", lambda m: m.rms_norm(_bf16(1, 512, 5120), _bf16(5120), 1e-6)),
+    "wan_14B_cross_attn_rms_norm+w[1x512x5120]": (
+        "rmsnorm",
+        lambda m: m.rms_norm(_bf16(1, 512, 5120), _bf16(5120), 1e-6),
+    ),
     "wan_14B_gelu_tanh[1x32760x13824]": ("activations", lambda m: m.gelu_tanh(_bf16(1, 32760, 13824))),
     # ---- scripts/xcd_remap.py ----
     # the XCD tile remap helper inside its demo kernel: 1003 programs (not a multiple of 8) over 8 XCDs
@@ -795,8 +958,9 @@ def compile_launch(launch: Launch, target_name: str) -> dict:
             names[p[0]]: [f"{k}={v}" for k, v in a] for p, a in spec["attrs"].items() if a and len(p) == 1
         }
         rec["notes"] += spec["notes"]
-        src = ASTSource(fn=launch.kernel, signature=spec["signature"], constexprs=spec["constexprs"],
-                        attrs=spec["attrs"])
+        src = ASTSource(
+            fn=launch.kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=spec["attrs"]
+        )
         compiled = triton.compile(src, target=target, options=opts.__dict__)
     except Exception as exc:
         rec["compile_s"] = round(time.perf_counter() - t0, 3)
@@ -842,8 +1006,10 @@ def _kernels_are_compilable(module) -> Optional[str]:
     """A reason the module's kernels cannot be compiled in this process, or None."""
     for name, obj in vars(module).items():
         if type(obj).__name__ == "InterpretedFunction":
-            return (f"{module.__name__}.{name} was decorated under the Triton interpreter (TRITON_INTERPRET was set "
-                    "when the module was imported); run the check in a process without TRITON_INTERPRET")
+            return (
+                f"{module.__name__}.{name} was decorated under the Triton interpreter (TRITON_INTERPRET was set "
+                "when the module was imported); run the check in a process without TRITON_INTERPRET"
+            )
     return None
 
 
@@ -891,7 +1057,9 @@ def compile_cases(
         except Exception as exc:
             if case_matches:
                 for tname in targets:
-                    records.append(_failed(case_name, module_name, tname, f"cannot import: {type(exc).__name__}: {exc}"))
+                    records.append(
+                        _failed(case_name, module_name, tname, f"cannot import: {type(exc).__name__}: {exc}")
+                    )
             continue
         for tname in targets:
             try:
@@ -899,7 +1067,9 @@ def compile_cases(
                     build(module)
             except Exception as exc:
                 if case_matches:
-                    records.append(_failed(case_name, module_name, tname, f"launcher raised {type(exc).__name__}: {exc}"))
+                    records.append(
+                        _failed(case_name, module_name, tname, f"launcher raised {type(exc).__name__}: {exc}")
+                    )
                 continue
             selected = [ln for ln in launches if case_matches or flt in ln.name.lower()]
             if not launches and case_matches:
@@ -921,8 +1091,19 @@ def compile_cases(
 
 def _failed(case: str, module: str, target: str, problem: str) -> dict:
     backend, arch, warp = TARGETS[target]
-    return {"case": case, "module": module, "kernel": None, "target": target, "backend": backend, "arch": arch,
-            "warp_size": warp, "ok": False, "problems": [problem], "warnings": [], "notes": []}
+    return {
+        "case": case,
+        "module": module,
+        "kernel": None,
+        "target": target,
+        "backend": backend,
+        "arch": arch,
+        "warp_size": warp,
+        "ok": False,
+        "problems": [problem],
+        "warnings": [],
+        "notes": [],
+    }
 
 
 def compile_all(
@@ -969,8 +1150,20 @@ def format_table(records: Sequence[dict]) -> str:
         status = "ok" if r.get("ok") else "FAIL: " + "; ".join(r.get("problems", []))
         if r.get("ok") and r.get("warnings"):
             status = "warn: " + "; ".join(r["warnings"])
-        cells = (r.get("case"), r.get("kernel"), r.get("target"), r.get("num_warps"), regs, sgpr,
-                 spill, scratch, occ, r.get("lds_bytes"), r.get("compile_s"), status)
+        cells = (
+            r.get("case"),
+            r.get("kernel"),
+            r.get("target"),
+            r.get("num_warps"),
+            regs,
+            sgpr,
+            spill,
+            scratch,
+            occ,
+            r.get("lds_bytes"),
+            r.get("compile_s"),
+            status,
+        )
         rows.append(["-" if c is None else str(c) for c in cells])
     widths = [max(len(h), *(min(len(row[i]), 60) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     widths[-1] = len(head[-1])
@@ -998,16 +1191,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "launch configurations the launchers choose for real model shapes, and report registers, spills, "
         "scratch, occupancy and LDS. Exit 1 if a kernel fails to compile, spills or uses scratch on AMD.",
     )
-    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                   help=f"comma-separated targets among {','.join(TARGETS)} (default: all)")
-    p.add_argument("--kernel", default=None, metavar="NAME",
-                   help="only cases whose name, or kernels whose name, contains NAME (case-insensitive)")
-    p.add_argument("--num-warps", type=int, default=None, metavar="N",
-                   help="compile every selected launch with N warps instead of the launcher's choice (a what-if: "
-                   "registers, occupancy and LDS at another warp count; a power of two, 1-32)")
-    p.add_argument("--waves-per-eu", type=int, default=None, metavar="N",
-                   help="compile every selected launch for the AMD targets with the occupancy hint waves_per_eu=N "
-                   "(a what-if; 1-16; NVIDIA targets are compiled without it)")
+    p.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated targets among {','.join(TARGETS)} (default: all)",
+    )
+    p.add_argument(
+        "--kernel",
+        default=None,
+        metavar="NAME",
+        help="only cases whose name, or kernels whose name, contains NAME (case-insensitive)",
+    )
+    p.add_argument(
+        "--num-warps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compile every selected launch with N warps instead of the launcher's choice (a what-if: "
+        "registers, occupancy and LDS at another warp count; a power of two, 1-32)",
+    )
+    p.add_argument(
+        "--waves-per-eu",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compile every selected launch for the AMD targets with the occupancy hint waves_per_eu=N "
+        "(a what-if; 1-16; NVIDIA targets are compiled without it)",
+    )
     p.add_argument("--output-json", default=None, metavar="PATH", help="also write the JSON report to PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     args = p.parse_args(argv)
@@ -1015,7 +1225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bad = [t for t in targets if t not in TARGETS]
     if bad or not targets:
         p.error(f"unknown target(s) {bad}; choose among {','.join(TARGETS)}")
-    if args.num_warps is not None and (args.num_warps < 1 or args.num_warps > 32 or args.num_warps & (args.num_warps - 1)):
+    if args.num_warps is not None and (
+        args.num_warps < 1 or args.num_warps > 32 or args.num_warps & (args.num_warps - 1)
+    ):
         p.error(f"--num-warps must be a power of two from 1 to 32, got {args.num_warps}")
     if args.waves_per_eu is not None and not 1 <= args.waves_per_eu <= 16:
         p.error(f"--waves-per-eu must be from 1 to 16, got {args.waves_per_eu}")

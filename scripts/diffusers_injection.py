@@ -54,12 +54,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import activations  # noqa: E402
-import injection_common as ic  # noqa: E402
-import rmsnorm  # noqa: E402
-import rope  # noqa: E402
-
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
 from diffusers.models.attention_dispatch import (  # noqa: E402
@@ -77,6 +71,11 @@ from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
     LTXVideoTransformerBlock,
     apply_rotary_emb,
 )
+
+import activations  # noqa: E402
+import injection_common as ic  # noqa: E402
+import rmsnorm  # noqa: E402
+import rope  # noqa: E402
 
 __all__ = [
     "inject_optimized_kernels",
@@ -285,8 +284,12 @@ def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask
     call, which costs more host time than the rest of a small attention's Python."""
     if type(attn) is LTXAttention and "forward" not in attn.__dict__ and ic.hook_free(attn):
         return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-    return attn(hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
-                image_rotary_emb=image_rotary_emb)
+    return attn(
+        hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
 
 
 def _ltx_block_forward(
@@ -331,8 +334,9 @@ def _ltx_block_forward(
     attn_hidden_states = _attention_module(self.attn1, norm_hidden_states, None, None, image_rotary_emb)
     hidden_states = rmsnorm.gated_residual_add(hidden_states, attn_hidden_states, gate_msa)
 
-    attn_hidden_states = _attention_module(self.attn2, hidden_states, encoder_hidden_states,
-                                           encoder_attention_mask, None)
+    attn_hidden_states = _attention_module(
+        self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask, None
+    )
     # h + attn2, then norm2 + modulation, one kernel returning both the new residual and the norm.
     hidden_states, norm_hidden_states = rmsnorm.gated_residual_rms_norm_modulate(
         hidden_states,
@@ -373,9 +377,7 @@ def _ltx_rope_forward(
     """
     attns = self._rtk_attn1_modules
     if not all(type(a.processor) is LTXFusedSelfAttnProcessor for a in attns):
-        return _original_forward(self)(
-            hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords
-        )
+        return _original_forward(self)(hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords)
     batch_size = hidden_states.size(0)
     if video_coords is None:
         # every sample of the batch has the same grid: build one and broadcast it (batch stride 0: one
@@ -498,8 +500,12 @@ class LTXFusedSelfAttnProcessor:
         if self._attention_backend is None and self._parallel_config is None and _native_attention_active():
             # what diffusers' native backend computes for these arguments, without its dispatch
             hidden_states = F.scaled_dot_product_attention(
-                query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3),
-                attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                query.permute(0, 2, 1, 3),
+                key.permute(0, 2, 1, 3),
+                value.permute(0, 2, 1, 3),
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
             ).permute(0, 2, 1, 3)
         else:
             hidden_states = dispatch_attention_fn(
@@ -564,9 +570,7 @@ def _roots(pipe_or_model):
     components = getattr(pipe_or_model, "components", None)
     if isinstance(components, dict):
         return [m for m in components.values() if isinstance(m, torch.nn.Module)]
-    raise TypeError(
-        f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}"
-    )
+    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
 
 
 def _ltx_models(pipe_or_model):
@@ -936,14 +940,19 @@ def load_ltx_pipeline(*, device="cuda", seed: int = 0, log=None):
         from huggingface_hub import try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache("Lightricks/LTX-Video", "model_index.json"), str):
-            pipe = LTXPipeline.from_pretrained("Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True,
-                                               use_safetensors=True)
+            pipe = LTXPipeline.from_pretrained(
+                "Lightricks/LTX-Video", torch_dtype=torch.float32, local_files_only=True, use_safetensors=True
+            )
             return pipe.to(device), "Lightricks/LTX-Video from the local cache"
-        say("LTX-Video weights are not in the local Hugging Face cache: using the real-size architecture with "
-            "random weights")
+        say(
+            "LTX-Video weights are not in the local Hugging Face cache: using the real-size architecture with "
+            "random weights"
+        )
     except Exception as exc:  # a partial or unreadable cache: say why, then go on without it
         say(f"could not load LTX-Video from the local cache ({type(exc).__name__}: {exc}); using random weights")
-    return build_ltx_pipeline(device=device, seed=seed), "real-size LTX-Video transformer, random weights (no checkpoint)"
+    return build_ltx_pipeline(
+        device=device, seed=seed
+    ), "real-size LTX-Video transformer, random weights (no checkpoint)"
 
 
 def _main(argv=None) -> int:

@@ -89,9 +89,27 @@ def _rotate_pairs(y, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
-                     HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_rope_store(
+    xq,
+    xk,
+    wq,
+    wk,
+    c,
+    sn,
+    heads,
+    mask,
+    QO,
+    KO,
+    out_tok,
+    cols,
+    D,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Normalise (and rotate) one step's heads of q and k and store them at their output rows."""
     DT: tl.constexpr = QO.dtype.element_ty
     yq = _norm_heads(xq, wq, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
@@ -113,9 +131,34 @@ def _load_heads(q_tok, k_tok, q_sh, k_sh, heads, cols, mask):
 
 
 @triton.jit
-def _head_step(q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D,
-               eps, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_ROPE: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):
+def _head_step(
+    q_tok,
+    k_tok,
+    q_sh,
+    k_sh,
+    xq,
+    xk,
+    heads,
+    mask,
+    col_mask,
+    wq,
+    wk,
+    c,
+    sn,
+    QO,
+    KO,
+    out_tok,
+    cols,
+    H,
+    D,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """One step of heads: load the next step's q and k (PREFETCH; a fully masked load past the last head
     moves no data), then normalise, rotate and store this step's. Returns the next step's (heads, mask,
     xq, xk)."""
@@ -127,21 +170,53 @@ def _head_step(q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, 
         nxt = heads + BLOCK_H
         nmask = col_mask & (nxt < H)[:, None]
         xq_next, xk_next = _load_heads(q_tok, k_tok, q_sh, k_sh, nxt, cols, nmask)
-    _norm_rope_store(xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps,
-                     HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D)
+    _norm_rope_store(
+        xq,
+        xk,
+        wq,
+        wk,
+        c,
+        sn,
+        heads,
+        mask,
+        QO,
+        KO,
+        out_tok,
+        cols,
+        D,
+        eps,
+        HAS_WEIGHT,
+        CAST_BEFORE_WEIGHT,
+        HAS_ROPE,
+        BLOCK_H,
+        BLOCK_D,
+    )
     return nxt, nmask, xq_next, xk_next
 
 
 @triton.jit
 def _head_rms_norm_rope_kernel(
-    Q, q_sb, q_ss, q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
-    K, k_sb, k_ss, k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
-    QW, KW,  # RMSNorm weights [D] of q and k (HAS_WEIGHT)
-    COS, c_ss,  # cos [S_OUT, D] (HAS_ROPE): token stride; channels contiguous
-    SIN, s_ss,  # sin [S_OUT, D] (HAS_ROPE)
-    QO, KO,  # contiguous [B, S_OUT, H, D] outputs; this launch writes tokens SEQ_OFF .. SEQ_OFF + S - 1
-    S, H, D,  # tokens of this segment, heads, head dim
-    S_OUT, SEQ_OFF,  # tokens of the output, first output token of this segment
+    Q,
+    q_sb,
+    q_ss,
+    q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
+    K,
+    k_sb,
+    k_ss,
+    k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
+    QW,
+    KW,  # RMSNorm weights [D] of q and k (HAS_WEIGHT)
+    COS,
+    c_ss,  # cos [S_OUT, D] (HAS_ROPE): token stride; channels contiguous
+    SIN,
+    s_ss,  # sin [S_OUT, D] (HAS_ROPE)
+    QO,
+    KO,  # contiguous [B, S_OUT, H, D] outputs; this launch writes tokens SEQ_OFF .. SEQ_OFF + S - 1
+    S,
+    H,
+    D,  # tokens of this segment, heads, head dim
+    S_OUT,
+    SEQ_OFF,  # tokens of the output, first output token of this segment
     eps,  # RMSNorm epsilon
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
@@ -187,13 +262,63 @@ def _head_rms_norm_rope_kernel(
     if N_STEPS <= MAX_UNROLL:
         for step in tl.static_range(N_STEPS):
             heads, mask, xq, xk = _head_step(
-                q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D,
-                eps, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D, step + 1 < N_STEPS)
+                q_tok,
+                k_tok,
+                q_sh,
+                k_sh,
+                xq,
+                xk,
+                heads,
+                mask,
+                col_mask,
+                wq,
+                wk,
+                c,
+                sn,
+                QO,
+                KO,
+                out_tok,
+                cols,
+                H,
+                D,
+                eps,
+                HAS_WEIGHT,
+                CAST_BEFORE_WEIGHT,
+                HAS_ROPE,
+                BLOCK_H,
+                BLOCK_D,
+                step + 1 < N_STEPS,
+            )
     else:
         for _ in range(0, N_STEPS):
             heads, mask, xq, xk = _head_step(
-                q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D,
-                eps, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_ROPE, BLOCK_H, BLOCK_D, True)
+                q_tok,
+                k_tok,
+                q_sh,
+                k_sh,
+                xq,
+                xk,
+                heads,
+                mask,
+                col_mask,
+                wq,
+                wk,
+                c,
+                sn,
+                QO,
+                KO,
+                out_tok,
+                cols,
+                H,
+                D,
+                eps,
+                HAS_WEIGHT,
+                CAST_BEFORE_WEIGHT,
+                HAS_ROPE,
+                BLOCK_H,
+                BLOCK_D,
+                True,
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,6 +342,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -241,9 +368,9 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
 # ---- shared block checks end ----
 
 
@@ -255,6 +382,8 @@ def _cdiv(a: int, b: int) -> int:
 def _next_pow2(n: int) -> int:
     """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
 # ---- shared block sizes end ----
 
 
@@ -302,10 +431,17 @@ def _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
     is kept and later calls with the same signature only allocate the outputs and launch.
     """
     try:
-        key = (tuple(map(_sig, qs)), tuple(map(_sig, ks)), tuple(map(_sig, q_weights)),
-               tuple(map(_sig, k_weights)),
-               type(eps), tuple((type(e), e) for e in eps) if isinstance(eps, (list, tuple)) else eps,
-               cos if cos is None else _sig(cos), sin if sin is None else _sig(sin), cast_before_weight)
+        key = (
+            tuple(map(_sig, qs)),
+            tuple(map(_sig, ks)),
+            tuple(map(_sig, q_weights)),
+            tuple(map(_sig, k_weights)),
+            type(eps),
+            tuple((type(e), e) for e in eps) if isinstance(eps, (list, tuple)) else eps,
+            cos if cos is None else _sig(cos),
+            sin if sin is None else _sig(sin),
+            cast_before_weight,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
         key = plan = None
@@ -340,7 +476,9 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
                 "with the B, H and D of the first part)"
             )
         if k.shape != q.shape:
-            raise ValueError(f"k{tag} has shape {tuple(k.shape)} but q{tag} has shape {tuple(q.shape)}; they must match")
+            raise ValueError(
+                f"k{tag} has shape {tuple(k.shape)} but q{tag} has shape {tuple(q.shape)}; they must match"
+            )
         if q.dtype != dtype or k.dtype != dtype:
             raise TypeError(
                 f"q{tag} / k{tag} have dtypes {_dtype_name(q.dtype)} / {_dtype_name(k.dtype)}; every q and k must "
@@ -376,9 +514,10 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             _check_last_contiguous(nm, t)
     out_shape = (bsz, total, heads, dim)
     if bsz * total * heads * dim == 0:
+
         def run_empty(qs, ks, q_weights, k_weights, cos, sin):
-            return (torch.empty(out_shape, dtype=dtype, device=dev),
-                    torch.empty(out_shape, dtype=dtype, device=dev))
+            return (torch.empty(out_shape, dtype=dtype, device=dev), torch.empty(out_shape, dtype=dtype, device=dev))
+
         return run_empty
     warp_size = _device_target(dev)[2]
     # One launch per part with tokens. Absent weights and tables are passed as q_out (never
@@ -394,22 +533,60 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
         block_h, block_d, num_warps = _launch_config(dim, heads, warp_size)
         grid = (bsz * seq,)  # one program per token
         args = (
-            None, q.stride(0), q.stride(1), q.stride(2),  # Q
-            None, k.stride(0), k.stride(1), k.stride(2),  # K
-            None, None,  # QW, KW
-            None, cos.stride(0) if has_rope else 0,  # COS
-            None, sin.stride(0) if has_rope else 0,  # SIN
-            None, None,  # QO, KO
-            seq, heads, dim,
-            total, offset,
+            None,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),  # Q
+            None,
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),  # K
+            None,
+            None,  # QW, KW
+            None,
+            cos.stride(0) if has_rope else 0,  # COS
+            None,
+            sin.stride(0) if has_rope else 0,  # SIN
+            None,
+            None,  # QO, KO
+            seq,
+            heads,
+            dim,
+            total,
+            offset,
             e,
         )
-        launches.append((i, _Launch(_head_rms_norm_rope_kernel, grid, args, dict(
-            HAS_WEIGHT=has_weight, CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_ROPE=has_rope,
-            BLOCK_H=block_h, N_STEPS=_cdiv(heads, block_h), MAX_UNROLL=_MAX_UNROLL, BLOCK_D=block_d,
-            num_warps=num_warps,
-        ), (0, 4, 8 if has_weight else None, 9 if has_weight else None, 10 if has_rope else None,
-            12 if has_rope else None, 14, 15), dev)))
+        launches.append(
+            (
+                i,
+                _Launch(
+                    _head_rms_norm_rope_kernel,
+                    grid,
+                    args,
+                    dict(
+                        HAS_WEIGHT=has_weight,
+                        CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+                        HAS_ROPE=has_rope,
+                        BLOCK_H=block_h,
+                        N_STEPS=_cdiv(heads, block_h),
+                        MAX_UNROLL=_MAX_UNROLL,
+                        BLOCK_D=block_d,
+                        num_warps=num_warps,
+                    ),
+                    (
+                        0,
+                        4,
+                        8 if has_weight else None,
+                        9 if has_weight else None,
+                        10 if has_rope else None,
+                        12 if has_rope else None,
+                        14,
+                        15,
+                    ),
+                    dev,
+                ),
+            )
+        )
         offset += seq
 
     # outputs are contiguous; with one part they have q's shape and dtype, and torch.empty_like(q) makes
@@ -473,11 +650,15 @@ def _check_device(name: str, t) -> None:
         raise ValueError(
             f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
-               if _KERNELS_INTERPRETED else "")
+            + (
+                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
+                if _KERNELS_INTERPRETED
+                else ""
+            )
         )
-    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
-                                                     and _device_target(device)[0] != "interpreter"):
+    if interpreting != _KERNELS_INTERPRETED and not (
+        device.type == "cpu" and _device_target(device)[0] != "interpreter"
+    ):
         if interpreting:
             raise RuntimeError(
                 f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
@@ -596,8 +777,11 @@ class _Launch:
             if not _DIRECT["ok"]:
                 import warnings
 
-                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
+                warnings.warn(
+                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                    "kernels launch through the JIT (more host time per call)",
+                    stacklevel=4,
+                )
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
@@ -605,8 +789,14 @@ class _Launch:
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
         masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
-              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        ns = {
+            "_run": compiled.run,
+            "_function": compiled.function,
+            "_metadata": compiled.packed_metadata,
+            "_current_device": _current_device,
+            "_current_stream": _current_stream,
+            "_hooks_idle": _hooks_idle,
+        }
         slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
         values = []
         for i, v in enumerate(full):
@@ -621,14 +811,20 @@ class _Launch:
         n = len(self.slots)
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
-            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
-             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-             "        return False"]
+            [
+                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+                "        return False",
+            ]
             + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
             + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-               f"None, None, None, {', '.join(values)})",
-               "    return True", ""])
+            + [
+                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+                f"None, None, None, {', '.join(values)})",
+                "    return True",
+                "",
+            ]
+        )
         exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
         direct = ns["direct"]
         direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
@@ -662,6 +858,8 @@ _TLS = threading.local()
 
 def _as_launched(fn):
     return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
 # ---- shared block ops end ----
 
 
@@ -714,6 +912,8 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
 # ---- shared block registration end ----
 
 
@@ -745,14 +945,21 @@ _register("head_rms_norm_rope", _head_rms_norm_rope_op, _head_rms_norm_rope_op_f
 def _dispatch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight, fn="head_rms_norm_rope"):
     if torch.compiler.is_compiling():
         return _compile_op("head_rms_norm_rope")(
-            list(qs), list(ks), list(q_weights), list(k_weights), _eps_list(eps, len(qs)), cos, sin,
+            list(qs),
+            list(ks),
+            list(q_weights),
+            list(k_weights),
+            _eps_list(eps, len(qs)),
+            cos,
+            sin,
             bool(cast_before_weight),
         )
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
     if torch.is_grad_enabled():  # (the names are built in grad mode only)
         kinds = ("q", "k", "q_weight", "k_weight")
-        names = list(kinds) if fn == "head_rms_norm_rope" else [
-            f"{n} of part {i}" for i in range(len(qs)) for n in kinds]
+        names = (
+            list(kinds) if fn == "head_rms_norm_rope" else [f"{n} of part {i}" for i in range(len(qs)) for n in kinds]
+        )
         tensors = [t for part in zip(qs, ks, q_weights, k_weights) for t in part]
         _check_no_grad(fn, names + ["cos", "sin"], tensors + [cos, sin])
     return _launch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight)
@@ -896,8 +1103,12 @@ def _main(argv=None) -> int:
     q_ref, k_ref = joint_head_rms_norm_rope_ref(dparts, 1e-6, cos.double(), sin.double())
     q_nr, k_nr = joint_head_rms_norm_rope(parts, 1e-6, cast_before_weight=True)
     q_nr_ref, k_nr_ref = joint_head_rms_norm_rope_ref(dparts, 1e-6)
-    checks = {"q_rope": (q_out, q_ref), "k_rope": (k_out, k_ref), "q_norm_only": (q_nr, q_nr_ref),
-              "k_norm_only": (k_nr, k_nr_ref)}
+    checks = {
+        "q_rope": (q_out, q_ref),
+        "k_rope": (k_out, k_ref),
+        "q_norm_only": (q_nr, q_nr_ref),
+        "k_norm_only": (k_nr, k_nr_ref),
+    }
     tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
     report, ok = {}, True
     for name, (got, ref) in checks.items():
@@ -905,8 +1116,11 @@ def _main(argv=None) -> int:
         good = bool(err <= tol)
         report[name] = {"max_rel_err": err, "ok": good}
         ok &= good
-    print(json.dumps({"device": str(device), "dtype": args.dtype, "shape": [B, St + Si, H, D], "checks": report,
-                      "ok": bool(ok)}))
+    print(
+        json.dumps(
+            {"device": str(device), "dtype": args.dtype, "shape": [B, St + Si, H, D], "checks": report, "ok": bool(ok)}
+        )
+    )
     return 0 if ok else 1
 
 

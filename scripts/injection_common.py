@@ -87,11 +87,18 @@ _MM = torch.nn.modules.module
 def hook_free(module: torch.nn.Module) -> bool:
     """Whether module(...) would run module.forward(...) and nothing else (no torch hook, no
     Module.compile() of it, no torch.jit tracing)."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _MM._global_forward_hooks or _MM._global_forward_pre_hooks
-                or _MM._global_backward_hooks or _MM._global_backward_pre_hooks
-                or getattr(module, "_compiled_call_impl", None) is not None
-                or torch._C._get_tracing_state())
+    return not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _MM._global_forward_hooks
+        or _MM._global_forward_pre_hooks
+        or _MM._global_backward_hooks
+        or _MM._global_backward_pre_hooks
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or torch._C._get_tracing_state()
+    )
 
 
 def unwrapped(module: torch.nn.Module, state_key: Optional[str] = None) -> bool:
@@ -168,9 +175,11 @@ def gemm_gelu_enabled() -> bool:
 # variable that turns the Lt path off is DISABLE_ADDMM_CUDA_LT=1; Blas.cpp reads no
 # DISABLE_ADDMM_HIP_LT (getDisableAddmmCudaLt at pytorch/pytorch 960a68465f61,
 # isGloballyDisabledAddmmCudaLt at ROCm/pytorch 03c1b4882649 and cyyever/pytorch 0cecc5c1817a).
-_HIPBLASLT_ARCHS = (((0, 0), ("gfx90a", "gfx942")),
-                    ((6, 3), ("gfx908", "gfx1100", "gfx1101", "gfx1200", "gfx1201")),
-                    ((7, 0), ("gfx950", "gfx1150", "gfx1151")))
+_HIPBLASLT_ARCHS = (
+    ((0, 0), ("gfx90a", "gfx942")),
+    ((6, 3), ("gfx908", "gfx1100", "gfx1101", "gfx1200", "gfx1201")),
+    ((7, 0), ("gfx950", "gfx1150", "gfx1151")),
+)
 
 
 def gemm_gelu_lt_expected(device) -> bool:
@@ -422,7 +431,12 @@ def patch_forward(module: torch.nn.Module, fn, kind: str, state_key: str, **extr
         prev = module.__dict__.get(slot)
     original = prev if prev is not None else BoundForward(type(module).forward, module)
     module.__dict__[state_key] = {
-        "kind": kind, "slot": slot, "prev": prev, "patched": patched, "original": original, **extra
+        "kind": kind,
+        "slot": slot,
+        "prev": prev,
+        "patched": patched,
+        "original": original,
+        **extra,
     }
     if hook_slot is not None:
         setattr(*hook_slot, patched)

@@ -70,8 +70,21 @@ _INTERPRETER_PROGRAMS = 3  # the persistent grid under the interpreter: CPU test
 # Kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
-                     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr):
+def _affine_modulate(
+    y,
+    W,
+    BIAS,
+    SCALE,
+    SHIFT,
+    s_row,
+    t_row,
+    rows,
+    cols,
+    mask,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MOD: tl.constexpr,
+):
     """Normalised fp32 rows y -> (* w) (+ b), then * (1 + scale) + shift."""
     if HAS_WEIGHT:
         # loaded at the tile's full shape so it shares the tile's register layout (a [BLOCK_N] load
@@ -89,8 +102,9 @@ def _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
 
 
 @triton.jit
-def _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
-                   HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
+def _load_residual(
+    X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr
+):
     """fp32 rows of x, or of h = x + gate * y rounded to h's dtype (and stored to H_OUT)."""
     x, yv, g = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask, HAS_RESIDUAL, HAS_GATE)
     return _residual(x, yv, g, H_OUT, out_row, cols, mask, HAS_RESIDUAL, HAS_GATE)
@@ -144,9 +158,32 @@ def _load_mod(SCALE, SHIFT, s_row, t_row, cols, mask, PRE: tl.constexpr):
 
 
 @triton.jit
-def _finish_rows(y, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row, out_row,
-                 rows, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr,
-                 HAS_MOD2: tl.constexpr, sc=0.0, sh=0.0, PRE: tl.constexpr = False):
+def _finish_rows(
+    y,
+    W,
+    BIAS,
+    SCALE,
+    SHIFT,
+    SCALE2,
+    SHIFT2,
+    OUT,
+    OUT2,
+    s_row,
+    t_row,
+    s2_row,
+    t2_row,
+    out_row,
+    rows,
+    cols,
+    mask,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MOD: tl.constexpr,
+    HAS_MOD2: tl.constexpr,
+    sc=0.0,
+    sh=0.0,
+    PRE: tl.constexpr = False,
+):
     """Normalised fp32 rows y (columns `cols`) -> affine, modulation(s), stores to OUT (and OUT2).
     PRE: the modulation's scale and shift are the tiles sc, sh loaded earlier (_load_mod)."""
     if HAS_MOD2:
@@ -161,10 +198,32 @@ def _finish_rows(y, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_r
 
 
 @triton.jit
-def _row_offsets(rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride_i, g_stride_o, g_stride_i,
-                 s_stride_o, s_stride_i, t_stride_o, t_stride_i, s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
-                 HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
-                 X_DENSE: tl.constexpr, Y_DENSE: tl.constexpr):
+def _row_offsets(
+    rows,
+    M,
+    N,
+    INNER,
+    x_stride_o,
+    x_stride_i,
+    y_stride_o,
+    y_stride_i,
+    g_stride_o,
+    g_stride_i,
+    s_stride_o,
+    s_stride_i,
+    t_stride_o,
+    t_stride_i,
+    s2_stride_o,
+    s2_stride_i,
+    t2_stride_o,
+    t2_stride_i,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_MOD: tl.constexpr,
+    HAS_MOD2: tl.constexpr,
+    X_DENSE: tl.constexpr,
+    Y_DENSE: tl.constexpr,
+):
     """Row mask and the element offsets of each tensor's row for row indices `rows`."""
     row_mask = rows < M
     rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
@@ -193,8 +252,20 @@ def _row_offsets(rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride
 
 
 @triton.jit
-def _load_raw_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N,
-                     HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+def _load_raw_chunks(
+    X,
+    Y,
+    GATE,
+    x_row,
+    y_row,
+    g_row,
+    row_mask,
+    N,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NCH: tl.constexpr,
+):
     """A single-pass row block as stored: x (y, gate) for chunk 0, and chunks 1, 2 when NCH == 3
     (0.0 placeholders otherwise)."""
     cols0 = tl.arange(0, BLOCK_N)
@@ -215,12 +286,43 @@ def _load_raw_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N,
 
 
 @triton.jit
-def _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
-                      H_OUT, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
-                      rows, row_mask, out_row, s_row, t_row, s2_row, t2_row, N, eps,
-                      HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+def _single_pass_rows(
+    x0,
+    y0,
+    g0,
+    x1,
+    y1,
+    g1,
+    x2,
+    y2,
+    g2,
+    H_OUT,
+    W,
+    BIAS,
+    SCALE,
+    SHIFT,
+    SCALE2,
+    SHIFT2,
+    OUT,
+    OUT2,
+    rows,
+    row_mask,
+    out_row,
+    s_row,
+    t_row,
+    s2_row,
+    t2_row,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MOD: tl.constexpr,
+    HAS_MOD2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NCH: tl.constexpr,
+):
     """Normalise a row block held in registers (the raw tiles of _load_raw_chunks): one chunk of the
     next power of two above N, or three (N = 3 * BLOCK_N, e.g. SD3's 1536 and FLUX's 3072) so that no
     lane idles. Each reduction runs once over the chunks' elementwise sum."""
@@ -251,34 +353,125 @@ def _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
         d2 = x2 - mean
         ss = ss + d1 * d1 + d2 * d2
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1)[:, None] / N + eps)
-    _finish_rows(d0 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                 out_row, rows, cols0, m0, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc0, sh0, PRE)
+    _finish_rows(
+        d0 * rstd,
+        W,
+        BIAS,
+        SCALE,
+        SHIFT,
+        SCALE2,
+        SHIFT2,
+        OUT,
+        OUT2,
+        s_row,
+        t_row,
+        s2_row,
+        t2_row,
+        out_row,
+        rows,
+        cols0,
+        m0,
+        HAS_WEIGHT,
+        HAS_BIAS,
+        HAS_MOD,
+        HAS_MOD2,
+        sc0,
+        sh0,
+        PRE,
+    )
     if NCH == 3:
-        _finish_rows(d1 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                     out_row, rows, c1, m1, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc1, sh1, PRE)
-        _finish_rows(d2 * rstd, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2, s_row, t_row, s2_row, t2_row,
-                     out_row, rows, c2, m2, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, sc2, sh2, PRE)
+        _finish_rows(
+            d1 * rstd,
+            W,
+            BIAS,
+            SCALE,
+            SHIFT,
+            SCALE2,
+            SHIFT2,
+            OUT,
+            OUT2,
+            s_row,
+            t_row,
+            s2_row,
+            t2_row,
+            out_row,
+            rows,
+            c1,
+            m1,
+            HAS_WEIGHT,
+            HAS_BIAS,
+            HAS_MOD,
+            HAS_MOD2,
+            sc1,
+            sh1,
+            PRE,
+        )
+        _finish_rows(
+            d2 * rstd,
+            W,
+            BIAS,
+            SCALE,
+            SHIFT,
+            SCALE2,
+            SHIFT2,
+            OUT,
+            OUT2,
+            s_row,
+            t_row,
+            s2_row,
+            t2_row,
+            out_row,
+            rows,
+            c2,
+            m2,
+            HAS_WEIGHT,
+            HAS_BIAS,
+            HAS_MOD,
+            HAS_MOD2,
+            sc2,
+            sh2,
+            PRE,
+        )
 
 
 @triton.jit
 def _layer_norm_kernel(
     X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
-    x_stride_o, x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
-    Y, y_stride_o, y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
-    GATE, g_stride_o, g_stride_i,  # gate multiplying Y (HAS_GATE), broadcast strides
+    x_stride_o,
+    x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
+    Y,
+    y_stride_o,
+    y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
+    GATE,
+    g_stride_o,
+    g_stride_i,  # gate multiplying Y (HAS_GATE), broadcast strides
     H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
     W,  # weight [N] (HAS_WEIGHT)
     BIAS,  # bias [N] (HAS_BIAS)
-    SCALE, s_stride_o, s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
-    SHIFT, t_stride_o, t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
-    SCALE2, s2_stride_o, s2_stride_i,  # second modulation scale (HAS_MOD2), broadcast strides
-    SHIFT2, t2_stride_o, t2_stride_i,  # second modulation shift (HAS_MOD2), broadcast strides
+    SCALE,
+    s_stride_o,
+    s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
+    SHIFT,
+    t_stride_o,
+    t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
+    SCALE2,
+    s2_stride_o,
+    s2_stride_i,  # second modulation scale (HAS_MOD2), broadcast strides
+    SHIFT2,
+    t2_stride_o,
+    t2_stride_i,  # second modulation shift (HAS_MOD2), broadcast strides
     OUT,  # contiguous [M, N] output
     OUT2,  # contiguous [M, N] second output (HAS_MOD2)
-    M, N, INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
+    M,
+    N,
+    INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
     eps,  # epsilon added to the variance
-    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_MOD: tl.constexpr, HAS_MOD2: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MOD: tl.constexpr,
+    HAS_MOD2: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows per program (per step when PERSISTENT)
     BLOCK_N: tl.constexpr,  # columns per step (SINGLE_PASS: per chunk, NCH * BLOCK_N >= N)
     SINGLE_PASS: tl.constexpr,
@@ -297,52 +490,208 @@ def _layer_norm_kernel(
         G = tl.num_programs(0)
         n_blocks = tl.cdiv(M, BLOCK_M)
         rr, rm, xr, yr, gr, orow, sr, tr, s2r, t2r = _row_offsets(
-            rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride_i, g_stride_o, g_stride_i,
-            s_stride_o, s_stride_i, t_stride_o, t_stride_i, s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
-            HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_MOD2, X_DENSE, Y_DENSE)
-        x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(X, Y, GATE, xr, yr, gr, rm, N,
-                                                             HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH)
+            rows,
+            M,
+            N,
+            INNER,
+            x_stride_o,
+            x_stride_i,
+            y_stride_o,
+            y_stride_i,
+            g_stride_o,
+            g_stride_i,
+            s_stride_o,
+            s_stride_i,
+            t_stride_o,
+            t_stride_i,
+            s2_stride_o,
+            s2_stride_i,
+            t2_stride_o,
+            t2_stride_i,
+            HAS_RESIDUAL,
+            HAS_GATE,
+            HAS_MOD,
+            HAS_MOD2,
+            X_DENSE,
+            Y_DENSE,
+        )
+        x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(
+            X, Y, GATE, xr, yr, gr, rm, N, HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH
+        )
         for blk0 in range(pid, n_blocks, G):
             blk = blk0 + 0 * pid  # a tensor under the interpreter too
             rr, rm, xr, yr, gr, orow, sr, tr, s2r, t2r = _row_offsets(
-                blk * BLOCK_M + tl.arange(0, BLOCK_M), M, N, INNER, x_stride_o, x_stride_i, y_stride_o,
-                y_stride_i, g_stride_o, g_stride_i, s_stride_o, s_stride_i, t_stride_o, t_stride_i,
-                s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
-                HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_MOD2, X_DENSE, Y_DENSE)
+                blk * BLOCK_M + tl.arange(0, BLOCK_M),
+                M,
+                N,
+                INNER,
+                x_stride_o,
+                x_stride_i,
+                y_stride_o,
+                y_stride_i,
+                g_stride_o,
+                g_stride_i,
+                s_stride_o,
+                s_stride_i,
+                t_stride_o,
+                t_stride_i,
+                s2_stride_o,
+                s2_stride_i,
+                t2_stride_o,
+                t2_stride_i,
+                HAS_RESIDUAL,
+                HAS_GATE,
+                HAS_MOD,
+                HAS_MOD2,
+                X_DENSE,
+                Y_DENSE,
+            )
             # the next block (all masked off past the last one)
             _nr, nm, nxr, nyr, ngr, _no, _ns, _nt, _ns2, _nt2 = _row_offsets(
-                (blk + G) * BLOCK_M + tl.arange(0, BLOCK_M), M, N, INNER, x_stride_o, x_stride_i, y_stride_o,
-                y_stride_i, g_stride_o, g_stride_i, s_stride_o, s_stride_i, t_stride_o, t_stride_i,
-                s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
-                HAS_RESIDUAL, HAS_GATE, False, False, X_DENSE, Y_DENSE)
-            n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2 = _load_raw_chunks(X, Y, GATE, nxr, nyr, ngr, nm, N,
-                                                                       HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH)
-            _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
-                              H_OUT, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
-                              rr, rm, orow, sr, tr, s2r, t2r, N, eps,
-                              HAS_RESIDUAL, HAS_GATE, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, BLOCK_N, NCH)
+                (blk + G) * BLOCK_M + tl.arange(0, BLOCK_M),
+                M,
+                N,
+                INNER,
+                x_stride_o,
+                x_stride_i,
+                y_stride_o,
+                y_stride_i,
+                g_stride_o,
+                g_stride_i,
+                s_stride_o,
+                s_stride_i,
+                t_stride_o,
+                t_stride_i,
+                s2_stride_o,
+                s2_stride_i,
+                t2_stride_o,
+                t2_stride_i,
+                HAS_RESIDUAL,
+                HAS_GATE,
+                False,
+                False,
+                X_DENSE,
+                Y_DENSE,
+            )
+            n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2 = _load_raw_chunks(
+                X, Y, GATE, nxr, nyr, ngr, nm, N, HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH
+            )
+            _single_pass_rows(
+                x0,
+                y0,
+                g0,
+                x1,
+                y1,
+                g1,
+                x2,
+                y2,
+                g2,
+                H_OUT,
+                W,
+                BIAS,
+                SCALE,
+                SHIFT,
+                SCALE2,
+                SHIFT2,
+                OUT,
+                OUT2,
+                rr,
+                rm,
+                orow,
+                sr,
+                tr,
+                s2r,
+                t2r,
+                N,
+                eps,
+                HAS_RESIDUAL,
+                HAS_GATE,
+                HAS_WEIGHT,
+                HAS_BIAS,
+                HAS_MOD,
+                HAS_MOD2,
+                BLOCK_N,
+                NCH,
+            )
             x0, y0, g0, x1, y1, g1, x2, y2, g2 = n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2
     else:
         rows, row_mask, x_row, y_row, g_row, out_row, s_row, t_row, s2_row, t2_row = _row_offsets(
-            rows, M, N, INNER, x_stride_o, x_stride_i, y_stride_o, y_stride_i, g_stride_o, g_stride_i,
-            s_stride_o, s_stride_i, t_stride_o, t_stride_i, s2_stride_o, s2_stride_i, t2_stride_o, t2_stride_i,
-            HAS_RESIDUAL, HAS_GATE, HAS_MOD, HAS_MOD2, X_DENSE, Y_DENSE)
+            rows,
+            M,
+            N,
+            INNER,
+            x_stride_o,
+            x_stride_i,
+            y_stride_o,
+            y_stride_i,
+            g_stride_o,
+            g_stride_i,
+            s_stride_o,
+            s_stride_i,
+            t_stride_o,
+            t_stride_i,
+            s2_stride_o,
+            s2_stride_i,
+            t2_stride_o,
+            t2_stride_i,
+            HAS_RESIDUAL,
+            HAS_GATE,
+            HAS_MOD,
+            HAS_MOD2,
+            X_DENSE,
+            Y_DENSE,
+        )
         cols0 = tl.arange(0, BLOCK_N)
         if SINGLE_PASS:
-            x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N,
-                                                                 HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH)
-            _single_pass_rows(x0, y0, g0, x1, y1, g1, x2, y2, g2,
-                              H_OUT, W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
-                              rows, row_mask, out_row, s_row, t_row, s2_row, t2_row, N, eps,
-                              HAS_RESIDUAL, HAS_GATE, HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2, BLOCK_N, NCH)
+            x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(
+                X, Y, GATE, x_row, y_row, g_row, row_mask, N, HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH
+            )
+            _single_pass_rows(
+                x0,
+                y0,
+                g0,
+                x1,
+                y1,
+                g1,
+                x2,
+                y2,
+                g2,
+                H_OUT,
+                W,
+                BIAS,
+                SCALE,
+                SHIFT,
+                SCALE2,
+                SHIFT2,
+                OUT,
+                OUT2,
+                rows,
+                row_mask,
+                out_row,
+                s_row,
+                t_row,
+                s2_row,
+                t2_row,
+                N,
+                eps,
+                HAS_RESIDUAL,
+                HAS_GATE,
+                HAS_WEIGHT,
+                HAS_BIAS,
+                HAS_MOD,
+                HAS_MOD2,
+                BLOCK_N,
+                NCH,
+            )
         else:
             # Pass 1: the mean (and the residual update, stored once).
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                acc += _load_residual(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask,
-                                      HAS_RESIDUAL, HAS_GATE)
+                acc += _load_residual(
+                    X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask, HAS_RESIDUAL, HAS_GATE
+                )
             mean = tl.sum(acc, axis=1) / N
             if HAS_RESIDUAL:
                 tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
@@ -360,9 +709,29 @@ def _layer_norm_kernel(
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
                 x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL)
-                _finish_rows((x - mean[:, None]) * rstd[:, None], W, BIAS, SCALE, SHIFT, SCALE2, SHIFT2, OUT, OUT2,
-                             s_row, t_row, s2_row, t2_row, out_row, rows, cols, mask,
-                             HAS_WEIGHT, HAS_BIAS, HAS_MOD, HAS_MOD2)
+                _finish_rows(
+                    (x - mean[:, None]) * rstd[:, None],
+                    W,
+                    BIAS,
+                    SCALE,
+                    SHIFT,
+                    SCALE2,
+                    SHIFT2,
+                    OUT,
+                    OUT2,
+                    s_row,
+                    t_row,
+                    s2_row,
+                    t2_row,
+                    out_row,
+                    rows,
+                    cols,
+                    mask,
+                    HAS_WEIGHT,
+                    HAS_BIAS,
+                    HAS_MOD,
+                    HAS_MOD2,
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,6 +755,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -422,9 +793,9 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
 # ---- shared block checks end ----
 
 
@@ -483,6 +854,8 @@ def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     dims = [st for s, st in zip(shape, strides) if s != 1]
     return dims[-1] if dims else 0
+
+
 # ---- shared block strides end ----
 
 
@@ -525,6 +898,8 @@ def _dense(layout, m: int, inner: int) -> bool:
     """Whether rows at layout (stride_o, stride_i) sit at r * stride_i: one level of rows, or the outer
     stride spanning exactly INNER inner rows."""
     return m <= inner or layout[0] == inner * layout[1]
+
+
 # ---- shared block rows end ----
 
 
@@ -536,6 +911,8 @@ def _cdiv(a: int, b: int) -> int:
 def _next_pow2(n: int) -> int:
     """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
 # ---- shared block sizes end ----
 
 
@@ -605,11 +982,19 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     and later calls with the same signature only allocate the outputs and launch.
     """
     try:
-        key = (_sig(x), y if y is None else _sig(y), gate if gate is None else _sig(gate),
-               weight if weight is None else _sig(weight), bias if bias is None else _sig(bias),
-               scale if scale is None else _sig(scale), shift if shift is None else _sig(shift),
-               scale2 if scale2 is None else _sig(scale2), shift2 if shift2 is None else _sig(shift2),
-               type(eps), eps)
+        key = (
+            _sig(x),
+            y if y is None else _sig(y),
+            gate if gate is None else _sig(gate),
+            weight if weight is None else _sig(weight),
+            bias if bias is None else _sig(bias),
+            scale if scale is None else _sig(scale),
+            shift if shift is None else _sig(shift),
+            scale2 if scale2 is None else _sig(scale2),
+            shift2 if shift2 is None else _sig(shift2),
+            type(eps),
+            eps,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
         key = plan = None
@@ -638,7 +1023,9 @@ def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
         if y.shape != shape:
             raise ValueError(f"y has shape {tuple(y.shape)} but h has shape {tuple(shape)}; they must match")
         if y.dtype != x.dtype:
-            raise TypeError(f"y has dtype {_dtype_name(y.dtype)} but h has dtype {_dtype_name(x.dtype)}; they must match")
+            raise TypeError(
+                f"y has dtype {_dtype_name(y.dtype)} but h has dtype {_dtype_name(x.dtype)}; they must match"
+            )
         _check_last_contiguous("y", y)
     elif gate is not None:
         raise ValueError("gate is only used with a residual branch y")
@@ -668,11 +1055,13 @@ def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
 
     x_dtype = x.dtype
     if x.numel() == 0:
+
         def run_empty(x, y, gate, weight, bias, scale, shift, scale2, shift2):
             out = torch.empty(shape, dtype=x_dtype, device=device)
             out2 = torch.empty(shape, dtype=x_dtype, device=device) if has_mod2 else None
             h_out = torch.empty(shape, dtype=x_dtype, device=device) if has_residual else None
             return h_out, out, out2
+
         return run_empty
     m = x.numel() // n
     stride_sets = [x.stride()[:-1]]
@@ -702,32 +1091,79 @@ def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     grid = (programs or n_blocks,)
     # Absent tensors stay None (their slots are None: the constexpr flags remove every use of them).
     args = (
-        None, xs[0], xs[1],  # X
-        None, ys[0], ys[1],  # Y
-        None, gs[0], gs[1],  # GATE
+        None,
+        xs[0],
+        xs[1],  # X
+        None,
+        ys[0],
+        ys[1],  # Y
+        None,
+        gs[0],
+        gs[1],  # GATE
         None,  # H_OUT
         None,  # W
         None,  # BIAS
-        None, ss[0], ss[1],  # SCALE
-        None, ts[0], ts[1],  # SHIFT
-        None, s2[0], s2[1],  # SCALE2
-        None, t2[0], t2[1],  # SHIFT2
+        None,
+        ss[0],
+        ss[1],  # SCALE
+        None,
+        ts[0],
+        ts[1],  # SHIFT
+        None,
+        s2[0],
+        s2[1],  # SCALE2
+        None,
+        t2[0],
+        t2[1],  # SHIFT2
         None,  # OUT
         None,  # OUT2
-        m, n, inner,
+        m,
+        n,
+        inner,
         float(eps),
     )
-    launch = _Launch(_layer_norm_kernel, grid, args, dict(
-        HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, HAS_MOD=has_mod, HAS_MOD2=has_mod2,
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
-        X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
-        PERSISTENT=programs > 0,
-        num_warps=num_warps,
-    ), [i if on else None for i, on in zip(
-        (0, 3, 6, 9, 10, 11, 12, 15, 18, 21, 24, 25),
-        (True, has_residual, gate is not None, has_residual, weight is not None, bias is not None, has_mod, has_mod,
-         has_mod2, has_mod2, True, has_mod2))], device)
+    launch = _Launch(
+        _layer_norm_kernel,
+        grid,
+        args,
+        dict(
+            HAS_RESIDUAL=has_residual,
+            HAS_GATE=gate is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            HAS_MOD=has_mod,
+            HAS_MOD2=has_mod2,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            SINGLE_PASS=single,
+            NCH=nch,
+            X_DENSE=_dense(xs, m, inner),
+            Y_DENSE=has_residual and _dense(ys, m, inner),
+            PERSISTENT=programs > 0,
+            num_warps=num_warps,
+        ),
+        [
+            i if on else None
+            for i, on in zip(
+                (0, 3, 6, 9, 10, 11, 12, 15, 18, 21, 24, 25),
+                (
+                    True,
+                    has_residual,
+                    gate is not None,
+                    has_residual,
+                    weight is not None,
+                    bias is not None,
+                    has_mod,
+                    has_mod,
+                    has_mod2,
+                    has_mod2,
+                    True,
+                    has_mod2,
+                ),
+            )
+        ],
+        device,
+    )
 
     # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
     like_x = _dense_like(x)
@@ -790,11 +1226,15 @@ def _check_device(name: str, t) -> None:
         raise ValueError(
             f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
-               if _KERNELS_INTERPRETED else "")
+            + (
+                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
+                if _KERNELS_INTERPRETED
+                else ""
+            )
         )
-    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
-                                                     and _device_target(device)[0] != "interpreter"):
+    if interpreting != _KERNELS_INTERPRETED and not (
+        device.type == "cpu" and _device_target(device)[0] != "interpreter"
+    ):
         if interpreting:
             raise RuntimeError(
                 f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
@@ -913,8 +1353,11 @@ class _Launch:
             if not _DIRECT["ok"]:
                 import warnings
 
-                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
+                warnings.warn(
+                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                    "kernels launch through the JIT (more host time per call)",
+                    stacklevel=4,
+                )
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
@@ -922,8 +1365,14 @@ class _Launch:
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
         masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
-              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        ns = {
+            "_run": compiled.run,
+            "_function": compiled.function,
+            "_metadata": compiled.packed_metadata,
+            "_current_device": _current_device,
+            "_current_stream": _current_stream,
+            "_hooks_idle": _hooks_idle,
+        }
         slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
         values = []
         for i, v in enumerate(full):
@@ -938,14 +1387,20 @@ class _Launch:
         n = len(self.slots)
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
-            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
-             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-             "        return False"]
+            [
+                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+                "        return False",
+            ]
             + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
             + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-               f"None, None, None, {', '.join(values)})",
-               "    return True", ""])
+            + [
+                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+                f"None, None, None, {', '.join(values)})",
+                "    return True",
+                "",
+            ]
+        )
         exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
         direct = ns["direct"]
         direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
@@ -979,6 +1434,8 @@ _TLS = threading.local()
 
 def _as_launched(fn):
     return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
 # ---- shared block ops end ----
 
 
@@ -1031,6 +1488,8 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
 # ---- shared block registration end ----
 
 
@@ -1130,8 +1589,9 @@ def layer_norm_modulate_dual(
     No backward: in grad mode, an input that requires grad raises RuntimeError (see layer_norm)."""
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
-    _, out, out2 = _dispatch(x, None, None, None, None, scale, shift, scale2, shift2, eps,
-                             fn="layer_norm_modulate_dual")
+    _, out, out2 = _dispatch(
+        x, None, None, None, None, scale, shift, scale2, shift2, eps, fn="layer_norm_modulate_dual"
+    )
     return out, out2
 
 
@@ -1155,8 +1615,20 @@ def gated_residual_layer_norm_modulate(
     """
     if y is None:
         raise ValueError("y is required; use layer_norm_modulate() without a residual")
-    h_out, out, _ = _dispatch(h, y, gate, weight, bias, scale, shift, None, None, eps,
-                              fn="gated_residual_layer_norm_modulate", grad_names=("h",) + _GRAD_NAMES[1:])
+    h_out, out, _ = _dispatch(
+        h,
+        y,
+        gate,
+        weight,
+        bias,
+        scale,
+        shift,
+        None,
+        None,
+        eps,
+        fn="gated_residual_layer_norm_modulate",
+        grad_names=("h",) + _GRAD_NAMES[1:],
+    )
     return h_out, out
 
 
@@ -1178,8 +1650,20 @@ def gated_residual_layer_norm_modulate_dual(
         raise ValueError("y is required; use layer_norm_modulate_dual() without a residual")
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
-    return _dispatch(h, y, gate, None, None, scale, shift, scale2, shift2, eps,
-                     fn="gated_residual_layer_norm_modulate_dual", grad_names=("h",) + _GRAD_NAMES[1:])
+    return _dispatch(
+        h,
+        y,
+        gate,
+        None,
+        None,
+        scale,
+        shift,
+        scale2,
+        shift2,
+        eps,
+        fn="gated_residual_layer_norm_modulate_dual",
+        grad_names=("h",) + _GRAD_NAMES[1:],
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -1260,18 +1744,24 @@ def _main(argv=None) -> int:
     emb = rnd(2, 6 * D, scale=0.3)  # diffusers AdaLN: chunks of one [B, 6D] projection
     shift, scale, gate, shift2, scale2, _ = emb.chunk(6, dim=1)
     w, b = rnd(D, scale=0.2, offset=1.0), rnd(D, scale=0.2)
-    d = {k: v.double() for k, v in dict(x=x, y=y, shift=shift, scale=scale, gate=gate, shift2=shift2,
-                                        scale2=scale2, w=w, b=b).items()}
+    d = {
+        k: v.double()
+        for k, v in dict(x=x, y=y, shift=shift, scale=scale, gate=gate, shift2=shift2, scale2=scale2, w=w, b=b).items()
+    }
     h_new, out = gated_residual_layer_norm_modulate(x, y, gate, scale, shift)
     o1, o2 = layer_norm_modulate_dual(x, scale, shift, scale2, shift2)
     r1, r2 = layer_norm_modulate_dual_ref(d["x"], d["scale"], d["shift"], d["scale2"], d["shift2"])
     checks = {
         "layer_norm": (layer_norm(x, w, b), layer_norm_ref(d["x"], d["w"], d["b"])),
-        "layer_norm_modulate": (layer_norm_modulate(x, scale, shift),
-                                layer_norm_modulate_ref(d["x"], d["scale"], d["shift"])),
+        "layer_norm_modulate": (
+            layer_norm_modulate(x, scale, shift),
+            layer_norm_modulate_ref(d["x"], d["scale"], d["shift"]),
+        ),
         "layer_norm_modulate_dual": (torch.stack([o1, o2]), torch.stack([r1, r2])),
-        "gated_residual_h": (h_new, gated_residual_layer_norm_modulate_ref(
-            d["x"], d["y"], d["gate"], d["scale"], d["shift"])[0].to(dtype)),
+        "gated_residual_h": (
+            h_new,
+            gated_residual_layer_norm_modulate_ref(d["x"], d["y"], d["gate"], d["scale"], d["shift"])[0].to(dtype),
+        ),
         "gated_residual_out": (out, layer_norm_modulate_ref(h_new.double(), d["scale"], d["shift"])),
     }
     tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]

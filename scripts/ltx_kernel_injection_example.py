@@ -55,7 +55,11 @@ def parse_args():
     p.add_argument("--steps", type=int, help="denoising steps (GPU default 8, CPU 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="GPU default bf16, CPU fp32")
-    p.add_argument("--device-free", action="store_true", help="run the tiny CPU pipeline through Triton's interpreter even if a GPU is present")
+    p.add_argument(
+        "--device-free",
+        action="store_true",
+        help="run the tiny CPU pipeline through Triton's interpreter even if a GPU is present",
+    )
     args = p.parse_args()
     if args.num_frames is not None and (args.num_frames < 1 or (args.num_frames - 1) % 8):
         p.error(f"--num-frames must be 8k+1 (LTX-Video's temporal compression), got {args.num_frames}")
@@ -101,9 +105,13 @@ def generate(pipe, args, device, timed=False):
     try:
         out = pipe(
             prompt="a red fox runs through a snowy forest, camera follows",
-            num_frames=args.num_frames, height=args.height, width=args.width,
-            num_inference_steps=args.steps, generator=torch.Generator(device).manual_seed(args.seed),
-            output_type="latent", callback_on_step_end=on_step_end if timed else None,
+            num_frames=args.num_frames,
+            height=args.height,
+            width=args.width,
+            num_inference_steps=args.steps,
+            generator=torch.Generator(device).manual_seed(args.seed),
+            output_type="latent",
+            callback_on_step_end=on_step_end if timed else None,
             max_sequence_length=min(128, pipe.tokenizer.model_max_length),
         ).frames
     finally:
@@ -162,12 +170,19 @@ def main() -> int:
         log("no GPU in use: tiny LTX-Video pipeline on the CPU through Triton's interpreter")
         os.environ["TRITON_INTERPRET"] = "1"  # must be set before the kernel modules are imported
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
-    for name, g, c in (("num_frames", 25, 9), ("height", 480, 32), ("width", 704, 32), ("steps", 8, 2), ("dtype", "bf16", "fp32")):
+    for name, g, c in (
+        ("num_frames", 25, 9),
+        ("height", 480, 32),
+        ("width", 704, 32),
+        ("steps", 8, 2),
+        ("dtype", "bf16", "fp32"),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, g if gpu else c)
     sys.path.insert(0, HERE)
-    import diffusers_injection as di
     from diffusers.utils import logging as diffusers_logging
+
+    import diffusers_injection as di
 
     diffusers_logging.set_verbosity_error()  # no dtype-cast advice in the output
 
@@ -212,32 +227,51 @@ def main() -> int:
     summary = {
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "weights": weights,
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                     "diffusers": __import__("diffusers").__version__},
-        "dtype": args.dtype, "num_frames": args.num_frames, "height": args.height, "width": args.width,
-        "steps": args.steps, "seed": args.seed, "latent_shape": list(stock.shape),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "diffusers": __import__("diffusers").__version__,
+        },
+        "dtype": args.dtype,
+        "num_frames": args.num_frames,
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "seed": args.seed,
+        "latent_shape": list(stock.shape),
         "replaced": counts,
         "step_ms": {
-            "clock": "CUDA events, transformer call + guidance + scheduler step" if gpu else "host clock (interpreter: not a speed measurement)",
-            "unpatched_median": med(stock_ms), "patched_median": med(patched_ms),
+            "clock": "CUDA events, transformer call + guidance + scheduler step"
+            if gpu
+            else "host clock (interpreter: not a speed measurement)",
+            "unpatched_median": med(stock_ms),
+            "patched_median": med(patched_ms),
             "speedup": (med(stock_ms) / med(patched_ms)) if gpu and stock_ms and patched_ms else None,
             "what_speedup_means": SPEEDUP_MEANS if gpu else "nothing: the interpreter's times are not speed",
-            "unpatched": stock_ms, "patched": patched_ms,
+            "unpatched": stock_ms,
+            "patched": patched_ms,
         },
         "transformer_call_cuda_graph_ms": {
             "what": "one transformer call (CFG batch) replayed from a CUDA graph: GPU time without kernel-issue overhead",
-            "unpatched": stock_graph_ms, "patched": patched_graph_ms,
+            "unpatched": stock_graph_ms,
+            "patched": patched_graph_ms,
             "speedup": (stock_graph_ms / patched_graph_ms) if stock_graph_ms and patched_graph_ms else None,
         },
-        "parity": parity, "parity_threshold": threshold,
-        "restored_bit_identical": bit_identical, "ok": ok,
+        "parity": parity,
+        "parity_threshold": threshold,
+        "restored_bit_identical": bit_identical,
+        "ok": ok,
     }
     log(f"replaced: {counts}")
-    log(f"step ms (median): unpatched {summary['step_ms']['unpatched_median']}, patched {summary['step_ms']['patched_median']}")
+    log(
+        f"step ms (median): unpatched {summary['step_ms']['unpatched_median']}, patched {summary['step_ms']['patched_median']}"
+    )
     if gpu:
         log(f"speedup {summary['step_ms']['speedup']:.2f}x: {SPEEDUP_MEANS}")
         log(f"transformer call from a CUDA graph, ms: unpatched {stock_graph_ms}, patched {patched_graph_ms}")
-    log(f"parity vs unpatched: {parity['patched_vs_unpatched']}; threshold {threshold}; restored bit-identical: {bit_identical}")
+    log(
+        f"parity vs unpatched: {parity['patched_vs_unpatched']}; threshold {threshold}; restored bit-identical: {bit_identical}"
+    )
     print(json.dumps(summary, indent=2))
     if not ok:
         log("FAILED: parity or restoration check did not pass")

@@ -61,14 +61,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import activations  # noqa: E402
-import head_norm_rope  # noqa: E402
-import injection_common as ic  # noqa: E402
-import layernorm  # noqa: E402
-import rmsnorm  # noqa: E402
-
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import FeedForward, JointTransformerBlock  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
@@ -90,6 +82,13 @@ from diffusers.models.transformers.transformer_flux import (  # noqa: E402
     FluxTransformerBlock,
 )
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel  # noqa: E402
+from torch import nn  # noqa: E402
+
+import activations  # noqa: E402
+import head_norm_rope  # noqa: E402
+import injection_common as ic  # noqa: E402
+import layernorm  # noqa: E402
+import rmsnorm  # noqa: E402
 
 __all__ = [
     "inject_mmdit_kernels",
@@ -433,8 +432,9 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
             carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
         )
 
-    attention_outputs = _attention(self.attn, norm_hidden_states, norm_encoder_hidden_states, None,
-                                   joint_attention_kwargs)
+    attention_outputs = _attention(
+        self.attn, norm_hidden_states, norm_encoder_hidden_states, None, joint_attention_kwargs
+    )
     if attention_outputs is None:
         attention_outputs = self.attn(
             hidden_states=norm_hidden_states,
@@ -497,8 +497,9 @@ def _flux_block_forward(
         carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
     )
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attention_outputs = _attention(self.attn, norm_hidden_states, norm_encoder_hidden_states, image_rotary_emb,
-                                   joint_attention_kwargs)
+    attention_outputs = _attention(
+        self.attn, norm_hidden_states, norm_encoder_hidden_states, image_rotary_emb, joint_attention_kwargs
+    )
     if attention_outputs is None:
         attention_outputs = self.attn(
             hidden_states=norm_hidden_states,
@@ -609,7 +610,12 @@ def _fusable_parts(parts, head_dim, dtype, norm_cls):
                 return None
             eq, ek = _torch_rmsnorm_eps(nq), _torch_rmsnorm_eps(nk)
         else:
-            if tuple(nq.dim) != (head_dim,) or tuple(nk.dim) != (head_dim,) or nq.bias is not None or nk.bias is not None:
+            if (
+                tuple(nq.dim) != (head_dim,)
+                or tuple(nk.dim) != (head_dim,)
+                or nq.bias is not None
+                or nk.bias is not None
+            ):
                 return None
             eq, ek = float(nq.eps), float(nk.eps)
         if eq != ek or (nq.weight is None) != (nk.weight is None):
@@ -639,7 +645,9 @@ class SD3FusedJointAttnProcessor:
     buffers SDPA reads (no transposed copies, no torch.cat of q and k). The SDPA call and the output
     projections are diffusers'. Inputs the kernel does not cover run the original operations."""
 
-    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+    def __call__(
+        self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs
+    ):
         residual = hidden_states
         batch_size = hidden_states.shape[0]
 
@@ -656,12 +664,14 @@ class SD3FusedJointAttnProcessor:
         values = [value]
         if encoder_hidden_states is not None:
             shape = (batch_size, -1, attn.heads, head_dim)
-            parts.append((
-                attn.add_q_proj(encoder_hidden_states).view(shape),
-                attn.add_k_proj(encoder_hidden_states).view(shape),
-                attn.norm_added_q,
-                attn.norm_added_k,
-            ))
+            parts.append(
+                (
+                    attn.add_q_proj(encoder_hidden_states).view(shape),
+                    attn.add_k_proj(encoder_hidden_states).view(shape),
+                    attn.norm_added_q,
+                    attn.norm_added_k,
+                )
+            )
             values.append(attn.add_v_proj(encoder_hidden_states).view(shape))
 
         fusable = _fusable_parts(parts, head_dim, query.dtype, DiffusersRMSNorm)
@@ -797,8 +807,9 @@ class FluxFusedAttnProcessor:
                 return None
             cos, sin = image_rotary_emb
             total = sum(p[0].shape[1] for p in parts)
-            if not all(isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) == (total, head_dim)
-                       for t in (cos, sin)):
+            if not all(
+                isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) == (total, head_dim) for t in (cos, sin)
+            ):
                 return None
         weights, eps, cbw = fusable
         if not _usable(*(t for p in parts for t in p[:2]), *(w for pw in weights for w in pw), cos, sin):
@@ -946,35 +957,81 @@ SD3_CONFIGS = {
     # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks of 24 x 64 = 1536, q/k RMSNorm,
     # a second (image-only) attention in blocks 0-12; about 2.24 B parameters
     "sd3.5-medium": dict(
-        sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-        joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-        pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=24,
+        attention_head_dim=64,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        caption_projection_dim=1536,
+        pooled_projection_dim=2048,
+        out_channels=16,
+        pos_embed_max_size=384,
+        dual_attention_layers=tuple(range(13)),
+        qk_norm="rms_norm",
     ),
     # stabilityai/stable-diffusion-3-medium-diffusers: same widths, no q/k norm, no dual attention
     "sd3-medium": dict(
-        sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-        joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-        pos_embed_max_size=192, dual_attention_layers=(), qk_norm=None,
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=24,
+        attention_head_dim=64,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        caption_projection_dim=1536,
+        pooled_projection_dim=2048,
+        out_channels=16,
+        pos_embed_max_size=192,
+        dual_attention_layers=(),
+        qk_norm=None,
     ),
     # 2 blocks of 2 x 16 = 32: block 0 has the dual attention, block 1 is the context_pre_only last block
     "tiny": dict(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
-        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        caption_projection_dim=32,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=16,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
     ),
 }
 FLUX_CONFIGS = {
     # black-forest-labs/FLUX.1-dev: 19 double + 38 single blocks of 24 x 128 = 3072, guidance embedding,
     # RoPE axes 16 + 56 + 56; about 11.9 B parameters
     "flux.1-dev": dict(
-        patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        patch_size=1,
+        in_channels=64,
+        out_channels=None,
+        num_layers=19,
+        num_single_layers=38,
+        attention_head_dim=128,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
         axes_dims_rope=(16, 56, 56),
     ),
     # 1 double + 1 single block of 2 x 16 = 32, RoPE axes 4 + 6 + 6
     "tiny": dict(
-        patch_size=1, in_channels=16, out_channels=None, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=16, guidance_embeds=True,
+        patch_size=1,
+        in_channels=16,
+        out_channels=None,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        pooled_projection_dim=16,
+        guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),
     ),
 }
@@ -1007,8 +1064,9 @@ def _build(cls, cfg: dict, dtype, device, seed: int):
     return nn.Module.to(model, dtype).eval()
 
 
-def build_sd3_transformer(size: str = "tiny", dtype=torch.float32, device="cpu", *, variant: str = "sd3.5-medium",
-                          seed: int = 0):
+def build_sd3_transformer(
+    size: str = "tiny", dtype=torch.float32, device="cpu", *, variant: str = "sd3.5-medium", seed: int = 0
+):
     """An SD3Transformer2DModel with random weights, built directly on `device` in `dtype`.
 
     size="real": the released architecture of `variant` ("sd3.5-medium", default, or "sd3-medium");
@@ -1034,8 +1092,16 @@ def build_flux_transformer(size: str = "tiny", dtype=torch.float32, device="cpu"
     return _build(FluxTransformer2DModel, FLUX_CONFIGS["tiny" if size == "tiny" else "flux.1-dev"], dtype, device, seed)
 
 
-def make_mmdit_inputs(model, batch: int = 1, height: int = 1024, width: int = 1024, text_len: Optional[int] = None,
-                      dtype=torch.bfloat16, device="cuda", seed: int = 0) -> dict:
+def make_mmdit_inputs(
+    model,
+    batch: int = 1,
+    height: int = 1024,
+    width: int = 1024,
+    text_len: Optional[int] = None,
+    dtype=torch.bfloat16,
+    device="cuda",
+    seed: int = 0,
+) -> dict:
     """Keyword arguments of one transformer forward, shaped as the diffusers pipelines build them.
 
     height/width: the image size in pixels (the VAE downsamples 8x). SD3: latents [B, C, H/8, W/8]
@@ -1088,9 +1154,11 @@ def make_mmdit_inputs(model, batch: int = 1, height: int = 1024, width: int = 10
 # --------------------------------------------------------------------------------------------
 def _meta_report() -> dict:
     report = {}
-    for name, build in (("sd3.5-medium", lambda: build_sd3_transformer("real", device="meta")),
-                        ("sd3-medium", lambda: build_sd3_transformer("real", device="meta", variant="sd3-medium")),
-                        ("flux.1-dev", lambda: build_flux_transformer("real", device="meta"))):
+    for name, build in (
+        ("sd3.5-medium", lambda: build_sd3_transformer("real", device="meta")),
+        ("sd3-medium", lambda: build_sd3_transformer("real", device="meta", variant="sd3-medium")),
+        ("flux.1-dev", lambda: build_flux_transformer("real", device="meta")),
+    ):
         model = build()
         counts = inject_mmdit_kernels(model, verbose=False)
         again = inject_mmdit_kernels(model, verbose=False)

@@ -99,8 +99,7 @@ def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl
 
 
 @triton.jit
-def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr,
-                 NATIVE: tl.constexpr):
+def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr, NATIVE: tl.constexpr):
     """fp32 v -> the element type of OUT (FP8 or, when not NATIVE, the uint8 view of an FP8 tensor).
 
     NATIVE: saturate, then Triton's own cast (round to nearest even), which is one hardware conversion
@@ -117,12 +116,13 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
         return v.to(OUT.dtype.element_ty)
     else:
         return _fp8_encode(v, FP8_MAX, FP8_MIN_EXP, FP8_NAN).to(OUT.dtype.element_ty)
+
+
 # ---- shared block fp8_kernels end ----
 
 
 @triton.jit
-def _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
-                     HAS_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr):
+def _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr):
     """fp32 tiles of the weight and of the modulation scale and shift (0.0 where a flag is off)."""
     w = 0.0
     sc = 0.0
@@ -139,8 +139,9 @@ def _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
 
 
 @triton.jit
-def _apply_weight_mod(y, w, sc, sh, X, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-                      HAS_MOD: tl.constexpr):
+def _apply_weight_mod(
+    y, w, sc, sh, X, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr
+):
     """y = normalised rows (fp32) -> (cast) * w, then * (1 + scale) + shift."""
     if HAS_WEIGHT:
         if CAST_BEFORE_WEIGHT:
@@ -152,8 +153,21 @@ def _apply_weight_mod(y, w, sc, sh, X, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEI
 
 
 @triton.jit
-def _weight_modulate(y, X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
-                     HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr):
+def _weight_modulate(
+    y,
+    X,
+    W,
+    SCALE,
+    SHIFT,
+    s_row,
+    t_row,
+    rows,
+    cols,
+    mask,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    HAS_MOD: tl.constexpr,
+):
     """_apply_weight_mod with the loads issued here (the multi-pass loops)."""
     w, sc, sh = _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_MOD)
     return _apply_weight_mod(y, w, sc, sh, X, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
@@ -162,18 +176,31 @@ def _weight_modulate(y, X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
 @triton.jit
 def _rms_norm_kernel(
     X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
-    x_stride_o, x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
-    Y, y_stride_o, y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
-    GATE, g_stride_o, g_stride_i,  # per-channel gate for the residual (HAS_GATE), broadcast strides
+    x_stride_o,
+    x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
+    Y,
+    y_stride_o,
+    y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
+    GATE,
+    g_stride_o,
+    g_stride_i,  # per-channel gate for the residual (HAS_GATE), broadcast strides
     H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
     W,  # weight [N] (HAS_WEIGHT)
-    SCALE, s_stride_o, s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
-    SHIFT, t_stride_o, t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
+    SCALE,
+    s_stride_o,
+    s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
+    SHIFT,
+    t_stride_o,
+    t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
     OUT,  # contiguous [M, N] output (FP8_MODE > 0: the FP8 output, or its uint8 view when not NATIVE_FP8)
     FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
-    M, N, INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
+    M,
+    N,
+    INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
     eps,  # epsilon added to the mean of squares
-    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round rms(x) to X's dtype before the weight multiply
     HAS_MOD: tl.constexpr,
     FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales
@@ -217,15 +244,18 @@ def _rms_norm_kernel(
     if SINGLE_PASS:
         col_mask = cols0 < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + x_row[:, None] + cols0[None, :], mask=mask, other=0.0,
-                    eviction_policy=INPUT_EVICT).to(tl.float32)
+        x = tl.load(X + x_row[:, None] + cols0[None, :], mask=mask, other=0.0, eviction_policy=INPUT_EVICT).to(
+            tl.float32
+        )
         # weight, scale and shift are requested before the reduction, so their latency overlaps it
         # (2-3 % faster than loading them after it for AdaLN at LTX's [2, 6144, 2048] on an H200)
-        w, sc, sh = _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols0, mask,
-                                     HAS_WEIGHT and HAS_NORM, HAS_MOD and HAS_NORM)
+        w, sc, sh = _load_weight_mod(
+            W, SCALE, SHIFT, s_row, t_row, rows, cols0, mask, HAS_WEIGHT and HAS_NORM, HAS_MOD and HAS_NORM
+        )
         if HAS_RESIDUAL:
-            yv = tl.load(Y + y_row[:, None] + cols0[None, :], mask=mask, other=0.0,
-                         eviction_policy=INPUT_EVICT).to(tl.float32)
+            yv = tl.load(Y + y_row[:, None] + cols0[None, :], mask=mask, other=0.0, eviction_policy=INPUT_EVICT).to(
+                tl.float32
+            )
             if HAS_GATE:
                 g = tl.load(GATE + g_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
                 yv = yv * g
@@ -280,8 +310,21 @@ def _rms_norm_kernel(
                     x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 else:
                     x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                y = _weight_modulate(x * rstd[:, None], X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
-                                     HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
+                y = _weight_modulate(
+                    x * rstd[:, None],
+                    X,
+                    W,
+                    SCALE,
+                    SHIFT,
+                    s_row,
+                    t_row,
+                    rows,
+                    cols,
+                    mask,
+                    HAS_WEIGHT,
+                    CAST_BEFORE_WEIGHT,
+                    HAS_MOD,
+                )
                 amax = tl.maximum(amax, tl.abs(y))
             row_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
             tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
@@ -295,8 +338,21 @@ def _rms_norm_kernel(
                 x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = _weight_modulate(x * rstd[:, None], X, W, SCALE, SHIFT, s_row, t_row, rows, cols, mask,
-                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
+            y = _weight_modulate(
+                x * rstd[:, None],
+                X,
+                W,
+                SCALE,
+                SHIFT,
+                s_row,
+                t_row,
+                rows,
+                cols,
+                mask,
+                HAS_WEIGHT,
+                CAST_BEFORE_WEIGHT,
+                HAS_MOD,
+            )
             if FP8_MODE == 0:
                 tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
             else:
@@ -330,6 +386,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -354,9 +412,9 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
 # ---- shared block checks end ----
 
 
@@ -392,6 +450,8 @@ def _mergeable(shape: Sequence[int], strides: Sequence[int]) -> bool:
 def _flat_stride(shape: Sequence[int], strides: Sequence[int]) -> int:
     dims = [st for s, st in zip(shape, strides) if s != 1]
     return dims[-1] if dims else 0
+
+
 # ---- shared block strides end ----
 
 
@@ -434,6 +494,8 @@ def _dense(layout, m: int, inner: int) -> bool:
     """Whether rows at layout (stride_o, stride_i) sit at r * stride_i: one level of rows, or the outer
     stride spanning exactly INNER inner rows."""
     return m <= inner or layout[0] == inner * layout[1]
+
+
 # ---- shared block rows end ----
 
 
@@ -477,6 +539,8 @@ def _cdiv(a: int, b: int) -> int:
 def _next_pow2(n: int) -> int:
     """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
 # ---- shared block sizes end ----
 
 
@@ -550,6 +614,8 @@ def _check_fp8(device, fp8_dtype, fp8_mode: int, fp8_scale) -> torch.dtype:
     elif fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
     return fp8_dtype
+
+
 # ---- shared block fp8 end ----
 
 
@@ -562,8 +628,21 @@ def _result_dtype(x: torch.Tensor, out_dtype, fp8_mode: int) -> torch.dtype:
 _PLANS: dict = {}  # launch plans by call signature (see _launch)
 
 
-def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
-            names=("x", "y", "h"), norm=True):
+def _launch(
+    x,
+    y,
+    gate,
+    weight,
+    scale,
+    shift,
+    eps,
+    cast_before_weight,
+    out_dtype,
+    fp8_mode=0,
+    fp8_scale=None,
+    names=("x", "y", "h"),
+    norm=True,
+):
     """Validate, pick the launch configuration and run the kernel.
 
     Returns (h_out or None, out, per-row FP8 scales or None). fp8_mode 0: out has out_dtype (default
@@ -575,16 +654,28 @@ def _launch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype
     is kept and later calls with the same signature only allocate the outputs and launch.
     """
     try:
-        key = (_sig(x), y if y is None else _sig(y), gate if gate is None else _sig(gate),
-               weight if weight is None else _sig(weight), scale if scale is None else _sig(scale),
-               shift if shift is None else _sig(shift), fp8_scale if fp8_scale is None else _sig(fp8_scale),
-               type(eps), eps, cast_before_weight, out_dtype, fp8_mode, norm)
+        key = (
+            _sig(x),
+            y if y is None else _sig(y),
+            gate if gate is None else _sig(gate),
+            weight if weight is None else _sig(weight),
+            scale if scale is None else _sig(scale),
+            shift if shift is None else _sig(shift),
+            fp8_scale if fp8_scale is None else _sig(fp8_scale),
+            type(eps),
+            eps,
+            cast_before_weight,
+            out_dtype,
+            fp8_mode,
+            norm,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
         key = plan = None
     if plan is None:
-        plan = _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale,
-                     names, norm)
+        plan = _plan(
+            x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale, names, norm
+        )
         if key is not None and not getattr(_TLS, "tracing", False):
             _remember(_PLANS, key, plan)
     return plan(x, y, gate, weight, scale, shift, fp8_scale)
@@ -650,11 +741,13 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
 
     x_dtype, dense_fp8 = x.dtype, fp8_mode and not native_fp8
     if x.numel() == 0:
+
         def run_empty(x, y, gate, weight, scale, shift, fp8_scale):
             h_out = torch.empty(shape, dtype=x_dtype, device=device) if has_residual else None
             out = torch.empty(shape, dtype=out_dtype, device=device) if norm else h_out
             row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
             return h_out, out, row_scales
+
         return run_empty
     lead = list(shape[:-1])
     m = x.numel() // n
@@ -678,32 +771,74 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
     grid = (_cdiv(m, block_m),)
     out_size = torch.empty((), dtype=out_dtype).element_size()
     args = (
-        None, xs[0], xs[1],  # X
-        None, ys[0], ys[1],  # Y
-        None, gs[0], gs[1],  # GATE
+        None,
+        xs[0],
+        xs[1],  # X
+        None,
+        ys[0],
+        ys[1],  # Y
+        None,
+        gs[0],
+        gs[1],  # GATE
         None,  # H_OUT
         None,  # W
-        None, ss[0], ss[1],  # SCALE
-        None, ts[0], ts[1],  # SHIFT
+        None,
+        ss[0],
+        ss[1],  # SCALE
+        None,
+        ts[0],
+        ts[1],  # SHIFT
         None,  # OUT
         None,  # FP8_SCALE
-        m, n, inner,
+        m,
+        n,
+        inner,
         float(eps),
     )
-    present = (True, has_residual, gate is not None, has_residual, weight is not None, has_mod, has_mod, True,
-               fp8_mode != 0)
+    present = (
+        True,
+        has_residual,
+        gate is not None,
+        has_residual,
+        weight is not None,
+        has_mod,
+        has_mod,
+        True,
+        fp8_mode != 0,
+    )
     slots = [i if on else None for i, on in zip((0, 3, 6, 9, 10, 11, 14, 17, 18), present)]
-    launch = _Launch(_rms_norm_kernel, grid, args, dict(
-        HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, HAS_WEIGHT=weight is not None,
-        CAST_BEFORE_WEIGHT=bool(cast_before_weight), HAS_MOD=has_mod,
-        FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
-        MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native_fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, HAS_NORM=norm,
-        X_DENSE=_dense(xs, m, inner), Y_DENSE=has_residual and _dense(ys, m, inner),
-        INPUT_EVICT=_input_evict(single, has_residual and gate is None and not has_mod and norm,
-                                 m * n * (3 * x.element_size() + out_size)),
-        num_warps=num_warps,
-    ), slots, device)
+    launch = _Launch(
+        _rms_norm_kernel,
+        grid,
+        args,
+        dict(
+            HAS_RESIDUAL=has_residual,
+            HAS_GATE=gate is not None,
+            HAS_WEIGHT=weight is not None,
+            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+            HAS_MOD=has_mod,
+            FP8_MODE=fp8_mode,
+            FP8_MAX=fp8_max,
+            FP8_MIN_EXP=fp8_min_exp,
+            FP8_NAN=fp8_nan,
+            MIN_SCALE=_MIN_DYNAMIC_SCALE,
+            NATIVE_FP8=native_fp8,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            SINGLE_PASS=single,
+            HAS_NORM=norm,
+            X_DENSE=_dense(xs, m, inner),
+            Y_DENSE=has_residual and _dense(ys, m, inner),
+            INPUT_EVICT=_input_evict(
+                single,
+                has_residual and gate is None and not has_mod and norm,
+                m * n * (3 * x.element_size() + out_size),
+            ),
+            num_warps=num_warps,
+        ),
+        slots,
+        device,
+    )
 
     # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
     like_x = _dense_like(x)
@@ -715,11 +850,21 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
             h_out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
         out = h_out
         if norm:
-            out = (torch.empty_like(x, dtype=out_dtype) if like_x
-                   else torch.empty(shape_t, dtype=out_dtype, device=device))
+            out = (
+                torch.empty_like(x, dtype=out_dtype) if like_x else torch.empty(shape_t, dtype=out_dtype, device=device)
+            )
         row_scales = torch.empty(shape_t[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
-        launch(x, y, gate, h_out, weight, scale, shift, out.view(torch.uint8) if dense_fp8 else out,
-               fp8_scale if fp8_mode == 1 else row_scales)
+        launch(
+            x,
+            y,
+            gate,
+            h_out,
+            weight,
+            scale,
+            shift,
+            out.view(torch.uint8) if dense_fp8 else out,
+            fp8_scale if fp8_mode == 1 else row_scales,
+        )
         return h_out, out, row_scales
 
     return run
@@ -769,11 +914,15 @@ def _check_device(name: str, t) -> None:
         raise ValueError(
             f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
-               if _KERNELS_INTERPRETED else "")
+            + (
+                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
+                if _KERNELS_INTERPRETED
+                else ""
+            )
         )
-    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
-                                                     and _device_target(device)[0] != "interpreter"):
+    if interpreting != _KERNELS_INTERPRETED and not (
+        device.type == "cpu" and _device_target(device)[0] != "interpreter"
+    ):
         if interpreting:
             raise RuntimeError(
                 f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
@@ -892,8 +1041,11 @@ class _Launch:
             if not _DIRECT["ok"]:
                 import warnings
 
-                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
+                warnings.warn(
+                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                    "kernels launch through the JIT (more host time per call)",
+                    stacklevel=4,
+                )
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
@@ -901,8 +1053,14 @@ class _Launch:
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
         masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
-              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        ns = {
+            "_run": compiled.run,
+            "_function": compiled.function,
+            "_metadata": compiled.packed_metadata,
+            "_current_device": _current_device,
+            "_current_stream": _current_stream,
+            "_hooks_idle": _hooks_idle,
+        }
         slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
         values = []
         for i, v in enumerate(full):
@@ -917,14 +1075,20 @@ class _Launch:
         n = len(self.slots)
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
-            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
-             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-             "        return False"]
+            [
+                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+                "        return False",
+            ]
             + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
             + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-               f"None, None, None, {', '.join(values)})",
-               "    return True", ""])
+            + [
+                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+                f"None, None, None, {', '.join(values)})",
+                "    return True",
+                "",
+            ]
+        )
         exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
         direct = ns["direct"]
         direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
@@ -958,6 +1122,8 @@ _TLS = threading.local()
 
 def _as_launched(fn):
     return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
 # ---- shared block ops end ----
 
 
@@ -1010,9 +1176,9 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
 # ---- shared block registration end ----
-
-
 
 
 def _rms_norm_fused_op(
@@ -1057,8 +1223,22 @@ _register("rms_norm_fused", _rms_norm_fused_op, _rms_norm_fused_op_fake)
 _GRAD_NAMES = ("x", "y", "gate", "weight", "scale", "shift", "fp8_scale")  # _dispatch's tensors, as named in errors
 
 
-def _dispatch(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
-              names=("x", "y", "h"), fn="rms_norm", grad_names=_GRAD_NAMES):
+def _dispatch(
+    x,
+    y,
+    gate,
+    weight,
+    scale,
+    shift,
+    eps,
+    cast_before_weight,
+    out_dtype,
+    fp8_mode=0,
+    fp8_scale=None,
+    names=("x", "y", "h"),
+    fn="rms_norm",
+    grad_names=_GRAD_NAMES,
+):
     if torch.compiler.is_compiling():
         if isinstance(eps, bool):  # float(True) would hide it from the launcher's check
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
@@ -1133,8 +1313,19 @@ def gated_residual_rms_norm_modulate(
     """
     if y is None:
         raise ValueError("y is required; use rms_norm_modulate() without a residual")
-    h_out, out, _ = _dispatch(h, y, gate, weight, scale, shift, eps, cast_before_weight, None,
-                              fn="gated_residual_rms_norm_modulate", grad_names=("h",) + _GRAD_NAMES[1:])
+    h_out, out, _ = _dispatch(
+        h,
+        y,
+        gate,
+        weight,
+        scale,
+        shift,
+        eps,
+        cast_before_weight,
+        None,
+        fn="gated_residual_rms_norm_modulate",
+        grad_names=("h",) + _GRAD_NAMES[1:],
+    )
     return h_out, out
 
 
@@ -1198,8 +1389,20 @@ def fused_add_rms_norm(
     if residual is None:
         raise ValueError("residual is required; use rms_norm() without a residual")
     r, out, row_scales = _dispatch(
-        x, residual, None, weight, None, None, eps, cast_before_weight, fp8_dtype, mode, fp8_scale,
-        names=("x", "residual", "x"), fn="fused_add_rms_norm", grad_names=("x", "residual") + _GRAD_NAMES[2:],
+        x,
+        residual,
+        None,
+        weight,
+        None,
+        None,
+        eps,
+        cast_before_weight,
+        fp8_dtype,
+        mode,
+        fp8_scale,
+        names=("x", "residual", "x"),
+        fn="fused_add_rms_norm",
+        grad_names=("x", "residual") + _GRAD_NAMES[2:],
     )
     if mode == 2:
         return out, r, row_scales
@@ -1266,11 +1469,22 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
     e = (e - 1).clamp_min(min_exp - 127)  # exponent of the binade, not below the smallest normal's
     step = _exact_pow2(e - 3, v.dtype)  # 3 mantissa bits
     return torch.round(v / step) * step, s  # torch.round rounds half to even
+
+
 # ---- shared block fp8_ref end ----
 
 
-def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=True, fp8=None, fp8_scale=None,
-                           fp8_dtype=torch.float8_e4m3fn, dtype=None):
+def fused_add_rms_norm_ref(
+    x,
+    residual,
+    weight,
+    eps=1e-6,
+    cast_before_weight=True,
+    fp8=None,
+    fp8_scale=None,
+    fp8_dtype=torch.float8_e4m3fn,
+    dtype=None,
+):
     """The unfused math of fused_add_rms_norm, with the same return structure.
 
     dtype: where the model rounds (the residual sum, and rms(r) before the weight when
@@ -1322,11 +1536,15 @@ def _main(argv=None) -> int:
     y, r = fused_add_rms_norm(x, res, w)
     q, r8, s8 = fused_add_rms_norm(x, res, w, fp8="per_token")
     # FP8 is compared after dequantisation with the float64 quantize-dequantize reference of the same math
-    q_ref, _, s_ref = fused_add_rms_norm_ref(x.double(), res.double(), w.double(), fp8="per_token", fp8_dtype=q.dtype,
-                                             dtype=dtype)
+    q_ref, _, s_ref = fused_add_rms_norm_ref(
+        x.double(), res.double(), w.double(), fp8="per_token", fp8_dtype=q.dtype, dtype=dtype
+    )
     checks = {
         "rms_norm": (rms_norm(x, w), rms_norm_ref(x.double(), w.double())),
-        "rms_norm_modulate": (rms_norm_modulate(x, sc, sh), rms_norm_modulate_ref(x.double(), sc.double(), sh.double())),
+        "rms_norm_modulate": (
+            rms_norm_modulate(x, sc, sh),
+            rms_norm_modulate_ref(x.double(), sc.double(), sh.double()),
+        ),
         "fused_add_rms_norm": (y, fused_add_rms_norm_ref(x.double(), res.double(), w.double(), dtype=dtype)[0]),
         "fused_add_rms_norm_residual": (r, (x.double() + res.double()).to(dtype)),
         "fused_add_rms_norm_fp8_per_token": (q.double() * s8.double()[..., None], q_ref * s_ref[..., None]),
@@ -1340,8 +1558,9 @@ def _main(argv=None) -> int:
         report[name] = {"max_rel_err": err, "ok": good}
         ok &= good
     fp8_mismatch = float((q.double() != q_ref).double().mean())
-    report["fused_add_rms_norm_fp8_per_token"].update(fp8_dtype=str(q.dtype).replace("torch.", ""),
-                                                       fraction_one_step_off=fp8_mismatch)
+    report["fused_add_rms_norm_fp8_per_token"].update(
+        fp8_dtype=str(q.dtype).replace("torch.", ""), fraction_one_step_off=fp8_mismatch
+    )
     ok &= fp8_mismatch <= 0.05
     print(json.dumps({"device": str(device), "dtype": args.dtype, "checks": report, "ok": bool(ok)}))
     return 0 if ok else 1

@@ -81,11 +81,21 @@ def _rotate_pairs(x, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _ltx_rope_kernel(
-    X, x_sb, x_ss,  # input [B, S, C]: element strides of the batch and token dims; channels contiguous
-    COS, c_sb, c_ss,  # cos [B or 1, S, C] (batch stride 0 when broadcast over the batch)
-    SIN, s_sb, s_ss,  # sin, same layout rules as cos
-    OUT, o_sb, o_ss,  # output [B, S, C]
-    M, B, C,  # rows (B * S), batch size, channels
+    X,
+    x_sb,
+    x_ss,  # input [B, S, C]: element strides of the batch and token dims; channels contiguous
+    COS,
+    c_sb,
+    c_ss,  # cos [B or 1, S, C] (batch stride 0 when broadcast over the batch)
+    SIN,
+    s_sb,
+    s_ss,  # sin, same layout rules as cos
+    OUT,
+    o_sb,
+    o_ss,  # output [B, S, C]
+    M,
+    B,
+    C,  # rows (B * S), batch size, channels
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # channels per program (even; the second grid axis walks the chunks)
 ):
@@ -109,11 +119,26 @@ def _ltx_rope_kernel(
 
 @triton.jit
 def _rope_rotate_half_kernel(
-    X, x_sb, x_sh, x_ss,  # input [B, H, S, D]: element strides of batch, head, token; D contiguous
-    COS, c_sb, c_sh, c_ss,  # cos broadcast to [B, H, S, D] (stride 0 on broadcast dims)
-    SIN, s_sb, s_sh, s_ss,  # sin, same layout rules as cos
-    OUT, o_sb, o_sh, o_ss,  # output [B, H, S, D]
-    M, H, S, HALF,  # rows (B * H * S), heads, tokens, D // 2
+    X,
+    x_sb,
+    x_sh,
+    x_ss,  # input [B, H, S, D]: element strides of batch, head, token; D contiguous
+    COS,
+    c_sb,
+    c_sh,
+    c_ss,  # cos broadcast to [B, H, S, D] (stride 0 on broadcast dims)
+    SIN,
+    s_sb,
+    s_sh,
+    s_ss,  # sin, same layout rules as cos
+    OUT,
+    o_sb,
+    o_sh,
+    o_ss,  # output [B, H, S, D]
+    M,
+    H,
+    S,
+    HALF,  # rows (B * H * S), heads, tokens, D // 2
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_H: tl.constexpr,  # columns of each half per program (the second grid axis walks the chunks)
 ):
@@ -174,8 +199,11 @@ def _sincos(a):
     r = tl.fma(j, 1.7151245100058819e-15, r)
     r2 = r * r
     s = tl.fma(tl.fma(tl.fma(r2, -1.9515295891e-4, 8.3321608736e-3), r2, -1.6666654611e-1) * r2, r, r)
-    c = tl.fma(tl.fma(tl.fma(tl.fma(r2, 2.443315711809948e-5, -1.388731625493765e-3), r2, 4.166664568298827e-2),
-                      r2, -0.5), r2, 1.0)
+    c = tl.fma(
+        tl.fma(tl.fma(tl.fma(r2, 2.443315711809948e-5, -1.388731625493765e-3), r2, 4.166664568298827e-2), r2, -0.5),
+        r2,
+        1.0,
+    )
     q = j.to(tl.int32) & 3
     sin_a = tl.where((q & 1) == 0, s, c)
     cos_a = tl.where((q & 1) == 0, c, s)
@@ -194,16 +222,33 @@ def _rope_by_pair(y, cp, sp, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _ltx_qk_norm_rope_kernel(
-    Q, q_sb, q_ss,  # q [B, S, C]: element strides of batch and token dims; channels contiguous
-    K, k_sb, k_ss,  # k [B, S, C], same shape and dtype as q, its own strides
-    QW, KW,  # RMSNorm weights [C] of q and k (HAS_WEIGHT)
-    COS, c_sb, c_ss,  # cos [B or 1, S, C] (not FROM_COORDS; batch stride 0 when broadcast)
-    SIN, s_sb, s_ss,  # sin, same layout rules as cos
-    COORDS, g_sb, g_ss, g_sa,  # grid coordinates [B or 1, S, 3] (FROM_COORDS): batch, token, axis strides
-    FREQS, f_s,  # frequencies [C // 6] (FROM_COORDS), already times pi / 2
-    QO, KO,  # contiguous [B, S, C] outputs
-    M, B, C,  # rows (B * S), batch size, channels
-    N_PAD_PAIRS, N_ROT_PAIRS,  # (C % 6) // 2 leading identity pairs, then 3 * (C // 6) rotated pairs
+    Q,
+    q_sb,
+    q_ss,  # q [B, S, C]: element strides of batch and token dims; channels contiguous
+    K,
+    k_sb,
+    k_ss,  # k [B, S, C], same shape and dtype as q, its own strides
+    QW,
+    KW,  # RMSNorm weights [C] of q and k (HAS_WEIGHT)
+    COS,
+    c_sb,
+    c_ss,  # cos [B or 1, S, C] (not FROM_COORDS; batch stride 0 when broadcast)
+    SIN,
+    s_sb,
+    s_ss,  # sin, same layout rules as cos
+    COORDS,
+    g_sb,
+    g_ss,
+    g_sa,  # grid coordinates [B or 1, S, 3] (FROM_COORDS): batch, token, axis strides
+    FREQS,
+    f_s,  # frequencies [C // 6] (FROM_COORDS), already times pi / 2
+    QO,
+    KO,  # contiguous [B, S, C] outputs
+    M,
+    B,
+    C,  # rows (B * S), batch size, channels
+    N_PAD_PAIRS,
+    N_ROT_PAIRS,  # (C % 6) // 2 leading identity pairs, then 3 * (C // 6) rotated pairs
     eps,  # RMSNorm epsilon
     HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
@@ -293,6 +338,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -317,9 +364,9 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
 # ---- shared block checks end ----
 
 
@@ -363,6 +410,8 @@ def _cdiv(a: int, b: int) -> int:
 def _next_pow2(n: int) -> int:
     """The smallest power of two >= n; 1 for every n <= 1 (0 included)."""
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
+
+
 # ---- shared block sizes end ----
 
 
@@ -418,20 +467,39 @@ def _ltx_rope_plan(x, cos, sin):
         _check_last_contiguous(nm, t)
     shape_t, x_dtype = tuple(x.shape), x.dtype
     if x.numel() == 0:
+
         def run_empty(x, cos, sin):
             return torch.empty(shape_t, dtype=x_dtype, device=dev)
+
         return run_empty
     m = bsz * seq
     block_m, block_c, num_warps = _launch_config(ch, m, _device_target(dev)[2], _MAX_CHUNK)
     grid = (_cdiv(m, block_m), _cdiv(ch, block_c))
     o_strides = _contiguous_strides(shape_t)  # the output is contiguous
-    launch = _Launch(_ltx_rope_kernel, grid, (
-        None, x.stride(0), x.stride(1),
-        None, cos_v.stride(0), cos_v.stride(1),
-        None, sin_v.stride(0), sin_v.stride(1),
-        None, o_strides[0], o_strides[1],
-        m, bsz, ch,
-    ), dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps), (0, 3, 6, 9), dev)
+    launch = _Launch(
+        _ltx_rope_kernel,
+        grid,
+        (
+            None,
+            x.stride(0),
+            x.stride(1),
+            None,
+            cos_v.stride(0),
+            cos_v.stride(1),
+            None,
+            sin_v.stride(0),
+            sin_v.stride(1),
+            None,
+            o_strides[0],
+            o_strides[1],
+            m,
+            bsz,
+            ch,
+        ),
+        dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps),
+        (0, 3, 6, 9),
+        dev,
+    )
     like_x = _dense_like(x)
 
     def run(x, cos, sin):
@@ -450,8 +518,7 @@ def _rotate_half_table(name: str, t: torch.Tensor, shape) -> torch.Tensor:
     elif t.dim() == 2:  # [S, D]
         t = t[None, None]
     ok = (
-        t.dim() == 4 and t.shape[0] in (1, bsz) and t.shape[1] in (1, heads)
-        and t.shape[2] == seq and t.shape[3] == dim
+        t.dim() == 4 and t.shape[0] in (1, bsz) and t.shape[1] in (1, heads) and t.shape[2] == seq and t.shape[3] == dim
     )
     if not ok:
         raise ValueError(
@@ -494,8 +561,10 @@ def _rope_rotate_half_plan(x, cos, sin):
     for nm, t in (("x", x), ("cos", cos_v), ("sin", sin_v)):
         _check_last_contiguous(nm, t)
     if x.numel() == 0:
+
         def run_empty(x, cos, sin):
             return torch.empty_like(x)
+
         return run_empty
     m = bsz * heads * seq
     half = dim // 2
@@ -509,13 +578,35 @@ def _rope_rotate_half_plan(x, cos, sin):
     # The output is torch.empty_like(x) (x's layout when x is dense, as the eager expression returns):
     # its strides follow from x's type, shape and strides, which the signature fixes.
     o_stride = torch.empty_like(x).stride()
-    launch = _Launch(_rope_rotate_half_kernel, grid, (
-        None, x.stride(0), x.stride(1), x.stride(2),
-        None, cos_v.stride(0), cos_v.stride(1), cos_v.stride(2),
-        None, sin_v.stride(0), sin_v.stride(1), sin_v.stride(2),
-        None, o_stride[0], o_stride[1], o_stride[2],
-        m, heads, seq, half,
-    ), dict(BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps), (0, 4, 8, 12), dev)
+    launch = _Launch(
+        _rope_rotate_half_kernel,
+        grid,
+        (
+            None,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            None,
+            cos_v.stride(0),
+            cos_v.stride(1),
+            cos_v.stride(2),
+            None,
+            sin_v.stride(0),
+            sin_v.stride(1),
+            sin_v.stride(2),
+            None,
+            o_stride[0],
+            o_stride[1],
+            o_stride[2],
+            m,
+            heads,
+            seq,
+            half,
+        ),
+        dict(BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps),
+        (0, 4, 8, 12),
+        dev,
+    )
 
     def run(x, cos, sin):
         out = torch.empty_like(x)
@@ -562,11 +653,20 @@ def _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_befo
     """Shared launcher of the two fused q/k kernels (cos/sin given, or coords/freqs given); a plan
     per call signature, as in _ltx_rope_launch."""
     try:
-        key = ("qk", _sig(q), _sig(k), q_weight if q_weight is None else _sig(q_weight),
-               k_weight if k_weight is None else _sig(k_weight), type(eps), eps,
-               cos if cos is None else _sig(cos), sin if sin is None else _sig(sin),
-               coords if coords is None else _sig(coords), freqs if freqs is None else _sig(freqs),
-               cast_before_weight)
+        key = (
+            "qk",
+            _sig(q),
+            _sig(k),
+            q_weight if q_weight is None else _sig(q_weight),
+            k_weight if k_weight is None else _sig(k_weight),
+            type(eps),
+            eps,
+            cos if cos is None else _sig(cos),
+            sin if sin is None else _sig(sin),
+            coords if coords is None else _sig(coords),
+            freqs if freqs is None else _sig(freqs),
+            cast_before_weight,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
         key = plan = None
@@ -602,17 +702,19 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
         tw = cos.shape[-1] if cos.dim() in (2, 3) else ch
         if tw != ch and not (tw > 0 and tw % 2 == 0 and ch % tw == 0):
             tw = ch  # the check below says what is expected
-        what = ("one row of C cos values per token, or of D values per token shared by the C / D heads "
-                "(D even, dividing C)")
+        what = (
+            "one row of C cos values per token, or of D values per token shared by the C / D heads (D even, dividing C)"
+        )
         cos_v = _batch_table("cos", cos, bsz, seq, tw, what)
         sin_v = _batch_table("sin", sin, bsz, seq, tw, what.replace("cos", "sin"))
         _check_last_contiguous("cos", cos_v)
         _check_last_contiguous("sin", sin_v)
     shape_t, dtype = tuple(q.shape), q.dtype
     if q.numel() == 0:
+
         def run_empty(q, k, q_weight, k_weight, cos, sin, coords, freqs):
-            return (torch.empty(shape_t, dtype=dtype, device=dev),
-                    torch.empty(shape_t, dtype=dtype, device=dev))
+            return (torch.empty(shape_t, dtype=dtype, device=dev), torch.empty(shape_t, dtype=dtype, device=dev))
+
         return run_empty
     m = bsz * seq
     # About 4096 elements of each of q and k per program (two LTX rows), 16 per lane (two 16-byte vectors
@@ -624,24 +726,60 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
     grid = (_cdiv(m, block_m),)
     has_w = q_weight is not None
     # The pointers the constexpr flags leave unused stay None (their slots are None).
-    launch = _Launch(_ltx_qk_norm_rope_kernel, grid, (
-        None, q.stride(0), q.stride(1),  # Q
-        None, k.stride(0), k.stride(1),  # K
-        None, None,  # QW, KW
-        *((None, 0, 0, None, 0, 0) if from_coords  # COS, SIN
-          else (None, cos_v.stride(0), cos_v.stride(1), None, sin_v.stride(0), sin_v.stride(1))),
-        *((None, coords_v.stride(0), coords_v.stride(1), coords_v.stride(2), None, freqs.stride(0))
-          if from_coords else (None, 0, 0, 0, None, 0)),  # COORDS, FREQS
-        None, None,  # QO, KO
-        m, bsz, ch,
-        (ch % 6) // 2, 3 * (ch // 6),
-        float(eps),
-    ), dict(
-        HAS_WEIGHT=has_w, CAST_BEFORE_WEIGHT=bool(cast_before_weight), FROM_COORDS=from_coords,
-        TABLE_W=0 if from_coords or tw == ch else tw,
-        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
-    ), (0, 3, 6 if has_w else None, 7 if has_w else None, None if from_coords else 8, None if from_coords else 11,
-        14 if from_coords else None, 18 if from_coords else None, 20, 21), dev)
+    launch = _Launch(
+        _ltx_qk_norm_rope_kernel,
+        grid,
+        (
+            None,
+            q.stride(0),
+            q.stride(1),  # Q
+            None,
+            k.stride(0),
+            k.stride(1),  # K
+            None,
+            None,  # QW, KW
+            *(
+                (None, 0, 0, None, 0, 0)
+                if from_coords  # COS, SIN
+                else (None, cos_v.stride(0), cos_v.stride(1), None, sin_v.stride(0), sin_v.stride(1))
+            ),
+            *(
+                (None, coords_v.stride(0), coords_v.stride(1), coords_v.stride(2), None, freqs.stride(0))
+                if from_coords
+                else (None, 0, 0, 0, None, 0)
+            ),  # COORDS, FREQS
+            None,
+            None,  # QO, KO
+            m,
+            bsz,
+            ch,
+            (ch % 6) // 2,
+            3 * (ch // 6),
+            float(eps),
+        ),
+        dict(
+            HAS_WEIGHT=has_w,
+            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+            FROM_COORDS=from_coords,
+            TABLE_W=0 if from_coords or tw == ch else tw,
+            BLOCK_M=block_m,
+            BLOCK_C=block_c,
+            num_warps=num_warps,
+        ),
+        (
+            0,
+            3,
+            6 if has_w else None,
+            7 if has_w else None,
+            None if from_coords else 8,
+            None if from_coords else 11,
+            14 if from_coords else None,
+            18 if from_coords else None,
+            20,
+            21,
+        ),
+        dev,
+    )
     like_q = _dense_like(q)  # k has q's shape and dtype
 
     def run(q, k, q_weight, k_weight, cos, sin, coords, freqs):
@@ -700,11 +838,15 @@ def _check_device(name: str, t) -> None:
         raise ValueError(
             f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
-               if _KERNELS_INTERPRETED else "")
+            + (
+                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
+                if _KERNELS_INTERPRETED
+                else ""
+            )
         )
-    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
-                                                     and _device_target(device)[0] != "interpreter"):
+    if interpreting != _KERNELS_INTERPRETED and not (
+        device.type == "cpu" and _device_target(device)[0] != "interpreter"
+    ):
         if interpreting:
             raise RuntimeError(
                 f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
@@ -823,8 +965,11 @@ class _Launch:
             if not _DIRECT["ok"]:
                 import warnings
 
-                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
+                warnings.warn(
+                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                    "kernels launch through the JIT (more host time per call)",
+                    stacklevel=4,
+                )
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
@@ -832,8 +977,14 @@ class _Launch:
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
         masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
-              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        ns = {
+            "_run": compiled.run,
+            "_function": compiled.function,
+            "_metadata": compiled.packed_metadata,
+            "_current_device": _current_device,
+            "_current_stream": _current_stream,
+            "_hooks_idle": _hooks_idle,
+        }
         slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
         values = []
         for i, v in enumerate(full):
@@ -848,14 +999,20 @@ class _Launch:
         n = len(self.slots)
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
-            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
-             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-             "        return False"]
+            [
+                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+                "        return False",
+            ]
             + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
             + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-               f"None, None, None, {', '.join(values)})",
-               "    return True", ""])
+            + [
+                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+                f"None, None, None, {', '.join(values)})",
+                "    return True",
+                "",
+            ]
+        )
         exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
         direct = ns["direct"]
         direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
@@ -889,6 +1046,8 @@ _TLS = threading.local()
 
 def _as_launched(fn):
     return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
 # ---- shared block ops end ----
 
 
@@ -941,6 +1100,8 @@ def _register(name: str, impl, fake):
 def _compile_op(name: str):
     """The op that torch.compile records (see _TRITON_OP)."""
     return getattr(getattr(torch.ops, _NS), name + "_triton" if _TRITON_OP else name)
+
+
 # ---- shared block registration end ----
 
 
@@ -1075,8 +1236,9 @@ def ltx_qk_rmsnorm_rope(
         return _compile_op("ltx_qk_rmsnorm_rope")(
             q, k, q_weight, k_weight, _eps_arg(eps), cos, sin, bool(cast_before_weight)
         )
-    _check_no_grad("ltx_qk_rmsnorm_rope", ("q", "k", "q_weight", "k_weight", "cos", "sin"),
-                   (q, k, q_weight, k_weight, cos, sin))
+    _check_no_grad(
+        "ltx_qk_rmsnorm_rope", ("q", "k", "q_weight", "k_weight", "cos", "sin"), (q, k, q_weight, k_weight, cos, sin)
+    )
     return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
 
 
@@ -1103,8 +1265,11 @@ def ltx_qk_rmsnorm_rope_coords(
         return _compile_op("ltx_qk_rmsnorm_rope_coords")(
             q, k, q_weight, k_weight, _eps_arg(eps), coords, freqs, bool(cast_before_weight)
         )
-    _check_no_grad("ltx_qk_rmsnorm_rope_coords", ("q", "k", "q_weight", "k_weight", "coords", "freqs"),
-                   (q, k, q_weight, k_weight, coords, freqs))
+    _check_no_grad(
+        "ltx_qk_rmsnorm_rope_coords",
+        ("q", "k", "q_weight", "k_weight", "coords", "freqs"),
+        (q, k, q_weight, k_weight, coords, freqs),
+    )
     return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
 
 
@@ -1117,7 +1282,9 @@ def ltx_rope_freqs(dim: int, theta: float = 10000.0, device=None) -> torch.Tenso
     return theta**exponents * math.pi / 2.0
 
 
-def ltx_cos_sin_from_coords(coords: torch.Tensor, freqs: torch.Tensor, dim: int, out_dtype: torch.dtype = torch.float32):
+def ltx_cos_sin_from_coords(
+    coords: torch.Tensor, freqs: torch.Tensor, dim: int, out_dtype: torch.dtype = torch.float32
+):
     """(cos, sin), each [B, S, dim], as LTXVideoRotaryPosEmbed returns them for this grid.
 
     coords: [B, S, 3] (or [S, 3]) grid coordinates before ``* 2 - 1``; freqs: [dim // 6]. The angles
@@ -1265,7 +1432,9 @@ def _main(argv=None) -> int:
         good = bool(err <= tol) and bool(torch.isfinite(out).all())
         report[name] = {"max_rel_err": err, "ok": good}
         ok &= good
-    print(json.dumps({"device": device, "dtype": args.dtype, "shape": [bsz, seq, ch], "checks": report, "ok": bool(ok)}))
+    print(
+        json.dumps({"device": device, "dtype": args.dtype, "shape": [bsz, seq, ch], "checks": report, "ok": bool(ok)})
+    )
     return 0 if ok else 1
 
 

@@ -140,8 +140,20 @@ def _widen(v, BITS: tl.constexpr, FNUZ: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _fma_step(acc, x_rows, w_rows, k, k_end, kk, m3, n3,
-              MASKED: tl.constexpr, W_BITS: tl.constexpr, X_BITS: tl.constexpr, FNUZ: tl.constexpr):
+def _fma_step(
+    acc,
+    x_rows,
+    w_rows,
+    k,
+    k_end,
+    kk,
+    m3,
+    n3,
+    MASKED: tl.constexpr,
+    W_BITS: tl.constexpr,
+    X_BITS: tl.constexpr,
+    FNUZ: tl.constexpr,
+):
     """acc[BLOCK_M, BLOCK_N, BLOCK_K] += x[m, k] * W[n, k] for one K block, in fp32.
 
     Both tiles are loaded at the accumulator's full 3-D shape (the unused axis with a zero stride):
@@ -162,8 +174,20 @@ def _fma_step(acc, x_rows, w_rows, k, k_end, kk, m3, n3,
 
 
 @triton.jit
-def _dot_step(acc, x_rows, w_rows, k, k_end, kk, MASKED: tl.constexpr, W_BITS: tl.constexpr,
-              X_BITS: tl.constexpr, FNUZ: tl.constexpr, DOT_DT: tl.constexpr, FP8_DOT: tl.constexpr):
+def _dot_step(
+    acc,
+    x_rows,
+    w_rows,
+    k,
+    k_end,
+    kk,
+    MASKED: tl.constexpr,
+    W_BITS: tl.constexpr,
+    X_BITS: tl.constexpr,
+    FNUZ: tl.constexpr,
+    DOT_DT: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+):
     """acc[BLOCK_M, BLOCK_N] += x[BLOCK_M, BLOCK_K] @ W[BLOCK_N, BLOCK_K]^T (fp32 accumulation).
     FP8_DOT: x and W are FP8 of the GPU's own matrix format and go to tl.dot as loaded."""
     cols = (k + kk)[None, :]
@@ -189,8 +213,21 @@ def _ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE):
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
-              HAS_BIAS: tl.constexpr, W_SCALE_MODE: tl.constexpr, HAS_X_SCALE: tl.constexpr):
+def _epilogue(
+    acc,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    OUT,
+    stride_om,
+    BIAS,
+    W_SCALE,
+    X_SCALE,
+    HAS_BIAS: tl.constexpr,
+    W_SCALE_MODE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
+):
     """Scales, bias, cast and store of an fp32 [BLOCK_M, BLOCK_N] result."""
     n_ok = offs_n < N
     if W_SCALE_MODE == 1:
@@ -211,27 +248,37 @@ def _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _skinny_gemm_kernel(
-    X, stride_xm,  # x [M, K]: rows stride_xm elements apart, last dim contiguous (fp16/bf16/fp8)
-    W, stride_wn,  # weight [N, K]: rows stride_wn elements apart, last dim contiguous
+    X,
+    stride_xm,  # x [M, K]: rows stride_xm elements apart, last dim contiguous (fp16/bf16/fp8)
+    W,
+    stride_wn,  # weight [N, K]: rows stride_wn elements apart, last dim contiguous
     BIAS,  # bias [N] (HAS_BIAS)
     W_SCALE,  # fp32 weight scale: 1 value (W_SCALE_MODE 1) or [N] (W_SCALE_MODE 2)
     X_SCALE,  # fp32 scale of an FP8 x, 1 value (HAS_X_SCALE)
-    OUT, stride_om,  # y [M, N], rows stride_om elements apart
+    OUT,
+    stride_om,  # y [M, N], rows stride_om elements apart
     WS,  # fp32 workspace [SPLIT_K, M, N] of partial sums (SPLIT_K > 1)
     COUNTERS,  # int32 arrival counter per N tile (SPLIT_K > 1): zero on entry (fresh for each launch)
-    M, N, K,
+    M,
+    N,
+    K,
     WS_SPLIT_STRIDE,  # M * N: elements between two splits' partials in WS
     K_PER_SPLIT,  # K columns per split, a multiple of BLOCK_K
     SPLIT_K,  # number of K splits (runtime: a new count does not recompile)
     NUM_PROGRAMS,  # N tiles x SPLIT_K, for the XCD remap
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,  # tl.dot with DOT_DT operands, else fp32 multiply-add
     DOT_DT: tl.constexpr,
     FP8_DOT: tl.constexpr,  # USE_DOT with FP8 x and W in the GPU's matrix format: no widening
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masked tail block
     IS_SPLIT: tl.constexpr,  # SPLIT_K > 1
-    HAS_BIAS: tl.constexpr, W_SCALE_MODE: tl.constexpr, HAS_X_SCALE: tl.constexpr,
-    W_BITS: tl.constexpr, X_BITS: tl.constexpr,  # decode FP8 W / x from their bits (passed as uint8)
+    HAS_BIAS: tl.constexpr,
+    W_SCALE_MODE: tl.constexpr,
+    HAS_X_SCALE: tl.constexpr,
+    W_BITS: tl.constexpr,
+    X_BITS: tl.constexpr,  # decode FP8 W / x from their bits (passed as uint8)
     FNUZ: tl.constexpr,  # the FP8 format decoded from bits is e4m3fnuz (else e4m3fn)
     NUM_XCDS: tl.constexpr,
 ):
@@ -290,13 +337,19 @@ def _skinny_gemm_kernel(
             # launcher gives every launch fresh zeroed counters.
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, SPLIT_K):
-                total += tl.load(WS + _ws_offset(s, offs_m, offs_n, N, WS_SPLIT_STRIDE), mask=tile_mask,
-                                 other=0.0, cache_modifier=".cg")
-            _epilogue(total, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
-                      HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE)
+                total += tl.load(
+                    WS + _ws_offset(s, offs_m, offs_n, N, WS_SPLIT_STRIDE),
+                    mask=tile_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            _epilogue(
+                total, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE
+            )
     else:
-        _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE,
-                  HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE)
+        _epilogue(
+            acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +373,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -442,8 +497,9 @@ def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, pro
     tiles_per_split = -(-k_tiles // split_k)
     split_k = -(-k_tiles // tiles_per_split)  # no empty split
     k_per_split = tiles_per_split * block_k
-    return _Config(use_dot, block_m, block_n, block_k, split_k, k_per_split, num_warps, num_stages,
-                   _num_xcds(target, cus))
+    return _Config(
+        use_dot, block_m, block_n, block_k, split_k, k_per_split, num_warps, num_stages, _num_xcds(target, cus)
+    )
 
 
 # Dispatch back to torch: the largest M for which the kernel is used, per (backend, arch, weight kind:
@@ -515,9 +571,9 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+
+
 # ---- shared block checks end ----
 
 
@@ -548,12 +604,20 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     """
     # no backward: inputs requiring grad are refused in grad mode (per call: grad mode is not in the key;
     # the registered op runs this under no_grad, and torch refuses to differentiate through it)
-    _check_no_grad("skinny_gemm", ("x", "weight", "bias", "weight_scale", "x_scale"),
-                   (x, weight, bias, weight_scale, x_scale))
+    _check_no_grad(
+        "skinny_gemm", ("x", "weight", "bias", "weight_scale", "x_scale"), (x, weight, bias, weight_scale, x_scale)
+    )
     try:
-        key = (_sig(x), _sig(weight), bias if bias is None else _sig(bias),
-               weight_scale if weight_scale is None else _sig(weight_scale),
-               x_scale if x_scale is None else _sig(x_scale), out_dtype, type(split_k), split_k)
+        key = (
+            _sig(x),
+            _sig(weight),
+            bias if bias is None else _sig(bias),
+            weight_scale if weight_scale is None else _sig(weight_scale),
+            x_scale if x_scale is None else _sig(x_scale),
+            out_dtype,
+            type(split_k),
+            split_k,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
         key = plan = None
@@ -590,8 +654,7 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         )
     elif x.dtype != weight.dtype:
         raise TypeError(
-            f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; "
-            "16-bit weights must have x's dtype"
+            f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; 16-bit weights must have x's dtype"
         )
     # scales: required exactly where a tensor is FP8
     w_scale_mode = 0
@@ -600,8 +663,9 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
             raise ValueError(
                 f"weight is {_dtype_name(weight.dtype)}: weight_scale (float32, 1 value or [N]) is required"
             )
-        _check_scale("weight_scale", weight_scale, device, (1, n),
-                     f"1 value (per tensor) or [N] = [{n}] (per output channel)")
+        _check_scale(
+            "weight_scale", weight_scale, device, (1, n), f"1 value (per tensor) or [N] = [{n}] (per output channel)"
+        )
         w_scale_mode = 1 if weight_scale.numel() == 1 else 2
     elif weight_scale is not None:
         raise ValueError(f"weight_scale is only for FP8 weights; weight is {_dtype_name(weight.dtype)}")
@@ -637,14 +701,18 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     _check_last_contiguous("weight", weight)
     shape = lead + (n,)
     if m == 0 or n == 0:
+
         def run_empty(x, weight, bias, weight_scale, x_scale):
             return torch.empty(shape, dtype=out_dtype, device=device)
+
         return run_empty
     if k == 0:  # an empty sum: y = bias (or 0)
+
         def run_bias(x, weight, bias, weight_scale, x_scale):
             out = torch.empty(shape, dtype=out_dtype, device=device)
             out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
             return out
+
         return run_bias
     try:
         x2 = x.view(m, k)
@@ -679,27 +747,60 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     # x is passed as itself: x.view(m, k) (checked above) has its data pointer, and the row stride is
     # fixed by the signature; the output [..., N] is contiguous, its rows n elements apart
     args = (
-        None, x2.stride(0),  # X
-        None, weight.stride(0),  # W
+        None,
+        x2.stride(0),  # X
+        None,
+        weight.stride(0),  # W
         None,  # BIAS (stays None when there is none: not read)
         None,  # W_SCALE (likewise)
         None,  # X_SCALE (likewise)
-        None, n,  # OUT, rows n elements apart
-        None, None,  # WS, COUNTERS (stay None when SPLIT_K == 1: not read)
-        m, n, k,
+        None,
+        n,  # OUT, rows n elements apart
+        None,
+        None,  # WS, COUNTERS (stay None when SPLIT_K == 1: not read)
+        m,
+        n,
+        k,
         m * n,
-        cfg.k_per_split, cfg.split_k, num_programs,
+        cfg.k_per_split,
+        cfg.split_k,
+        num_programs,
     )
-    launch = _Launch(_skinny_gemm_kernel, (num_programs,), args, dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=cfg.use_dot, DOT_DT=dot_dt, FP8_DOT=fp8_dot,
-        EVEN_K=k % cfg.block_k == 0, IS_SPLIT=split,
-        HAS_BIAS=bias is not None, W_SCALE_MODE=w_scale_mode, HAS_X_SCALE=x_fp8,
-        W_BITS=w_bits, X_BITS=x_bits, FNUZ=fnuz,
-        NUM_XCDS=cfg.num_xcds,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    ), (0, 2, 4 if bias is not None else None, 5 if weight_scale is not None else None,
-        6 if x_scale is not None else None, 7, 9 if split else None, 10 if split else None), device)
+    launch = _Launch(
+        _skinny_gemm_kernel,
+        (num_programs,),
+        args,
+        dict(
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            USE_DOT=cfg.use_dot,
+            DOT_DT=dot_dt,
+            FP8_DOT=fp8_dot,
+            EVEN_K=k % cfg.block_k == 0,
+            IS_SPLIT=split,
+            HAS_BIAS=bias is not None,
+            W_SCALE_MODE=w_scale_mode,
+            HAS_X_SCALE=x_fp8,
+            W_BITS=w_bits,
+            X_BITS=x_bits,
+            FNUZ=fnuz,
+            NUM_XCDS=cfg.num_xcds,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+        (
+            0,
+            2,
+            4 if bias is not None else None,
+            5 if weight_scale is not None else None,
+            6 if x_scale is not None else None,
+            7,
+            9 if split else None,
+            10 if split else None,
+        ),
+        device,
+    )
 
     def run(x, weight, bias, weight_scale, x_scale):
         if to_torch and m > _kernel_max_m(target, w_fp8):
@@ -719,8 +820,16 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
             counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
         else:
             ws = counters = None  # not read
-        launch(x.view(torch.uint8) if x_bits else x, weight.view(torch.uint8) if w_bits else weight,
-               bias, weight_scale, x_scale, out, ws, counters)
+        launch(
+            x.view(torch.uint8) if x_bits else x,
+            weight.view(torch.uint8) if w_bits else weight,
+            bias,
+            weight_scale,
+            x_scale,
+            out,
+            ws,
+            counters,
+        )
         return out
 
     return run
@@ -770,11 +879,15 @@ def _check_device(name: str, t) -> None:
         raise ValueError(
             f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
             "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since"
-               if _KERNELS_INTERPRETED else "")
+            + (
+                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
+                if _KERNELS_INTERPRETED
+                else ""
+            )
         )
-    if interpreting != _KERNELS_INTERPRETED and not (device.type == "cpu"
-                                                     and _device_target(device)[0] != "interpreter"):
+    if interpreting != _KERNELS_INTERPRETED and not (
+        device.type == "cpu" and _device_target(device)[0] != "interpreter"
+    ):
         if interpreting:
             raise RuntimeError(
                 f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
@@ -893,8 +1006,11 @@ class _Launch:
             if not _DIRECT["ok"]:
                 import warnings
 
-                warnings.warn(f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                              "kernels launch through the JIT (more host time per call)", stacklevel=4)
+                warnings.warn(
+                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
+                    "kernels launch through the JIT (more host time per call)",
+                    stacklevel=4,
+                )
         params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
         if not _DIRECT["ok"] or params is None:
             return
@@ -902,8 +1018,14 @@ class _Launch:
         full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
         # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
         masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {"_run": compiled.run, "_function": compiled.function, "_metadata": compiled.packed_metadata,
-              "_current_device": _current_device, "_current_stream": _current_stream, "_hooks_idle": _hooks_idle}
+        ns = {
+            "_run": compiled.run,
+            "_function": compiled.function,
+            "_metadata": compiled.packed_metadata,
+            "_current_device": _current_device,
+            "_current_stream": _current_stream,
+            "_hooks_idle": _hooks_idle,
+        }
         slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
         values = []
         for i, v in enumerate(full):
@@ -918,14 +1040,20 @@ class _Launch:
         n = len(self.slots)
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
-            [f"def direct({', '.join(f't{j}' for j in range(n))}):",
-             f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-             "        return False"]
+            [
+                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
+                "        return False",
+            ]
             + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
             + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-               f"None, None, None, {', '.join(values)})",
-               "    return True", ""])
+            + [
+                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
+                f"None, None, None, {', '.join(values)})",
+                "    return True",
+                "",
+            ]
+        )
         exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
         direct = ns["direct"]
         direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
@@ -959,6 +1087,8 @@ _TLS = threading.local()
 
 def _as_launched(fn):
     return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
+
+
 # ---- shared block ops end ----
 
 
@@ -1073,11 +1203,19 @@ def _main(argv=None) -> int:
     p.add_argument("--m", type=int, default=1, help=f"rows of x, 1..{MAX_M} (default 1)")
     p.add_argument("--n", type=int, default=1000, help="output features N (default 1000)")
     p.add_argument("--k", type=int, default=1024, help="input features K (default 1024)")
-    p.add_argument("--weight", choices=["bf16", "fp16", "fp8"], default="bf16",
-                   help="weight format; fp8 uses e4m3fnuz on gfx942, e4m3fn elsewhere, with per-channel scales")
+    p.add_argument(
+        "--weight",
+        choices=["bf16", "fp16", "fp8"],
+        default="bf16",
+        help="weight format; fp8 uses e4m3fnuz on gfx942, e4m3fn elsewhere, with per-channel scales",
+    )
     p.add_argument("--fp8-x", action="store_true", help="with --weight fp8: FP8 x with a per-tensor scale")
-    p.add_argument("--scale", choices=["per-channel", "per-tensor"], default="per-channel",
-                   help="FP8 weight scale granularity (default per-channel)")
+    p.add_argument(
+        "--scale",
+        choices=["per-channel", "per-tensor"],
+        default="per-channel",
+        help="FP8 weight scale granularity (default per-channel)",
+    )
     p.add_argument("--bias", action="store_true")
     p.add_argument("--split-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -1129,8 +1267,16 @@ def _main(argv=None) -> int:
     err = ((y.double() - ref).abs() - rtol * ref.abs()) / mag.clamp_min(1e-30)
     worst = float(err.max())
     ok = bool(torch.isfinite(y).all()) and worst <= 1e-4
-    report = {"device": device, "m": args.m, "n": args.n, "k": args.k, "weight": _dtype_name(w.dtype),
-              "x": _dtype_name(x.dtype), "max_excess_err_over_magnitude": worst, "ok": ok}
+    report = {
+        "device": device,
+        "m": args.m,
+        "n": args.n,
+        "k": args.k,
+        "weight": _dtype_name(w.dtype),
+        "x": _dtype_name(x.dtype),
+        "max_excess_err_over_magnitude": worst,
+        "ok": ok,
+    }
     if args.bench:
         if args.weight == "fp8" and args.fp8_x:
             x2d = x.reshape(-1, x.shape[-1])
@@ -1144,8 +1290,10 @@ def _main(argv=None) -> int:
         elif args.weight == "fp8":
             torch_fn = None  # torch has no bf16 x FP8-weight GEMM; compare with --fp8-x
         else:
+
             def torch_fn():
                 return torch.nn.functional.linear(x, w, bias)
+
         report["bench"] = _bench(x, w, bias, ws, xs, torch_fn)
     print(json.dumps(report))
     return 0 if ok else 1

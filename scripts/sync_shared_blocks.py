@@ -58,20 +58,23 @@ def find_blocks(path: Path, text: str | None = None):
         if begin:
             name = begin["name"] or begin["launch"]
             if open_name is not None:
-                problems.append(f"{path.name}:{open_at}: block {open_name!r} has no end line before block "
-                                f"{name!r} begins (line {i})")
+                problems.append(
+                    f"{path.name}:{open_at}: block {open_name!r} has no end line before block "
+                    f"{name!r} begins (line {i})"
+                )
             open_name, open_at = name, i
         elif end:
             name = end["name"] or end["launch"]
             if open_name != name:
-                problems.append(f"{path.name}:{i}: end of block {name!r} without its begin line"
-                                + (f" (block {open_name!r} is open)" if open_name else ""))
+                problems.append(
+                    f"{path.name}:{i}: end of block {name!r} without its begin line"
+                    + (f" (block {open_name!r} is open)" if open_name else "")
+                )
                 continue
             if name in blocks:
-                problems.append(f"{path.name}:{open_at}: block {name!r} held twice (also at line "
-                                f"{blocks[name].first})")
+                problems.append(f"{path.name}:{open_at}: block {name!r} held twice (also at line {blocks[name].first})")
             else:
-                blocks[name] = Block(name, path, open_at, i, "".join(lines[open_at - 1:i]))
+                blocks[name] = Block(name, path, open_at, i, "".join(lines[open_at - 1 : i]))
             open_name = None
     if open_name is not None:
         problems.append(f"{path.name}:{open_at}: block {open_name!r} has no end line")
@@ -98,8 +101,9 @@ def survey(directory: Path = SCRIPTS, source: str | None = None):
             copies.setdefault(name, []).append(block)
     for name, held in copies.items():
         if len(held) == 1:
-            problems.append(f"{held[0].path.name}:{held[0].first}: block {name!r} is held by this file only "
-                            "(a misspelt marker?)")
+            problems.append(
+                f"{held[0].path.name}:{held[0].first}: block {name!r} is held by this file only (a misspelt marker?)"
+            )
     return copies, problems
 
 
@@ -113,13 +117,21 @@ def differences(copies, names=None):
         source, *others = copies[name]
         for block in others:
             if block.text != source.text:
-                diff = difflib.unified_diff(source.text.splitlines(), block.text.splitlines(),
-                                            f"{source.path.name} (lines {source.first}-{source.last})",
-                                            f"{block.path.name} (lines {block.first}-{block.last})", lineterm="", n=1)
+                diff = difflib.unified_diff(
+                    source.text.splitlines(),
+                    block.text.splitlines(),
+                    f"{source.path.name} (lines {source.first}-{source.last})",
+                    f"{block.path.name} (lines {block.first}-{block.last})",
+                    lineterm="",
+                    n=1,
+                )
                 shown = list(diff)
                 more = len(shown) - 24
-                out.append(f"{block.path.name}: block {name!r} differs from {source.path.name}'s\n  "
-                           + "\n  ".join(shown[:24]) + (f"\n  ... ({more} more diff lines)" if more > 0 else ""))
+                out.append(
+                    f"{block.path.name}: block {name!r} differs from {source.path.name}'s\n  "
+                    + "\n  ".join(shown[:24])
+                    + (f"\n  ... ({more} more diff lines)" if more > 0 else "")
+                )
     return out
 
 
@@ -144,8 +156,11 @@ def main(argv=None) -> int:
     mode.add_argument("--check", action="store_true", help="write nothing; exit 1 if a copy differs from its source")
     mode.add_argument("--list", action="store_true", help="list the blocks and the files holding them")
     p.add_argument("--dir", type=Path, default=SCRIPTS, help="the folder of the kernel files (default: %(default)s)")
-    p.add_argument("--source", help="file name (e.g. rope.py) to copy every block it holds from, instead of the "
-                                    f"default ({PREFERRED_SOURCE}, else the first file by name)")
+    p.add_argument(
+        "--source",
+        help="file name (e.g. rope.py) to copy every block it holds from, instead of the "
+        f"default ({PREFERRED_SOURCE}, else the first file by name)",
+    )
     p.add_argument("--block", action="append", help="only this block (repeatable; default: every block)")
     args = p.parse_args(argv)
 
@@ -162,15 +177,20 @@ def main(argv=None) -> int:
     if args.list:
         for name in sorted(copies):
             held = copies[name]
-            print(f"{name}: {held[0].last - held[0].first + 1} lines, source {held[0].path.name}; held by "
-                  + ", ".join(f"{b.path.name}:{b.first}-{b.last}" for b in held))
+            print(
+                f"{name}: {held[0].last - held[0].first + 1} lines, source {held[0].path.name}; held by "
+                + ", ".join(f"{b.path.name}:{b.first}-{b.last}" for b in held)
+            )
         return 0
     diffs = differences(copies)
     if args.check:
         if diffs:
             print("\n".join(diffs), file=sys.stderr)
-            print(f"{len(diffs)} cop{'y differs' if len(diffs) == 1 else 'ies differ'}; "
-                  "run python scripts/sync_shared_blocks.py to copy the sources", file=sys.stderr)
+            print(
+                f"{len(diffs)} cop{'y differs' if len(diffs) == 1 else 'ies differ'}; "
+                "run python scripts/sync_shared_blocks.py to copy the sources",
+                file=sys.stderr,
+            )
             return 1
         print(f"{len(copies)} blocks, every copy identical")
         return 0

@@ -72,15 +72,14 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
+from transformers.activations import SiLUActivation  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
 
 import activations  # noqa: E402
 import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope as rope_kernels  # noqa: E402  (the name `rope` is an argument of inject_llama_kernels)
 import skinny_gemm as skinny_kernels  # noqa: E402
-
-from transformers.activations import SiLUActivation  # noqa: E402
-from transformers.models.llama import modeling_llama  # noqa: E402
 
 __all__ = [
     "inject_llama_kernels",
@@ -152,8 +151,12 @@ def _function_node(fn) -> Optional[ast.FunctionDef]:
 def _body(node: ast.FunctionDef) -> list:
     """Statements of a function without its docstring."""
     body = list(node.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(getattr(body[0], "value", None), ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     return body
 
@@ -212,11 +215,7 @@ def _is_llama_mlp(m) -> bool:
 
 def _is_plain_silu(act) -> bool:
     """act computes silu(x) and nothing else (no hooks, no instance forward)."""
-    return (
-        type(act) in (SiLUActivation, torch.nn.SiLU)
-        and "forward" not in act.__dict__
-        and not _has_hooks(act)
-    )
+    return type(act) in (SiLUActivation, torch.nn.SiLU) and "forward" not in act.__dict__ and not _has_hooks(act)
 
 
 _LAYER_PLAN_CACHE: dict = {}
@@ -432,8 +431,13 @@ def _mlp_forward(self, x):
         return _original_forward(self)(x)
     gate = self.gate_proj(x)
     up = self.up_proj(x)
-    if gate.shape != up.shape or gate.dtype != up.dtype or not _usable(gate, up) \
-            or (gate.dim() and gate.stride(-1) != 1) or (up.dim() and up.stride(-1) != 1):
+    if (
+        gate.shape != up.shape
+        or gate.dtype != up.dtype
+        or not _usable(gate, up)
+        or (gate.dim() and gate.stride(-1) != 1)
+        or (up.dim() and up.stride(-1) != 1)
+    ):
         return self.down_proj(act(gate) * up)
     return self.down_proj(activations.swiglu(gate, up))
 
@@ -472,7 +476,10 @@ def _decoder_layer_forward(self, *args, **kwargs):
         or any(n in kwargs for n in names[: len(args)])
         or (
             torch.is_grad_enabled()
-            and (getattr(args[0], "requires_grad", False) or (self.training and getattr(self, "gradient_checkpointing", False)))
+            and (
+                getattr(args[0], "requires_grad", False)
+                or (self.training and getattr(self, "gradient_checkpointing", False))
+            )
         )
     ):
         # keyword-only hidden_states, argument errors, autograd, gradient checkpointing: the original
@@ -588,8 +595,12 @@ def _rope_acquire(module, g: dict) -> None:
         site = _ROPE_SITES.get(id(g))
         if site is None or g.get(_ROPE_NAME) is not site["dispatcher"]:
             original = g[_ROPE_NAME]
-            site = {"globals": g, "original": original, "dispatcher": _make_rope_dispatcher(original),
-                    "users": weakref.WeakSet()}
+            site = {
+                "globals": g,
+                "original": original,
+                "dispatcher": _make_rope_dispatcher(original),
+                "users": weakref.WeakSet(),
+            }
             g[_ROPE_NAME] = site["dispatcher"]
             _ROPE_SITES[id(g)] = site
         site["users"].add(module)
@@ -647,8 +658,13 @@ def count_kernel_calls():
     A patched model that runs no kernel (every input fell back to torch) shows up as zero counts."""
     calls = collections.Counter()
     saved = []
-    for mod, name in ((rmsnorm, "rms_norm"), (rmsnorm, "fused_add_rms_norm"), (activations, "swiglu"),
-                      (rope_kernels, "rope_rotate_half"), (skinny_kernels, "skinny_gemm")):
+    for mod, name in (
+        (rmsnorm, "rms_norm"),
+        (rmsnorm, "fused_add_rms_norm"),
+        (activations, "swiglu"),
+        (rope_kernels, "rope_rotate_half"),
+        (skinny_kernels, "skinny_gemm"),
+    ):
         fn = getattr(mod, name)
         saved.append((mod, name, fn))
 
@@ -784,10 +800,19 @@ def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
@@ -799,10 +824,19 @@ def llama3_8b_config(**overrides):
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, hidden_act="silu",
+        bos_token_id=128000,
+        eos_token_id=128001,
+        tie_word_embeddings=False,
+        hidden_act="silu",
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
@@ -861,8 +895,17 @@ def _main(argv=None) -> int:
     left = injected_counts(model)
     rope_restored = modeling_llama.apply_rotary_pos_emb is _original_rope_function(modeling_llama.apply_rotary_pos_emb)
     ok = counts == again == restored and not any(left.values()) and rope_restored
-    print(json.dumps({"architecture": f"Llama-3-8B, {args.num_layers} layers", "injected": counts,
-                      "second_injection": again, "restored": restored, "ok": ok}))
+    print(
+        json.dumps(
+            {
+                "architecture": f"Llama-3-8B, {args.num_layers} layers",
+                "injected": counts,
+                "second_injection": again,
+                "restored": restored,
+                "ok": ok,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

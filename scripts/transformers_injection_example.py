@@ -54,8 +54,10 @@ HALF_FACTOR_INTERPRETER = 2.5  # the interpreter truncates fp32 -> bf16 (see the
 MIN_AUTO_PARAMS = 1e9
 # Checkpoints looked for first in the local cache (any other cached LlamaForCausalLM is used otherwise).
 PREFERRED = (
-    "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct",
-    "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct",
+    "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Meta-Llama-3-8B-Instruct",
+    "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.1-8B-Instruct",
 )
 
 
@@ -65,20 +67,32 @@ def log(*a):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a cached model id or a local directory (GPU only; default: a Llama-3-8B-like "
-                   "checkpoint from the local cache, else random weights)")
-    p.add_argument("--random-weights", action="store_true", help="GPU: use the random Llama-3-8B architecture "
-                   "even if a checkpoint is cached")
+    p.add_argument(
+        "--model",
+        help="a cached model id or a local directory (GPU only; default: a Llama-3-8B-like "
+        "checkpoint from the local cache, else random weights)",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="GPU: use the random Llama-3-8B architecture even if a checkpoint is cached",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), help="GPU default bf16, CPU fp32 (fp32 is always checked first)")
     p.add_argument("--prompt-len", type=int, help="prompt tokens (GPU default 128, CPU 8)")
     p.add_argument("--new-tokens", type=int, help="greedy tokens compared (GPU default 32, CPU 8)")
     p.add_argument("--decode-steps", type=int, default=128, help="timed decode steps per run (GPU)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per model (GPU); the median is reported")
-    p.add_argument("--skinny-gemm", action="store_true", help="also route decode-time linear layers (<= 32 rows, "
-                   "fp16/bf16) to the skinny GEMM")
+    p.add_argument(
+        "--skinny-gemm",
+        action="store_true",
+        help="also route decode-time linear layers (<= 32 rows, fp16/bf16) to the skinny GEMM",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device-free", action="store_true", help="run the tiny CPU model through Triton's interpreter "
-                   "even if a GPU is present")
+    p.add_argument(
+        "--device-free",
+        action="store_true",
+        help="run the tiny CPU model through Triton's interpreter even if a GPU is present",
+    )
     return p.parse_args(argv)
 
 
@@ -148,7 +162,9 @@ def load_model(gpu: bool, args):
     if not args.random_weights:
         hit = find_cached_llama(args.model)
         if hit is None:
-            log("no Llama checkpoint in the local Hugging Face cache: using the Llama-3-8B architecture with random weights")
+            log(
+                "no Llama checkpoint in the local Hugging Face cache: using the Llama-3-8B architecture with random weights"
+            )
         else:
             rid, path = hit
             try:
@@ -170,8 +186,10 @@ def load_model(gpu: bool, args):
 
 def make_prompt(model, tok, n: int, seed: int, device):
     if tok is not None:
-        text = ("The history of the printing press begins in the fifteenth century, when movable type "
-                "changed how books were made and read across Europe. ")
+        text = (
+            "The history of the printing press begins in the fifteenth century, when movable type "
+            "changed how books were made and read across Europe. "
+        )
         ids = tok(text * (1 + n // 16), return_tensors="pt").input_ids[:, :n]
         if ids.shape[1] == n:
             return ids.to(device)
@@ -207,7 +225,7 @@ def greedy_tokens(model, prompt, n: int):
     gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gc)
-    return out[:, prompt.shape[1]:]
+    return out[:, prompt.shape[1] :]
 
 
 def forced_logits(model, prompt, forced):
@@ -253,7 +271,7 @@ def decode_tokens_per_s(model, prompt, steps: int, reps: int):
 
 def compare(a, b) -> dict:
     """max abs diff, max diff relative to max |b|, relative L2 of a against b."""
-    d = (a.double() - b.double())
+    d = a.double() - b.double()
     peak = b.double().abs().max().item()
     return {
         "max_abs_diff": d.abs().max().item(),
@@ -273,8 +291,12 @@ def common_prefix(a, b) -> int:
 
 def kernels_ran(counts: dict, calls, half: bool) -> list:
     """Kinds injected whose kernel was never called (empty when every injected kind ran)."""
-    need = {"rmsnorm": "rms_norm", "fused_add_rmsnorm": "fused_add_rms_norm", "swiglu": "swiglu",
-            "rope": "rope_rotate_half"}
+    need = {
+        "rmsnorm": "rms_norm",
+        "fused_add_rmsnorm": "fused_add_rms_norm",
+        "swiglu": "swiglu",
+        "rope": "rope_rotate_half",
+    }
     if half:
         need["skinny_gemm"] = "skinny_gemm"  # the skinny GEMM takes fp16/bf16 only
     return [kind for kind, fn in need.items() if counts.get(kind) and not calls.get(fn)]
@@ -294,8 +316,9 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     sys.path.insert(0, HERE)
-    import transformers_injection as ti
     from transformers.utils import logging as hf_logging
+
+    import transformers_injection as ti
 
     hf_logging.set_verbosity_error()
     device = "cuda" if gpu else "cpu"
@@ -331,8 +354,10 @@ def main(argv=None) -> int:
         and fp32["restored_bit_identical"]
         and bool(torch.isfinite(patched32).all())
     )
-    log(f"fp32: {fp32['patched_vs_unpatched']}, greedy identical {fp32['greedy_tokens_identical']}, "
-        f"restored bit-identical {fp32['restored_bit_identical']}, kernel calls {fp32['kernel_calls']}")
+    log(
+        f"fp32: {fp32['patched_vs_unpatched']}, greedy identical {fp32['greedy_tokens_identical']}, "
+        f"restored bit-identical {fp32['restored_bit_identical']}, kernel calls {fp32['kernel_calls']}"
+    )
 
     # ---- half precision: parity against the fp32 run, and decode speed on a GPU
     half = None
@@ -368,18 +393,25 @@ def main(argv=None) -> int:
             and half["restored_bit_identical"]
             and bool(torch.isfinite(patched_h).all())
         )
-        log(f"{args.dtype}: patched vs fp32 rel L2 {half['patched_vs_fp32']['rel_l2']:.3e}, unpatched vs fp32 "
+        log(
+            f"{args.dtype}: patched vs fp32 rel L2 {half['patched_vs_fp32']['rel_l2']:.3e}, unpatched vs fp32 "
             f"{half['unpatched_vs_fp32']['rel_l2']:.3e}; greedy tokens identical {half['greedy_tokens_identical']} "
-            f"(common prefix {half['greedy_common_prefix']}/{args.new_tokens}); kernel calls {half['kernel_calls']}")
+            f"(common prefix {half['greedy_common_prefix']}/{args.new_tokens}); kernel calls {half['kernel_calls']}"
+        )
         if gpu:
             speed = {
                 "clock": "CUDA events around the decode loop, batch 1, after a prefill of the prompt",
-                "decode_steps": args.decode_steps, "reps": args.reps,
-                "unpatched_tokens_per_s": stock_tps, "patched_tokens_per_s": patched_tps,
+                "decode_steps": args.decode_steps,
+                "reps": args.reps,
+                "unpatched_tokens_per_s": stock_tps,
+                "patched_tokens_per_s": patched_tps,
                 "speedup": patched_tps / stock_tps,
-                "unpatched_runs": stock_runs, "patched_runs": patched_runs,
+                "unpatched_runs": stock_runs,
+                "patched_runs": patched_runs,
             }
-            log(f"decode tokens/s: unpatched {stock_tps:.1f}, patched {patched_tps:.1f} (x{patched_tps / stock_tps:.3f})")
+            log(
+                f"decode tokens/s: unpatched {stock_tps:.1f}, patched {patched_tps:.1f} (x{patched_tps / stock_tps:.3f})"
+            )
     if missing:
         log(f"these injected kinds never ran their kernel: {missing}")
     ok = bool(ok and not missing)
@@ -387,11 +419,26 @@ def main(argv=None) -> int:
     summary = {
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "weights": weights,
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                     "transformers": __import__("transformers").__version__},
-        "config": {k: getattr(model.config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")},
-        "dtype": args.dtype, "prompt_len": prompt.shape[1], "new_tokens": args.new_tokens, "seed": args.seed,
+        "versions": {
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "transformers": __import__("transformers").__version__,
+        },
+        "config": {
+            k: getattr(model.config, k)
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+            )
+        },
+        "dtype": args.dtype,
+        "prompt_len": prompt.shape[1],
+        "new_tokens": args.new_tokens,
+        "seed": args.seed,
         "skinny_gemm": args.skinny_gemm,
         "replaced": counts,
         "not_fused": "the MLP residual add with the next layer's input_layernorm (crosses LlamaModel's layer loop)",

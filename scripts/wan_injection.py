@@ -54,13 +54,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import activations  # noqa: E402
-import injection_common as ic  # noqa: E402
-import layernorm  # noqa: E402
-import rmsnorm  # noqa: E402
-import rope  # noqa: E402
-
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
@@ -71,6 +64,12 @@ from diffusers.models.transformers.transformer_wan import (  # noqa: E402
     WanTransformer3DModel,
     WanTransformerBlock,
 )
+
+import activations  # noqa: E402
+import injection_common as ic  # noqa: E402
+import layernorm  # noqa: E402
+import rmsnorm  # noqa: E402
+import rope  # noqa: E402
 
 __all__ = ["inject_wan_kernels", "remove_wan_kernels", "wan_injected_counts", "find_wan_models", "KINDS"]
 
@@ -120,8 +119,12 @@ def _original_forward(module: torch.nn.Module):
 def _rmsnorm_forward(self, x):
     """torch.nn.RMSNorm over one trailing dim with a weight of the input's dtype (else the original)."""
     w = self.weight
-    if len(self.normalized_shape) != 1 or not ic.usable(x, w) or (w is not None and w.dtype != x.dtype) \
-            or x.stride(-1) != 1:
+    if (
+        len(self.normalized_shape) != 1
+        or not ic.usable(x, w)
+        or (w is not None and w.dtype != x.dtype)
+        or x.stride(-1) != 1
+    ):
         return _original_forward(self)(x)
     return rmsnorm.rms_norm(x, w, ic.torch_rmsnorm_eps(self), cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
 
@@ -163,11 +166,16 @@ def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
         return None
     cos, sin = rotary_emb
     want = (1, seq, 1, head_dim)
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or tuple(cos.shape) != want \
-            or tuple(sin.shape) != want or head_dim % 2:
+    if (
+        not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor))
+        or tuple(cos.shape) != want
+        or tuple(sin.shape) != want
+        or head_dim % 2
+    ):
         return None
-    return cos.view(1, seq, head_dim) if cos.is_contiguous() else cos.reshape(1, seq, head_dim), \
-        sin.view(1, seq, head_dim) if sin.is_contiguous() else sin.reshape(1, seq, head_dim)
+    return cos.view(1, seq, head_dim) if cos.is_contiguous() else cos.reshape(1, seq, head_dim), sin.view(
+        1, seq, head_dim
+    ) if sin.is_contiguous() else sin.reshape(1, seq, head_dim)
 
 
 def _self_attention(attn, x, rotary_emb):
@@ -208,8 +216,15 @@ def _self_attention(attn, x, rotary_emb):
             and q.dtype == k.dtype == nq.weight.dtype == nk.weight.dtype
             and ic.usable(q, k, v, nq.weight, nk.weight, *tables)
         ):
-            q, k = rope.ltx_qk_rmsnorm_rope(q, k, nq.weight, nk.weight, ic.torch_rmsnorm_eps(nq), *tables,
-                                            cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
+            q, k = rope.ltx_qk_rmsnorm_rope(
+                q,
+                k,
+                nq.weight,
+                nk.weight,
+                ic.torch_rmsnorm_eps(nq),
+                *tables,
+                cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT,
+            )
             q, k, v = (t.view(b, s, heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
             out = out.permute(0, 2, 1, 3).flatten(2, 3)
@@ -231,8 +246,9 @@ def _processor_after_projections(attn, query, key, value, rotary_emb):
     if rotary_emb is not None:
         query = _apply_rotary_emb(query, *rotary_emb)
         key = _apply_rotary_emb(key, *rotary_emb)
-    out = F.scaled_dot_product_attention(query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3),
-                                         value.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False)
+    out = F.scaled_dot_product_attention(
+        query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False
+    )
     out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
     return attn.to_out[1](attn.to_out[0](out))
 
@@ -276,7 +292,11 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
     norm2 = self.norm2
     n2 = None if type(norm2) is torch.nn.Identity else _layer_norm_args(norm2, width)
     if (
-        n1 is None or n3 is None or n1[0] is not None or n1[1] is not None or n3[0] is not None
+        n1 is None
+        or n3 is None
+        or n1[0] is not None
+        or n1[1] is not None
+        or n3[0] is not None
         or n3[1] is not None
         or (n2 is None and not (type(norm2) is torch.nn.Identity and ic.hook_free(norm2)))
         or h.dim() != 3
@@ -297,8 +317,9 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
         norm_h = norm2(h.float()).type_as(h)
     elif n2 is not None:
         # h + attn1 * gate, then norm2 (LayerNorm with its weight and bias): one kernel, both outputs
-        h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, gate_msa, None, None, n2[2],
-                                                                 weight=n2[0], bias=n2[1])
+        h, norm_h = layernorm.gated_residual_layer_norm_modulate(
+            h, attn_out, gate_msa, None, None, n2[2], weight=n2[0], bias=n2[1]
+        )
     else:
         h = rmsnorm.gated_residual_add(h, attn_out, gate_msa)
         norm_h = h
@@ -309,8 +330,7 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
         h = h + attn_out
         norm_h = (self.norm3(h.float()) * (1 + c_scale_msa) + c_shift_msa).type_as(h)
     else:
-        h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, None, c_scale_msa, c_shift_msa,
-                                                                 n3[2])
+        h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, None, c_scale_msa, c_shift_msa, n3[2])
 
     # 3. Feed-forward, then h + ff * gate (with the next block's norm1 + modulation where it can)
     ff_out = ic.feed_forward(self.ffn, norm_h, FeedForward)
@@ -437,25 +457,56 @@ def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 # --------------------------------------------------------------------------------------------
 # diffusers' WanTransformer3DModel arguments of the released checkpoints' configs (transformer/config.json)
 WAN_CONFIGS = {
-    "2.1-t2v-1.3b": dict(num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                         ffn_dim=8960, num_layers=30),
-    "2.1-t2v-14b": dict(num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-                        ffn_dim=13824, num_layers=40),
-    "2.1-i2v-14b": dict(num_attention_heads=40, attention_head_dim=128, in_channels=36, out_channels=16,
-                        ffn_dim=13824, num_layers=40, image_dim=1280, added_kv_proj_dim=5120),
-    "2.2-ti2v-5b": dict(num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
-                        ffn_dim=14336, num_layers=30),
+    "2.1-t2v-1.3b": dict(
+        num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16, ffn_dim=8960, num_layers=30
+    ),
+    "2.1-t2v-14b": dict(
+        num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16, ffn_dim=13824, num_layers=40
+    ),
+    "2.1-i2v-14b": dict(
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=36,
+        out_channels=16,
+        ffn_dim=13824,
+        num_layers=40,
+        image_dim=1280,
+        added_kv_proj_dim=5120,
+    ),
+    "2.2-ti2v-5b": dict(
+        num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48, ffn_dim=14336, num_layers=30
+    ),
     # tiny: 2 heads x 16 (the RoPE split 8 / 4 / 4), 2 blocks
-    "tiny": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=24,
-                 freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64),
-    "tiny-i2v": dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=24,
-                     freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64, image_dim=20,
-                     added_kv_proj_dim=32),
+    "tiny": dict(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=24,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=64,
+    ),
+    "tiny-i2v": dict(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=24,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=64,
+        image_dim=20,
+        added_kv_proj_dim=32,
+    ),
 }
 
 
-def build_wan_transformer(config: str = "tiny", *, dtype=torch.float32, device="cpu", seed: int = 0,
-                          keep_fp32: bool = True, **overrides):
+def build_wan_transformer(
+    config: str = "tiny", *, dtype=torch.float32, device="cpu", seed: int = 0, keep_fp32: bool = True, **overrides
+):
     """A WanTransformer3DModel of a released architecture (WAN_CONFIGS) with random weights.
 
     dtype bf16/fp16 with keep_fp32=True keeps the modules Wan lists in _keep_in_fp32_modules (norm1/2/3,
@@ -490,9 +541,20 @@ def cast_like_from_pretrained(model, dtype):
     return model
 
 
-def make_wan_inputs(model, *, batch: int = 2, frames: int = 3, height: int = 8, width: int = 8,
-                    text_len: int = 7, per_token_timestep: bool = False, image_len: int = 0,
-                    dtype=torch.float32, device="cpu", seed: int = 0) -> dict:
+def make_wan_inputs(
+    model,
+    *,
+    batch: int = 2,
+    frames: int = 3,
+    height: int = 8,
+    width: int = 8,
+    text_len: int = 7,
+    per_token_timestep: bool = False,
+    image_len: int = 0,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+) -> dict:
     """Keyword arguments of one forward: latents [B, C, frames, height, width] (tokens: frames x
     height/2 x width/2 for the (1, 2, 2) patch), text embeddings [B, text_len, text_dim], timesteps [B]
     (or [B, tokens] per token, as Wan 2.2 TI2V feeds them), image embeddings [B, image_len, image_dim]
@@ -506,8 +568,9 @@ def make_wan_inputs(model, *, batch: int = 2, frames: int = 3, height: int = 8, 
         return_dict=False,
     )
     t = torch.rand(batch, generator=g) * 1000
-    kw["timestep"] = (t[:, None] * (0.5 + torch.rand(batch, tokens, generator=g))).to(device) \
-        if per_token_timestep else t.to(device)
+    kw["timestep"] = (
+        (t[:, None] * (0.5 + torch.rand(batch, tokens, generator=g))).to(device) if per_token_timestep else t.to(device)
+    )
     if image_len:
         kw["encoder_hidden_states_image"] = torch.randn(batch, image_len, cfg.image_dim, generator=g).to(device, dtype)
     return kw
@@ -523,10 +586,15 @@ def _main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description="Inject the kernels into a Wan transformer with random weights and compare one forward with the "
         "unpatched model's (and with it again after removal). On a machine without a GPU, run it with "
-        "TRITON_INTERPRET=1 (the tiny configs). JSON on stdout; exit 1 if the outputs differ.")
+        "TRITON_INTERPRET=1 (the tiny configs). JSON on stdout; exit 1 if the outputs differ."
+    )
     p.add_argument("--config", choices=sorted(WAN_CONFIGS), default="tiny", help="architecture (default tiny)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32 (default), or bf16 laid out as from_pretrained leaves it (fp32 modules kept)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32 (default), or bf16 laid out as from_pretrained leaves it (fp32 modules kept)",
+    )
     p.add_argument("--frames", type=int, default=3, help="latent frames (default 3)")
     p.add_argument("--size", type=int, default=8, help="latent height and width (default 8)")
     p.add_argument("--seed", type=int, default=0)
@@ -541,8 +609,17 @@ def _main(argv=None) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = build_wan_transformer(args.config, dtype=dtype, device=device, seed=args.seed)
     i2v = model.config.added_kv_proj_dim is not None
-    kw = make_wan_inputs(model, frames=args.frames, height=args.size, width=args.size, dtype=dtype, device=device,
-                         seed=args.seed, text_len=512 if i2v else 7, image_len=5 if i2v else 0)
+    kw = make_wan_inputs(
+        model,
+        frames=args.frames,
+        height=args.size,
+        width=args.size,
+        dtype=dtype,
+        device=device,
+        seed=args.seed,
+        text_len=512 if i2v else 7,
+        image_len=5 if i2v else 0,
+    )
     with torch.no_grad():
         ref = model(**kw)[0].float()
         counts = inject_wan_kernels(model, verbose=False)
@@ -552,9 +629,20 @@ def _main(argv=None) -> int:
     rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
     tol = 1e-5 if dtype == torch.float32 else 0.05
     ok = bool(torch.isfinite(out).all()) and rel <= tol and torch.equal(back, ref)
-    print(json.dumps({"config": args.config, "dtype": args.dtype, "device": device, "injected": counts,
-                      "rel_l2_vs_unpatched": rel, "tolerance": tol, "restored_bit_identical": torch.equal(back, ref),
-                      "ok": ok}))
+    print(
+        json.dumps(
+            {
+                "config": args.config,
+                "dtype": args.dtype,
+                "device": device,
+                "injected": counts,
+                "rel_l2_vs_unpatched": rel,
+                "tolerance": tol,
+                "restored_bit_identical": torch.equal(back, ref),
+                "ok": ok,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

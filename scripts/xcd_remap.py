@@ -107,6 +107,8 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
+
+
 # ---- shared block device end ----
 
 
@@ -200,8 +202,10 @@ def _main(argv=None) -> int:
         ok = ok and table == ref
     else:
         report["kernel_matches_reference"] = None
-        print("no GPU found: the kernel was not run (rerun with TRITON_INTERPRET=1 to use the Triton "
-              "interpreter)", file=sys.stderr)
+        print(
+            "no GPU found: the kernel was not run (rerun with TRITON_INTERPRET=1 to use the Triton interpreter)",
+            file=sys.stderr,
+        )
     if args.show:
         report["first"] = [(i, i % x, ref[i]) for i in range(min(args.show, n))]
     # null when the kernel could not be run: the check is incomplete, not passed

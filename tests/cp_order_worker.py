@@ -24,8 +24,9 @@ def main():
         device = torch.device("cpu")
         torch.accelerator.device_count = lambda: 1  # as benchmark_context_parallel.py does on a CPU
     dist.init_process_group("nccl" if gpu else "gloo")
-    import diffusers_injection as di
     from diffusers import ContextParallelConfig
+
+    import diffusers_injection as di
 
     model = di.build_tiny_ltx_pipeline(seed=3).transformer.to(device)
     g = torch.Generator().manual_seed(11)
@@ -34,7 +35,11 @@ def main():
         encoder_hidden_states=torch.randn(2, 16, 16, generator=g).to(device),
         timestep=torch.tensor([300.0, 700.0], device=device),
         encoder_attention_mask=None,
-        num_frames=3, height=8, width=8, rope_interpolation_scale=(4 / 25, 4, 4), return_dict=False,
+        num_frames=3,
+        height=8,
+        width=8,
+        rope_interpolation_scale=(4 / 25, 4, 4),
+        return_dict=False,
     )
     masked = dict(kw, encoder_attention_mask=torch.ones(2, 16, device=device))
     masked["encoder_attention_mask"][1, 9:] = 0
@@ -49,11 +54,17 @@ def main():
 
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
     out_tri_masked = run(masked)  # the rope module's split hook now wraps the patched forward
-    procs_parallel = all(getattr(m.processor, "_parallel_config", None) is not None
-                         for m in model.modules() if hasattr(m, "processor") and hasattr(m, "to_q"))
+    procs_parallel = all(
+        getattr(m.processor, "_parallel_config", None) is not None
+        for m in model.modules()
+        if hasattr(m, "processor") and hasattr(m, "to_q")
+    )
     restored = di.remove_optimized_kernels(model, verbose=False)
-    procs_kept = all(getattr(m.processor, "_parallel_config", None) is not None
-                     for m in model.modules() if hasattr(m, "processor") and hasattr(m, "to_q"))
+    procs_kept = all(
+        getattr(m.processor, "_parallel_config", None) is not None
+        for m in model.modules()
+        if hasattr(m, "processor") and hasattr(m, "to_q")
+    )
     out_base = run(kw)  # diffusers' own processors, still parallel after removal
 
     def rel(a, b):

@@ -2,7 +2,6 @@
 """Tests for scripts/activations.py: gelu (tanh and erf forms) and geglu against float64 references,
 torch.nn.functional.gelu and diffusers' GELU/GEGLU modules, on fresh random inputs."""
 
-
 import pytest
 import torch
 
@@ -255,8 +254,15 @@ _GELU_AND_GEGLU_ERRORS = [
     ("x int32", TypeError, "x has dtype int32; expected one of", lambda fn: fn(_ones(4, 8, dtype=torch.int32))),
     ("x float64", TypeError, "x has dtype float64", lambda fn: fn(_ones(4, 8).double())),
     ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda fn: fn([1.0, 2.0])),
-    *[(f"approximate={bad!r}", ValueError, "approximate must be 'none' or 'tanh'", lambda fn, bad=bad: fn(_ones(4, 8), bad))
-      for bad in ("Tanh", "exact", None, True)],
+    *[
+        (
+            f"approximate={bad!r}",
+            ValueError,
+            "approximate must be 'none' or 'tanh'",
+            lambda fn, bad=bad: fn(_ones(4, 8), bad),
+        )
+        for bad in ("Tanh", "exact", None, True)
+    ],
     ("x transposed", ValueError, "contiguous in its last dimension", lambda fn: fn(_ones(8, 4).t())),
     ("x last stride 2", ValueError, "contiguous in its last dimension", lambda fn: fn(_ones(4, 16)[:, ::2])),
     ("rows need three strides", ValueError, "two strides", lambda fn: fn(_ones(4, 6, 8, 10)[::2, ::2, ::2, :4])),
@@ -343,8 +349,10 @@ def _grad_cases(gen):
         "geglu": (lambda t: act.geglu(t["x"]), dict(x=x)),
         "swiglu": (lambda t: act.swiglu(t["x"]), dict(x=x)),
         "swiglu(gate, up)": (lambda t: act.swiglu(t["gate"], t["up"]), dict(gate=x, up=up)),
-        "swiglu(fp8)": (lambda t: act.swiglu(t["x"], fp8="per_tensor", fp8_scale=t["fp8_scale"]),
-                        dict(x=x, fp8_scale=torch.full((1,), 0.5, device=DEVICE))),
+        "swiglu(fp8)": (
+            lambda t: act.swiglu(t["x"], fp8="per_tensor", fp8_scale=t["fp8_scale"]),
+            dict(x=x, fp8_scale=torch.full((1,), 0.5, device=DEVICE)),
+        ),
     }
 
 

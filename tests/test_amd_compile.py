@@ -37,8 +37,9 @@ def _env_without_interpreter() -> dict:
 
 def _run(args, env, timeout=600):
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+    )
     return res, time.perf_counter() - t0
 
 
@@ -180,15 +181,22 @@ def test_fp8_kernels_use_the_conversion_instruction_where_chosen(full_report):
     (e4m3fn), and the compiled code then holds the hardware conversion; elsewhere the integer encoder
     leaves none."""
     _, report = full_report
-    expect = {"gfx942": "v_cvt_pk_fp8_f32", "gfx950": "v_cvt_scalef32_pk_fp8_f32", "sm90": "cvt.rn.satfinite.e4m3x2.f32"}
+    expect = {
+        "gfx942": "v_cvt_pk_fp8_f32",
+        "gfx950": "v_cvt_scalef32_pk_fp8_f32",
+        "sm90": "cvt.rn.satfinite.e4m3x2.f32",
+    }
     tv = tuple(int(p) for p in triton.__version__.split(".")[:2])
     checked = 0
     for r in report["records"]:
         if not r["constexprs"].get("FP8_MODE"):
             continue
         fnuz = r["constexprs"]["FP8_MAX"] == 240.0
-        native_expected = (r["target"] == "gfx942" and fnuz) or (r["target"] == "sm90" and not fnuz) or (
-            r["target"] == "gfx950" and not fnuz and tv >= (3, 9))
+        native_expected = (
+            (r["target"] == "gfx942" and fnuz)
+            or (r["target"] == "sm90" and not fnuz)
+            or (r["target"] == "gfx950" and not fnuz and tv >= (3, 9))
+        )
         where = f"{r['case']} / {r['target']}"
         assert r["constexprs"]["NATIVE_FP8"] is native_expected, where
         if native_expected:
@@ -277,12 +285,16 @@ def eviction_hint_report() -> dict:
             for hint in ("", "evict_first"):
                 launch.kwargs["INPUT_EVICT"] = hint
                 sp = cac.specialize(launch, target)
-                src = ASTSource(fn=launch.kernel, signature=sp["signature"], constexprs=sp["constexprs"],
-                                attrs=sp["attrs"])
+                src = ASTSource(
+                    fn=launch.kernel, signature=sp["signature"], constexprs=sp["constexprs"], attrs=sp["attrs"]
+                )
                 asm = triton.compile(src, target=target, options=sp["options"].__dict__).asm
                 texts.append(asm["amdgcn"] if backend == "hip" else asm["ptx"])
-            diff = [ln for ln in difflib.unified_diff(texts[0].splitlines(), texts[1].splitlines(), lineterm="", n=0)
-                    if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and ".loc" not in ln]
+            diff = [
+                ln
+                for ln in difflib.unified_diff(texts[0].splitlines(), texts[1].splitlines(), lineterm="", n=0)
+                if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and ".loc" not in ln
+            ]
             report[f"{tname}/{variant}"] = diff
     return report
 
@@ -298,6 +310,7 @@ def test_eviction_hint_changes_only_nvidia_code():
             assert diff == [], (key, diff[:6])
         else:
             assert any("evict_first" in ln for ln in diff if ln.startswith("+")), (key, diff[:6])
+
 
 _AMDGCN_SPILLING = """
 ; -- End function
@@ -335,12 +348,22 @@ def test_amdgcn_parser_on_canned_text():
 def test_nvidia_parsers_on_canned_text():
     cuobj = " Function _k:\n  REG:40 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:600 TEXTURE:0\n"
     assert cac.parse_cuobjdump_resource_usage(cuobj) == {
-        "registers": 40, "stack_bytes": 16, "static_shared_bytes": 0, "local_bytes": 8}
-    ptxas = ("ptxas info    : Function properties for _k\n"
-             "    304 bytes stack frame, 272 bytes spill stores, 332 bytes spill loads\n"
-             "ptxas info    : Used 32 registers, used 1 barriers\n")
+        "registers": 40,
+        "stack_bytes": 16,
+        "static_shared_bytes": 0,
+        "local_bytes": 8,
+    }
+    ptxas = (
+        "ptxas info    : Function properties for _k\n"
+        "    304 bytes stack frame, 272 bytes spill stores, 332 bytes spill loads\n"
+        "ptxas info    : Used 32 registers, used 1 barriers\n"
+    )
     assert cac.parse_ptxas_verbose(ptxas) == {
-        "stack_bytes": 304, "spill_store_bytes": 272, "spill_load_bytes": 332, "registers": 32}
+        "stack_bytes": 304,
+        "spill_store_bytes": 272,
+        "spill_load_bytes": 332,
+        "registers": 32,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,8 +402,20 @@ def test_command_line(capsys):
 
 def test_what_if_overrides():
     """--num-warps and --waves-per-eu reach the compiled kernel and are recorded; bad values are refused."""
-    res, _ = _run([SCRIPT, "--kernel", "rms_norm[2x6144", "--targets", "gfx942,gfx1201", "--num-warps", "8",
-                   "--waves-per-eu", "2"], _env_without_interpreter())
+    res, _ = _run(
+        [
+            SCRIPT,
+            "--kernel",
+            "rms_norm[2x6144",
+            "--targets",
+            "gfx942,gfx1201",
+            "--num-warps",
+            "8",
+            "--waves-per-eu",
+            "2",
+        ],
+        _env_without_interpreter(),
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     report = json.loads(res.stdout)
     assert report["num_warps_override"] == 8 and report["waves_per_eu_override"] == 2

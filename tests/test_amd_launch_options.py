@@ -88,7 +88,9 @@ def _compiled_facts(kernel) -> dict:
     md, llir, gcn = kernel.metadata, kernel.asm["llir"], kernel.asm["amdgcn"]
     occ = re.search(r";\s*Occupancy:\s*(\d+)", gcn)
     return {
-        "waves_per_eu": md.waves_per_eu, "matrix_instr_nonkdim": md.matrix_instr_nonkdim, "kpack": md.kpack,
+        "waves_per_eu": md.waves_per_eu,
+        "matrix_instr_nonkdim": md.matrix_instr_nonkdim,
+        "kpack": md.kpack,
         "num_stages": md.num_stages,
         # Triton 3.9 omits the attribute when the option is 0; Triton 3.6 writes "0, 0"
         "llvm_waves_per_eu": re.findall(r'"amdgpu-waves-per-eu"="([^"]*)"', llir),
@@ -104,10 +106,19 @@ def aot_report() -> dict:
 
     out = {}
     for name, extra in (("default", {}), ("options", OPTS)):
-        src = ASTSource(fn=_dot_kernel, signature={"A": "*fp16", "B": "*fp16", "C": "*fp32", "BM": "constexpr",
-                                                   "BN": "constexpr", "BK": "constexpr"},
-                        constexprs={"BM": 64, "BN": 64, "BK": 64},
-                        attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
+        src = ASTSource(
+            fn=_dot_kernel,
+            signature={
+                "A": "*fp16",
+                "B": "*fp16",
+                "C": "*fp32",
+                "BM": "constexpr",
+                "BN": "constexpr",
+                "BK": "constexpr",
+            },
+            constexprs={"BM": 64, "BN": 64, "BK": 64},
+            attrs={(i,): [["tt.divisibility", 16]] for i in range(3)},
+        )
         try:
             k = triton.compile(src, target=GPUTarget("hip", "gfx942", 64), options={"num_warps": 4, **extra})
         except Exception as exc:  # a Triton build without the AMD backend
@@ -177,10 +188,11 @@ def traced_report() -> dict:
                 op(x)
         finally:
             JITFunction.run = orig_run
-        rec["hop_kwargs"] = [{k: v for k, v in n["kwargs"].items() if not isinstance(v, torch.fx.Node)}
-                             for n in nodes]
-        rec["hop_configs"] = [[c.all_kwargs() for c in getattr(kernel_side_table.get_kernel(n["kernel_idx"]),
-                                                                "configs", [])] for n in nodes]
+        rec["hop_kwargs"] = [{k: v for k, v in n["kwargs"].items() if not isinstance(v, torch.fx.Node)} for n in nodes]
+        rec["hop_configs"] = [
+            [c.all_kwargs() for c in getattr(kernel_side_table.get_kernel(n["kernel_idx"]), "configs", [])]
+            for n in nodes
+        ]
         rec["launches"] = launches  # [graph fallback, eager op]
         report[name] = rec
 
@@ -190,13 +202,22 @@ def traced_report() -> dict:
         from torch._inductor.runtime.hints import DeviceProperties
 
         dev = DeviceProperties(type="hip", index=0, multi_processor_count=304, cc="gfx942", warp_size=64)
-        meta = {"signature": {"X": "*fp32", "Y": "*fp32", "N": "i32", "BLOCK": "constexpr"}, "device": dev,
-                "constants": {"BLOCK": 128}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+        meta = {
+            "signature": {"X": "*fp32", "Y": "*fp32", "N": "i32", "BLOCK": "constexpr"},
+            "device": dev,
+            "constants": {"BLOCK": 128},
+            "configs": [{(0,): [["tt.divisibility", 16]]}],
+        }
         runtime = {}
         for name in ("kw", "cfg"):
             configs = ast.literal_eval(report[name]["inductor_configs"])  # a list of dicts, as generated
-            tuner = th.user_autotune(configs=configs, triton_meta=meta, inductor_meta={"kernel_name": name},
-                                     filename=__file__, custom_kernel=True)(_add_one_kernel)
+            tuner = th.user_autotune(
+                configs=configs,
+                triton_meta=meta,
+                inductor_meta={"kernel_name": name},
+                filename=__file__,
+                custom_kernel=True,
+            )(_add_one_kernel)
             cfg = tuner.configs[0]
             options = tuner._create_compile_options(cfg, tuner._create_compile_meta(cfg))
             runtime[name] = {k: v for k, v in options.items() if isinstance(v, (int, bool))}
@@ -206,7 +227,8 @@ def traced_report() -> dict:
 
         src = ASTSource(fn=_add_one_kernel, signature=meta["signature"], constexprs={"BLOCK": 128})
         runtime["cfg_compiled"] = _compiled_facts(
-            triton.compile(src, target=GPUTarget("hip", "gfx942", 64), options=runtime["cfg"]))
+            triton.compile(src, target=GPUTarget("hip", "gfx942", 64), options=runtime["cfg"])
+        )
         report["runtime"] = runtime
     except (ImportError, AttributeError, TypeError) as exc:  # Inductor's private runtime API moved
         report["runtime"] = {"skip": f"{type(exc).__name__}: {exc}"}
@@ -229,12 +251,11 @@ def report(tmp_path_factory):
         "print('REPORT ' + json.dumps({'aot': t.aot_report(), 'traced': t.traced_report()}))\n"
     )
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     print(f"launch-options probe: {time.perf_counter() - t0:.1f} s")
     assert res.returncode == 0, res.stderr[-4000:]
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT ")][-1]
-    return json.loads(line[len("REPORT "):])
+    return json.loads(line[len("REPORT ") :])
 
 
 def test_options_change_the_gfx942_code(report):
@@ -295,10 +316,12 @@ def test_inductor_drops_launch_kwargs_and_keeps_config_kwargs(report):
     assert all(not any(k in s for k in OPTS) for s in kw["inductor_signature"]), kw["inductor_signature"]
     assert len(kw["inductor_run_lines"]) == 1, kw["inductor_run_lines"]
     call = kw["inductor_run_lines"][0]
-    positional = [a.strip() for a in call[call.index("(") + 1:-1].split(",") if "=" not in a]
+    positional = [a.strip() for a in call[call.index("(") + 1 : -1].split(",") if "=" not in a]
     assert positional[2:] == ["256", "2", "1", "1"], call  # X, Y, then N and the grid (2, 1, 1): nothing else
     # triton.Config kwargs: carried into the generated configs
-    assert ast.literal_eval(cfg["inductor_configs"]) == [{**OPTS, "num_warps": 4, "num_stages": 2}], cfg["inductor_configs"]
+    assert ast.literal_eval(cfg["inductor_configs"]) == [{**OPTS, "num_warps": 4, "num_stages": 2}], cfg[
+        "inductor_configs"
+    ]
 
 
 def test_inductor_runtime_turns_config_kwargs_into_hip_options(report):

@@ -32,15 +32,18 @@ def test_suite_selection():
     assert {it[0] for it in bk.work_items(only)} == {"swiglu_fp8_per_token", "swiglu_fp8_per_tensor"}
 
 
-@pytest.mark.parametrize("argv", [
-    ["--suite", "decode", "--rows", "0"],
-    ["--suite", "decode", "--widths", "4k"],
-    ["--suite", "decode", "--kernel", "gelu"],  # an ltx kernel: nothing of the decode suite matches
-    ["--suite", "prefill"],
-    ["--shapes", "999"],
-    ["--suite", "decode", "--gemm-rows", "33"],
-    ["--suite", "decode", "--gemm-shapes", "8B_lm_head"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--suite", "decode", "--rows", "0"],
+        ["--suite", "decode", "--widths", "4k"],
+        ["--suite", "decode", "--kernel", "gelu"],  # an ltx kernel: nothing of the decode suite matches
+        ["--suite", "prefill"],
+        ["--shapes", "999"],
+        ["--suite", "decode", "--gemm-rows", "33"],
+        ["--suite", "decode", "--gemm-shapes", "8B_lm_head"],
+    ],
+)
 def test_bad_command_lines(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bk.parse_args(argv)
@@ -54,7 +57,9 @@ def test_decode_case_providers_run(name, monkeypatch, gen):
     case = bk.DECODE_CASES[name](3, 160, torch.bfloat16)
     assert case["bytes"] > 0 and {"triton", "eager", "compile"} <= set(case["providers"])
     # torch.compile takes tens of seconds on a CPU: check the bundle's kernel and the eager sequence
-    case["providers"] = {k: v for k, v in case["providers"].items() if k in ("triton", "triton(no evict hint)", "eager")}
+    case["providers"] = {
+        k: v for k, v in case["providers"].items() if k in ("triton", "triton(no evict hint)", "eager")
+    }
     errs, failures = bk.check_case(name, "M=3 H=160", case, torch.bfloat16)
     assert not failures, failures
     tol = case.get("max_err", bk.MAX_ERR[torch.bfloat16])
@@ -122,8 +127,10 @@ def test_gemm_case_providers_run(name, monkeypatch, gen):
 
 
 @pytest.mark.parametrize("model", ["sd3", "flux"])
-@pytest.mark.parametrize("name", ["layernorm_modulate", "residual_layernorm_modulate", "residual_layernorm_modulate_dual",
-                                  "head_qk_rmsnorm_rope"])
+@pytest.mark.parametrize(
+    "name",
+    ["layernorm_modulate", "residual_layernorm_modulate", "residual_layernorm_modulate_dual", "head_qk_rmsnorm_rope"],
+)
 def test_mmdit_case_providers_run(name, model, monkeypatch, gen):
     monkeypatch.setattr(bk, "DEVICE", DEVICE.type)
     tiny = {"sd3": dict(B=2, S=6, T=3, D=96, H=3), "flux": dict(B=1, S=5, T=3, D=128, H=2)}
@@ -194,7 +201,7 @@ def test_same_pattern_moves_its_streams(n_in, n_out, cold, monkeypatch):
         call()  # warm-up of the cycle; the checks below run each set once more after poisoning
     for k in range(len(call.streams)):
         ins = call.streams[(k + 1) % len(call.streams)][:n_in]  # _cycling steps to the next set first
-        outs = call.streams[(k + 1) % len(call.streams)][2:2 + n_out]
+        outs = call.streams[(k + 1) % len(call.streams)][2 : 2 + n_out]
         assert all(t.numel() == n for t in ins + outs)
         for o in outs:
             o.fill_(float("nan"))
@@ -211,8 +218,9 @@ def test_same_pattern_rejects_unsupported_counts():
         bk.same_pattern(1 << 20, 1, 0)
 
 
-@pytest.mark.parametrize("name,pattern", [("residual_layernorm_modulate", (2, 2)),
-                                          ("residual_layernorm_modulate_dual", (2, 3))])
+@pytest.mark.parametrize(
+    "name,pattern", [("residual_layernorm_modulate", (2, 2)), ("residual_layernorm_modulate_dual", (2, 3))]
+)
 def test_mmdit_cases_declare_their_streams(name, pattern, monkeypatch):
     """The declared pattern accounts for the case's bytes: its streams are the [B, S, D] tensors moved, and
     the rest (gate, scale, shift) is the per-sample [B, D] modulation."""

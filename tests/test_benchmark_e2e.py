@@ -24,11 +24,20 @@ def test_modes_and_bad_command_lines():
     wan = be.parse_args(["--model", "wan"])
     assert wan.transformer_only and wan.variant == "2.1-t2v-1.3b"
     assert be.parse_args(["--model", "sd3"]).variant == "sd3.5-medium"
-    for argv in (["--mode", "fast"], ["--num-frames", "24"], ["--height", "500"], ["--repeats", "0"],
-                 ["--model", "sd3", "--height", "1000"], ["--model", "wan", "--num-frames", "80"],
-                 ["--model", "wan", "--height", "488"], ["--model", "sd3", "--variant", "2.1-t2v-1.3b"],
-                 ["--model", "wan", "--variant", "sd3-medium"], ["--model", "ltx", "--variant", "sd3-medium"],
-                 ["--heat-seconds", "-1"], ["--rounds", "0"]):
+    for argv in (
+        ["--mode", "fast"],
+        ["--num-frames", "24"],
+        ["--height", "500"],
+        ["--repeats", "0"],
+        ["--model", "sd3", "--height", "1000"],
+        ["--model", "wan", "--num-frames", "80"],
+        ["--model", "wan", "--height", "488"],
+        ["--model", "sd3", "--variant", "2.1-t2v-1.3b"],
+        ["--model", "wan", "--variant", "sd3-medium"],
+        ["--model", "ltx", "--variant", "sd3-medium"],
+        ["--heat-seconds", "-1"],
+        ["--rounds", "0"],
+    ):
         with pytest.raises(SystemExit) as exc:
             be.parse_args(argv)
         assert exc.value.code == 2
@@ -66,8 +75,18 @@ def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "e2e.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--mode", "baseline,triton", "--output-json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark_e2e.py"),
+            "--mode",
+            "baseline,triton",
+            "--output-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
@@ -84,9 +103,20 @@ def test_tiny_run_end_to_end(tmp_path):
 def test_tiny_mmdit_run(model, kind):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", model, "--mode", "baseline,triton",
-         "--heat-seconds", "0.1"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark_e2e.py"),
+            "--model",
+            model,
+            "--mode",
+            "baseline,triton",
+            "--heat-seconds",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
@@ -101,9 +131,20 @@ def test_tiny_mmdit_run(model, kind):
 def test_tiny_wan_run():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", "wan", "--mode", "baseline,triton",
-         "--heat-seconds", "0"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark_e2e.py"),
+            "--model",
+            "wan",
+            "--mode",
+            "baseline,triton",
+            "--heat-seconds",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
@@ -117,9 +158,16 @@ def test_tiny_wan_run():
 def test_rounds_pool_the_timings():
     """--rounds: per-mode timings of every round pooled, per-round medians and clocks kept, the highest
     peak memory, the first round's warm-up overhead."""
+
     def res(times, peak, clock, warm):
-        return {"forward_ms_all": times, "forward_ms": be.stats(times), "peak_memory_gb": peak,
-                "sm_clock_mhz_after": clock, "warmup_overhead_s": warm, "warmup_wall_s": [warm]}
+        return {
+            "forward_ms_all": times,
+            "forward_ms": be.stats(times),
+            "peak_memory_gb": peak,
+            "sm_clock_mhz_after": clock,
+            "warmup_overhead_s": warm,
+            "warmup_wall_s": [warm],
+        }
 
     a, b, c = res([3.0, 1.0], 2.0, 1980, 60.0), res([2.0, 4.0], 2.5, 1800, 0.5), res([5.0], 1.0, 1700, 0.4)
     m = be.merge_rounds(be.merge_rounds(a, b, True), c, True)
@@ -134,9 +182,24 @@ def test_rounds_pool_the_timings():
 def test_tiny_run_in_two_rounds():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark_e2e.py"), "--model", "sd3", "--mode", "baseline,triton",
-         "--rounds", "2", "--repeats", "2", "--heat-seconds", "0"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark_e2e.py"),
+            "--model",
+            "sd3",
+            "--mode",
+            "baseline,triton",
+            "--rounds",
+            "2",
+            "--repeats",
+            "2",
+            "--heat-seconds",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)

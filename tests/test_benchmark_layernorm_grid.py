@@ -19,9 +19,19 @@ def test_command_line():
     assert a.warps == [1, 2] and a.per_sm == [8]
 
 
-@pytest.mark.parametrize("argv", [["--shapes", "2x40"], ["--shapes", "0x4x8"], ["--warps", "0"],
-                                  ["--per-sm", "a"], ["--only", "both"], ["--rep", "0"],
-                                  ["--warps", "3"], ["--warps", "64"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--shapes", "2x40"],
+        ["--shapes", "0x4x8"],
+        ["--warps", "0"],
+        ["--per-sm", "a"],
+        ["--only", "both"],
+        ["--rep", "0"],
+        ["--warps", "3"],
+        ["--warps", "64"],
+    ],
+)
 def test_bad_command_lines(argv):
     with pytest.raises(SystemExit) as exc:
         blg._parse(argv)

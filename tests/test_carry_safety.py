@@ -78,10 +78,17 @@ def test_ltx_carry_not_used_after_an_in_place_change_by_the_caller():
     tr = di.build_tiny_ltx_pipeline(num_layers=3).transformer.to(DEVICE)
     g = torch.Generator().manual_seed(0)
     b, f, hh, ww = 2, 2, 4, 4
-    kw = dict(hidden_states=torch.randn(b, f * hh * ww, 8, generator=g).to(DEVICE),
-              encoder_hidden_states=torch.randn(b, 5, 16, generator=g).to(DEVICE),
-              timestep=torch.tensor([300.0, 700.0]).to(DEVICE), encoder_attention_mask=torch.ones(b, 5).to(DEVICE),
-              num_frames=f, height=hh, width=ww, rope_interpolation_scale=(1.0, 1.0, 1.0), return_dict=False)
+    kw = dict(
+        hidden_states=torch.randn(b, f * hh * ww, 8, generator=g).to(DEVICE),
+        encoder_hidden_states=torch.randn(b, 5, 16, generator=g).to(DEVICE),
+        timestep=torch.tensor([300.0, 700.0]).to(DEVICE),
+        encoder_attention_mask=torch.ones(b, 5).to(DEVICE),
+        num_frames=f,
+        height=hh,
+        width=ww,
+        rope_interpolation_scale=(1.0, 1.0, 1.0),
+        return_dict=False,
+    )
     with torch.no_grad():
         ref = _ltx_loop(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False)

@@ -15,6 +15,7 @@ import contextlib
 
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 
 import activations as act
 import head_norm_rope as hnr
@@ -22,7 +23,6 @@ import layernorm
 import rmsnorm
 import rope
 from kernel_testing import DEVICE, assert_close, make_generator, poisoned_outputs, randn
-from torch._dynamo.backends.registry import lookup_backend
 
 GPU = DEVICE.type == "cuda"
 TRITON_OP = GPU and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton")
@@ -147,7 +147,14 @@ def _case_activations(gen, rows):
     return f, (x,), ref, "gelu"
 
 
-CASES = [_case_rmsnorm, _case_layernorm, _case_head_norm_rope, _case_ltx_rope, _case_rope_rotate_half, _case_activations]
+CASES = [
+    _case_rmsnorm,
+    _case_layernorm,
+    _case_head_norm_rope,
+    _case_ltx_rope,
+    _case_rope_rotate_half,
+    _case_activations,
+]
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

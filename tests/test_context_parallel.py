@@ -42,8 +42,14 @@ def test_command_line_and_layout_checks():
     a = bcp.parse_args(["--num-frames", "17"])
     bcp._use_tiny(a)
     assert (a.num_frames, a.height, a.width) == (17, 32, 32)
-    for argv in (["--mode", "compile"], ["--num-frames", "24"], ["--width", "700"], ["--repeats", "0"], ["--rounds", "0"],
-                 ["--ulysses-degree", "0"]):
+    for argv in (
+        ["--mode", "compile"],
+        ["--num-frames", "24"],
+        ["--width", "700"],
+        ["--repeats", "0"],
+        ["--rounds", "0"],
+        ["--ulysses-degree", "0"],
+    ):
         with pytest.raises(SystemExit) as exc:
             bcp.parse_args(argv)
         assert exc.value.code == 2
@@ -62,11 +68,22 @@ def test_command_line_and_layout_checks():
 
 def test_needs_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run([sys.executable, "scripts/benchmark_context_parallel.py", "--tiny"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "scripts/benchmark_context_parallel.py", "--tiny"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "torchrun" in r.stderr
-    r = subprocess.run([sys.executable, "scripts/benchmark_context_parallel.py", "--help"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "scripts/benchmark_context_parallel.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "Ulysses" in r.stdout
 
 
@@ -75,8 +92,18 @@ def test_needs_torchrun():
 @pytest.mark.parametrize("mask", ["padded prompt", "no mask"])
 def test_script_two_ranks(tmp_path, mask):
     out = tmp_path / "cp.json"
-    argv = ["scripts/benchmark_context_parallel.py", "--tiny", "--repeats", "1", "--rounds", "2", "--warmup", "1",
-            "--output-json", str(out)] + (["--no-text-mask", "--profile"] if mask == "no mask" else [])
+    argv = [
+        "scripts/benchmark_context_parallel.py",
+        "--tiny",
+        "--repeats",
+        "1",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--output-json",
+        str(out),
+    ] + (["--no-text-mask", "--profile"] if mask == "no mask" else [])
     r = _torchrun(*argv)
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(out.read_text())

@@ -16,12 +16,29 @@ ROOT = Path(__file__).resolve().parents[1]
 SKILL = ROOT / "SKILL.md"
 SKILL_NAME = "rocm-triton-kernels"
 MARKDOWN = sorted(
-    p for p in ROOT.rglob("*.md") if not any(part.startswith(".") or part in ("node_modules",) for part in p.relative_to(ROOT).parts)
+    p
+    for p in ROOT.rglob("*.md")
+    if not any(part.startswith(".") or part in ("node_modules",) for part in p.relative_to(ROOT).parts)
 )
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 KEYWORDS = [
-    "ROCm", "AMD", "MI355X", "MI300X", "R9700", "gfx950", "gfx942", "gfx1201", "Triton", "RMSNorm", "RoPE",
-    "GEGLU", "AdaLN", "FP8", "diffusers", "LTX-Video", "transformers",
+    "ROCm",
+    "AMD",
+    "MI355X",
+    "MI300X",
+    "R9700",
+    "gfx950",
+    "gfx942",
+    "gfx1201",
+    "Triton",
+    "RMSNorm",
+    "RoPE",
+    "GEGLU",
+    "AdaLN",
+    "FP8",
+    "diffusers",
+    "LTX-Video",
+    "transformers",
 ]
 
 

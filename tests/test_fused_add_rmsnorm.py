@@ -193,7 +193,9 @@ def test_fp8_per_token(shape, dtype, fp8_dtype, gen):
     bound = _fp8_step(q_ref, fp8_dtype) * s_ref[..., None] * 1.0001
     assert bool(((deq - y_ref).abs() <= bound).all())
     # the row maximum maps onto +-fp8_max
-    assert torch.equal(q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64, device=q.device))
+    assert torch.equal(
+        q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64, device=q.device)
+    )
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -208,7 +210,13 @@ def test_fp8_per_tensor(dtype, fp8_dtype, cast_before_weight, gen):
     scale = torch.tensor([3.0 / FP8_MAX[fp8_dtype]], dtype=torch.float32, device=DEVICE)
     with poisoned_outputs():
         q, r = rmsnorm.fused_add_rms_norm(
-            x, res, w, 1e-6, cast_before_weight=cast_before_weight, fp8="per_tensor", fp8_scale=scale,
+            x,
+            res,
+            w,
+            1e-6,
+            cast_before_weight=cast_before_weight,
+            fp8="per_tensor",
+            fp8_scale=scale,
             fp8_dtype=fp8_dtype,
         )
     assert torch.equal(r, _sum_like_kernel(x, res))
@@ -234,7 +242,12 @@ def test_fp8_reference_matches_module_reference(gen):
         assert_close(s, s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
         q, r = rmsnorm.fused_add_rms_norm(x, res, w, fp8="per_tensor", fp8_scale=sc, fp8_dtype=fp8_dtype)
         q_ref, _ = rmsnorm.fused_add_rms_norm_ref(
-            x.double(), res.double(), w.double(), fp8="per_tensor", fp8_scale=sc, fp8_dtype=fp8_dtype,
+            x.double(),
+            res.double(),
+            w.double(),
+            fp8="per_tensor",
+            fp8_scale=sc,
+            fp8_dtype=fp8_dtype,
             dtype=torch.float16,
         )
         check_fp8(q, q_ref, fp8_dtype, "module ref per_tensor", gen.seed_value)
@@ -256,7 +269,7 @@ def test_fp8_saturation_no_nan(fp8_dtype, gen):
         assert not torch.isnan(qd).any() and bool((qd.abs() <= fmax).all())
         y = _norm_ref(r, w, 1e-6, True)
         # the kernel multiplies by 1 / scale capped at 3e38; values near fp32's subnormal range are left out
-        big = (y.abs() * min(1 / scale if scale else float('inf'), 3e38) > 1.01 * fmax) & (y.abs() > 1e-30)
+        big = (y.abs() * min(1 / scale if scale else float("inf"), 3e38) > 1.01 * fmax) & (y.abs() > 1e-30)
         assert bool((qd[big].abs() == fmax).all()) and torch.equal(torch.sign(qd[big]), torch.sign(y[big]))
     # dynamic scales with huge weights: every row's maximum maps to fp8_max, nothing overflows
     q, r, s = rmsnorm.fused_add_rms_norm(x, res, w, fp8="per_token", fp8_dtype=fp8_dtype)
@@ -295,8 +308,9 @@ def test_fp8_chunked_path(width, dtype, gen, monkeypatch):
         assert torch.equal(r, _sum_like_kernel(x, res))
     y_ref = _norm_ref(r0, w, 1e-6, True)
     assert_close(y, y_ref, dtype, seed=gen.seed_value)
-    check_fp8(q1, rmsnorm.fp8_quantize_ref(y_ref, q1.dtype, sc.double())[0], q1.dtype, "chunked per_tensor",
-              gen.seed_value)
+    check_fp8(
+        q1, rmsnorm.fp8_quantize_ref(y_ref, q1.dtype, sc.double())[0], q1.dtype, "chunked per_tensor", gen.seed_value
+    )
     q_ref, s_ref = rmsnorm.fp8_quantize_ref(y_ref, torch.float8_e4m3fnuz)
     check_fp8(q2, q_ref, torch.float8_e4m3fnuz, "chunked per_token", gen.seed_value)
     assert_close(s2, s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
@@ -304,8 +318,16 @@ def test_fp8_chunked_path(width, dtype, gen, monkeypatch):
 
 # ---- the FP8 rounding helper: every FP8 value and every midpoint ------------------------------
 @triton.jit
-def _fp8_encode_probe_kernel(V, OUT, N, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr,
-                             USE_ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_encode_probe_kernel(
+    V,
+    OUT,
+    N,
+    FP8_MAX: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    FP8_NAN: tl.constexpr,
+    USE_ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     v = tl.load(V + offs, mask=mask, other=0.0)
@@ -336,8 +358,14 @@ def test_fp8_encoding_every_value_and_midpoint(fp8_dtype, module):
     mod = rmsnorm if module == "rmsnorm" else activations
     fp8_max, min_exp, nan_code = mod._FP8_FORMATS[fp8_dtype]
     _fp8_encode_probe_kernel[(triton.cdiv(v.numel(), 1024),)](
-        v.to(DEVICE), out.view(torch.uint8), v.numel(), FP8_MAX=fp8_max, FP8_MIN_EXP=min_exp, FP8_NAN=nan_code,
-        USE_ACT=module == "activations", BLOCK=1024,
+        v.to(DEVICE),
+        out.view(torch.uint8),
+        v.numel(),
+        FP8_MAX=fp8_max,
+        FP8_MIN_EXP=min_exp,
+        FP8_NAN=nan_code,
+        USE_ACT=module == "activations",
+        BLOCK=1024,
     )
     got = out.cpu().double()
     bits = out.cpu().view(torch.uint8)
@@ -347,26 +375,29 @@ def test_fp8_encoding_every_value_and_midpoint(fp8_dtype, module):
     lo, hi = vals[:-1], vals[1:]
     lo_code = lo.to(fp8_dtype).view(torch.uint8).to(torch.int32)
     expect_mid = torch.where((lo_code & 1) == 0, lo, hi)
-    assert torch.equal(got[n:n + k], expect_mid), "a midpoint did not round to even"
-    assert got[n + k:n + k + m].tolist() == [fmax, -fmax, fmax, -fmax, fmax, -fmax, 0.0, 0.0]
-    assert bits[n + k + m - 2:n + k + m].tolist() == [0, 0], "a zero must be encoded as +0 (0x80 is NaN in e4m3fnuz)"
+    assert torch.equal(got[n : n + k], expect_mid), "a midpoint did not round to even"
+    assert got[n + k : n + k + m].tolist() == [fmax, -fmax, fmax, -fmax, fmax, -fmax, 0.0, 0.0]
+    assert bits[n + k + m - 2 : n + k + m].tolist() == [0, 0], "a zero must be encoded as +0 (0x80 is NaN in e4m3fnuz)"
     assert bits[n + k + m].item() == nan_code and torch.isnan(got[n + k + m])
     # random values: same as torch's conversion after saturation, and as fp8_quantize_ref
     r = rnd.float().double().clamp(-fmax, fmax)
-    tail = got[n + k + m + 1:]
+    tail = got[n + k + m + 1 :]
     assert torch.equal(tail, r.to(fp8_dtype).double())
     assert torch.equal(tail, mod.fp8_quantize_ref(r, fp8_dtype, torch.tensor(1.0))[0])
 
 
 # ---- FP8 dtype choice --------------------------------------------------------------------------
-@pytest.mark.parametrize("target,expected", [
-    (("hip", "gfx942", 64), torch.float8_e4m3fnuz),
-    (("hip", "gfx942:sramecc+:xnack-", 64), torch.float8_e4m3fnuz),
-    (("hip", "gfx950", 64), torch.float8_e4m3fn),
-    (("hip", "gfx1201", 32), torch.float8_e4m3fn),
-    (("cuda", 90, 32), torch.float8_e4m3fn),
-    (("interpreter", None, 32), torch.float8_e4m3fn),
-])
+@pytest.mark.parametrize(
+    "target,expected",
+    [
+        (("hip", "gfx942", 64), torch.float8_e4m3fnuz),
+        (("hip", "gfx942:sramecc+:xnack-", 64), torch.float8_e4m3fnuz),
+        (("hip", "gfx950", 64), torch.float8_e4m3fn),
+        (("hip", "gfx1201", 32), torch.float8_e4m3fn),
+        (("cuda", 90, 32), torch.float8_e4m3fn),
+        (("interpreter", None, 32), torch.float8_e4m3fn),
+    ],
+)
 def test_fp8_dtype_by_target(target, expected, monkeypatch):
     for mod in (rmsnorm, activations):
         monkeypatch.setattr(mod, "_device_target", lambda device, t=target: t)
@@ -390,8 +421,12 @@ def test_empty_inputs():
 
 
 def _error_inputs(gen):
-    return SimpleNamespace(gen=gen, x=randn((2, 4, 64), torch.float32, gen), w=torch.ones(64, device=DEVICE),
-                           sc=torch.ones(1, device=DEVICE))
+    return SimpleNamespace(
+        gen=gen,
+        x=randn((2, 4, 64), torch.float32, gen),
+        w=torch.ones(64, device=DEVICE),
+        sc=torch.ones(1, device=DEVICE),
+    )
 
 
 def _far(*args, **kwargs):
@@ -399,34 +434,88 @@ def _far(*args, **kwargs):
 
 
 ERROR_CASES = [
-    ("fp8 mode", ValueError, "fp8 must be None, 'per_tensor' or 'per_token'", lambda t: _far(t.x, t.x, t.w, fp8="per_row")),
+    (
+        "fp8 mode",
+        ValueError,
+        "fp8 must be None, 'per_tensor' or 'per_token'",
+        lambda t: _far(t.x, t.x, t.w, fp8="per_row"),
+    ),
     ("fp8 True", ValueError, "fp8 must be None", lambda t: _far(t.x, t.x, t.w, fp8=True)),
     ("per_tensor without scale", ValueError, "needs fp8_scale", lambda t: _far(t.x, t.x, t.w, fp8="per_tensor")),
-    ("per_token with scale", ValueError, "fp8_scale is only used with fp8='per_tensor'",
-     lambda t: _far(t.x, t.x, t.w, fp8="per_token", fp8_scale=t.sc)),
-    ("scale without fp8", ValueError, "fp8_scale is only used with fp8='per_tensor'",
-     lambda t: _far(t.x, t.x, t.w, fp8_scale=t.sc)),
-    ("fp8_scale shape", ValueError, r"fp8_scale must hold one element .* got shape \(2,\)",
-     lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=torch.ones(2, device=DEVICE))),
-    ("fp8_scale float64", TypeError, "fp8_scale has dtype float64; expected one of float32",
-     lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.float64))),
-    ("fp8_scale a float", TypeError, "fp8_scale must be a torch.Tensor",
-     lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=0.5)),
-    ("fp8_dtype e5m2", TypeError, "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz",
-     lambda t: _far(t.x, t.x, t.w, fp8="per_token", fp8_dtype=torch.float8_e5m2)),
-    ("fp8_dtype without fp8", ValueError, "fp8_dtype is only used with",
-     lambda t: _far(t.x, t.x, t.w, fp8_dtype=torch.float8_e4m3fn)),
-    ("residual shape", ValueError, r"residual has shape \(2, 4, 63\) but x has shape \(2, 4, 64\)",
-     lambda t: _far(t.x, t.x[..., :63], t.w)),
-    ("residual dtype", TypeError, "residual has dtype torch.float16 but x has dtype torch.float32",
-     lambda t: _far(t.x, t.x.half(), t.w)),
+    (
+        "per_token with scale",
+        ValueError,
+        "fp8_scale is only used with fp8='per_tensor'",
+        lambda t: _far(t.x, t.x, t.w, fp8="per_token", fp8_scale=t.sc),
+    ),
+    (
+        "scale without fp8",
+        ValueError,
+        "fp8_scale is only used with fp8='per_tensor'",
+        lambda t: _far(t.x, t.x, t.w, fp8_scale=t.sc),
+    ),
+    (
+        "fp8_scale shape",
+        ValueError,
+        r"fp8_scale must hold one element .* got shape \(2,\)",
+        lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=torch.ones(2, device=DEVICE)),
+    ),
+    (
+        "fp8_scale float64",
+        TypeError,
+        "fp8_scale has dtype float64; expected one of float32",
+        lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.float64)),
+    ),
+    (
+        "fp8_scale a float",
+        TypeError,
+        "fp8_scale must be a torch.Tensor",
+        lambda t: _far(t.x, t.x, t.w, fp8="per_tensor", fp8_scale=0.5),
+    ),
+    (
+        "fp8_dtype e5m2",
+        TypeError,
+        "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz",
+        lambda t: _far(t.x, t.x, t.w, fp8="per_token", fp8_dtype=torch.float8_e5m2),
+    ),
+    (
+        "fp8_dtype without fp8",
+        ValueError,
+        "fp8_dtype is only used with",
+        lambda t: _far(t.x, t.x, t.w, fp8_dtype=torch.float8_e4m3fn),
+    ),
+    (
+        "residual shape",
+        ValueError,
+        r"residual has shape \(2, 4, 63\) but x has shape \(2, 4, 64\)",
+        lambda t: _far(t.x, t.x[..., :63], t.w),
+    ),
+    (
+        "residual dtype",
+        TypeError,
+        "residual has dtype torch.float16 but x has dtype torch.float32",
+        lambda t: _far(t.x, t.x.half(), t.w),
+    ),
     ("residual missing", ValueError, "residual is required", lambda t: _far(t.x, None, t.w)),
-    ("weight shape", ValueError, r"weight must have shape \[64\]", lambda t: _far(t.x, t.x, torch.ones(63, device=DEVICE))),
+    (
+        "weight shape",
+        ValueError,
+        r"weight must have shape \[64\]",
+        lambda t: _far(t.x, t.x, torch.ones(63, device=DEVICE)),
+    ),
     ("x float64", TypeError, "x has dtype float64", lambda t: _far(t.x.double(), t.x.double(), t.w)),
-    ("x last stride", ValueError, "x must be contiguous in its last dimension",
-     lambda t: _far(t.x.transpose(1, 2), t.x.transpose(1, 2), t.w[:4])),
-    ("residual last stride", ValueError, "residual must be contiguous in its last dimension",
-     lambda t: _far(t.x, randn((2, 64, 4), torch.float32, t.gen).transpose(1, 2), t.w)),
+    (
+        "x last stride",
+        ValueError,
+        "x must be contiguous in its last dimension",
+        lambda t: _far(t.x.transpose(1, 2), t.x.transpose(1, 2), t.w[:4]),
+    ),
+    (
+        "residual last stride",
+        ValueError,
+        "residual must be contiguous in its last dimension",
+        lambda t: _far(t.x, randn((2, 64, 4), torch.float32, t.gen).transpose(1, 2), t.w),
+    ),
 ]
 
 
@@ -483,6 +572,7 @@ class _LaunchSpy:
         def launch(*args, **kwargs):
             self.launches.append(kwargs)
             return self.kernel[grid](*args, **kwargs)
+
         return launch
 
 

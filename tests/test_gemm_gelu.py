@@ -214,7 +214,10 @@ def test_applies_only_where_it_should(monkeypatch):
     pre = x.double() @ lin.weight.double().t() + lin.bias.double()
     cpu_tanh = torch.allclose(
         torch._addmm_activation(pre[0, :1] * 0, pre[0, :1], torch.eye(40, dtype=torch.float64), use_gelu=True),
-        F.gelu(pre[0, :1], approximate="tanh"), rtol=0, atol=1e-12)
+        F.gelu(pre[0, :1], approximate="tanh"),
+        rtol=0,
+        atol=1e-12,
+    )
     ref = F.gelu(pre, approximate="tanh" if cpu_tanh else "none")
     assert_close(y, ref, dt, name="linear_gelu_tanh(cpu form)", seed=gen.seed_value)
 
@@ -305,7 +308,11 @@ def test_ltx_feed_forwards_take_the_fused_path(monkeypatch):
         encoder_hidden_states=torch.randn(b, t, 16, generator=gen).to(DEVICE, torch.bfloat16),
         timestep=torch.tensor([700.0, 300.0], device=DEVICE),
         encoder_attention_mask=torch.ones(b, t, device=DEVICE),
-        num_frames=f, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False,
+        num_frames=f,
+        height=h,
+        width=w,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
     )
     with torch.no_grad():
         stock = tr(**kw)[0]

@@ -16,7 +16,10 @@ from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisone
 def _tables(seq, dim, gen, device=DEVICE):
     """fp32 interleaved cos/sin [S, D] (repeat_interleave(2) of per-pair angles, as FluxPosEmbed makes them)."""
     ang = torch.randn(seq, dim // 2, generator=gen, dtype=torch.float64) * 20
-    return (ang.cos().repeat_interleave(2, -1).float().to(device), ang.sin().repeat_interleave(2, -1).float().to(device))
+    return (
+        ang.cos().repeat_interleave(2, -1).float().to(device),
+        ang.sin().repeat_interleave(2, -1).float().to(device),
+    )
 
 
 def _w(dim, dtype, gen):
@@ -24,8 +27,17 @@ def _w(dim, dtype, gen):
 
 
 # The last five take several head steps per token's program (see test_shapes_cover_head_steps).
-SHAPES = [(1, 1, 1, 2), (2, 5, 3, 64), (1, 7, 2, 130), (2, 3, 5, 128), (1, 3, 11, 128), (2, 2, 24, 64), (1, 2, 12, 128),
-          (1, 2, 36, 256), (1, 2, 147, 64)]
+SHAPES = [
+    (1, 1, 1, 2),
+    (2, 5, 3, 64),
+    (1, 7, 2, 130),
+    (2, 3, 5, 128),
+    (1, 3, 11, 128),
+    (2, 2, 24, 64),
+    (1, 2, 12, 128),
+    (1, 2, 36, 256),
+    (1, 2, 147, 64),
+]
 
 
 def test_shapes_cover_head_steps():
@@ -59,8 +71,15 @@ def test_matches_float64(shape, dtype, rope, gen):
         with poisoned_outputs():
             qo, ko = hnr.head_rms_norm_rope(q, k, qw, kw, 1e-6, cos, sin, cast_before_weight=cbw)
         assert qo.shape == ko.shape == shape and qo.dtype == ko.dtype == dtype and qo.is_contiguous()
-        qr, kr = hnr.head_rms_norm_rope_ref(q.double(), k.double(), qw.double(), kw.double(), 1e-6,
-                                            None if cos is None else cos.double(), None if sin is None else sin.double())
+        qr, kr = hnr.head_rms_norm_rope_ref(
+            q.double(),
+            k.double(),
+            qw.double(),
+            kw.double(),
+            1e-6,
+            None if cos is None else cos.double(),
+            None if sin is None else sin.double(),
+        )
         # With RoPE in fp16/bf16 the norm output is rounded (and with cbw also the value before the
         # weight) before the rotation mixes two channels: up to two extra half-ulps of values up to ~4,
         # scaled by |w| <= 1.6 and |cos| + |sin| <= 1.42, i.e. about 3x TOL's absolute term.
@@ -120,7 +139,9 @@ def test_transposed_input_layout(dtype, gen):
     cos, sin = _tables(S, D, gen)
     with poisoned_outputs():
         qo, ko = hnr.head_rms_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
-    qr, kr = hnr.head_rms_norm_rope_ref(q.double(), k.double(), qw.double(), kw.double(), 1e-6, cos.double(), sin.double())
+    qr, kr = hnr.head_rms_norm_rope_ref(
+        q.double(), k.double(), qw.double(), kw.double(), 1e-6, cos.double(), sin.double()
+    )
     assert_close(qo, qr, dtype, seed=gen.seed_value)
     assert_close(ko, kr, dtype, seed=gen.seed_value)
 
@@ -169,7 +190,9 @@ def test_matches_flux_processor_steps(dtype, gen):
     nq, nk, naq, nak = norms
     q, k = randn((B, Si, H, D), dtype, gen, scale=2.0), randn((B, Si, H, D), dtype, gen)
     eq, ek = randn((B, St, H, D), dtype, gen, scale=2.0), randn((B, St, H, D), dtype, gen)
-    ids = torch.cat([torch.zeros(St, 3), torch.stack([torch.zeros(Si), torch.arange(Si) // 4, torch.arange(Si) % 4], -1)])
+    ids = torch.cat(
+        [torch.zeros(St, 3), torch.stack([torch.zeros(Si), torch.arange(Si) // 4, torch.arange(Si) % 4], -1)]
+    )
     cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(ids.to(DEVICE))
     with torch.no_grad():
         want_q = apply_rotary_emb(torch.cat([naq(eq), nq(q)], dim=1), (cos, sin), sequence_dim=1)
@@ -212,7 +235,8 @@ def test_matches_sd3_rmsnorm_on_transposed_heads(dtype, gen):
         want_k = torch.cat([norms[1](k.transpose(1, 2)), norms[3](ek.transpose(1, 2))], dim=2)
     with poisoned_outputs():
         got_q, got_k = hnr.joint_head_rms_norm_rope(
-            [(q, k, norms[0].weight, norms[1].weight), (eq, ek, norms[2].weight, norms[3].weight)], 1e-6,
+            [(q, k, norms[0].weight, norms[1].weight), (eq, ek, norms[2].weight, norms[3].weight)],
+            1e-6,
             cast_before_weight=dtype != torch.float32,
         )
     tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else TOL[dtype]
@@ -232,8 +256,9 @@ def test_empty_inputs(gen):
     x = randn((2, 4, 3, 16), torch.float32, gen)
     with poisoned_outputs():
         qo, ko = hnr.joint_head_rms_norm_rope([(e, e, None, None), (x, x, None, None)], 1e-6)
-    assert_close(qo, hnr.head_rms_norm_rope_ref(x.double(), x.double(), None, None, 1e-6)[0], torch.float32,
-                 seed=gen.seed_value)
+    assert_close(
+        qo, hnr.head_rms_norm_rope_ref(x.double(), x.double(), None, None, 1e-6)[0], torch.float32, seed=gen.seed_value
+    )
     b0 = torch.empty((0, 5, 3, 16), device=DEVICE)
     assert hnr.head_rms_norm_rope(b0, b0, None, None, 1e-6)[0].shape == (0, 5, 3, 16)
 
@@ -255,36 +280,112 @@ def _too_wide(t):
 
 
 ERROR_CASES = [
-    ("q not a tensor", TypeError, "q must be a torch.Tensor", lambda t: hnr.head_rms_norm_rope([1.0], t.x, None, None, 1e-6)),
-    ("q float64", TypeError, "q has dtype float64", lambda t: hnr.head_rms_norm_rope(t.x.double(), t.x, None, None, 1e-6)),
-    ("q 3d", ValueError, r"q must be \[B, S, H, D\]", lambda t: hnr.head_rms_norm_rope(t.x[0], t.x[0], None, None, 1e-6)),
-    ("k shape", ValueError, r"k has shape \(2, 4, 3, 8\)",
-     lambda t: hnr.head_rms_norm_rope(t.x, t.x[..., :8], None, None, 1e-6)),
-    ("k dtype", TypeError, "every q and k must have the dtype float32",
-     lambda t: hnr.head_rms_norm_rope(t.x, t.x.half(), None, None, 1e-6)),
-    ("one weight", ValueError, "both be tensors or both be None", lambda t: hnr.head_rms_norm_rope(t.x, t.x, t.w, None, 1e-6)),
-    ("weight shape", ValueError, r"q_weight must have shape \[16\]",
-     lambda t: hnr.head_rms_norm_rope(t.x, t.x, torch.ones(15, device=DEVICE), torch.ones(15, device=DEVICE), 1e-6)),
-    ("weight int64", TypeError, "q_weight has dtype int64",
-     lambda t: hnr.head_rms_norm_rope(t.x, t.x, torch.ones(16, dtype=torch.long, device=DEVICE), t.w, 1e-6)),
-    ("eps negative", ValueError, "eps must be a non-negative", lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, -1.0)),
-    ("x last stride", ValueError, "contiguous in its last dimension",
-     lambda t: hnr.head_rms_norm_rope(t.x.transpose(2, 3), t.x.transpose(2, 3), None, None, 1e-6)),
-    ("cos without sin", ValueError, "cos and sin must be given together",
-     lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, 1e-6, t.cos, None)),
-    ("cos shape", ValueError, r"cos has shape \(3, 16\); expected \[4, 16\]",
-     lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, 1e-6, t.cos[:3], t.sin[:3])),
+    (
+        "q not a tensor",
+        TypeError,
+        "q must be a torch.Tensor",
+        lambda t: hnr.head_rms_norm_rope([1.0], t.x, None, None, 1e-6),
+    ),
+    (
+        "q float64",
+        TypeError,
+        "q has dtype float64",
+        lambda t: hnr.head_rms_norm_rope(t.x.double(), t.x, None, None, 1e-6),
+    ),
+    (
+        "q 3d",
+        ValueError,
+        r"q must be \[B, S, H, D\]",
+        lambda t: hnr.head_rms_norm_rope(t.x[0], t.x[0], None, None, 1e-6),
+    ),
+    (
+        "k shape",
+        ValueError,
+        r"k has shape \(2, 4, 3, 8\)",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x[..., :8], None, None, 1e-6),
+    ),
+    (
+        "k dtype",
+        TypeError,
+        "every q and k must have the dtype float32",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x.half(), None, None, 1e-6),
+    ),
+    (
+        "one weight",
+        ValueError,
+        "both be tensors or both be None",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x, t.w, None, 1e-6),
+    ),
+    (
+        "weight shape",
+        ValueError,
+        r"q_weight must have shape \[16\]",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x, torch.ones(15, device=DEVICE), torch.ones(15, device=DEVICE), 1e-6),
+    ),
+    (
+        "weight int64",
+        TypeError,
+        "q_weight has dtype int64",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x, torch.ones(16, dtype=torch.long, device=DEVICE), t.w, 1e-6),
+    ),
+    (
+        "eps negative",
+        ValueError,
+        "eps must be a non-negative",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, -1.0),
+    ),
+    (
+        "x last stride",
+        ValueError,
+        "contiguous in its last dimension",
+        lambda t: hnr.head_rms_norm_rope(t.x.transpose(2, 3), t.x.transpose(2, 3), None, None, 1e-6),
+    ),
+    (
+        "cos without sin",
+        ValueError,
+        "cos and sin must be given together",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, 1e-6, t.cos, None),
+    ),
+    (
+        "cos shape",
+        ValueError,
+        r"cos has shape \(3, 16\); expected \[4, 16\]",
+        lambda t: hnr.head_rms_norm_rope(t.x, t.x, None, None, 1e-6, t.cos[:3], t.sin[:3]),
+    ),
     ("odd head dim", ValueError, "interleaved RoPE needs an even head dim", _odd_head_dim),
     ("head dim too wide", ValueError, "supports at most", _too_wide),
-    ("joint part shape", ValueError, r"q \(part 1\) has shape \(2, 4, 2, 16\)",
-     lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x[:, :, :2], t.x[:, :, :2], None, None)], 1e-6)),
-    ("joint weights in one part", ValueError, "in every part",
-     lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x, t.x, t.w, t.w)], 1e-6)),
-    ("joint eps count", ValueError, "eps has 1 values for 2 parts",
-     lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x, t.x, None, None)], [1e-6])),
-    ("joint part of 3", ValueError, "each part must be a", lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None)], 1e-6)),
-    ("joint parts a tuple", TypeError, "parts must be a sequence",
-     lambda t: hnr.joint_head_rms_norm_rope((t.x, t.x, None, None), 1e-6)),
+    (
+        "joint part shape",
+        ValueError,
+        r"q \(part 1\) has shape \(2, 4, 2, 16\)",
+        lambda t: hnr.joint_head_rms_norm_rope(
+            [(t.x, t.x, None, None), (t.x[:, :, :2], t.x[:, :, :2], None, None)], 1e-6
+        ),
+    ),
+    (
+        "joint weights in one part",
+        ValueError,
+        "in every part",
+        lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x, t.x, t.w, t.w)], 1e-6),
+    ),
+    (
+        "joint eps count",
+        ValueError,
+        "eps has 1 values for 2 parts",
+        lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None, None), (t.x, t.x, None, None)], [1e-6]),
+    ),
+    (
+        "joint part of 3",
+        ValueError,
+        "each part must be a",
+        lambda t: hnr.joint_head_rms_norm_rope([(t.x, t.x, None)], 1e-6),
+    ),
+    (
+        "joint parts a tuple",
+        TypeError,
+        "parts must be a sequence",
+        lambda t: hnr.joint_head_rms_norm_rope((t.x, t.x, None, None), 1e-6),
+    ),
     ("joint no parts", ValueError, "non-empty sequence", lambda t: hnr.joint_head_rms_norm_rope([], 1e-6)),
 ]
 
@@ -346,18 +447,32 @@ def _grad_cases(gen):
     cos5, sin5 = _tables(5, 32, gen)
 
     def joint(t):
-        parts = [(t["q of part 0"], t["k of part 0"], t["q_weight of part 0"], t["k_weight of part 0"]),
-                 (t["q of part 1"], t["k of part 1"], t["q_weight of part 1"], t["k_weight of part 1"])]
+        parts = [
+            (t["q of part 0"], t["k of part 0"], t["q_weight of part 0"], t["k_weight of part 0"]),
+            (t["q of part 1"], t["k of part 1"], t["q_weight of part 1"], t["k_weight of part 1"]),
+        ]
         return hnr.joint_head_rms_norm_rope(parts, 1e-6, t["cos"], t["sin"])
 
     return {
         "head_rms_norm_rope": (
             lambda t: hnr.head_rms_norm_rope(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["cos"], t["sin"]),
-            dict(q=q, k=k, q_weight=w1, k_weight=w2, cos=cos, sin=sin)),
-        "joint_head_rms_norm_rope": (joint, {
-            "q of part 0": q2, "k of part 0": k2, "q_weight of part 0": w3, "k_weight of part 0": w4,
-            "q of part 1": q, "k of part 1": k, "q_weight of part 1": w1, "k_weight of part 1": w2,
-            "cos": cos5, "sin": sin5}),
+            dict(q=q, k=k, q_weight=w1, k_weight=w2, cos=cos, sin=sin),
+        ),
+        "joint_head_rms_norm_rope": (
+            joint,
+            {
+                "q of part 0": q2,
+                "k of part 0": k2,
+                "q_weight of part 0": w3,
+                "k_weight of part 0": w4,
+                "q of part 1": q,
+                "k of part 1": k,
+                "q_weight of part 1": w1,
+                "k_weight of part 1": w2,
+                "cos": cos5,
+                "sin": sin5,
+            },
+        ),
     }
 
 

@@ -10,13 +10,13 @@ import pickle
 
 import pytest
 import torch
+from transformers.models.llama import modeling_llama
 
 import diffusers_injection as di
 import injection_common as ic
 import mmdit_injection as mi
 import transformers_injection as ti
 from kernel_testing import DEVICE, make_generator
-from transformers.models.llama import modeling_llama
 
 ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
 STATE_KEYS = (di._STATE, mi._STATE, ti._STATE)
@@ -42,8 +42,16 @@ class Case:
         elif kind in ("sd3", "flux"):
             build = mi.build_sd3_transformer if kind == "sd3" else mi.build_flux_transformer
             self.model = build("tiny", dtype=torch.float32, device=DEVICE, seed=gen.seed_value % 1000)
-            self.kw = mi.make_mmdit_inputs(self.model, batch=2, height=64, width=64, text_len=7,
-                                           dtype=torch.float32, device=DEVICE, seed=gen.seed_value)
+            self.kw = mi.make_mmdit_inputs(
+                self.model,
+                batch=2,
+                height=64,
+                width=64,
+                text_len=7,
+                dtype=torch.float32,
+                device=DEVICE,
+                seed=gen.seed_value,
+            )
         else:
             self.model = ti.build_llama(ti.tiny_llama_config(), device=DEVICE, seed=gen.seed_value % 1000)
             self.kw = {"input_ids": torch.randint(3, 256, (2, 7), generator=gen).to(DEVICE)}
@@ -69,13 +77,16 @@ class Case:
 
 def _ltx_inputs(gen, batch=2, frames=2, height=4, width=4, text=8):
     mask = torch.ones(batch, text)
-    mask[-1, text // 2:] = 0
+    mask[-1, text // 2 :] = 0
     return dict(
         hidden_states=torch.randn(batch, frames * height * width, 8, generator=gen).to(DEVICE),
         encoder_hidden_states=torch.randn(batch, text, 16, generator=gen).to(DEVICE),
         timestep=torch.tensor([700.0, 300.0], device=DEVICE),
         encoder_attention_mask=mask.to(DEVICE),
-        num_frames=frames, height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32),
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
         return_dict=False,
     )
 
@@ -121,8 +132,13 @@ def _first_weight(model):
     """A parameter that a patched forward reads (through its own module): changing it must change the output."""
     for m in _patched_modules(model):
         for rec in _records(m):
-            if rec["kind"] in ("rmsnorm", "rmsnorm_weighted", "adaln_fused_blocks", "mmdit_adaln_zero",
-                               "mmdit_adaln_zero_single"):
+            if rec["kind"] in (
+                "rmsnorm",
+                "rmsnorm_weighted",
+                "adaln_fused_blocks",
+                "mmdit_adaln_zero",
+                "mmdit_adaln_zero_single",
+            ):
                 for p in m.parameters():
                     return p
     raise AssertionError("no patched module with a parameter")

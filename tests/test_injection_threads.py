@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
+from transformers.models.llama import modeling_llama
 
 import transformers_injection as ti
 from kernel_testing import DEVICE
-from transformers.models.llama import modeling_llama
 
 ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
 TINY_COUNTS = {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu": 2, "rope": 2, "skinny_gemm": 0}
@@ -68,8 +68,9 @@ def _models(n, **cfg):
 
 def _inject_all(models, stagger=0.0):
     counts = [None] * len(models)
-    errors = _in_threads(lambda i: counts.__setitem__(i, ti.inject_llama_kernels(models[i], verbose=False)),
-                         len(models), stagger)
+    errors = _in_threads(
+        lambda i: counts.__setitem__(i, ti.inject_llama_kernels(models[i], verbose=False)), len(models), stagger
+    )
     assert not errors, f"{len(errors)} threads failed, first: {errors[0]!r}"
     return counts
 

@@ -60,8 +60,20 @@ def test_interpreter_bf16_rounding_matches_torch():
     hi = torch.randint(0, 1 << 15, (1000,), generator=g, dtype=torch.int32) << 16
     ties = (hi | 0x8000).view(torch.float32)  # exactly halfway between two bf16 values
     near = torch.cat([(hi | 0x7FFF).view(torch.float32), (hi | 0x8001).view(torch.float32)])
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.3895313892515355e38,
-                            torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny, 1e-45, -1e-45])
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            3.3895313892515355e38,
+            torch.finfo(torch.float32).max,
+            torch.finfo(torch.float32).tiny,
+            1e-45,
+            -1e-45,
+        ]
+    )
     x = torch.cat([normal, ties, -ties, near, special]).to(DEVICE)
     want = x.to(torch.bfloat16)
     y = torch.full_like(want, float("nan"))

@@ -21,7 +21,7 @@ END = "# ---- launch block end ----"
 def _block(name: str) -> str:
     text = (SCRIPTS / f"{name}.py").read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{name}.py must hold the launch block once"
-    return text[text.index(BEGIN):text.index(END) + len(END)]
+    return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
 def test_launch_block_copies_are_identical():
@@ -79,8 +79,11 @@ def test_direct_launch_serves_misaligned_and_aligned_pointers(gen):
             out = rmsnorm.rms_norm(t, w)
         assert_close(out, rmsnorm.rms_norm_ref(t.double(), w.double()).to(dtype), dtype, seed=gen.seed_value)
     assert len(rmsnorm._PLANS) == 1
-    launch = next(c.cell_contents for c in next(iter(rmsnorm._PLANS.values())).__closure__
-                  if isinstance(c.cell_contents, rmsnorm._Launch))
+    launch = next(
+        c.cell_contents
+        for c in next(iter(rmsnorm._PLANS.values())).__closure__
+        if isinstance(c.cell_contents, rmsnorm._Launch)
+    )
     assert launch.direct is not None, "the plan should launch directly after its first call"
 
 
@@ -100,6 +103,7 @@ def _public_calls(gen):
     def rms():
         x, w, sc, sh, y = r(2, 3, 64), r(64), r(2, 1, 64), r(2, 1, 64), r(2, 3, 64)
         import rmsnorm
+
         rmsnorm.rms_norm(x, w)
         rmsnorm.rms_norm_modulate(x, sc, sh)
         rmsnorm.gated_residual_rms_norm_modulate(x, y, sc, sc, sh)
@@ -146,8 +150,14 @@ def _public_calls(gen):
         skinny_gemm.skinny_gemm(x, w)
         return [x, w]
 
-    return [("rmsnorm", rms), ("layernorm", ln), ("rope", ropes), ("head_norm_rope", heads),
-            ("activations", acts), ("skinny_gemm", gemm)]
+    return [
+        ("rmsnorm", rms),
+        ("layernorm", ln),
+        ("rope", ropes),
+        ("head_norm_rope", heads),
+        ("activations", acts),
+        ("skinny_gemm", gemm),
+    ]
 
 
 @pytest.mark.parametrize("which", ["rmsnorm", "layernorm", "rope", "head_norm_rope", "activations", "skinny_gemm"])
@@ -182,8 +192,10 @@ def assert_refuses_inputs_requiring_grad(fn: str, call, tensors: dict):
     expected = _tensors_of(call(tensors))
     for name in tensors:
         args = {k: (v.detach().requires_grad_() if k == name else v) for k, v in tensors.items()}
-        pattern = (rf"^{re.escape(fn)}: {re.escape(name)} requires grad.*no backward.*"
-                   r"torch\.no_grad\(\).*torch\.inference_mode\(\).*PyTorch reference")
+        pattern = (
+            rf"^{re.escape(fn)}: {re.escape(name)} requires grad.*no backward.*"
+            r"torch\.no_grad\(\).*torch\.inference_mode\(\).*PyTorch reference"
+        )
         with pytest.raises(RuntimeError, match=pattern):
             call(args)
         for mode in (torch.no_grad, torch.inference_mode):
@@ -204,8 +216,8 @@ def test_skinny_gemm_refuses_inputs_requiring_grad(gen):
     x, w = randn((2, 64), torch.bfloat16, gen), randn((32, 64), torch.bfloat16, gen)
     bias = randn((32,), torch.float32, gen)
     assert_refuses_inputs_requiring_grad(
-        "skinny_gemm", lambda t: skinny_gemm.skinny_gemm(t["x"], t["weight"], t["bias"]),
-        dict(x=x, weight=w, bias=bias))
+        "skinny_gemm", lambda t: skinny_gemm.skinny_gemm(t["x"], t["weight"], t["bias"]), dict(x=x, weight=w, bias=bias)
+    )
 
 
 def _meta_calls():
@@ -224,14 +236,20 @@ def _meta_calls():
         "rmsnorm_add": ("h", lambda: rmsnorm.gated_residual_add(m(2, 64), m(2, 64), m(64))),
         "layernorm": ("x", lambda: layernorm.layer_norm_modulate(m(2, 3, 64), m(2, 64), m(2, 64))),
         "rope": ("x", lambda: rope.ltx_rope(m(2, 3, 12), m(2, 3, 12), m(2, 3, 12))),
-        "rope_qk": ("q", lambda: rope.ltx_qk_rmsnorm_rope(m(2, 3, 12), m(2, 3, 12), None, None, 1e-6,
-                                                          m(3, 12), m(3, 12))),
+        "rope_qk": (
+            "q",
+            lambda: rope.ltx_qk_rmsnorm_rope(m(2, 3, 12), m(2, 3, 12), None, None, 1e-6, m(3, 12), m(3, 12)),
+        ),
         "activations": ("x", lambda: activations.gelu(m(2, 64))),
         "swiglu": ("gate", lambda: activations.swiglu(m(2, 64), m(2, 64))),
-        "head_norm_rope": ("q", lambda: head_norm_rope.head_rms_norm_rope(m(1, 2, 2, 8), m(1, 2, 2, 8), None, None,
-                                                                          1e-6)),
-        "skinny_gemm": ("x", lambda: skinny_gemm.skinny_gemm(m(2, 64, dtype=torch.bfloat16),
-                                                             m(32, 64, dtype=torch.bfloat16))),
+        "head_norm_rope": (
+            "q",
+            lambda: head_norm_rope.head_rms_norm_rope(m(1, 2, 2, 8), m(1, 2, 2, 8), None, None, 1e-6),
+        ),
+        "skinny_gemm": (
+            "x",
+            lambda: skinny_gemm.skinny_gemm(m(2, 64, dtype=torch.bfloat16), m(32, 64, dtype=torch.bfloat16)),
+        ),
     }
 
 
@@ -294,11 +312,12 @@ def _run_mode_script(interpret_at_import: bool, device: str) -> dict:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = str(SCRIPTS) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONWARNINGS", "ignore")
-    r = subprocess.run([sys.executable, "-c", _MODE_SCRIPT, device], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _MODE_SCRIPT, device], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_triton_interpret_set_after_import_is_refused_clearly():
@@ -308,16 +327,18 @@ def test_triton_interpret_set_after_import_is_refused_clearly():
     machine, compiled kernels handed CPU pointers)."""
     res = _run_mode_script(False, "cpu")
     for name, row in res.items():
-        assert row["as_imported"].startswith("ValueError: x is a CPU tensor: Triton kernels run on a GPU") or \
-            row["as_imported"].startswith("ValueError: q is a CPU tensor: Triton kernels run on a GPU"), (name, row)
+        assert row["as_imported"].startswith("ValueError: x is a CPU tensor: Triton kernels run on a GPU") or row[
+            "as_imported"
+        ].startswith("ValueError: q is a CPU tensor: Triton kernels run on a GPU"), (name, row)
         assert row["flipped"].startswith("RuntimeError: "), (name, row)
         assert "TRITON_INTERPRET" in row["flipped"] and "before importing" in row["flipped"], (name, row)
         assert "active drivers" not in row["flipped"], (name, row)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: kernels decorated for the interpreter "
-                    "then handed GPU tensors")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: kernels decorated for the interpreter then handed GPU tensors"
+)
 def test_triton_interpret_unset_after_import_is_refused_clearly():
     res = _run_mode_script(True, "cuda")
     for name, row in res.items():
@@ -348,8 +369,11 @@ def test_cpu_tensor_after_unsetting_triton_interpret(case, monkeypatch):
         "head_norm_rope": lambda: mod.head_rms_norm_rope(t(1, 2, 2, 8), t(1, 2, 2, 8), None, None, 1e-6),
         "skinny_gemm": lambda: mod.skinny_gemm(t(2, 64, dtype=torch.bfloat16), t(32, 64, dtype=torch.bfloat16)),
     }[case]
-    with pytest.raises(ValueError, match=r"CPU tensor: Triton kernels run on a GPU.*TRITON_INTERPRET was set "
-                                         r"when this module was imported"):
+    with pytest.raises(
+        ValueError,
+        match=r"CPU tensor: Triton kernels run on a GPU.*TRITON_INTERPRET was set "
+        r"when this module was imported",
+    ):
         call()
 
 
@@ -396,14 +420,14 @@ def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeyp
             def launch(*args, **kw):
                 aligned = args[0].p % 16 == 0
                 return Compiled("aligned kernel" if aligned else "unaligned kernel", slow=aligned)
+
             return launch
 
     monkeypatch.setitem(R._DIRECT, "ok", True)
     monkeypatch.setattr(R, "_current_device", lambda: 0)
     monkeypatch.setattr(R, "_as_launched", lambda k: k)
     monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
-    launch = R._Launch(Kernel(), (1,), [None] * len(sig.parameters), {}, [0],
-                       torch.device("cuda", 0))
+    launch = R._Launch(Kernel(), (1,), [None] * len(sig.parameters), {}, [0], torch.device("cuda", 0))
     ta = threading.Thread(target=launch, args=(Ptr(4096),))
     tb = threading.Thread(target=launch, args=(Ptr(4098),))
     ta.start()
@@ -482,6 +506,7 @@ def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
             def launch(*args, **kw):
                 jitted.append((grid, args, kw))
                 return Compiled()
+
             return launch
 
     device = {"index": 0}

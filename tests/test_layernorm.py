@@ -31,7 +31,9 @@ def test_layer_norm_matches_float64(shape, dtype, affine, gen):
     b = randn((shape[-1],), dtype, gen, scale=0.2) if affine else None
     with poisoned_outputs():
         out = layernorm.layer_norm(x, w, b, eps=1e-5)
-    ref = layernorm.layer_norm_ref(x.double(), None if w is None else w.double(), None if b is None else b.double(), 1e-5)
+    ref = layernorm.layer_norm_ref(
+        x.double(), None if w is None else w.double(), None if b is None else b.double(), 1e-5
+    )
     assert out.dtype == dtype and out.shape == x.shape
     assert_close(out, ref, dtype, seed=gen.seed_value)
 
@@ -60,9 +62,12 @@ def test_per_sample_rule_for_2d_modulation(gen):
     assert torch.equal(a, b)
     # for a 2-D x, [M, D] is per row (ordinary broadcasting)
     x2 = randn((B, D), torch.float32, gen)
-    assert_close(layernorm.layer_norm_modulate(x2, sc, sh),
-                 layernorm.layer_norm_ref(x2.double(), eps=1e-6) * (1 + sc.double()) + sh.double(),
-                 torch.float32, seed=gen.seed_value)
+    assert_close(
+        layernorm.layer_norm_modulate(x2, sc, sh),
+        layernorm.layer_norm_ref(x2.double(), eps=1e-6) * (1 + sc.double()) + sh.double(),
+        torch.float32,
+        seed=gen.seed_value,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,17 +83,25 @@ def test_modulate_with_adaln_chunk_views(dtype, gen):
         out = layernorm.layer_norm_modulate(x, scale, shift)
         o1, o2 = layernorm.layer_norm_modulate_dual(x, scale, shift, scale2, shift2)
         h_new, o3 = layernorm.gated_residual_layer_norm_modulate(x, y, gate, scale, shift)
-    d = {k: v.double() for k, v in dict(x=x, y=y, shift=shift, scale=scale, gate=gate, shift2=shift2,
-                                        scale2=scale2).items()}
+    d = {
+        k: v.double()
+        for k, v in dict(x=x, y=y, shift=shift, scale=scale, gate=gate, shift2=shift2, scale2=scale2).items()
+    }
     ref = layernorm.layer_norm_modulate_ref(d["x"], d["scale"], d["shift"])
     assert_close(out, ref, dtype, seed=gen.seed_value)
     assert_close(o1, ref, dtype, name="out", seed=gen.seed_value)
-    assert_close(o2, layernorm.layer_norm_modulate_ref(d["x"], d["scale2"], d["shift2"]), dtype, name="out2",
-                 seed=gen.seed_value)
+    assert_close(
+        o2, layernorm.layer_norm_modulate_ref(d["x"], d["scale2"], d["shift2"]), dtype, name="out2", seed=gen.seed_value
+    )
     h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(d["x"], d["y"], d["gate"], d["scale"], d["shift"])
     assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
-    assert_close(o3, layernorm.layer_norm_modulate_ref(h_new.double(), d["scale"], d["shift"]), dtype, name="out",
-                 seed=gen.seed_value)
+    assert_close(
+        o3,
+        layernorm.layer_norm_modulate_ref(h_new.double(), d["scale"], d["shift"]),
+        dtype,
+        name="out",
+        seed=gen.seed_value,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -109,8 +122,13 @@ def test_gated_residual_layer_norm_modulate(dtype, gate_shape, gen):
     )
     assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
     # normalise the kernel's own rounded h (as the model does), so only the norm's error is compared
-    assert_close(out, layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double()), dtype, name="out",
-                 seed=gen.seed_value)
+    assert_close(
+        out,
+        layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double()),
+        dtype,
+        name="out",
+        seed=gen.seed_value,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,13 +176,17 @@ def test_three_chunk_rows(rows, width, dtype, gen):
         o1, o2 = layernorm.layer_norm_modulate_dual(x, sc, sh, sc2, sh2)
         h_new, o3 = layernorm.gated_residual_layer_norm_modulate(x, y, gate, sc, sh)
     assert_close(out, layernorm.layer_norm_ref(d["x"], d["w"], d["b"], 1e-5), dtype, seed=gen.seed_value)
-    assert_close(o1, layernorm.layer_norm_modulate_ref(d["x"], d["sc"], d["sh"]), dtype, name="out", seed=gen.seed_value)
-    assert_close(o2, layernorm.layer_norm_modulate_ref(d["x"], d["sc2"], d["sh2"]), dtype, name="out2",
-                 seed=gen.seed_value)
+    assert_close(
+        o1, layernorm.layer_norm_modulate_ref(d["x"], d["sc"], d["sh"]), dtype, name="out", seed=gen.seed_value
+    )
+    assert_close(
+        o2, layernorm.layer_norm_modulate_ref(d["x"], d["sc2"], d["sh2"]), dtype, name="out2", seed=gen.seed_value
+    )
     h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(d["x"], d["y"], d["gate"], d["sc"], d["sh"])
     assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
-    assert_close(o3, layernorm.layer_norm_modulate_ref(h_new.double(), d["sc"], d["sh"]), dtype, name="out",
-                 seed=gen.seed_value)
+    assert_close(
+        o3, layernorm.layer_norm_modulate_ref(h_new.double(), d["sc"], d["sh"]), dtype, name="out", seed=gen.seed_value
+    )
 
 
 def _spy_persistent(monkeypatch):
@@ -254,8 +276,9 @@ def test_residual_with_affine_and_without_modulation(gen):
         h_new, out = layernorm.gated_residual_layer_norm_modulate(h, y, None, None, None, 1e-5, weight=w, bias=b)
     h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), None, None, None, 1e-5)
     assert_close(h_new, h_ref, torch.float16, seed=gen.seed_value)
-    assert_close(out, layernorm.layer_norm_ref(h_new.double(), w.double(), b.double(), 1e-5), torch.float16,
-                 seed=gen.seed_value)
+    assert_close(
+        out, layernorm.layer_norm_ref(h_new.double(), w.double(), b.double(), 1e-5), torch.float16, seed=gen.seed_value
+    )
 
 
 @pytest.mark.parametrize("width", [1, 127, 2049])
@@ -276,12 +299,15 @@ def test_chunked_path_for_wide_rows(width, dtype, gen, monkeypatch):
         o1, o2 = layernorm.layer_norm_modulate_dual(x, sc, sh, sc2, sh2)
         h_new, mod = layernorm.gated_residual_layer_norm_modulate(h, x, gate, sc, sh, weight=w)
     assert_close(out, layernorm.layer_norm_ref(x.double(), w.double(), b.double()), dtype, seed=gen.seed_value)
-    assert_close(o1, layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), dtype,
-                 seed=gen.seed_value)
-    assert_close(o2, layernorm.layer_norm_modulate_ref(x.double(), sc2.double(), sh2.double()), dtype,
-                 seed=gen.seed_value)
-    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), x.double(), gate.double(), sc.double(),
-                                                                sh.double(), weight=w.double())
+    assert_close(
+        o1, layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), dtype, seed=gen.seed_value
+    )
+    assert_close(
+        o2, layernorm.layer_norm_modulate_ref(x.double(), sc2.double(), sh2.double()), dtype, seed=gen.seed_value
+    )
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(
+        h.double(), x.double(), gate.double(), sc.double(), sh.double(), weight=w.double()
+    )
     assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
     mod_ref = layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double(), weight=w.double())
     assert_close(mod, mod_ref, dtype, name="out", seed=gen.seed_value)
@@ -304,17 +330,20 @@ def test_strided_rows_without_copy(dtype, gen):
     sh = randn((2, 96), dtype, gen, scale=0.3)
     with poisoned_outputs():
         out = layernorm.layer_norm_modulate(x, sc, sh)
-    assert_close(out, layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), dtype,
-                 seed=gen.seed_value)
+    assert_close(
+        out, layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), dtype, seed=gen.seed_value
+    )
     y = randn((9, 2, 96), dtype, gen).transpose(0, 1)
     h = randn((9, 2, 96), dtype, gen).transpose(0, 1)
     with poisoned_outputs():
         h_new, out = layernorm.gated_residual_layer_norm_modulate(h, y, sc, sc, sh)
-    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(h.double(), y.double(), sc.double(), sc.double(),
-                                                                sh.double())
+    h_ref, _ = layernorm.gated_residual_layer_norm_modulate_ref(
+        h.double(), y.double(), sc.double(), sc.double(), sh.double()
+    )
     assert_close(h_new, h_ref, dtype, name="h", seed=gen.seed_value)
-    assert_close(out, layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double()), dtype,
-                 seed=gen.seed_value)
+    assert_close(
+        out, layernorm.layer_norm_modulate_ref(h_new.double(), sc.double(), sh.double()), dtype, seed=gen.seed_value
+    )
 
 
 # ---- against the real modules ---------------------------------------------------------------
@@ -342,6 +371,7 @@ def test_matches_diffusers_adaln_modules(dtype, gen):
     B, S, D = 2, 5, 48
     x = randn((B, S, D), dtype, gen, scale=2.0, offset=0.5)
     temb = randn((B, D), dtype, gen)
+
     def check(got, want, name):
         if dtype == torch.float32:
             assert_close(got, want.double(), dtype, rtol=2e-6, atol=2e-6, name=name, seed=gen.seed_value)
@@ -435,37 +465,98 @@ ERROR_CASES = [
     ("x float64", TypeError, "x has dtype float64", lambda t: layernorm.layer_norm(t.x.double())),
     ("weight shape", ValueError, r"weight must have shape \[64\]", lambda t: layernorm.layer_norm(t.x, _ones(63))),
     ("bias shape", ValueError, r"bias must have shape \[64\]", lambda t: layernorm.layer_norm(t.x, None, _ones(2, 64))),
-    ("x last stride", ValueError, "contiguous in its last dimension", lambda t: layernorm.layer_norm(t.x.transpose(1, 2))),
+    (
+        "x last stride",
+        ValueError,
+        "contiguous in its last dimension",
+        lambda t: layernorm.layer_norm(t.x.transpose(1, 2)),
+    ),
     ("eps negative", ValueError, "eps must be a non-negative", lambda t: layernorm.layer_norm(t.x, eps=-1.0)),
     ("x 0-d", ValueError, "at least one dimension", lambda t: layernorm.layer_norm(torch.tensor(1.0, device=DEVICE))),
-    ("scale broadcast", ValueError, r"scale of shape \(3, 64\) does not broadcast",
-     lambda t: layernorm.layer_norm_modulate(t.x, _ones(3, 64), _ones(2, 64))),
-    ("shift broadcast", ValueError, r"shift of shape \(2, 1, 32\) does not broadcast",
-     lambda t: layernorm.layer_norm_modulate(t.x, _ones(2, 1, 64), _ones(2, 1, 32))),
-    ("scale last stride", ValueError, "scale must be contiguous in its last dimension",
-     lambda t: layernorm.layer_norm_modulate(t.x, _ones(2, 64, 2)[..., 0], t.one)),
-    ("modulate no scale shift", ValueError, "scale and shift are required",
-     lambda t: layernorm.layer_norm_modulate(t.x, None, None)),
-    ("dual scale2 missing", ValueError, "scale, shift, scale2 and shift2 are all required",
-     lambda t: layernorm.layer_norm_modulate_dual(t.x, t.one, t.one, None, t.one)),
-    ("gated shift without scale", ValueError, "scale and shift must be given together",
-     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x, None, t.one, None)),
-    ("gated y shape", ValueError, r"y has shape \(2, 4, 63\)",
-     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x[..., :63], None, None, None)),
-    ("gated y float16", TypeError, "y has dtype float16",
-     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x.half(), None, None, None)),
-    ("gated y missing", ValueError, "y is required",
-     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, None, None, None, None)),
-    ("gate broadcast", ValueError, r"gate of shape \(5, 64\) does not broadcast",
-     lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x, _ones(5, 64), None, None)),
-    ("scale int64", TypeError, "scale has dtype int64",
-     lambda t: layernorm.layer_norm_modulate(t.x, _ones(64, dtype=torch.int64), t.one)),
-    ("launch gate without residual", ValueError, "gate is only used with a residual",
-     lambda t: layernorm._launch(t.x, None, t.one, None, None, None, None, None, None, 1e-6)),
-    ("launch scale2 without scale", ValueError, "scale2/shift2 need scale/shift",
-     lambda t: layernorm._launch(t.x, None, None, None, None, None, None, t.one, t.one, 1e-6)),
-    ("rows need three strides", ValueError, "cannot be addressed with two strides",
-     lambda t: layernorm.layer_norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2])),
+    (
+        "scale broadcast",
+        ValueError,
+        r"scale of shape \(3, 64\) does not broadcast",
+        lambda t: layernorm.layer_norm_modulate(t.x, _ones(3, 64), _ones(2, 64)),
+    ),
+    (
+        "shift broadcast",
+        ValueError,
+        r"shift of shape \(2, 1, 32\) does not broadcast",
+        lambda t: layernorm.layer_norm_modulate(t.x, _ones(2, 1, 64), _ones(2, 1, 32)),
+    ),
+    (
+        "scale last stride",
+        ValueError,
+        "scale must be contiguous in its last dimension",
+        lambda t: layernorm.layer_norm_modulate(t.x, _ones(2, 64, 2)[..., 0], t.one),
+    ),
+    (
+        "modulate no scale shift",
+        ValueError,
+        "scale and shift are required",
+        lambda t: layernorm.layer_norm_modulate(t.x, None, None),
+    ),
+    (
+        "dual scale2 missing",
+        ValueError,
+        "scale, shift, scale2 and shift2 are all required",
+        lambda t: layernorm.layer_norm_modulate_dual(t.x, t.one, t.one, None, t.one),
+    ),
+    (
+        "gated shift without scale",
+        ValueError,
+        "scale and shift must be given together",
+        lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x, None, t.one, None),
+    ),
+    (
+        "gated y shape",
+        ValueError,
+        r"y has shape \(2, 4, 63\)",
+        lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x[..., :63], None, None, None),
+    ),
+    (
+        "gated y float16",
+        TypeError,
+        "y has dtype float16",
+        lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x.half(), None, None, None),
+    ),
+    (
+        "gated y missing",
+        ValueError,
+        "y is required",
+        lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, None, None, None, None),
+    ),
+    (
+        "gate broadcast",
+        ValueError,
+        r"gate of shape \(5, 64\) does not broadcast",
+        lambda t: layernorm.gated_residual_layer_norm_modulate(t.x, t.x, _ones(5, 64), None, None),
+    ),
+    (
+        "scale int64",
+        TypeError,
+        "scale has dtype int64",
+        lambda t: layernorm.layer_norm_modulate(t.x, _ones(64, dtype=torch.int64), t.one),
+    ),
+    (
+        "launch gate without residual",
+        ValueError,
+        "gate is only used with a residual",
+        lambda t: layernorm._launch(t.x, None, t.one, None, None, None, None, None, None, 1e-6),
+    ),
+    (
+        "launch scale2 without scale",
+        ValueError,
+        "scale2/shift2 need scale/shift",
+        lambda t: layernorm._launch(t.x, None, None, None, None, None, None, t.one, t.one, 1e-6),
+    ),
+    (
+        "rows need three strides",
+        ValueError,
+        "cannot be addressed with two strides",
+        lambda t: layernorm.layer_norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2]),
+    ),
 ]
 
 
@@ -525,23 +616,37 @@ def _grad_cases(gen):
         "layer_norm": (lambda t: layernorm.layer_norm(t["x"], t["weight"], t["bias"]), dict(x=x, weight=w, bias=b)),
         "layer_norm_modulate": (
             lambda t: layernorm.layer_norm_modulate(t["x"], t["scale"], t["shift"], weight=t["weight"], bias=t["bias"]),
-            dict(x=x, scale=sc, shift=sh, weight=w, bias=b)),
+            dict(x=x, scale=sc, shift=sh, weight=w, bias=b),
+        ),
         "layer_norm_modulate_dual": (
             lambda t: layernorm.layer_norm_modulate_dual(t["x"], t["scale"], t["shift"], t["scale2"], t["shift2"]),
-            dict(x=x, scale=sc, shift=sh, scale2=sc2, shift2=sh2)),
+            dict(x=x, scale=sc, shift=sh, scale2=sc2, shift2=sh2),
+        ),
         "gated_residual_layer_norm_modulate": (
-            lambda t: layernorm.gated_residual_layer_norm_modulate(t["h"], t["y"], t["gate"], t["scale"], t["shift"],
-                                                                   weight=t["weight"], bias=t["bias"]),
-            dict(h=x, y=y, gate=g, scale=sc, shift=sh, weight=w, bias=b)),
+            lambda t: layernorm.gated_residual_layer_norm_modulate(
+                t["h"], t["y"], t["gate"], t["scale"], t["shift"], weight=t["weight"], bias=t["bias"]
+            ),
+            dict(h=x, y=y, gate=g, scale=sc, shift=sh, weight=w, bias=b),
+        ),
         "gated_residual_layer_norm_modulate_dual": (
-            lambda t: layernorm.gated_residual_layer_norm_modulate_dual(t["h"], t["y"], t["gate"], t["scale"],
-                                                                        t["shift"], t["scale2"], t["shift2"]),
-            dict(h=x, y=y, gate=g, scale=sc, shift=sh, scale2=sc2, shift2=sh2)),
+            lambda t: layernorm.gated_residual_layer_norm_modulate_dual(
+                t["h"], t["y"], t["gate"], t["scale"], t["shift"], t["scale2"], t["shift2"]
+            ),
+            dict(h=x, y=y, gate=g, scale=sc, shift=sh, scale2=sc2, shift2=sh2),
+        ),
     }
 
 
-@pytest.mark.parametrize("fn", ["layer_norm", "layer_norm_modulate", "layer_norm_modulate_dual",
-                                "gated_residual_layer_norm_modulate", "gated_residual_layer_norm_modulate_dual"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        "layer_norm",
+        "layer_norm_modulate",
+        "layer_norm_modulate_dual",
+        "gated_residual_layer_norm_modulate",
+        "gated_residual_layer_norm_modulate_dual",
+    ],
+)
 def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
     from test_launch import assert_refuses_inputs_requiring_grad
 
@@ -563,8 +668,13 @@ def test_2d_modulation_per_token_where_torch_broadcasts_it(gen):
     with poisoned_outputs():
         out = layernorm.layer_norm_modulate(x, sc, sh)
     assert_close(out, _torch_modulate(x, sc, sh), torch.float32, seed=gen.seed_value)
-    assert_close(layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()), _torch_modulate(x, sc, sh),
-                 torch.float32, seed=gen.seed_value, name="reference")
+    assert_close(
+        layernorm.layer_norm_modulate_ref(x.double(), sc.double(), sh.double()),
+        _torch_modulate(x, sc, sh),
+        torch.float32,
+        seed=gen.seed_value,
+        name="reference",
+    )
     # the same reading in the gated residual (gate [S, D]) and the dual modulation
     y, g = randn((B, S, D), torch.float32, gen), randn((S, D), torch.float32, gen)
     h_new, out = layernorm.gated_residual_layer_norm_modulate(x, y, g, sc, sh)
@@ -575,9 +685,14 @@ def test_2d_modulation_per_token_where_torch_broadcasts_it(gen):
     assert_close(o2, _torch_modulate(x, sh, sc), torch.float32, seed=gen.seed_value, name="out2")
     # rmsnorm.py reads [S, D] the same way
     import rmsnorm
-    assert_close(rmsnorm.rms_norm_modulate(x, sc, sh),
-                 rmsnorm.rms_norm_ref(x.double()) * (1 + sc.double()) + sh.double(), torch.float32,
-                 seed=gen.seed_value, name="rmsnorm")
+
+    assert_close(
+        rmsnorm.rms_norm_modulate(x, sc, sh),
+        rmsnorm.rms_norm_ref(x.double()) * (1 + sc.double()) + sh.double(),
+        torch.float32,
+        seed=gen.seed_value,
+        name="rmsnorm",
+    )
 
 
 def test_2d_modulation_per_sample_where_torch_would_fail(gen):
@@ -585,11 +700,20 @@ def test_2d_modulation_per_sample_where_torch_would_fail(gen):
     B, S, D = 3, 2, 48
     x = randn((B, S, D), torch.float32, gen)
     sc, sh = randn((B, D), torch.float32, gen, scale=0.3), randn((B, D), torch.float32, gen, scale=0.3)
-    assert_close(layernorm.layer_norm_modulate(x, sc, sh), _torch_modulate(x, sc[:, None], sh[:, None]),
-                 torch.float32, seed=gen.seed_value)
+    assert_close(
+        layernorm.layer_norm_modulate(x, sc, sh),
+        _torch_modulate(x, sc[:, None], sh[:, None]),
+        torch.float32,
+        seed=gen.seed_value,
+    )
     # one row for everything: [1, D] reads the same either way
-    assert_close(layernorm.layer_norm_modulate(x, sc[:1], sh[:1]), _torch_modulate(x, sc[:1], sh[:1]),
-                 torch.float32, seed=gen.seed_value, name="[1, D]")
+    assert_close(
+        layernorm.layer_norm_modulate(x, sc[:1], sh[:1]),
+        _torch_modulate(x, sc[:1], sh[:1]),
+        torch.float32,
+        seed=gen.seed_value,
+        name="[1, D]",
+    )
 
 
 @pytest.mark.parametrize("which", ["scale", "shift", "gate", "scale2"])
@@ -607,8 +731,10 @@ def test_2d_modulation_ambiguous_when_batch_equals_tokens(which, gen):
         "gate": lambda: layernorm.gated_residual_layer_norm_modulate(x, y, t["gate"], t["scale"], t["shift"]),
         "scale2": lambda: layernorm.layer_norm_modulate_dual(x, t["scale"], t["shift"], t["scale2"], t["shift2"]),
     }[which]
-    pattern = (rf"{which} of shape \(3, 48\) is ambiguous for x of shape \(3, 3, 48\).*"
-               rf"{which}\[:, None\].*one row per sample.*{which}\[None\].*one row per token")
+    pattern = (
+        rf"{which} of shape \(3, 48\) is ambiguous for x of shape \(3, 3, 48\).*"
+        rf"{which}\[:, None\].*one row per sample.*{which}\[None\].*one row per token"
+    )
     with pytest.raises(ValueError, match=pattern):
         call()
     # the reference refuses it too, and both explicit forms work
@@ -618,7 +744,17 @@ def test_2d_modulation_ambiguous_when_batch_equals_tokens(which, gen):
         sc, sh = t["scale"], t["shift"]
         per_sample = [v[:, None] if v.dim() == 2 else v for v in (sc, sh)]
         per_token = [v[None] if v.dim() == 2 else v for v in (sc, sh)]
-        assert_close(layernorm.layer_norm_modulate(x, *per_sample), _torch_modulate(x, *per_sample), torch.float32,
-                     seed=gen.seed_value, name="per sample")
-        assert_close(layernorm.layer_norm_modulate(x, *per_token), _torch_modulate(x, *per_token), torch.float32,
-                     seed=gen.seed_value, name="per token")
+        assert_close(
+            layernorm.layer_norm_modulate(x, *per_sample),
+            _torch_modulate(x, *per_sample),
+            torch.float32,
+            seed=gen.seed_value,
+            name="per sample",
+        )
+        assert_close(
+            layernorm.layer_norm_modulate(x, *per_token),
+            _torch_modulate(x, *per_token),
+            torch.float32,
+            seed=gen.seed_value,
+            name="per token",
+        )

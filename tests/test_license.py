@@ -37,6 +37,4 @@ def test_there_are_files_to_check():
 @pytest.mark.parametrize("path", PY_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_spdx_line(path):
     head = path.read_text().splitlines()[:2]
-    assert SPDX in (line.strip() for line in head), (
-        f"{path.relative_to(ROOT)} lacks '{SPDX}' in its first two lines"
-    )
+    assert SPDX in (line.strip() for line in head), f"{path.relative_to(ROOT)} lacks '{SPDX}' in its first two lines"

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 
 import activations
 import diffusers_injection as di
@@ -20,9 +23,6 @@ import injection_common as ic
 import rmsnorm
 import rope
 from kernel_testing import DEVICE, make_generator, rel_l2
-from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
-from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
-from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -103,8 +103,14 @@ def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
     ref = _run(tr, kw)
     counts = di.inject_optimized_kernels(tr, verbose=False)
     assert counts == {
-        "rmsnorm_weightless": 4, "rmsnorm_weighted": 8, "adaln_fused_blocks": 2, "qk_norm_rope_fused": 2, "cross_attn": 2,
-        "rope_coords": 1, "gelu_tanh": 2, "vae_rmsnorm": 0,
+        "rmsnorm_weightless": 4,
+        "rmsnorm_weighted": 8,
+        "adaln_fused_blocks": 2,
+        "qk_norm_rope_fused": 2,
+        "cross_attn": 2,
+        "rope_coords": 1,
+        "gelu_tanh": 2,
+        "vae_rmsnorm": 0,
     }
     out = _run(tr, kw)
     # every block used each fused kernel: norm1+mod (block 1's together with block 0's last residual),
@@ -193,7 +199,10 @@ def test_tiny_transformer_bf16_parity():
     kw32 = _inputs(gen)
     ref32 = _run(tr, kw32).double()
     tr.to(torch.bfloat16)
-    kw = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and v.dim() == 3 else v) for k, v in kw32.items()}
+    kw = {
+        k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and v.dim() == 3 else v)
+        for k, v in kw32.items()
+    }
     stock = _run(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False)
     patched = _run(tr, kw)
@@ -209,8 +218,14 @@ def _pipe_latents(pipe, seed=0, steps=2):
     g = torch.Generator(DEVICE).manual_seed(seed)
     pipe.set_progress_bar_config(disable=True)
     return pipe(
-        "a red fox runs through a snowy forest", num_frames=9, height=32, width=32, num_inference_steps=steps,
-        generator=g, output_type="latent", max_sequence_length=16,
+        "a red fox runs through a snowy forest",
+        num_frames=9,
+        height=32,
+        width=32,
+        num_inference_steps=steps,
+        generator=g,
+        output_type="latent",
+        max_sequence_length=16,
     ).frames
 
 
@@ -306,8 +321,14 @@ def test_default_architecture_counts():
         vae = AutoencoderKLLTXVideo()
     counts = di.inject_optimized_kernels(tr, verbose=False)
     assert counts == {
-        "rmsnorm_weightless": 56, "rmsnorm_weighted": 112, "adaln_fused_blocks": 28,
-        "qk_norm_rope_fused": 28, "cross_attn": 28, "rope_coords": 1, "gelu_tanh": 28, "vae_rmsnorm": 0,
+        "rmsnorm_weightless": 56,
+        "rmsnorm_weighted": 112,
+        "adaln_fused_blocks": 28,
+        "qk_norm_rope_fused": 28,
+        "cross_attn": 28,
+        "rope_coords": 1,
+        "gelu_tanh": 28,
+        "vae_rmsnorm": 0,
     }
     n_vae = sum(isinstance(m, DiffusersRMSNorm) for m in vae.modules())
     assert di.inject_optimized_kernels(vae, verbose=False)["vae_rmsnorm"] == n_vae > 0
@@ -348,8 +369,14 @@ def test_tiny_llama_untouched(gen):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(gen.seed_value)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = LlamaForCausalLM(cfg).eval().to(DEVICE)
     ids = torch.randint(0, 64, (1, 7), device=DEVICE)
     with torch.no_grad():
@@ -366,13 +393,31 @@ def test_tiny_sd3_gets_no_ltx_kernels(gen):
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(gen.seed_value)
-    model = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4, qk_norm="rms_norm",
-    ).eval().to(DEVICE)
+    model = (
+        SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            caption_projection_dim=16,
+            pooled_projection_dim=8,
+            out_channels=4,
+            qk_norm="rms_norm",
+        )
+        .eval()
+        .to(DEVICE)
+    )
     assert any(isinstance(m, DiffusersRMSNorm) for m in model.modules())
-    kw = dict(hidden_states=torch.randn(1, 4, 8, 8, device=DEVICE), encoder_hidden_states=torch.randn(1, 5, 16, device=DEVICE),
-              pooled_projections=torch.randn(1, 8, device=DEVICE), timestep=torch.tensor([3.0], device=DEVICE), return_dict=False)
+    kw = dict(
+        hidden_states=torch.randn(1, 4, 8, 8, device=DEVICE),
+        encoder_hidden_states=torch.randn(1, 5, 16, device=DEVICE),
+        pooled_projections=torch.randn(1, 8, device=DEVICE),
+        timestep=torch.tensor([3.0], device=DEVICE),
+        return_dict=False,
+    )
     with torch.no_grad():
         ref = model(**kw)[0]
         counts = di.inject_optimized_kernels(model, verbose=False)
@@ -421,7 +466,9 @@ def test_sequential_offload_hooks_and_weight_swaps():
     kw = _inputs(gen)
     di.inject_optimized_kernels(tr, verbose=False)
     with torch.no_grad():  # a new weight after injection, and an in-place change of another
-        tr.transformer_blocks[0].attn1.norm_q.weight = torch.nn.Parameter(1 + 0.5 * torch.randn(32, generator=gen).to(DEVICE))
+        tr.transformer_blocks[0].attn1.norm_q.weight = torch.nn.Parameter(
+            1 + 0.5 * torch.randn(32, generator=gen).to(DEVICE)
+        )
         tr.transformer_blocks[1].scale_shift_table.mul_(2.0)
     patched = _run(tr, kw)
     di.remove_optimized_kernels(tr, verbose=False)
@@ -561,8 +608,14 @@ def test_hooks_on_submodules_still_run(where):
     tr = _tiny_transformer()
     kw = _inputs(gen)
     blk = tr.transformer_blocks[1]
-    target = {"attn1": blk.attn1, "attn2": blk.attn2, "to_q": blk.attn1.to_q, "to_out": blk.attn2.to_out[0],
-              "ff": blk.ff, "ff_proj": blk.ff.net[2]}.get(where)
+    target = {
+        "attn1": blk.attn1,
+        "attn2": blk.attn2,
+        "to_q": blk.attn1.to_q,
+        "to_out": blk.attn2.to_out[0],
+        "ff": blk.ff,
+        "ff_proj": blk.ff.net[2],
+    }.get(where)
     fired = Counter()
 
     def hook(module, args, output):
@@ -571,7 +624,8 @@ def test_hooks_on_submodules_still_run(where):
 
     if target is None:
         handle = torch.nn.modules.module.register_module_forward_hook(
-            lambda m, a, o: hook(m, a, o) if m is blk.attn1.to_v else None)
+            lambda m, a, o: hook(m, a, o) if m is blk.attn1.to_v else None
+        )
     else:
         handle = target.register_forward_hook(hook)
     try:
@@ -627,14 +681,20 @@ def _grads(model, kw, names):
     model.zero_grad(set_to_none=True)
     out = model(**kw)[0]
     out.square().mean().backward()
-    return out.detach(), {n: (None if p.grad is None else p.grad.detach().clone())
-                          for n, p in model.named_parameters() if n in names}
+    return out.detach(), {
+        n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters() if n in names
+    }
 
 
-@pytest.mark.parametrize("trainable", ["transformer_blocks.0.attn1.to_v.weight",
-                                       "transformer_blocks.1.ff.net.2.weight",
-                                       "transformer_blocks.0.attn2.to_k.weight",
-                                       "transformer_blocks.1.scale_shift_table"])
+@pytest.mark.parametrize(
+    "trainable",
+    [
+        "transformer_blocks.0.attn1.to_v.weight",
+        "transformer_blocks.1.ff.net.2.weight",
+        "transformer_blocks.0.attn2.to_k.weight",
+        "transformer_blocks.1.scale_shift_table",
+    ],
+)
 def test_trainable_weight_inside_a_block_gets_its_gradient(trainable):
     """LoRA-style training: the base model frozen, one weight inside a block trainable. The patched
     block must fall back to the original code (the kernels have no backward), so the weight gets the
@@ -696,8 +756,11 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(where):
     def pre(module, args, kwargs):
         change(args[0] if args else kwargs["hidden_states"])
 
-    handle = (b0.register_forward_hook(post) if where.startswith("post")
-              else b1.register_forward_pre_hook(pre, with_kwargs=True))
+    handle = (
+        b0.register_forward_hook(post)
+        if where.startswith("post")
+        else b1.register_forward_pre_hook(pre, with_kwargs=True)
+    )
     try:
         ref = _run(tr, kw)
         di.inject_optimized_kernels(tr, verbose=False)

@@ -23,22 +23,48 @@ from kernel_testing import DEVICE, make_generator, rel_l2
 FP32_REL = 1e-5
 
 EXPECTED_TINY = {
-    "sd3": {"mmdit_adaln_zero": 2, "mmdit_adaln_zero_x": 1, "mmdit_adaln_zero_single": 0, "mmdit_adaln_continuous": 2,
-            "mmdit_fused_blocks": 2, "mmdit_qk_norm_fused": 3, "mmdit_qk_norm_rope_fused": 0, "mmdit_gelu_tanh": 3},
-    "flux": {"mmdit_adaln_zero": 2, "mmdit_adaln_zero_x": 0, "mmdit_adaln_zero_single": 1, "mmdit_adaln_continuous": 1,
-             "mmdit_fused_blocks": 2, "mmdit_qk_norm_fused": 0, "mmdit_qk_norm_rope_fused": 2, "mmdit_gelu_tanh": 3},
+    "sd3": {
+        "mmdit_adaln_zero": 2,
+        "mmdit_adaln_zero_x": 1,
+        "mmdit_adaln_zero_single": 0,
+        "mmdit_adaln_continuous": 2,
+        "mmdit_fused_blocks": 2,
+        "mmdit_qk_norm_fused": 3,
+        "mmdit_qk_norm_rope_fused": 0,
+        "mmdit_gelu_tanh": 3,
+    },
+    "flux": {
+        "mmdit_adaln_zero": 2,
+        "mmdit_adaln_zero_x": 0,
+        "mmdit_adaln_zero_single": 1,
+        "mmdit_adaln_continuous": 1,
+        "mmdit_fused_blocks": 2,
+        "mmdit_qk_norm_fused": 0,
+        "mmdit_qk_norm_rope_fused": 2,
+        "mmdit_gelu_tanh": 3,
+    },
 }
 # kernel calls in one forward of each tiny model
 EXPECTED_CALLS = {
     # block 0: norm1 (dual), norm1_context, residual+norm2 (after attn2), text residual+norm2, last residual +
     # block 1's norm1; block 1: norm1_context (continuous), residual+norm2; norm_out; q/k: block 0 joint +
     # attn2, block 1 joint
-    "sd3": {"layer_norm_modulate": 3, "layer_norm_modulate_dual": 1, "gated_residual_layer_norm_modulate": 4,
-            "joint_head_rms_norm_rope": 3, "gelu_tanh": 3},
+    "sd3": {
+        "layer_norm_modulate": 3,
+        "layer_norm_modulate_dual": 1,
+        "gated_residual_layer_norm_modulate": 4,
+        "joint_head_rms_norm_rope": 3,
+        "gelu_tanh": 3,
+    },
     # double block: norm1, norm1_context, 2 x residual+norm2, q/k of text+image; single block: norm, q/k;
     # norm_out; GELU: ff, ff_context, act_mlp
-    "flux": {"layer_norm_modulate": 4, "layer_norm_modulate_dual": 0, "gated_residual_layer_norm_modulate": 2,
-             "joint_head_rms_norm_rope": 2, "gelu_tanh": 3},
+    "flux": {
+        "layer_norm_modulate": 4,
+        "layer_norm_modulate_dual": 0,
+        "gated_residual_layer_norm_modulate": 2,
+        "joint_head_rms_norm_rope": 2,
+        "gelu_tanh": 3,
+    },
 }
 
 
@@ -189,9 +215,14 @@ def test_plain_tanh_gelu_check_traces_like_eager():
     hooked.register_forward_hook(lambda m, a, o: None)
     lam = torch.nn.GELU(approximate="tanh")
     lam.forward = lambda x: x
-    cases = [("ours", ours, True), ("class forward", torch.nn.GELU(approximate="tanh"), True),
-             ("replaced method", replaced, False), ("hooked", hooked, False), ("plain function", lam, False),
-             ("erf", torch.nn.GELU(), False)]
+    cases = [
+        ("ours", ours, True),
+        ("class forward", torch.nn.GELU(approximate="tanh"), True),
+        ("replaced method", replaced, False),
+        ("hooked", hooked, False),
+        ("plain function", lam, False),
+        ("erf", torch.nn.GELU(), False),
+    ]
     for name, act, want in cases:
         assert mi._plain_tanh_gelu(act) is want, name
         torch._dynamo.reset()
@@ -413,15 +444,36 @@ def test_torch_compile_fullgraph_traces_the_kernels(kind):
 # Real architectures on the meta device (no memory, no interpreter)
 # --------------------------------------------------------------------------------------------
 REAL_COUNTS = {
-    "sd3.5-medium": {"mmdit_adaln_zero": 34, "mmdit_adaln_zero_x": 13, "mmdit_adaln_zero_single": 0,
-                     "mmdit_adaln_continuous": 2, "mmdit_fused_blocks": 24, "mmdit_qk_norm_fused": 37,
-                     "mmdit_qk_norm_rope_fused": 0, "mmdit_gelu_tanh": 47},
-    "sd3-medium": {"mmdit_adaln_zero": 47, "mmdit_adaln_zero_x": 0, "mmdit_adaln_zero_single": 0,
-                   "mmdit_adaln_continuous": 2, "mmdit_fused_blocks": 24, "mmdit_qk_norm_fused": 0,
-                   "mmdit_qk_norm_rope_fused": 0, "mmdit_gelu_tanh": 47},
-    "flux.1-dev": {"mmdit_adaln_zero": 38, "mmdit_adaln_zero_x": 0, "mmdit_adaln_zero_single": 38,
-                   "mmdit_adaln_continuous": 1, "mmdit_fused_blocks": 57, "mmdit_qk_norm_fused": 0,
-                   "mmdit_qk_norm_rope_fused": 57, "mmdit_gelu_tanh": 76},
+    "sd3.5-medium": {
+        "mmdit_adaln_zero": 34,
+        "mmdit_adaln_zero_x": 13,
+        "mmdit_adaln_zero_single": 0,
+        "mmdit_adaln_continuous": 2,
+        "mmdit_fused_blocks": 24,
+        "mmdit_qk_norm_fused": 37,
+        "mmdit_qk_norm_rope_fused": 0,
+        "mmdit_gelu_tanh": 47,
+    },
+    "sd3-medium": {
+        "mmdit_adaln_zero": 47,
+        "mmdit_adaln_zero_x": 0,
+        "mmdit_adaln_zero_single": 0,
+        "mmdit_adaln_continuous": 2,
+        "mmdit_fused_blocks": 24,
+        "mmdit_qk_norm_fused": 0,
+        "mmdit_qk_norm_rope_fused": 0,
+        "mmdit_gelu_tanh": 47,
+    },
+    "flux.1-dev": {
+        "mmdit_adaln_zero": 38,
+        "mmdit_adaln_zero_x": 0,
+        "mmdit_adaln_zero_single": 38,
+        "mmdit_adaln_continuous": 1,
+        "mmdit_fused_blocks": 57,
+        "mmdit_qk_norm_fused": 0,
+        "mmdit_qk_norm_rope_fused": 57,
+        "mmdit_gelu_tanh": 76,
+    },
 }
 
 
@@ -488,8 +540,15 @@ def test_non_mmdit_model_untouched():
     from diffusers import LTXVideoTransformer3DModel
 
     torch.manual_seed(0)
-    model = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
-                                       cross_attention_dim=16, num_layers=1, caption_channels=8)
+    model = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        num_layers=1,
+        caption_channels=8,
+    )
     assert mi.inject_mmdit_kernels(model, verbose=False) == {k: 0 for k in mi.KINDS}
     _no_injection_left(model)
     with pytest.raises(TypeError, match="diffusers pipeline or a torch.nn.Module"):
@@ -620,8 +679,12 @@ def test_hooks_on_submodules_still_run(kind, where, gen):
     kw = _inputs(model, seed=gen.seed_value)
     blk = model.transformer_blocks[0]
     single = getattr(model, "single_transformer_blocks", None)
-    target = {"attn": blk.attn, "ff": blk.ff, "ff_proj": blk.ff.net[2],
-              "single_attn": single[0].attn if single else blk.attn}.get(where)
+    target = {
+        "attn": blk.attn,
+        "ff": blk.ff,
+        "ff_proj": blk.ff.net[2],
+        "single_attn": single[0].attn if single else blk.attn,
+    }.get(where)
     fired = []
 
     def hook(module, args, output):
@@ -630,7 +693,8 @@ def test_hooks_on_submodules_still_run(kind, where, gen):
 
     if target is None:
         handle = torch.nn.modules.module.register_module_forward_hook(
-            lambda m, a, o: hook(m, a, o) if m is blk.ff.net[2] else None)
+            lambda m, a, o: hook(m, a, o) if m is blk.ff.net[2] else None
+        )
     else:
         handle = target.register_forward_hook(hook)
     try:

@@ -10,6 +10,7 @@ import torch
 import rmsnorm
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn
 
+
 def _module_tol(dtype):
     """Kernel vs the real module: both round at the same places, so natively they differ by at most
     the last bit of an fp32 sum (<= 1 ulp of the output: half of TOL). The interpreter truncates
@@ -179,8 +180,15 @@ def test_gated_residual_add(dtype, gate_shape, chunked, gen, monkeypatch):
     assert_close(out, ref, dtype, seed=gen.seed_value)
     if not INTERPRET:  # natively it rounds exactly like torch.addcmul (fp32 math, one rounding)
         expect = torch.addcmul(h, y, gate) if gate is not None else h + y
-        assert_close(out, expect.double(), dtype, rtol=TOL[dtype]["rtol"] / 2, atol=TOL[dtype]["atol"] / 2,
-                     name="vs addcmul", seed=gen.seed_value)
+        assert_close(
+            out,
+            expect.double(),
+            dtype,
+            rtol=TOL[dtype]["rtol"] / 2,
+            atol=TOL[dtype]["atol"] / 2,
+            name="vs addcmul",
+            seed=gen.seed_value,
+        )
 
 
 def test_gated_residual_add_strided_and_errors(gen):
@@ -190,8 +198,9 @@ def test_gated_residual_add_strided_and_errors(gen):
     gate = randn((2, 1, 96), torch.float32, gen)
     with poisoned_outputs():
         out = rmsnorm.gated_residual_add(h, y, gate)
-    assert_close(out, rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()), torch.float32,
-                 seed=gen.seed_value)
+    assert_close(
+        out, rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()), torch.float32, seed=gen.seed_value
+    )
     assert rmsnorm.gated_residual_add(h[:, :0], y[:, :0], gate).shape == (2, 0, 96)
     with pytest.raises(ValueError, match="y has shape"):
         rmsnorm.gated_residual_add(h, y[..., :95], gate)
@@ -322,25 +331,61 @@ ERROR_CASES = [
     ("x last stride", ValueError, "contiguous in its last dimension", lambda t: rmsnorm.rms_norm(t.x.transpose(1, 2))),
     ("eps negative", ValueError, "eps must be a non-negative", lambda t: rmsnorm.rms_norm(t.x, eps=-1.0)),
     ("x 0-d", ValueError, "at least one dimension", lambda t: rmsnorm.rms_norm(torch.tensor(1.0, device=DEVICE))),
-    ("scale broadcast", ValueError, r"scale of shape \(3, 1, 64\) does not broadcast",
-     lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(3, 1, 64), _ones(2, 1, 64))),
-    ("shift broadcast", ValueError, r"shift of shape \(2, 1, 32\) does not broadcast",
-     lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(2, 1, 64), _ones(2, 1, 32))),
-    ("modulate no scale shift", ValueError, "scale and shift are required",
-     lambda t: rmsnorm.rms_norm_modulate(t.x, None, None)),
-    ("gated shift without scale", ValueError, "scale and shift must be given together",
-     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x, None, _ones(64), None)),
-    ("gated y shape", ValueError, r"y has shape \(2, 4, 63\)",
-     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x[..., :63], None, None, None)),
-    ("gated y dtype", TypeError, "y has dtype",
-     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x.half(), None, None, None)),
-    ("gated y missing", ValueError, "y is required",
-     lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, None, None, None, None)),
-    ("scale int64", TypeError, "scale has dtype int64",
-     lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(64, dtype=torch.int64), _ones(64))),
+    (
+        "scale broadcast",
+        ValueError,
+        r"scale of shape \(3, 1, 64\) does not broadcast",
+        lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(3, 1, 64), _ones(2, 1, 64)),
+    ),
+    (
+        "shift broadcast",
+        ValueError,
+        r"shift of shape \(2, 1, 32\) does not broadcast",
+        lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(2, 1, 64), _ones(2, 1, 32)),
+    ),
+    (
+        "modulate no scale shift",
+        ValueError,
+        "scale and shift are required",
+        lambda t: rmsnorm.rms_norm_modulate(t.x, None, None),
+    ),
+    (
+        "gated shift without scale",
+        ValueError,
+        "scale and shift must be given together",
+        lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x, None, _ones(64), None),
+    ),
+    (
+        "gated y shape",
+        ValueError,
+        r"y has shape \(2, 4, 63\)",
+        lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x[..., :63], None, None, None),
+    ),
+    (
+        "gated y dtype",
+        TypeError,
+        "y has dtype",
+        lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, t.x.half(), None, None, None),
+    ),
+    (
+        "gated y missing",
+        ValueError,
+        "y is required",
+        lambda t: rmsnorm.gated_residual_rms_norm_modulate(t.x, None, None, None, None),
+    ),
+    (
+        "scale int64",
+        TypeError,
+        "scale has dtype int64",
+        lambda t: rmsnorm.rms_norm_modulate(t.x, _ones(64, dtype=torch.int64), _ones(64)),
+    ),
     ("out_dtype int8", TypeError, "out_dtype", lambda t: rmsnorm.rms_norm(t.x, out_dtype=torch.int8)),
-    ("rows need three strides", ValueError, "cannot be addressed with two strides",
-     lambda t: rmsnorm.rms_norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2])),
+    (
+        "rows need three strides",
+        ValueError,
+        "cannot be addressed with two strides",
+        lambda t: rmsnorm.rms_norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2]),
+    ),
 ]
 
 
@@ -396,20 +441,28 @@ def _grad_cases(gen):
     w, sc, sh, g = _weight(64, f, gen), randn((2, 1, 64), f, gen), randn((2, 1, 64), f, gen), randn((64,), f, gen)
     return {
         "rms_norm": (lambda t: rmsnorm.rms_norm(t["x"], t["weight"]), dict(x=x, weight=w)),
-        "rms_norm_modulate": (lambda t: rmsnorm.rms_norm_modulate(t["x"], t["scale"], t["shift"], t["weight"]),
-                              dict(x=x, scale=sc, shift=sh, weight=w)),
+        "rms_norm_modulate": (
+            lambda t: rmsnorm.rms_norm_modulate(t["x"], t["scale"], t["shift"], t["weight"]),
+            dict(x=x, scale=sc, shift=sh, weight=w),
+        ),
         "gated_residual_rms_norm_modulate": (
-            lambda t: rmsnorm.gated_residual_rms_norm_modulate(t["h"], t["y"], t["gate"], t["scale"], t["shift"],
-                                                               t["weight"]),
-            dict(h=x, y=y, gate=g, scale=sc, shift=sh, weight=w)),
+            lambda t: rmsnorm.gated_residual_rms_norm_modulate(
+                t["h"], t["y"], t["gate"], t["scale"], t["shift"], t["weight"]
+            ),
+            dict(h=x, y=y, gate=g, scale=sc, shift=sh, weight=w),
+        ),
         "gated_residual_add": (lambda t: rmsnorm.gated_residual_add(t["h"], t["y"], t["gate"]), dict(h=x, y=y, gate=g)),
-        "fused_add_rms_norm": (lambda t: rmsnorm.fused_add_rms_norm(t["x"], t["residual"], t["weight"]),
-                               dict(x=x, residual=y, weight=w)),
+        "fused_add_rms_norm": (
+            lambda t: rmsnorm.fused_add_rms_norm(t["x"], t["residual"], t["weight"]),
+            dict(x=x, residual=y, weight=w),
+        ),
     }
 
 
-@pytest.mark.parametrize("fn", ["rms_norm", "rms_norm_modulate", "gated_residual_rms_norm_modulate",
-                                "gated_residual_add", "fused_add_rms_norm"])
+@pytest.mark.parametrize(
+    "fn",
+    ["rms_norm", "rms_norm_modulate", "gated_residual_rms_norm_modulate", "gated_residual_add", "fused_add_rms_norm"],
+)
 def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
     from test_launch import assert_refuses_inputs_requiring_grad
 
@@ -427,8 +480,9 @@ def test_fp8_scale_requiring_grad_is_refused(gen):
 _EPS_CALLS = {
     "rms_norm": lambda x, eps: rmsnorm.rms_norm(x, eps=eps),
     "rms_norm_modulate": lambda x, eps: rmsnorm.rms_norm_modulate(x, x[:, :1], x[:, :1], eps=eps),
-    "gated_residual_rms_norm_modulate": lambda x, eps: rmsnorm.gated_residual_rms_norm_modulate(x, x, None, None, None,
-                                                                                                eps=eps),
+    "gated_residual_rms_norm_modulate": lambda x, eps: rmsnorm.gated_residual_rms_norm_modulate(
+        x, x, None, None, None, eps=eps
+    ),
     "fused_add_rms_norm": lambda x, eps: rmsnorm.fused_add_rms_norm(x, x, None, eps=eps),
 }
 
@@ -474,5 +528,6 @@ def test_gated_residual_add_dtype_under_torch_compile(gate_dtype, backend, gen):
     assert_close(compiled, ref, torch.bfloat16, seed=gen.seed_value, name="compiled")
     # one rounding of the same fp32 value: at most one bf16 step apart from the kernel (the interpreter
     # truncates where torch rounds), equal natively but for an FMA
-    assert_close(compiled, eager.double(), torch.bfloat16, rtol=2.0**-7, atol=1e-6, name="compiled vs eager",
-                 seed=gen.seed_value)
+    assert_close(
+        compiled, eager.double(), torch.bfloat16, rtol=2.0**-7, atol=1e-6, name="compiled vs eager", seed=gen.seed_value
+    )

@@ -71,8 +71,13 @@ def _weight(n, dtype, gen):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "dtype,batch,seq,ch",
-    [(torch.bfloat16, 2, 3, 2048), (torch.float32, 2, 5, 134), (torch.float16, 2, 7, 96),
-     (torch.bfloat16, 3, 5, 128), (torch.float32, 1, 1, 2)],
+    [
+        (torch.bfloat16, 2, 3, 2048),
+        (torch.float32, 2, 5, 134),
+        (torch.float16, 2, 7, 96),
+        (torch.bfloat16, 3, 5, 128),
+        (torch.float32, 1, 1, 2),
+    ],
 )
 def test_ltx_rope_matches_float64_and_diffusers(dtype, batch, seq, ch, gen):
     x = randn((batch, seq, ch), dtype, gen, scale=2.0, offset=0.1)
@@ -131,8 +136,13 @@ def _hf_cos_sin(batch, seq, dim, gen, dtype):
 
 @pytest.mark.parametrize(
     "dtype,dim,table",
-    [(torch.bfloat16, 64, "bsd"), (torch.float32, 128, "bsd"), (torch.float16, 6, "sd"),
-     (torch.bfloat16, 96, "b1sd"), (torch.float32, 2, "1hsd")],
+    [
+        (torch.bfloat16, 64, "bsd"),
+        (torch.float32, 128, "bsd"),
+        (torch.float16, 6, "sd"),
+        (torch.bfloat16, 96, "b1sd"),
+        (torch.float32, 2, "1hsd"),
+    ],
 )
 def test_rope_rotate_half_matches_float64_and_transformers(dtype, dim, table, gen):
     batch, heads, seq = 2, 3, 5
@@ -199,8 +209,13 @@ def _torch_norm(ch, weight, eps=1e-5):
 
 @pytest.mark.parametrize(
     "dtype,batch,seq,ch,cast_before_weight",
-    [(torch.bfloat16, 2, 3, 2048, False), (torch.bfloat16, 2, 5, 134, True), (torch.float32, 2, 5, 134, False),
-     (torch.float16, 3, 3, 96, False), (torch.bfloat16, 1, 7, 128, False)],
+    [
+        (torch.bfloat16, 2, 3, 2048, False),
+        (torch.bfloat16, 2, 5, 134, True),
+        (torch.float32, 2, 5, 134, False),
+        (torch.float16, 3, 3, 96, False),
+        (torch.bfloat16, 1, 7, 128, False),
+    ],
 )
 def test_qk_rmsnorm_rope_matches_float64_and_modules(dtype, batch, seq, ch, cast_before_weight, gen):
     q, k = _fused_qk(batch, seq, ch, dtype, gen)
@@ -240,14 +255,17 @@ def test_qk_rmsnorm_rope_broadcast_tables_no_weight_and_separate_tensors(gen):
         with poisoned_outputs():
             qo, ko = rope.ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-6, cos, sin)
         f64 = lambda t: None if t is None else t.double()  # noqa: E731
-        qr, kr = rope.ltx_qk_rmsnorm_rope_ref(q.double(), k.double(), f64(qw), f64(kw), 1e-6, cos.double(), sin.double())
+        qr, kr = rope.ltx_qk_rmsnorm_rope_ref(
+            q.double(), k.double(), f64(qw), f64(kw), 1e-6, cos.double(), sin.double()
+        )
         assert_pairs_close(qo, qr, _normed(q, qw, 1e-6), dtype, 5, True, gen, "q")
         assert_pairs_close(ko, kr, _normed(k, kw, 1e-6), dtype, 5, True, gen, "k")
 
 
 @pytest.mark.parametrize("table_shape", ["1,S,D", "S,D", "B,S,D"])
-@pytest.mark.parametrize("dtype,heads,head_dim", [(torch.bfloat16, 3, 8), (torch.float32, 2, 6),
-                                                  (torch.float16, 5, 16)])
+@pytest.mark.parametrize(
+    "dtype,heads,head_dim", [(torch.bfloat16, 3, 8), (torch.float32, 2, 6), (torch.float16, 5, 16)]
+)
 def test_qk_rmsnorm_rope_reads_a_per_head_table(table_shape, dtype, heads, head_dim, gen):
     """cos/sin of one head's width D (Wan: one row per token shared by every head) are read in place for
     each of the C / D heads: the same result as the table repeated over the heads (bit for bit: the kernel
@@ -265,8 +283,9 @@ def test_qk_rmsnorm_rope_reads_a_per_head_table(table_shape, dtype, heads, head_
     assert full[0].shape[-1] == ch
     qf, kf = rope.ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-6, *full)
     assert torch.equal(qo, qf) and torch.equal(ko, kf)
-    qr, kr = rope.ltx_qk_rmsnorm_rope_ref(q.double(), k.double(), qw.double(), kw.double(), 1e-6,
-                                          cos.double(), sin.double())
+    qr, kr = rope.ltx_qk_rmsnorm_rope_ref(
+        q.double(), k.double(), qw.double(), kw.double(), 1e-6, cos.double(), sin.double()
+    )
     assert_pairs_close(qo, qr, _normed(q, qw, 1e-6), dtype, 5, True, gen, "q vs float64")
     assert_pairs_close(ko, kr, _normed(k, kw, 1e-6), dtype, 5, True, gen, "k vs float64")
 
@@ -301,8 +320,12 @@ def _module_grid_and_tables(ch, batch, frames, height, width, scale, video_coord
         cos, sin = mod(hs, video_coords=video_coords)
         # the module's video_coords branch: divide each axis by its base size
         grid = torch.stack(
-            [video_coords[:, 0] / mod.base_num_frames, video_coords[:, 1] / mod.base_height,
-             video_coords[:, 2] / mod.base_width], dim=-1,
+            [
+                video_coords[:, 0] / mod.base_num_frames,
+                video_coords[:, 1] / mod.base_height,
+                video_coords[:, 2] / mod.base_width,
+            ],
+            dim=-1,
         )
     return grid, cos, sin
 
@@ -325,8 +348,13 @@ def test_cos_sin_helpers_reproduce_diffusers_exactly(ch):
 
 @pytest.mark.parametrize(
     "ch,dtype,frames,height,width",
-    [(2048, torch.float32, 3, 1, 3), (134, torch.float32, 3, 3, 3), (96, torch.bfloat16, 1, 3, 5),
-     (100, torch.float32, 2, 3, 3), (10, torch.float32, 1, 1, 3)],
+    [
+        (2048, torch.float32, 3, 1, 3),
+        (134, torch.float32, 3, 3, 3),
+        (96, torch.bfloat16, 1, 3, 5),
+        (100, torch.float32, 2, 3, 3),
+        (10, torch.float32, 1, 1, 3),
+    ],
 )
 def test_coords_kernel_matches_cos_sin_kernel_fed_with_diffusers_tables(ch, dtype, frames, height, width, gen):
     """Kernel 4 (cos/sin from coords in the kernel) vs kernel 3 fed with LTXVideoRotaryPosEmbed's
@@ -372,8 +400,12 @@ def test_coords_kernel_distinct_per_sample_coords_and_broadcast(gen):
     broadcast over the batch; coords may be strided (a transpose of [B, 3, S])."""
     ch, batch, seq = 134, 2, 7
     vc = torch.stack(
-        [torch.rand(batch, seq, generator=gen) * 30, torch.rand(batch, seq, generator=gen) * 900,
-         torch.rand(batch, seq, generator=gen) * 900], dim=1,
+        [
+            torch.rand(batch, seq, generator=gen) * 30,
+            torch.rand(batch, seq, generator=gen) * 900,
+            torch.rand(batch, seq, generator=gen) * 900,
+        ],
+        dim=1,
     ).to(DEVICE)  # [B, 3, S] in frames / pixels, as the module's video_coords argument
     grid, cos, sin = _module_grid_and_tables(ch, batch, None, None, None, None, video_coords=vc)
     assert not torch.equal(cos[0], cos[1])
@@ -490,43 +522,112 @@ def _error_cases():
         ("ltx x 2d", ValueError, r"x must be \[B, S, C\]", lambda: rope.ltx_rope(x[0], cs, cs)),
         ("ltx odd C", ValueError, "even channel count", lambda: rope.ltx_rope(x[..., :11], cs[..., :11], cs[..., :11])),
         ("ltx cos shape", ValueError, r"cos has shape \(2, 3, 10\)", lambda: rope.ltx_rope(x, cs[..., :10], cs)),
-        ("ltx cos batch", ValueError, r"sin has shape \(3, 3, 12\)",
-         lambda: rope.ltx_rope(x, cs, torch.ones(3, 3, 12, device=d))),
-        ("ltx x last stride", ValueError, "x must be contiguous in its last dimension",
-         lambda: rope.ltx_rope(torch.ones(2, 3, 24, device=d, dtype=bf)[..., ::2], cs, cs)),
-        ("ltx cos last stride", ValueError, "cos must be contiguous in its last dimension",
-         lambda: rope.ltx_rope(x, torch.ones(2, 3, 24, device=d)[..., ::2], cs)),
+        (
+            "ltx cos batch",
+            ValueError,
+            r"sin has shape \(3, 3, 12\)",
+            lambda: rope.ltx_rope(x, cs, torch.ones(3, 3, 12, device=d)),
+        ),
+        (
+            "ltx x last stride",
+            ValueError,
+            "x must be contiguous in its last dimension",
+            lambda: rope.ltx_rope(torch.ones(2, 3, 24, device=d, dtype=bf)[..., ::2], cs, cs),
+        ),
+        (
+            "ltx cos last stride",
+            ValueError,
+            "cos must be contiguous in its last dimension",
+            lambda: rope.ltx_rope(x, torch.ones(2, 3, 24, device=d)[..., ::2], cs),
+        ),
         ("ltx device", ValueError, "cos is on meta", lambda: rope.ltx_rope(x, cs.to("meta"), cs)),
         ("rh x 3d", ValueError, r"x must be \[B, H, S, D\]", lambda: rope.rope_rotate_half(x, cs, cs)),
         ("rh odd D", ValueError, "even head dim", lambda: rope.rope_rotate_half(x4[..., :7], c4[..., :7], c4[..., :7])),
-        ("rh cos heads", ValueError, r"cos has shape \(2, 3, 3, 8\)",
-         lambda: rope.rope_rotate_half(x4, torch.ones(2, 3, 3, 8, device=d), c4)),
-        ("rh cos seq", ValueError, r"sin has shape \(2, 4, 8\)",
-         lambda: rope.rope_rotate_half(x4, c4, torch.ones(2, 4, 8, device=d))),
+        (
+            "rh cos heads",
+            ValueError,
+            r"cos has shape \(2, 3, 3, 8\)",
+            lambda: rope.rope_rotate_half(x4, torch.ones(2, 3, 3, 8, device=d), c4),
+        ),
+        (
+            "rh cos seq",
+            ValueError,
+            r"sin has shape \(2, 4, 8\)",
+            lambda: rope.rope_rotate_half(x4, c4, torch.ones(2, 4, 8, device=d)),
+        ),
         ("qk k shape", ValueError, "k has shape", lambda: rope.ltx_qk_rmsnorm_rope(x, x[:, :2], w, w, 1e-5, cs, cs)),
-        ("qk k dtype", TypeError, "k has dtype float16 but q has dtype bfloat16",
-         lambda: rope.ltx_qk_rmsnorm_rope(x, x.half(), w, w, 1e-5, cs, cs)),
-        ("qk weight shape", ValueError, r"q_weight must have shape \[12\]",
-         lambda: rope.ltx_qk_rmsnorm_rope(x, x, w[:6], w, 1e-5, cs, cs)),
-        ("qk one weight", ValueError, "both be tensors or both be None",
-         lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, None, 1e-5, cs, cs)),
-        ("qk weight stride", ValueError, "k_weight must be contiguous",
-         lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, torch.ones(24, device=d)[::2], 1e-5, cs, cs)),
-        ("qk eps", ValueError, "eps must be a non-negative float", lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, w, -1.0, cs, cs)),
-        ("qk eps type", ValueError, "eps must be a non-negative float",
-         lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, w, "1e-5", cs, cs)),
-        ("qk cos shape", ValueError, r"cos has shape \(2, 2, 12\)",
-         lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, w, 1e-5, cs[:, :2], cs)),
-        ("qk width", ValueError, "unsupported width",
-         lambda: rope.ltx_qk_rmsnorm_rope(wide, wide, None, None, 1e-5, wide[0], wide[0])),
-        ("coords freqs len", ValueError, r"freqs has shape \(3,\); expected \[2\]",
-         lambda: rope.ltx_qk_rmsnorm_rope_coords(x, x, w, w, 1e-5, grid, torch.ones(3, device=d))),
-        ("coords shape", ValueError, r"coords has shape \(2, 3, 2\)",
-         lambda: rope.ltx_qk_rmsnorm_rope_coords(x, x, w, w, 1e-5, grid[..., :2], fr)),
-        ("coords dtype", TypeError, "coords has dtype int64",
-         lambda: rope.ltx_qk_rmsnorm_rope_coords(x, x, w, w, 1e-5, grid.long(), fr)),
-        ("coords q int", TypeError, "q has dtype int32",
-         lambda: rope.ltx_qk_rmsnorm_rope_coords(x.int(), x, w, w, 1e-5, grid, fr)),
+        (
+            "qk k dtype",
+            TypeError,
+            "k has dtype float16 but q has dtype bfloat16",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x.half(), w, w, 1e-5, cs, cs),
+        ),
+        (
+            "qk weight shape",
+            ValueError,
+            r"q_weight must have shape \[12\]",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x, w[:6], w, 1e-5, cs, cs),
+        ),
+        (
+            "qk one weight",
+            ValueError,
+            "both be tensors or both be None",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, None, 1e-5, cs, cs),
+        ),
+        (
+            "qk weight stride",
+            ValueError,
+            "k_weight must be contiguous",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, torch.ones(24, device=d)[::2], 1e-5, cs, cs),
+        ),
+        (
+            "qk eps",
+            ValueError,
+            "eps must be a non-negative float",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, w, -1.0, cs, cs),
+        ),
+        (
+            "qk eps type",
+            ValueError,
+            "eps must be a non-negative float",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, w, "1e-5", cs, cs),
+        ),
+        (
+            "qk cos shape",
+            ValueError,
+            r"cos has shape \(2, 2, 12\)",
+            lambda: rope.ltx_qk_rmsnorm_rope(x, x, w, w, 1e-5, cs[:, :2], cs),
+        ),
+        (
+            "qk width",
+            ValueError,
+            "unsupported width",
+            lambda: rope.ltx_qk_rmsnorm_rope(wide, wide, None, None, 1e-5, wide[0], wide[0]),
+        ),
+        (
+            "coords freqs len",
+            ValueError,
+            r"freqs has shape \(3,\); expected \[2\]",
+            lambda: rope.ltx_qk_rmsnorm_rope_coords(x, x, w, w, 1e-5, grid, torch.ones(3, device=d)),
+        ),
+        (
+            "coords shape",
+            ValueError,
+            r"coords has shape \(2, 3, 2\)",
+            lambda: rope.ltx_qk_rmsnorm_rope_coords(x, x, w, w, 1e-5, grid[..., :2], fr),
+        ),
+        (
+            "coords dtype",
+            TypeError,
+            "coords has dtype int64",
+            lambda: rope.ltx_qk_rmsnorm_rope_coords(x, x, w, w, 1e-5, grid.long(), fr),
+        ),
+        (
+            "coords q int",
+            TypeError,
+            "q has dtype int32",
+            lambda: rope.ltx_qk_rmsnorm_rope_coords(x.int(), x, w, w, 1e-5, grid, fr),
+        ),
     ]
 
 
@@ -564,11 +665,17 @@ def test_sincos_over_video_rope_angles(gen):
         tl.store(C + offs, c, mask=m)
 
     edges = torch.arange(-40, 41, dtype=torch.float64) * (math.pi / 4)
-    a = torch.cat([
-        (torch.rand(20000, generator=gen, dtype=torch.float64) * 2 - 1) * 2e4,
-        torch.randn(5000, generator=gen, dtype=torch.float64) * 3,
-        (edges[:, None] + torch.linspace(-1e-5, 1e-5, 11, dtype=torch.float64)).flatten(),
-    ]).float().to(DEVICE)
+    a = (
+        torch.cat(
+            [
+                (torch.rand(20000, generator=gen, dtype=torch.float64) * 2 - 1) * 2e4,
+                torch.randn(5000, generator=gen, dtype=torch.float64) * 3,
+                (edges[:, None] + torch.linspace(-1e-5, 1e-5, 11, dtype=torch.float64)).flatten(),
+            ]
+        )
+        .float()
+        .to(DEVICE)
+    )
     s = torch.full_like(a, float("nan"))
     c = torch.full_like(a, float("nan"))
     _probe[(triton.cdiv(a.numel(), 1024),)](a, s, c, a.numel(), BLOCK=1024)
@@ -595,11 +702,14 @@ def _grad_cases(gen):
         "rope_rotate_half": (lambda t: rope.rope_rotate_half(t["x"], t["cos"], t["sin"]), dict(x=x4, cos=c4, sin=s4)),
         "ltx_qk_rmsnorm_rope": (
             lambda t: rope.ltx_qk_rmsnorm_rope(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["cos"], t["sin"]),
-            dict(q=q, k=k, q_weight=wq, k_weight=wk, cos=cos, sin=sin)),
+            dict(q=q, k=k, q_weight=wq, k_weight=wk, cos=cos, sin=sin),
+        ),
         "ltx_qk_rmsnorm_rope_coords": (
-            lambda t: rope.ltx_qk_rmsnorm_rope_coords(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["coords"],
-                                                      t["freqs"]),
-            dict(q=q, k=k, q_weight=wq, k_weight=wk, coords=coords, freqs=freqs)),
+            lambda t: rope.ltx_qk_rmsnorm_rope_coords(
+                t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["coords"], t["freqs"]
+            ),
+            dict(q=q, k=k, q_weight=wq, k_weight=wk, coords=coords, freqs=freqs),
+        ),
     }
 
 

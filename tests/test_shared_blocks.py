@@ -15,8 +15,8 @@ import pytest
 import torch
 import triton
 
-from conftest import KERNEL_MODULES, SCRIPTS
 import sync_shared_blocks as ssb
+from conftest import KERNEL_MODULES, SCRIPTS
 
 KERNEL_FILES = KERNEL_MODULES + ("xcd_remap",)
 # block -> the kernel files that hold it; a file holds the blocks it needs
@@ -76,7 +76,7 @@ def test_check_fails_when_a_copy_differs_and_sync_repairs_it(tmp_path):
     d = _copy_scripts(tmp_path)
     originals = {p.name: p.read_text() for p in d.glob("*.py")}
     rope, sg = d / "rope.py", d / "skinny_gemm.py"
-    old = "    return os.environ.get(\"TRITON_INTERPRET\", \"0\") not in (\"\", \"0\")\n"
+    old = '    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")\n'
     assert originals["rope.py"].count(old) == 1
     rope.write_text(originals["rope.py"].replace(old, old.replace('"0")', '"0", "false")')))
     old = "_PLAN_CACHE_SIZE = 4096"
@@ -153,4 +153,3 @@ def test_check_tensor_messages(mod):
         mod._check_last_contiguous("w", torch.zeros(3, 4)[:, ::2])
     mod._check_last_contiguous("w", torch.zeros(3, 4)[:, :1])  # one element per row: any stride
     mod._check_last_contiguous("w", torch.zeros(0, 4)[:, ::2])  # empty
-

@@ -43,9 +43,12 @@ def _check(out, x, w, bias=None, weight_scale=None, x_scale=None, seed=None, nam
     the scale multiplications and the split-K sum.
     """
     ref = sg.skinny_gemm_ref(x, w, bias, weight_scale=weight_scale, x_scale=x_scale)
-    mag = sg.skinny_gemm_ref(x.double().abs(), w.double().abs(),
-                             weight_scale=None if weight_scale is None else weight_scale.abs(),
-                             x_scale=None if x_scale is None else x_scale.abs())
+    mag = sg.skinny_gemm_ref(
+        x.double().abs(),
+        w.double().abs(),
+        weight_scale=None if weight_scale is None else weight_scale.abs(),
+        x_scale=None if x_scale is None else x_scale.abs(),
+    )
     k = x.shape[-1]
     rtol = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[out.dtype]
     atol = 2 * k * 2.0**-24 * float(mag.max()) + 1e-30
@@ -127,8 +130,15 @@ def test_matches_torch_linear(gen):
         with poisoned_outputs():
             y = sg.skinny_gemm(x, w, b)
         ref = torch.nn.functional.linear(x, w, b)
-        assert_close(y, ref.double(), torch.bfloat16, rtol=2 * 2.0**-7, atol=2 * 2.0**-7,
-                     name=f"vs F.linear M={m}", seed=gen.seed_value)
+        assert_close(
+            y,
+            ref.double(),
+            torch.bfloat16,
+            rtol=2 * 2.0**-7,
+            atol=2 * 2.0**-7,
+            name=f"vs F.linear M={m}",
+            seed=gen.seed_value,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +150,7 @@ def test_strided_x_rows_and_weight_rows(m, gen):
     k, n = 520, 150
     xbig = randn((m, k + 40), torch.bfloat16, gen)
     wbig = randn((n, k + 24), torch.bfloat16, gen, scale=k**-0.5)
-    x, w = xbig[:, 8:8 + k], wbig[:, :k]
+    x, w = xbig[:, 8 : 8 + k], wbig[:, :k]
     assert x.stride(0) == k + 40 and w.stride(0) == k + 24
     with poisoned_outputs():
         y = sg.skinny_gemm(x, w)
@@ -214,12 +224,19 @@ def test_fp8_x_and_weight_against_scaled_mm(f8, m, gen):
     assert y.dtype == torch.bfloat16  # default output dtype for FP8 x
     _check(y, xq, wq, b, weight_scale=ws, x_scale=xs, seed=gen.seed_value)
     try:
-        ref = torch._scaled_mm(xq.cpu(), wq.cpu().t(), scale_a=xs.cpu().reshape(()), scale_b=ws.cpu().reshape(()),
-                               bias=b.cpu(), out_dtype=torch.bfloat16)
+        ref = torch._scaled_mm(
+            xq.cpu(),
+            wq.cpu().t(),
+            scale_a=xs.cpu().reshape(()),
+            scale_b=ws.cpu().reshape(()),
+            bias=b.cpu(),
+            out_dtype=torch.bfloat16,
+        )
     except (RuntimeError, NotImplementedError) as exc:  # a torch build without CPU FP8 GEMMs
         pytest.skip(f"torch._scaled_mm unavailable here: {exc}")
-    assert_close(y, ref.double(), torch.bfloat16, rtol=2 * 2.0**-7, atol=2 * 2.0**-7, name="vs _scaled_mm",
-                 seed=gen.seed_value)
+    assert_close(
+        y, ref.double(), torch.bfloat16, rtol=2 * 2.0**-7, atol=2 * 2.0**-7, name="vs _scaled_mm", seed=gen.seed_value
+    )
 
 
 class _LaunchSpy:
@@ -234,6 +251,7 @@ class _LaunchSpy:
         def call(*args, **kwargs):
             self.launches.append(kwargs)
             return launch(*args, **kwargs)
+
         return call
 
 
@@ -317,8 +335,15 @@ def test_deterministic_and_split_invariant(m, gen):
     _check(outs[1], x, w, seed=gen.seed_value, name="split_k=1")
     # both are within the fp32 accumulation bound of the exact value, hence within twice it of each other
     mag = float(sg.skinny_gemm_ref(x.double().abs(), w.double().abs()).max())
-    assert_close(outs[4], outs[1].double(), torch.float32, rtol=0, atol=2 * (2 * k * 2.0**-24 * mag),
-                 name="split 4 vs 1", seed=gen.seed_value)
+    assert_close(
+        outs[4],
+        outs[1].double(),
+        torch.float32,
+        rtol=0,
+        atol=2 * (2 * k * 2.0**-24 * mag),
+        name="split 4 vs 1",
+        seed=gen.seed_value,
+    )
 
 
 @pytest.mark.parametrize("m,k", [(1, 1500), (3, 1500), (9, 1000), (32, 1000)])
@@ -332,7 +357,8 @@ def test_odd_split_and_program_count_not_multiple_of_8(m, k, gen):
     programs = -(-n // cfg.block_n) * cfg.split_k
     assert cfg.split_k == 3 and programs % 8 != 0
     remaps = target[0] == "interpreter" or (
-        target[0] == "hip" and str(target[1]).startswith(("gfx94", "gfx95")) and cus % 8 == 0)
+        target[0] == "hip" and str(target[1]).startswith(("gfx94", "gfx95")) and cus % 8 == 0
+    )
     if remaps:  # elsewhere (NVIDIA, RDNA, a partitioned MI300X) the launcher does not remap: num_xcds is 1
         assert cfg.num_xcds == 8, cfg
     x = randn((m, k), torch.bfloat16, gen)
@@ -362,6 +388,7 @@ class _DiesOnce:
                 raise RuntimeError("launch killed part-way")
             self.entry_counters.append(counters.clone())
             return launch(*args, **kwargs)
+
         return call
 
 
@@ -426,8 +453,8 @@ def test_split_k_workspace_past_2_pow_31_elements(gen):
     with poisoned_outputs():
         y = sg.skinny_gemm(x, w, split_k=split, out_dtype=torch.float32)
     for c0 in range(0, n, 2**17):  # the float64 reference a slice of N at a time
-        wc = w[c0:c0 + 2**17]
-        _check(y[:, c0:c0 + 2**17], x, wc, seed=gen.seed_value, name=f"columns {c0}..")
+        wc = w[c0 : c0 + 2**17]
+        _check(y[:, c0 : c0 + 2**17], x, wc, seed=gen.seed_value, name=f"columns {c0}..")
 
 
 @pytest.mark.gpu
@@ -498,13 +525,14 @@ def test_xcd_remap_matches_the_shared_helper():
 # --------------------------------------------------------------------------------------------
 # Launch heuristics
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("target,cus", [(("hip", "gfx942", 64), 304), (("hip", "gfx950", 64), 256),
-                                        (("hip", "gfx1201", 32), 64), (("cuda", 90, 32), 132)])
+@pytest.mark.parametrize(
+    "target,cus",
+    [(("hip", "gfx942", 64), 304), (("hip", "gfx950", 64), 256), (("hip", "gfx1201", 32), 64), (("cuda", 90, 32), 132)],
+)
 def test_launch_config_fills_the_gpu_for_llama_shapes(target, cus):
     """Llama-3 8B / 70B projections at M = 1..32: at least one program per CU unless the split count is at
     its cap, no empty split, 16-byte W vectors per lane, the XCD remap only on 8-XCD parts."""
-    for n, k in [(4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336), (8192, 8192), (28672, 8192),
-                 (8192, 28672)]:
+    for n, k in [(4096, 4096), (14336, 4096), (1024, 4096), (4096, 14336), (8192, 8192), (28672, 8192), (8192, 28672)]:
         for m in (1, 2, 4, 8, 32):
             for wb in (2, 1):
                 c = sg._launch_config(m, n, k, wb, target, cus)

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
 
 import activations as act
 from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, poisoned_outputs, randn
-from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
 
 
 def _inputs(shape, dtype, gen):
@@ -129,7 +129,9 @@ def test_fp8_per_token(shape, dtype, fp8_dtype, gen):
     check_fp8(q, q_ref, fp8_dtype, f"per_token {dtype}", gen.seed_value)
     deq = q.double() * s.double()[..., None]
     assert bool(((deq - y_ref).abs() <= _fp8_step(q_ref, fp8_dtype) * s_ref[..., None] * 1.0001).all())
-    assert torch.equal(q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64, device=q.device))
+    assert torch.equal(
+        q.double().abs().amax(-1), torch.full(s.shape, FP8_MAX[fp8_dtype], dtype=torch.float64, device=q.device)
+    )
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -157,7 +159,7 @@ def test_fp8_saturation_no_nan(fp8_dtype, gen):
             q = act.swiglu(x, fp8="per_tensor", fp8_scale=sc, fp8_dtype=fp8_dtype).double()
         assert not torch.isnan(q).any() and bool((q.abs() <= fmax).all())
         # the kernel multiplies by 1 / scale capped at 3e38; values near fp32's subnormal range are left out
-        big = (y.abs() * min(1 / scale if scale else float('inf'), 3e38) > 1.01 * fmax) & (y.abs() > 1e-30)
+        big = (y.abs() * min(1 / scale if scale else float("inf"), 3e38) > 1.01 * fmax) & (y.abs() > 1e-30)
         assert big.any() and bool((q[big].abs() == fmax).all()) and torch.equal(torch.sign(q[big]), torch.sign(y[big]))
     q, s = act.swiglu(x, fp8="per_token", fp8_dtype=fp8_dtype)
     assert not torch.isnan(q.double()).any() and torch.isfinite(s).all()
@@ -191,12 +193,12 @@ def test_whole_row_config_fits_a_workgroup(warp_size):
     """Per-token FP8 rows are whole-row programs: the block covers the row (single pass) or the chunk,
     and the lanes per program never exceed 1024 (the workgroup limit on AMD and NVIDIA), for every
     width up to past the single-pass limit and several row counts."""
-    widths = sorted({1, 2, 3, 64, 127, 1000, 4096, 8191, 8192, 14336, 16384, 16385, 28672}
-                    | {1 << k for k in range(15)})
+    widths = sorted(
+        {1, 2, 3, 64, 127, 1000, 4096, 8191, 8192, 14336, 16384, 16385, 28672} | {1 << k for k in range(15)}
+    )
     for h in widths:
         for m in (1, 5, 32, 1024, 4096):
-            block_m, block_n, single, warps = act._whole_row_config(h, m, warp_size, act._MAX_WHOLE_ROW,
-                                                                    act._ROW_CHUNK)
+            block_m, block_n, single, warps = act._whole_row_config(h, m, warp_size, act._MAX_WHOLE_ROW, act._ROW_CHUNK)
             assert 1 <= warps and warps * warp_size <= 1024, (h, m, warps)
             assert warps & (warps - 1) == 0, (h, m, warps)  # Triton needs a power of two
             assert single == (h <= act._MAX_WHOLE_ROW), (h, m)
@@ -214,6 +216,7 @@ class _LaunchSpy:
         def launch(*args, **kwargs):
             self.launches.append((grid, kwargs))
             return self.kernel[grid](*args, **kwargs)
+
         return launch
 
 
@@ -244,7 +247,7 @@ def test_row_kernel_grid_and_mask_paths(shape, mode, max_grid_y, gen, monkeypatc
             q_ref, s_ref = act.fp8_quantize_ref(ref, torch.float8_e4m3fn)
             check_fp8(q, q_ref, torch.float8_e4m3fn, "per_token", gen.seed_value)
             assert_close(s, s_ref, torch.float32, rtol=1e-5, atol=0, seed=gen.seed_value)
-    (grid, kw), = spy.launches
+    ((grid, kw),) = spy.launches
     m, h = shape[0], shape[1] // 2
     n_row_blocks = -(-m // kw["BLOCK_M"])
     n_col_blocks = 1 if mode == "per_token" else -(-h // kw["BLOCK_N"])
@@ -260,9 +263,18 @@ def test_row_launch_config(warp_size):
     lanes, never more outputs than the row has, one 16-byte vector per lane and operand (2048 bf16
     outputs) for large inputs, down to 4 bytes per lane (512) while the grid has fewer than
     _MIN_ROW_PROGRAMS programs, and narrow rows packed to the same budget."""
-    for m, h, want in [(1, 4096, (1, 512)), (32, 4096, (1, 512)), (32, 8192, (1, 1024)),
-                       (32, 16384, (1, 2048)), (1024, 4096, (1, 2048)), (4096, 14336, (1, 2048)),
-                       (4096, 64, (16, 64)), (65536, 64, (32, 64)), (1, 64, (1, 64)), (3, 100, (4, 128))]:
+    for m, h, want in [
+        (1, 4096, (1, 512)),
+        (32, 4096, (1, 512)),
+        (32, 8192, (1, 1024)),
+        (32, 16384, (1, 2048)),
+        (1024, 4096, (1, 2048)),
+        (4096, 14336, (1, 2048)),
+        (4096, 64, (16, 64)),
+        (65536, 64, (32, 64)),
+        (1, 64, (1, 64)),
+        (3, 100, (4, 128)),
+    ]:
         block_m, block_n, warps = act._launch_config(m * h, h, 2, warp_size, flat=False)
         assert (block_m, block_n) == want, (m, h, block_m, block_n)
         assert warps & (warps - 1) == 0 and 1 <= warps * warp_size <= 256, (m, h, warps)
@@ -301,33 +313,81 @@ def _three_row_levels(t):
 ERROR_CASES = [
     ("odd last dim", ValueError, "the last dim of x must be even", lambda t: act.swiglu(t.x[:, :63])),
     ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda t: act.swiglu([1.0, 2.0])),
-    ("x int32", TypeError, "x has dtype int32",
-     lambda t: act.swiglu(torch.ones((2, 4), dtype=torch.int32, device=DEVICE))),
+    (
+        "x int32",
+        TypeError,
+        "x has dtype int32",
+        lambda t: act.swiglu(torch.ones((2, 4), dtype=torch.int32, device=DEVICE)),
+    ),
     ("x 0-d", ValueError, "x must have at least one dimension", lambda t: act.swiglu(torch.tensor(1.0, device=DEVICE))),
-    ("x last stride", ValueError, "x must be contiguous in its last dimension",
-     lambda t: act.swiglu(randn((64, 4), torch.float32, t.gen).t())),
-    ("up shape", ValueError, r"up has shape \(4, 31\) but gate has shape \(4, 32\)",
-     lambda t: act.swiglu(t.x[:, :32], t.x[:, 33:])),
-    ("up dtype", TypeError, "up has dtype torch.float16 but gate has dtype torch.float32",
-     lambda t: act.swiglu(t.x[:, :32], t.x[:, 32:].half())),
-    ("up int64", TypeError, "up has dtype int64",
-     lambda t: act.swiglu(t.x[:, :32], torch.ones((4, 32), dtype=torch.int64, device=DEVICE))),
-    ("up last stride", ValueError, "up must be contiguous in its last dimension",
-     lambda t: act.swiglu(t.x[:, :4], randn((4, 4), torch.float32, t.gen).t())),
-    ("gate_first with up", ValueError, "gate_first applies to the fused",
-     lambda t: act.swiglu(t.x[:, :32], t.x[:, 32:], gate_first=False)),
+    (
+        "x last stride",
+        ValueError,
+        "x must be contiguous in its last dimension",
+        lambda t: act.swiglu(randn((64, 4), torch.float32, t.gen).t()),
+    ),
+    (
+        "up shape",
+        ValueError,
+        r"up has shape \(4, 31\) but gate has shape \(4, 32\)",
+        lambda t: act.swiglu(t.x[:, :32], t.x[:, 33:]),
+    ),
+    (
+        "up dtype",
+        TypeError,
+        "up has dtype torch.float16 but gate has dtype torch.float32",
+        lambda t: act.swiglu(t.x[:, :32], t.x[:, 32:].half()),
+    ),
+    (
+        "up int64",
+        TypeError,
+        "up has dtype int64",
+        lambda t: act.swiglu(t.x[:, :32], torch.ones((4, 32), dtype=torch.int64, device=DEVICE)),
+    ),
+    (
+        "up last stride",
+        ValueError,
+        "up must be contiguous in its last dimension",
+        lambda t: act.swiglu(t.x[:, :4], randn((4, 4), torch.float32, t.gen).t()),
+    ),
+    (
+        "gate_first with up",
+        ValueError,
+        "gate_first applies to the fused",
+        lambda t: act.swiglu(t.x[:, :32], t.x[:, 32:], gate_first=False),
+    ),
     ("fp8 mode", ValueError, "fp8 must be None, 'per_tensor' or 'per_token'", lambda t: act.swiglu(t.x, fp8="dynamic")),
     ("per_tensor without scale", ValueError, "needs fp8_scale", lambda t: act.swiglu(t.x, fp8="per_tensor")),
-    ("per_token with scale", ValueError, "fp8_scale is only used with fp8='per_tensor'",
-     lambda t: act.swiglu(t.x, fp8="per_token", fp8_scale=t.sc)),
-    ("fp8_scale shape", ValueError, r"fp8_scale must hold one element .* got shape \(1, 2\)",
-     lambda t: act.swiglu(t.x, fp8="per_tensor", fp8_scale=torch.ones((1, 2), device=DEVICE))),
-    ("fp8_scale bfloat16", TypeError, "fp8_scale has dtype bfloat16; expected one of float32",
-     lambda t: act.swiglu(t.x, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.bfloat16))),
-    ("fp8_dtype bfloat16", TypeError, "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz",
-     lambda t: act.swiglu(t.x, fp8="per_token", fp8_dtype=torch.bfloat16)),
-    ("fp8_dtype without fp8", ValueError, "fp8_dtype is only used with",
-     lambda t: act.swiglu(t.x, fp8_dtype=torch.float8_e4m3fn)),
+    (
+        "per_token with scale",
+        ValueError,
+        "fp8_scale is only used with fp8='per_tensor'",
+        lambda t: act.swiglu(t.x, fp8="per_token", fp8_scale=t.sc),
+    ),
+    (
+        "fp8_scale shape",
+        ValueError,
+        r"fp8_scale must hold one element .* got shape \(1, 2\)",
+        lambda t: act.swiglu(t.x, fp8="per_tensor", fp8_scale=torch.ones((1, 2), device=DEVICE)),
+    ),
+    (
+        "fp8_scale bfloat16",
+        TypeError,
+        "fp8_scale has dtype bfloat16; expected one of float32",
+        lambda t: act.swiglu(t.x, fp8="per_tensor", fp8_scale=torch.ones(1, device=DEVICE, dtype=torch.bfloat16)),
+    ),
+    (
+        "fp8_dtype bfloat16",
+        TypeError,
+        "fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz",
+        lambda t: act.swiglu(t.x, fp8="per_token", fp8_dtype=torch.bfloat16),
+    ),
+    (
+        "fp8_dtype without fp8",
+        ValueError,
+        "fp8_dtype is only used with",
+        lambda t: act.swiglu(t.x, fp8_dtype=torch.float8_e4m3fn),
+    ),
     ("rows need three levels", ValueError, "cannot be addressed", _three_row_levels),
 ]
 

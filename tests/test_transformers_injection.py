@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+from transformers.models.llama import modeling_llama
 
 import transformers_injection as ti
 from kernel_testing import DEVICE, make_generator, rel_l2
-from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
-from transformers.models.llama import modeling_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,9 +53,15 @@ def _logits(model, ids):
 
 def _greedy(model, ids, n=6):
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+        )
+    return out[:, ids.shape[1] :]
 
 
 def _rope_fn():
@@ -184,7 +190,9 @@ def test_llama3_8b_counts_on_meta_device():
 def test_non_llama_model_untouched():
     gen = make_generator()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64)).to(DEVICE).eval()
+    model = (
+        GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64)).to(DEVICE).eval()
+    )
     ids = _ids(gen, vocab=128)
     ref = _logits(model, ids)
     counts = ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
@@ -199,8 +207,15 @@ def test_llama_copy_is_recognised():
     """Mistral's modules are copies of Llama's (same code): recognised by their code, same parity."""
     gen = make_generator()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    cfg = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
     model = MistralForCausalLM(cfg).to(DEVICE).eval()
     ids = _ids(gen)
     ref = _logits(model, ids)
@@ -216,13 +231,27 @@ def test_modified_decoder_layer_is_not_fused():
     the kernels), and the result is the modified layer's."""
 
     class ScaledResidualLayer(modeling_llama.LlamaDecoderLayer):
-        def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                    position_embeddings=None, **kwargs):
+        def forward(
+            self,
+            hidden_states,
+            attention_mask=None,
+            position_ids=None,
+            cache=None,
+            use_cache=False,
+            position_embeddings=None,
+            **kwargs,
+        ):
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                              position_ids=position_ids, cache=cache, use_cache=use_cache,
-                                              position_embeddings=position_embeddings, **kwargs)
+            hidden_states, _ = self.self_attn(
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
             hidden_states = residual + 0.5 * hidden_states  # not Llama's residual
             residual = hidden_states
             hidden_states = self.post_attention_layernorm(hidden_states)
@@ -435,7 +464,10 @@ def test_example_runs_on_cpu():
     env.pop("TRITON_INTERPRET", None)  # the example decides
     r = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "transformers_injection_example.py"), "--device-free"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)

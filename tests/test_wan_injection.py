@@ -113,9 +113,15 @@ def test_bf16_is_as_accurate_as_unpatched(variant, keep_fp32, gen):
     assert rel_l2(out, base) < 0.05
 
 
-@pytest.mark.parametrize("config,blocks,norms", [
-    ("2.1-t2v-1.3b", 30, 120), ("2.1-t2v-14b", 40, 160), ("2.1-i2v-14b", 40, 200), ("2.2-ti2v-5b", 30, 120),
-])
+@pytest.mark.parametrize(
+    "config,blocks,norms",
+    [
+        ("2.1-t2v-1.3b", 30, 120),
+        ("2.1-t2v-14b", 40, 160),
+        ("2.1-i2v-14b", 40, 200),
+        ("2.2-ti2v-5b", 30, 120),
+    ],
+)
 def test_counts_on_released_architectures(config, blocks, norms):
     model = wi.build_wan_transformer(config, device="meta", dtype=torch.bfloat16)
     counts = wi.inject_wan_kernels(model, verbose=False)
@@ -170,8 +176,11 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(where, gen):
     def change(h):  # not a shift or a scaling: LayerNorm would not see those
         h.add_(0.5 * h.flip(-1))
 
-    handle = (b0.register_forward_hook(lambda m, a, o: change(o)) if where.startswith("post")
-              else b1.register_forward_pre_hook(lambda m, a: change(a[0])))
+    handle = (
+        b0.register_forward_hook(lambda m, a, o: change(o))
+        if where.startswith("post")
+        else b1.register_forward_pre_hook(lambda m, a: change(a[0]))
+    )
     try:
         ref = _run(model, kw)
         wi.inject_wan_kernels(model, verbose=False)
@@ -213,8 +222,11 @@ def test_dispatch_from_diffusers_injection():
 # Rounding like Wan: each fused site computes in fp32 and rounds once, where Wan also rounds once. With the
 # interpreter rounding fp32 -> bf16 to nearest even (as GPUs and torch do), elementwise sites are exact.
 # --------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the compiler contracts the multiply-add into an FMA (one "
-                    "rounding) where torch's eager ops round the product and the sum separately")
+@pytest.mark.skipif(
+    not INTERPRET,
+    reason="on a GPU the compiler contracts the multiply-add into an FMA (one "
+    "rounding) where torch's eager ops round the product and the sum separately",
+)
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample_gate", "per_token_gate"])
 def test_gated_residuals_are_bit_identical_to_wan(per_token):
     """(h.float() + y * gate).type_as(h), Wan's gated residual with an fp32 gate, bit for bit."""

@@ -15,10 +15,33 @@ from kernel_testing import DEVICE, INTERPRET, make_generator, poisoned_outputs
 # (num_pids, num_xcds): fewer programs than XCDs, exact multiples, remainders 1 and X - 1, primes,
 # one XCD, and the XCD counts of today's parts (8) beside odd ones.
 CASES = [
-    (1, 8), (3, 8), (7, 8), (8, 8), (9, 8), (15, 8), (16, 8), (17, 8), (63, 8), (64, 8), (65, 8),
-    (127, 8), (1000, 8), (1003, 8),
-    (1, 1), (5, 1), (97, 1),
-    (2, 3), (10, 3), (11, 3), (12, 3), (101, 7), (304, 8), (256, 8), (300, 6), (13, 4), (4, 5),
+    (1, 8),
+    (3, 8),
+    (7, 8),
+    (8, 8),
+    (9, 8),
+    (15, 8),
+    (16, 8),
+    (17, 8),
+    (63, 8),
+    (64, 8),
+    (65, 8),
+    (127, 8),
+    (1000, 8),
+    (1003, 8),
+    (1, 1),
+    (5, 1),
+    (97, 1),
+    (2, 3),
+    (10, 3),
+    (11, 3),
+    (12, 3),
+    (101, 7),
+    (304, 8),
+    (256, 8),
+    (300, 6),
+    (13, 4),
+    (4, 5),
 ]
 
 
@@ -135,7 +158,8 @@ def test_self_check_cli():
     script = xcd_remap.__file__
     res = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--num-xcds" in res.stdout
-    res = subprocess.run([sys.executable, script, "--num-pids", "203", "--num-xcds", "8"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, script, "--num-pids", "203", "--num-xcds", "8"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert '"ok": true' in res.stdout
