@@ -563,14 +563,7 @@ class LTXFusedSelfAttnProcessor:
 # --------------------------------------------------------------------------------------------
 # Discovery
 # --------------------------------------------------------------------------------------------
-def _roots(pipe_or_model):
-    """The nn.Modules to search: the model itself, or a pipeline's module components."""
-    if isinstance(pipe_or_model, torch.nn.Module):
-        return [pipe_or_model]
-    components = getattr(pipe_or_model, "components", None)
-    if isinstance(components, dict):
-        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
-    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
+_roots = ic.roots
 
 
 def _ltx_models(pipe_or_model):
@@ -592,9 +585,7 @@ def _is_gelu_tanh(m) -> bool:
     return _class_forward(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
 
 
-def _class_forward(m, cls) -> bool:
-    """m is a cls that computes what cls.forward computes: its class does not override forward."""
-    return isinstance(m, cls) and type(m).forward is cls.forward
+_class_forward = ic.class_forward
 
 
 def _rmsnorm_kind(m) -> Optional[str]:

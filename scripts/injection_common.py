@@ -55,6 +55,21 @@ def usable(*tensors) -> bool:
     return True
 
 
+def roots(pipe_or_model) -> list:
+    """The nn.Modules to search: the model itself, or a diffusers pipeline's module components."""
+    if isinstance(pipe_or_model, torch.nn.Module):
+        return [pipe_or_model]
+    components = getattr(pipe_or_model, "components", None)
+    if isinstance(components, dict):
+        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
+    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
+
+
+def class_forward(m, cls) -> bool:
+    """m is a cls that computes what cls.forward computes: its class does not override forward."""
+    return isinstance(m, cls) and type(m).forward is cls.forward
+
+
 def needs_autograd(module: torch.nn.Module, *inputs) -> bool:
     """Whether autograd must see module's computation: grad mode is on and one of its parameters or of
     the inputs (tensors, or tuples of tensors) requires a gradient. A patched block that feeds the

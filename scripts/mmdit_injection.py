@@ -822,14 +822,7 @@ class FluxFusedAttnProcessor:
 # --------------------------------------------------------------------------------------------
 # Discovery and counts
 # --------------------------------------------------------------------------------------------
-def _roots(pipe_or_model):
-    """The nn.Modules to search: the model itself, or a pipeline's module components."""
-    if isinstance(pipe_or_model, nn.Module):
-        return [pipe_or_model]
-    components = getattr(pipe_or_model, "components", None)
-    if isinstance(components, dict):
-        return [m for m in components.values() if isinstance(m, nn.Module)]
-    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
+_roots = ic.roots
 
 
 def _unique_modules(pipe_or_model):

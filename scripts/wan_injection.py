@@ -54,9 +54,7 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
 from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
 from diffusers.models.transformers.transformer_wan import (  # noqa: E402
     WanAttention,
@@ -66,6 +64,7 @@ from diffusers.models.transformers.transformer_wan import (  # noqa: E402
 )
 
 import activations  # noqa: E402
+import diffusers_injection as di  # noqa: E402
 import injection_common as ic  # noqa: E402
 import layernorm  # noqa: E402
 import rmsnorm  # noqa: E402
@@ -86,15 +85,10 @@ _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
 # --------------------------------------------------------------------------------------------
 # Which modules compute what the kernels reproduce
 # --------------------------------------------------------------------------------------------
-def _class_forward(m, cls) -> bool:
-    """m is a cls whose class does not override forward."""
-    return isinstance(m, cls) and type(m).forward is cls.forward
-
-
 def _runs_class_forward(m, cls) -> bool:
     """m is a cls computing cls.forward, and calling m runs that (or this file's patch of it) and
     nothing else: no hook of any kind (ic.unwrapped)."""
-    return _class_forward(m, cls) and ic.unwrapped(m, _STATE)
+    return ic.class_forward(m, cls) and ic.unwrapped(m, _STATE)
 
 
 def _layer_norm_args(norm, width: int):
@@ -103,10 +97,6 @@ def _layer_norm_args(norm, width: int):
     if not _runs_class_forward(norm, FP32LayerNorm) or tuple(norm.normalized_shape) != (width,):
         return None
     return norm.weight, norm.bias, norm.eps
-
-
-def _is_gelu_tanh(m) -> bool:
-    return _class_forward(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
 
 
 def _original_forward(module: torch.nn.Module):
@@ -152,11 +142,6 @@ def _modulation(block, temb):
     return (table + temb.float()).chunk(6, dim=1)
 
 
-def _native_attention_active() -> bool:
-    reg = _AttentionBackendRegistry
-    return reg._active_backend == AttentionBackendName.NATIVE and not reg._checks_enabled
-
-
 def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
     """Wan's (cos, sin), each [1, S, 1, head_dim] (one row per token, shared by every head), as the
     [1, S, head_dim] tables rope.ltx_qk_rmsnorm_rope reads per head, or None when they have another
@@ -191,7 +176,7 @@ def _self_attention(attn, x, rotary_emb):
         and type(proc) is WanAttnProcessor
         and getattr(proc, "_attention_backend", None) is None
         and getattr(proc, "_parallel_config", None) is None
-        and _native_attention_active()
+        and di._native_attention_active()
         and not getattr(attn, "fused_projections", False)
         and attn.add_k_proj is None
         and _runs_class_forward(nq, torch.nn.RMSNorm)
@@ -355,20 +340,11 @@ def _link_blocks(model) -> None:
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def _roots(pipe_or_model):
-    if isinstance(pipe_or_model, torch.nn.Module):
-        return [pipe_or_model]
-    components = getattr(pipe_or_model, "components", None)
-    if isinstance(components, dict):
-        return [m for m in components.values() if isinstance(m, torch.nn.Module)]
-    raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
-
-
 def find_wan_models(pipe_or_model) -> list:
     """Every WanTransformer3DModel inside the input (a pipeline's components, or a module), each once
     (Wan 2.2 A14B pipelines hold two: transformer and transformer_2)."""
     seen, out = set(), []
-    for root in _roots(pipe_or_model):
+    for root in ic.roots(pipe_or_model):
         for m in root.modules():
             if id(m) not in seen and isinstance(m, WanTransformer3DModel):
                 seen.add(id(m))
@@ -405,17 +381,17 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     skipped, notes = [], []
     for model in find_wan_models(pipe_or_model):
         for m in model.modules():
-            if _class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
+            if ic.class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
                 ic.patch_forward(m, _rmsnorm_forward, "wan_rmsnorm_weighted", _STATE)
-            elif _is_gelu_tanh(m):
+            elif di._is_gelu_tanh(m):
                 ic.patch_forward(m, _gelu_tanh_forward, "wan_gelu_tanh", _STATE)
-            elif _class_forward(m, WanTransformerBlock):
+            elif ic.class_forward(m, WanTransformerBlock):
                 ic.patch_forward(m, _wan_block_forward, "wan_blocks", _STATE)
             elif isinstance(m, WanTransformerBlock):
                 skipped.append(f"{type(m).__name__} (a forward of its own)")
         _link_blocks(model)
         # the GEMM-GELU probe now, so a torch.compile trace later finds its result cached
-        notes.append(ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)))
+        notes.append(ic.probe_gelu_modules(m for m in model.modules() if di._is_gelu_tanh(m)))
     counts = wan_injected_counts(pipe_or_model)
     msg = "injected Wan kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     if not find_wan_models(pipe_or_model):
