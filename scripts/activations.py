@@ -220,6 +220,12 @@ def _act_rows_kernel(
     GRID_2D: tl.constexpr,  # grid (column blocks, row blocks): no division of the program id
     EVEN: tl.constexpr,  # M % BLOCK_M == 0 and N % BLOCK_N == 0: no masks on loads and stores
 ):
+    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert(ACT == 0 or ACT == 1 or ACT == 2, "ACT is 0 (GELU erf), 1 (GELU tanh) or 2 (SiLU)")
+    tl.static_assert(FP8_MODE == 0 or FP8_MODE == 1 or FP8_MODE == 2, "FP8_MODE is 0, 1 or 2")
+    tl.static_assert(FP8_MODE > 0 or not NATIVE_FP8, "NATIVE_FP8 needs FP8_MODE > 0")
+    tl.static_assert(FP8_MODE != 2 or WHOLE_ROWS, "per-row FP8 scales need WHOLE_ROWS")
+    tl.static_assert(WHOLE_ROWS or not SINGLE_PASS, "SINGLE_PASS needs WHOLE_ROWS")
     if GRID_2D:
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)

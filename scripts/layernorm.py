@@ -480,6 +480,11 @@ def _layer_norm_kernel(
     Y_DENSE: tl.constexpr = False,  # the same for Y
     PERSISTENT: tl.constexpr = False,  # SINGLE_PASS: program p takes row blocks p, p + G, ... (G programs)
 ):
+    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert(HAS_RESIDUAL or not (HAS_GATE or Y_DENSE), "HAS_GATE and Y_DENSE need HAS_RESIDUAL")
+    tl.static_assert(HAS_MOD or not HAS_MOD2, "HAS_MOD2 needs HAS_MOD")
+    tl.static_assert(NCH == 1 or (NCH == 3 and SINGLE_PASS), "NCH is 1, or 3 with SINGLE_PASS")
+    tl.static_assert(SINGLE_PASS or not PERSISTENT, "PERSISTENT needs SINGLE_PASS")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -217,6 +217,14 @@ def _rms_norm_kernel(
     Y_DENSE: tl.constexpr = False,  # the same for Y
     INPUT_EVICT: tl.constexpr = "",  # single pass: L2 eviction hint of the X and Y loads ("" or "evict_first")
 ):
+    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert(HAS_RESIDUAL or not (HAS_GATE or Y_DENSE), "HAS_GATE and Y_DENSE need HAS_RESIDUAL")
+    tl.static_assert(
+        HAS_NORM or (HAS_RESIDUAL and not (HAS_WEIGHT or HAS_MOD) and FP8_MODE == 0), "HAS_NORM off: only h + y * gate"
+    )
+    tl.static_assert(FP8_MODE == 0 or FP8_MODE == 1 or FP8_MODE == 2, "FP8_MODE is 0, 1 or 2")
+    tl.static_assert(FP8_MODE > 0 or not NATIVE_FP8, "NATIVE_FP8 needs FP8_MODE > 0")
+    tl.static_assert(SINGLE_PASS or INPUT_EVICT == "", "INPUT_EVICT applies to the single pass")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -257,6 +257,9 @@ def _ltx_qk_norm_rope_kernel(
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # >= C (whole rows)
 ):
+    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert(TABLE_W == 0 or not FROM_COORDS, "TABLE_W applies to tables read, not FROM_COORDS")
+    tl.static_assert(TABLE_W % 2 == 0 and TABLE_W <= BLOCK_C, "TABLE_W is even (rotation pairs) and at most BLOCK_C")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     # One program normalises and rotates the same rows of q AND k: the cos/sin of those rows are
     # read (or computed) once and used twice.

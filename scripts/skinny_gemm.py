@@ -282,6 +282,10 @@ def _skinny_gemm_kernel(
     FNUZ: tl.constexpr,  # the FP8 format decoded from bits is e4m3fnuz (else e4m3fn)
     NUM_XCDS: tl.constexpr,
 ):
+    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert(USE_DOT or not FP8_DOT, "FP8_DOT needs USE_DOT")
+    tl.static_assert(not (FP8_DOT and (W_BITS or X_BITS)), "FP8_DOT takes FP8 operands, not their bits")
+    tl.static_assert(W_SCALE_MODE == 0 or W_SCALE_MODE == 1 or W_SCALE_MODE == 2, "W_SCALE_MODE is 0, 1 or 2")
     pid = xcd_remap(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     # Tile-major order: the SPLIT_K programs of one N tile are consecutive logical ids, so after the
     # remap they run on the same XCD at about the same time: the last to arrive waits little and its

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Flag combinations a kernel cannot serve are refused when it is compiled.
+
+The launchers only make valid combinations; a caller launching a kernel directly (a copied file, a new
+launcher) gets a compile error naming the conflict instead of a kernel that computes something else.
+Each case takes a valid launch recorded from a public function and changes one flag.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kernel_testing import randn
+
+
+def _recorded_launch(module, call):
+    """(kernel, grid, args, kwargs) of the last launch `call()` made through module's _Launch."""
+    seen = []
+    original = module._Launch.__call__
+
+    def record(self, *tensors):
+        seen.append((self, tensors))
+        return original(self, *tensors)
+
+    module._Launch.__call__ = record
+    try:
+        call()
+    finally:
+        module._Launch.__call__ = original
+    launch, tensors = seen[-1]
+    args = list(launch.args)
+    for i, t in zip(launch.slots, tensors):
+        if i is not None:
+            args[i] = t
+    return launch.kernel, launch.grid, args, dict(launch.kwargs)
+
+
+def _rms_norm(gen, monkeypatch):
+    import rmsnorm
+
+    x, w = randn((4, 64), torch.bfloat16, gen), randn((64,), torch.bfloat16, gen)
+    return rmsnorm, lambda: rmsnorm.rms_norm(x, w)
+
+
+def _layer_norm(gen, monkeypatch):
+    import layernorm
+
+    x = randn((2, 3, 64), torch.bfloat16, gen)
+    scale, shift = randn((2, 1, 64), torch.bfloat16, gen), randn((2, 1, 64), torch.bfloat16, gen)
+    return layernorm, lambda: layernorm.layer_norm_modulate(x, scale, shift)
+
+
+def _gelu(gen, monkeypatch):
+    import activations
+
+    x = randn((4, 128), torch.bfloat16, gen)[:, :64]  # strided rows: the rows kernel (dense input: a flat one)
+    return activations, lambda: activations.gelu_tanh(x)
+
+
+def _swiglu(gen, monkeypatch):
+    import activations
+
+    x = randn((4, 128), torch.bfloat16, gen)
+    return activations, lambda: activations.swiglu(x)
+
+
+def _qk_rope(gen, monkeypatch):
+    import rope
+
+    q, k = randn((2, 5, 64), torch.bfloat16, gen), randn((2, 5, 64), torch.bfloat16, gen)
+    wq, wk = randn((64,), torch.bfloat16, gen), randn((64,), torch.bfloat16, gen)
+    cos, sin = randn((1, 5, 16), torch.float32, gen), randn((1, 5, 16), torch.float32, gen)
+    return rope, lambda: rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, 1e-6, cos, sin)
+
+
+def _skinny(gen, monkeypatch):
+    import skinny_gemm
+
+    # always the kernel: on a GPU, rows above the bound measured for its arch go to torch
+    monkeypatch.setattr(skinny_gemm, "_KERNEL_MAX_M", {})
+    x, w = randn((2, 64), torch.bfloat16, gen), randn((32, 64), torch.bfloat16, gen)
+    return skinny_gemm, lambda: skinny_gemm.skinny_gemm(x, w)
+
+
+CASES = {
+    "rms_norm-gate_without_residual": (_rms_norm, {"HAS_GATE": True}, "HAS_GATE and Y_DENSE need HAS_RESIDUAL"),
+    "rms_norm-no_norm_no_residual": (_rms_norm, {"HAS_NORM": False}, "HAS_NORM off: only h + y * gate"),
+    "rms_norm-fp8_mode_3": (_rms_norm, {"FP8_MODE": 3}, "FP8_MODE is 0, 1 or 2"),
+    "rms_norm-native_fp8_without_fp8": (_rms_norm, {"NATIVE_FP8": True}, "NATIVE_FP8 needs FP8_MODE > 0"),
+    "rms_norm-evict_in_two_passes": (
+        _rms_norm,
+        {"SINGLE_PASS": False, "INPUT_EVICT": "evict_first"},
+        "INPUT_EVICT applies to the single pass",
+    ),
+    "layer_norm-mod2_without_mod": (_layer_norm, {"HAS_MOD": False, "HAS_MOD2": True}, "HAS_MOD2 needs HAS_MOD"),
+    "layer_norm-nch_2": (_layer_norm, {"NCH": 2}, "NCH is 1, or 3 with SINGLE_PASS"),
+    "layer_norm-persistent_two_passes": (
+        _layer_norm,
+        {"SINGLE_PASS": False, "PERSISTENT": True},
+        "PERSISTENT needs SINGLE_PASS",
+    ),
+    "gelu-act_3": (_gelu, {"ACT": 3}, "ACT is 0 (GELU erf), 1 (GELU tanh) or 2 (SiLU)"),
+    "swiglu-row_scales_without_whole_rows": (_swiglu, {"FP8_MODE": 2}, "per-row FP8 scales need WHOLE_ROWS"),
+    "swiglu-single_pass_without_whole_rows": (_swiglu, {"SINGLE_PASS": True}, "SINGLE_PASS needs WHOLE_ROWS"),
+    "qk_rope-table_width_with_coords": (
+        _qk_rope,
+        {"FROM_COORDS": True},
+        "TABLE_W applies to tables read, not FROM_COORDS",
+    ),
+    "qk_rope-odd_table_width": (_qk_rope, {"TABLE_W": 15}, "TABLE_W is even (rotation pairs) and at most BLOCK_C"),
+    "skinny-fp8_dot_without_dot": (_skinny, {"USE_DOT": False, "FP8_DOT": True}, "FP8_DOT needs USE_DOT"),
+    "skinny-fp8_dot_with_bits": (
+        _skinny,
+        {"USE_DOT": True, "FP8_DOT": True, "W_BITS": True},
+        "FP8_DOT takes FP8 operands, not their bits",
+    ),
+    "skinny-w_scale_mode_3": (_skinny, {"W_SCALE_MODE": 3}, "W_SCALE_MODE is 0, 1 or 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_invalid_flag_combination_is_refused(case, gen, monkeypatch):
+    make, change, message = CASES[case]
+    module, call = make(gen, monkeypatch)
+    kernel, grid, args, kwargs = _recorded_launch(module, call)
+    kernel[grid](*args, **kwargs)  # the recorded launch itself compiles and runs
+    with pytest.raises(Exception, match=re.escape(message)):
+        kernel[grid](*args, **{**kwargs, **change})
