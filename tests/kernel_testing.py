@@ -1,12 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared helpers for the kernel tests: device choice, poisoned outputs, fresh random inputs and a
-verbose closeness check against a float64 reference."""
+"""Shared helpers for the kernel tests: device choice, poisoned outputs, fresh random inputs, a verbose
+closeness check against a float64 reference, and the pieces several test files share (tables of refused
+calls, device-check markers, call counters, subprocess runs, a stand-in Triton driver)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+from collections import Counter
 
+import pytest
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -172,3 +177,203 @@ def interpreter_bf16_round_to_nearest_even():
         yield
     finally:
         builder.cast_impl, builder.create_fp_to_fp = cast_impl, fp_to_fp
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel files' API checks: tables of refused calls, device checks, torch.compile
+# --------------------------------------------------------------------------------------------
+def error_cases(cases):
+    """Parametrizes a test over a table of refused calls, rows (id, exception, message pattern, call): one
+    test id a row, the row's id."""
+    return pytest.mark.parametrize("case", cases, ids=lambda c: c[0])
+
+
+def assert_error_case(case, *args):
+    """One row (id, exception, message pattern, call) of such a table: call(*args) raises that exception,
+    with a message that matches."""
+    _, exc, match, call = case
+    with pytest.raises(exc, match=match):
+        call(*args)
+
+
+def needs_gpu_and_cpu(test):
+    """Marks a test of the device checks that needs two devices, a GPU and the CPU (marker gpu)."""
+    return pytest.mark.gpu(
+        pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")(test)
+    )
+
+
+# A test of what a CPU tensor meets with the interpreter switched off (the kernels run on the CPU here).
+cpu_only = pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+
+
+def assert_cpu_tensor_refused_without_interpreter(monkeypatch, call, match="CPU tensor"):
+    """With TRITON_INTERPRET=0, call() (which passes CPU tensors to a kernel) raises a ValueError that says so."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def compile_aot_eager(fn):
+    """torch.compile(fn) with the aot_eager backend (cheap on the CPU) and fullgraph, after a dynamo reset."""
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Injection into diffusers models: kernel call counts, outputs without and with the kernels
+# --------------------------------------------------------------------------------------------
+def count_calls(monkeypatch, targets) -> Counter:
+    """Wraps each function (module, name) of targets so that its calls are counted by name in the Counter
+    returned, then run as before (a test then proves that the kernels, not torch, ran)."""
+    calls = Counter()
+    for mod, name in targets:
+        fn = getattr(mod, name)
+
+        def spy(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    return calls
+
+
+def run_model(model, kw):
+    """A diffusers model's output, model(**kw)[0], without autograd."""
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+def without_and_with_kernels(model, kw, inject, remove, hooks=(), fired=None):
+    """A diffusers model's output (run_model) without, then with the kernels injected
+    (inject(model, verbose=False)); after, also on a failure, the hooks (handles) and the kernels (remove)
+    are removed. Returns both outputs and len(fired) after the first run (fired: where a hook records its
+    calls, emptied before the second run)."""
+    fired = [] if fired is None else fired
+    try:
+        ref = run_model(model, kw)
+        n_ref = len(fired)
+        fired.clear()
+        inject(model, verbose=False)
+        got = run_model(model, kw)
+    finally:
+        for handle in hooks:
+            handle.remove()
+        remove(model, verbose=False)
+    return ref, got, n_ref
+
+
+def assert_unpatched_again(model, kw, ref, nothing_left):
+    """After the kernels' removal: nothing of the injection left in model (nothing_left(model) checks it)
+    and its output (model(**kw)[0]) the unpatched ref again, bit for bit."""
+    nothing_left(model)
+    assert torch.equal(run_model(model, kw), ref)
+
+
+def assert_bf16_parity(model, kw, ref32, inject, remove, seed):
+    """A bf16 diffusers model on bf16 inputs kw, without and with the kernels: the patched output no further
+    from the fp32 run's ref32 than 1.5x the unpatched one, within 2^-5 relative L2 of the unpatched one;
+    after removal the unpatched output again, bit for bit. seed: named on failure."""
+    stock = run_model(model, kw)
+    inject(model, verbose=False)
+    patched = run_model(model, kw)
+    assert patched.dtype == stock.dtype == torch.bfloat16
+    e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
+    assert e_patched <= 1.5 * e_stock, f"patched {e_patched:.3e} vs stock {e_stock:.3e} (seed {seed})"
+    assert rel_l2(patched, stock) <= 2.0**-5
+    remove(model, verbose=False)
+    assert torch.equal(run_model(model, kw), stock)
+
+
+def hooked_norm_outputs(norm, model, kw, inject, remove):
+    """without_and_with_kernels while a forward hook on norm (a block's norm module) scales its output by
+    1.25: where a norm has a hook, the patched block must call it as the original does, once a run."""
+    fired = []
+    handle = norm.register_forward_hook(lambda m, a, o: fired.append(1) or o * 1.25)
+    ref, got, n_ref = without_and_with_kernels(model, kw, inject, remove, [handle], fired)
+    assert len(fired) == n_ref == 1
+    return ref, got
+
+
+def assert_injecting_twice_is_harmless(model, kw, kernel_calls, api, inject, remove, nothing_left, fused=()):
+    """A second injection into an injected diffusers model: the same counts, nothing wrapped twice (each
+    patched module's original is its class forward; a patched processor's original is none of the fused
+    processor classes), the same output from the same kernel calls (kernel_calls: a count_calls Counter);
+    one removal gives back the unpatched model (nothing_left(model) checks it) and output bit for bit, and
+    a second removal finds nothing. api: the injection module (its _STATE, _PROCESSOR_KINDS and KINDS)."""
+    ref = run_model(model, kw)
+    first = inject(model, verbose=False)
+    once = run_model(model, kw)
+    calls_once = dict(kernel_calls)
+    assert inject(model, verbose=False) == first
+    for m in model.modules():
+        state = m.__dict__.get(api._STATE)
+        if state is not None and state["kind"] in api._PROCESSOR_KINDS:
+            assert type(state["prev"]) not in fused
+        elif state is not None:
+            assert state["prev"] is None
+    kernel_calls.clear()
+    assert torch.equal(run_model(model, kw), once)
+    assert dict(kernel_calls) == calls_once
+    remove(model, verbose=False)
+    nothing_left(model)
+    assert torch.equal(run_model(model, kw), ref)
+    assert remove(model, verbose=False) == {k: 0 for k in api.KINDS}
+
+
+def ltx_inputs(gen, dtype=torch.float32, batch=2, frames=3, height=8, width=8, text=16):
+    """Keyword arguments of a forward of diffusers' tiny LTX-Video transformer (8 latent and 16 text
+    channels): random latents and prompt, the last prompt padded (the cross-attention mask matters),
+    timesteps 700, 300 (500 for any further sample)."""
+    hs = torch.randn(batch, frames * height * width, 8, generator=gen)
+    enc = torch.randn(batch, text, 16, generator=gen)
+    mask = torch.ones(batch, text)
+    mask[-1, text // 2 :] = 0
+    return dict(
+        hidden_states=hs.to(DEVICE, dtype),
+        encoder_hidden_states=enc.to(DEVICE, dtype),
+        timestep=torch.tensor([700.0, 300.0][:batch] + [500.0] * max(0, batch - 2), device=DEVICE),
+        encoder_attention_mask=mask.to(DEVICE),
+        num_frames=frames,
+        height=height,
+        width=width,
+        rope_interpolation_scale=(8 / 25, 32, 32),
+        return_dict=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Subprocesses, and compiling for a GPU target on a machine without it
+# --------------------------------------------------------------------------------------------
+def env_without_interpreter() -> dict:
+    """os.environ without TRITON_INTERPRET (a subprocess that compiles for a GPU target), warnings off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def run_python(args, *, env=None, timeout=600, cwd=None) -> subprocess.CompletedProcess:
+    """sys.executable run on args (a script and its arguments, or -c and code), its text output captured."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
+
+
+class TargetOnlyDriver:
+    """A stand-in for Triton's active driver that reports one target (a triton.backends.compiler.GPUTarget):
+    enough to compile for that target on a machine without it; nothing is ever launched through it."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import activations as act
+import kernel_testing as kt
 from kernel_testing import DEVICE, DTYPES, TOL, assert_close, make_generator, poisoned_outputs, randn
 
 APPROX = ["tanh", "none"]
@@ -278,11 +279,9 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+@kt.error_cases(ERROR_CASES)
 def test_errors(case):
-    _, exc, match, call = case
-    with pytest.raises(exc, match=match):
-        call()
+    kt.assert_error_case(case)
 
 
 def test_cpu_tensor_without_interpreter():

@@ -11,9 +11,6 @@ there is no GPU, and kernels decorated under the interpreter cannot be compiled)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,23 +20,16 @@ import triton
 import triton.language as tl
 
 import check_amd_compile as cac
+from kernel_testing import TargetOnlyDriver, env_without_interpreter, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "check_amd_compile.py"
 WAVE = {name: warp for name, (_, _, warp) in cac.TARGETS.items()}
 
 
-def _env_without_interpreter() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    return env
-
-
 def _run(args, env, timeout=600):
     t0 = time.perf_counter()
-    res = subprocess.run(
-        [sys.executable, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
-    )
+    res = run_python(args, env=env, cwd=ROOT, timeout=timeout)
     return res, time.perf_counter() - t0
 
 
@@ -85,19 +75,6 @@ def jit_parity_report(targets=None) -> dict:
     from triton.compiler import ASTSource
     from triton.runtime import driver as driver_config
 
-    class _TargetOnlyDriver:
-        def __init__(self, target):
-            self.target = target
-
-        def get_current_target(self):
-            return self.target
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
     compared, mismatches = 0, []
     for tname in targets or cac.TARGETS:
         target = GPUTarget(*cac.TARGETS[tname])
@@ -109,7 +86,7 @@ def jit_parity_report(targets=None) -> dict:
                 spec = cac.specialize(ln, target)
                 src = ASTSource(ln.kernel, spec["signature"], spec["constexprs"], spec["attrs"])
                 ours = triton.compile(src, target=target, options=spec["options"].__dict__)
-                driver_config.set_active(_TargetOnlyDriver(target))
+                driver_config.set_active(TargetOnlyDriver(target))
                 try:
                     ln.kernel.device_caches.clear()  # re-create the binder for this target
                     jit = ln.kernel.run(*ln.args, grid=ln.grid, warmup=True, **ln.kwargs)
@@ -128,7 +105,7 @@ def jit_parity_report(targets=None) -> dict:
 @pytest.fixture(scope="module")
 def full_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("amd_compile") / "report.json"
-    res, secs = _run([SCRIPT, "--output-json", out], _env_without_interpreter())
+    res, secs = _run([SCRIPT, "--output-json", out], env_without_interpreter())
     print(f"\ncheck_amd_compile.py: {secs:.1f} s wall, exit {res.returncode}")
     print(res.stderr[-6000:])
     assert out.exists(), f"no report written; exit {res.returncode}\n{res.stderr[-4000:]}"
@@ -217,7 +194,7 @@ def test_spill_detector_flags_a_spilling_kernel():
         "         'uncapped': ('test_amd_compile', lambda m: m.launch_huge_block(False))}\n"
         "print(json.dumps(c.compile_cases(cases, list(c.TARGETS))))\n"
     )
-    res, secs = _run(["-c", code], _env_without_interpreter())
+    res, secs = _run(["-c", code], env_without_interpreter())
     print(f"spill probe: {secs:.1f} s")
     assert res.returncode == 0, res.stderr[-4000:]
     records = {(r["case"], r["target"]): r for r in json.loads(res.stdout)}
@@ -251,7 +228,7 @@ def _report_in_subprocess(function: str):
         "import test_amd_compile as t\n"
         f"print(json.dumps(t.{function}()))\n"
     )
-    res, secs = _run(["-c", code], _env_without_interpreter())
+    res, secs = _run(["-c", code], env_without_interpreter())
     print(f"{function}: {secs:.1f} s")
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -376,7 +353,7 @@ def test_compile_all_refuses_under_the_interpreter(monkeypatch):
 
 
 def test_script_restarts_itself_without_the_interpreter():
-    env = dict(_env_without_interpreter(), TRITON_INTERPRET="1")
+    env = dict(env_without_interpreter(), TRITON_INTERPRET="1")
     case = next(iter(cac.CASES))
     res, _ = _run([SCRIPT, "--targets", "gfx1201", "--kernel", case], env)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -396,7 +373,7 @@ def test_command_line(capsys):
     out = capsys.readouterr().out
     assert exc.value.code == 0 and all(opt in out for opt in ("--targets", "--kernel", "--output-json"))
     # a filter that matches nothing is a failure (nothing was checked)
-    res, _ = _run([SCRIPT, "--kernel", "no-such-kernel", "--targets", "gfx942"], _env_without_interpreter())
+    res, _ = _run([SCRIPT, "--kernel", "no-such-kernel", "--targets", "gfx942"], env_without_interpreter())
     assert res.returncode == 1 and json.loads(res.stdout)["n_records"] == 0
 
 
@@ -414,7 +391,7 @@ def test_what_if_overrides():
             "--waves-per-eu",
             "2",
         ],
-        _env_without_interpreter(),
+        env_without_interpreter(),
     )
     assert res.returncode == 0, res.stderr[-4000:]
     report = json.loads(res.stdout)

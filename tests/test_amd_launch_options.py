@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +30,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+
+from kernel_testing import TargetOnlyDriver, env_without_interpreter, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 2}
@@ -61,27 +60,6 @@ def _dot_kernel(A, B, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     a = tl.load(A + rm[:, None] * BK + rk[None, :])
     b = tl.load(B + rk[:, None] * BN + rn[None, :])
     tl.store(C + rm[:, None] * BN + rn[None, :], tl.dot(a, b))
-
-
-class _Gfx942Driver:
-    """Answers Triton's target queries with gfx942; launches never reach it (they are recorded)."""
-
-    def __init__(self):
-        from triton.backends.compiler import GPUTarget
-
-        self.target = GPUTarget("hip", "gfx942", 64)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def is_active(self):
-        return True
 
 
 def _compiled_facts(kernel) -> dict:
@@ -136,11 +114,14 @@ def traced_report() -> dict:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._inductor.utils import get_code
     from torch.library import triton_op, wrap_triton
+    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver as driver_config
     from triton.runtime.jit import JITFunction
 
     inductor_config.force_disable_caches = True  # generate the code, do not load it from a cache
-    driver_config.set_active(_Gfx942Driver())  # this subprocess ends after the report
+    # Triton's target queries answered with gfx942; launches never reach the driver (they are recorded); this
+    # subprocess ends after the report
+    driver_config.set_active(TargetOnlyDriver(GPUTarget("hip", "gfx942", 64)))
 
     @triton_op("rtk_launch_options::kw", mutates_args=())
     def kw_op(x: torch.Tensor) -> torch.Tensor:
@@ -240,8 +221,7 @@ def traced_report() -> dict:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("PYTHONWARNINGS", "ignore")
+    env = env_without_interpreter()
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor_cache"))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     code = (
@@ -251,7 +231,7 @@ def report(tmp_path_factory):
         "print('REPORT ' + json.dumps({'aot': t.aot_report(), 'traced': t.traced_report()}))\n"
     )
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    res = run_python(["-c", code], env=env, cwd=ROOT, timeout=300)
     print(f"launch-options probe: {time.perf_counter() - t0:.1f} s")
     assert res.returncode == 0, res.stderr[-4000:]
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT ")][-1]

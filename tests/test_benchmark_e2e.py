@@ -5,16 +5,25 @@ status, the kernel classification of the profile, and one tiny end-to-end run th
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import benchmark_e2e as be
+from kernel_testing import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_CPU_RUN = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model"
+)
+
+
+def _run_tiny(*args):
+    """benchmark_e2e.py with args through Triton's interpreter: it must exit 0; its result and JSON summary."""
+    r = run_python([ROOT / "scripts" / "benchmark_e2e.py", *args], env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads(r.stdout)
 
 
 def test_modes_and_bad_command_lines():
@@ -70,26 +79,10 @@ def test_kernel_classification():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+@TINY_CPU_RUN
 def test_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "e2e.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmark_e2e.py"),
-            "--mode",
-            "baseline,triton",
-            "--output-json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout)
+    r, summary = _run_tiny("--mode", "baseline,triton", "--output-json", str(out))
     assert summary == json.loads(out.read_text())
     assert summary["ok"] and set(summary["results"]) == {"baseline", "triton"}
     tri = summary["results"]["triton"]
@@ -98,28 +91,10 @@ def test_tiny_run_end_to_end(tmp_path):
     assert len(tri["step_ms_all"]) == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+@TINY_CPU_RUN
 @pytest.mark.parametrize("model,kind", [("sd3", "mmdit_qk_norm_fused"), ("flux", "mmdit_qk_norm_rope_fused")])
 def test_tiny_mmdit_run(model, kind):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmark_e2e.py"),
-            "--model",
-            model,
-            "--mode",
-            "baseline,triton",
-            "--heat-seconds",
-            "0.1",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout)
+    r, summary = _run_tiny("--model", model, "--mode", "baseline,triton", "--heat-seconds", "0.1")
     assert summary["ok"] and summary["transformer_only"] and summary["config"]["model"] == model
     assert summary["config"]["heat_seconds"] == 0.1 and "heating the GPU" in r.stderr
     tri = summary["results"]["triton"]
@@ -127,27 +102,9 @@ def test_tiny_mmdit_run(model, kind):
     assert tri["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+@TINY_CPU_RUN
 def test_tiny_wan_run():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmark_e2e.py"),
-            "--model",
-            "wan",
-            "--mode",
-            "baseline,triton",
-            "--heat-seconds",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout)
+    r, summary = _run_tiny("--model", "wan", "--mode", "baseline,triton", "--heat-seconds", "0")
     assert summary["ok"] and summary["transformer_only"] and summary["config"]["model"] == "wan"
     tri = summary["results"]["triton"]
     assert tri["injected"]["wan_blocks"] == 2 and tri["injected"]["wan_rmsnorm_weighted"] == 8
@@ -178,31 +135,11 @@ def test_rounds_pool_the_timings():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny CPU run; on a GPU the script measures the real model")
+@TINY_CPU_RUN
 def test_tiny_run_in_two_rounds():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmark_e2e.py"),
-            "--model",
-            "sd3",
-            "--mode",
-            "baseline,triton",
-            "--rounds",
-            "2",
-            "--repeats",
-            "2",
-            "--heat-seconds",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+    r, summary = _run_tiny(
+        "--model", "sd3", "--mode", "baseline,triton", "--rounds", "2", "--repeats", "2", "--heat-seconds", "0"
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout)
     assert summary["ok"] and summary["config"]["rounds"] == 2
     for mode in ("baseline", "triton"):
         res = summary["results"][mode]

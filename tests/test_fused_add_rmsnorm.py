@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import activations
+import kernel_testing as kt
 import rmsnorm
 from conftest import clear_launch_plans
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, make_generator, poisoned_outputs, randn
@@ -519,16 +520,12 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+@kt.error_cases(ERROR_CASES)
 def test_errors(case, gen):
-    _, exc, match, call = case
-    t = _error_inputs(gen)
-    with pytest.raises(exc, match=match):
-        call(t)
+    kt.assert_error_case(case, _error_inputs(gen))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+@kt.needs_gpu_and_cpu
 def test_scale_on_another_device(gen):
     x = randn((2, 64), torch.float32, gen)
     with pytest.raises(ValueError, match="fp8_scale is on cpu"):
@@ -548,8 +545,7 @@ def test_custom_op_under_torch_compile(gen):
         q1, _ = rmsnorm.fused_add_rms_norm(y, r, w, 1e-5, fp8="per_tensor", fp8_scale=sc)
         return q.float() * s[:, None] + q1.float() * sc + r2
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled = kt.compile_aot_eager(f)
     assert torch.equal(compiled(x, res, w, sc), f(x, res, w, sc))
     torch._dynamo.reset()
     op = torch.ops.rocm_triton_kernels.rms_norm_fused.default

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import head_norm_rope as hnr
+import kernel_testing as kt
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn, rel_l2
 
 
@@ -390,24 +391,20 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+@kt.error_cases(ERROR_CASES)
 def test_errors(case, gen):
-    _, exc, match, call = case
-    t = _error_inputs(gen)
-    with pytest.raises(exc, match=match):
-        call(t)
+    kt.assert_error_case(case, _error_inputs(gen))
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+@kt.cpu_only
 def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.ones(1, 2, 2, 8)
-    with pytest.raises(ValueError, match="CPU tensor"):
-        hnr.head_rms_norm_rope(x, x, None, None, 1e-6)
+    kt.assert_cpu_tensor_refused_without_interpreter(
+        monkeypatch, lambda: hnr.head_rms_norm_rope(x, x, None, None, 1e-6)
+    )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+@kt.needs_gpu_and_cpu
 def test_device_mismatch(gen):
     x = randn((1, 2, 2, 8), torch.float32, gen)
     with pytest.raises(ValueError, match="q_weight is on cpu"):
@@ -427,8 +424,7 @@ def test_custom_op_under_torch_compile(gen):
         q2, k2 = hnr.head_rms_norm_rope(q, k, None, None, 1e-6)
         return q2 - k2
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled = kt.compile_aot_eager(f)
     assert_close(compiled(a, x, w, cos, sin), f(a, x, w, cos, sin).double(), torch.float32, seed=gen.seed_value)
     torch.library.opcheck(
         torch.ops.rocm_triton_kernels.head_rms_norm_rope.default,

@@ -16,7 +16,7 @@ import diffusers_injection as di
 import injection_common as ic
 import mmdit_injection as mi
 import transformers_injection as ti
-from kernel_testing import DEVICE, make_generator
+from kernel_testing import DEVICE, ltx_inputs, make_generator
 
 ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
 STATE_KEYS = (di._STATE, mi._STATE, ti._STATE)
@@ -38,7 +38,7 @@ class Case:
         gen = make_generator()
         if kind == "ltx":
             self.model = di.build_tiny_ltx_pipeline(num_layers=2).transformer.to(DEVICE)
-            self.kw = _ltx_inputs(gen)
+            self.kw = ltx_inputs(gen, frames=2, height=4, width=4, text=8)
         elif kind in ("sd3", "flux"):
             build = mi.build_sd3_transformer if kind == "sd3" else mi.build_flux_transformer
             self.model = build("tiny", dtype=torch.float32, device=DEVICE, seed=gen.seed_value % 1000)
@@ -61,6 +61,12 @@ class Case:
             out = model(**self.kw)
         return out.logits if self.kind == "llama" else out[0]
 
+    def run_and_inject(self):
+        """The model's output without the kernels, the counts of their injection, its output with them."""
+        ref = self.run(self.model)
+        counts = self.inject(self.model)
+        return ref, counts, self.run(self.model)
+
     def inject(self, model):
         if self.kind == "llama":
             return ti.inject_llama_kernels(model, verbose=False)
@@ -73,22 +79,6 @@ class Case:
 
     def counts(self, model):
         return ti.injected_counts(model) if self.kind == "llama" else di.injected_counts(model)
-
-
-def _ltx_inputs(gen, batch=2, frames=2, height=4, width=4, text=8):
-    mask = torch.ones(batch, text)
-    mask[-1, text // 2 :] = 0
-    return dict(
-        hidden_states=torch.randn(batch, frames * height * width, 8, generator=gen).to(DEVICE),
-        encoder_hidden_states=torch.randn(batch, text, 16, generator=gen).to(DEVICE),
-        timestep=torch.tensor([700.0, 300.0], device=DEVICE),
-        encoder_attention_mask=mask.to(DEVICE),
-        num_frames=frames,
-        height=height,
-        width=width,
-        rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False,
-    )
 
 
 def _patched_modules(model):
@@ -151,9 +141,7 @@ KINDS = ["ltx", "sd3", "flux", "llama"]
 def test_torch_save_and_load(kind):
     case = Case(kind)
     model = case.model
-    ref = case.run(model)
-    counts = case.inject(model)
-    out = case.run(model)
+    ref, counts, out = case.run_and_inject()
 
     loaded = _save_load(model)
     assert loaded is not model
@@ -182,9 +170,7 @@ def test_llama_loaded_where_nothing_is_injected():
     """A pickle loaded where no model is injected (as in a fresh process) puts the RoPE dispatcher in place
     itself, and takes it out again on removal."""
     case = Case("llama")
-    ref = case.run(case.model)
-    counts = case.inject(case.model)
-    out = case.run(case.model)
+    ref, counts, out = case.run_and_inject()
     data = io.BytesIO()
     torch.save(case.model, data)
     case.remove(case.model)
@@ -205,9 +191,7 @@ def test_llama_loaded_where_nothing_is_injected():
 def test_deepcopy(kind):
     case = Case(kind)
     model = case.model
-    ref = case.run(model)
-    counts = case.inject(model)
-    out = case.run(model)
+    ref, counts, out = case.run_and_inject()
 
     cp = copy.deepcopy(model)
     assert case.counts(cp) == counts

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kernel_testing as kt
 import layernorm
 from conftest import clear_launch_plans
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn, rel_l2
@@ -560,27 +561,21 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+@kt.error_cases(ERROR_CASES)
 def test_errors(case, gen):
-    _, exc, match, call = case
-    t = _error_inputs(gen)
-    with pytest.raises(exc, match=match):
-        call(t)
+    kt.assert_error_case(case, _error_inputs(gen))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+@kt.needs_gpu_and_cpu
 def test_device_mismatch(gen):
     x = randn((2, 64), torch.float32, gen)
     with pytest.raises(ValueError, match="weight is on cpu"):
         layernorm.layer_norm(x, torch.ones(64))
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+@kt.cpu_only
 def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="CPU tensor"):
-        layernorm.layer_norm(torch.ones(2, 8))
+    kt.assert_cpu_tensor_refused_without_interpreter(monkeypatch, lambda: layernorm.layer_norm(torch.ones(2, 8)))
 
 
 def test_custom_op_under_torch_compile(gen):
@@ -594,8 +589,7 @@ def test_custom_op_under_torch_compile(gen):
         o1, o2 = layernorm.layer_norm_modulate_dual(out + h, sc, sh, sh, sc)
         return layernorm.layer_norm(o1 - o2) * 3
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled = kt.compile_aot_eager(f)
     got = compiled(x, sc, sh)
     assert_close(got, f(x, sc, sh).double(), torch.float32, seed=gen.seed_value)
     torch.library.opcheck(
@@ -744,17 +738,6 @@ def test_2d_modulation_ambiguous_when_batch_equals_tokens(which, gen):
         sc, sh = t["scale"], t["shift"]
         per_sample = [v[:, None] if v.dim() == 2 else v for v in (sc, sh)]
         per_token = [v[None] if v.dim() == 2 else v for v in (sc, sh)]
-        assert_close(
-            layernorm.layer_norm_modulate(x, *per_sample),
-            _torch_modulate(x, *per_sample),
-            torch.float32,
-            seed=gen.seed_value,
-            name="per sample",
-        )
-        assert_close(
-            layernorm.layer_norm_modulate(x, *per_token),
-            _torch_modulate(x, *per_token),
-            torch.float32,
-            seed=gen.seed_value,
-            name="per token",
-        )
+        for name, args in (("per sample", per_sample), ("per token", per_token)):
+            out = layernorm.layer_norm_modulate(x, *args)
+            assert_close(out, _torch_modulate(x, *args), torch.float32, seed=gen.seed_value, name=name)

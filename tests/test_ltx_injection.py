@@ -22,7 +22,18 @@ import diffusers_injection as di
 import injection_common as ic
 import rmsnorm
 import rope
-from kernel_testing import DEVICE, make_generator, rel_l2
+from kernel_testing import (
+    DEVICE,
+    assert_bf16_parity,
+    assert_injecting_twice_is_harmless,
+    assert_unpatched_again,
+    count_calls,
+    hooked_norm_outputs,
+    ltx_inputs,
+    make_generator,
+    run_model,
+    without_and_with_kernels,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_GPU = torch.cuda.is_available()
@@ -40,50 +51,44 @@ def _rel_max(a, b):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts calls of the leaf kernels the integration uses (proves the kernels, not torch, ran)."""
-    calls = Counter()
-    for mod, name in (
-        (rmsnorm, "rms_norm"),
-        (rmsnorm, "rms_norm_modulate"),
-        (rmsnorm, "gated_residual_rms_norm_modulate"),
-        (rope, "ltx_qk_rmsnorm_rope"),
-        (rope, "ltx_qk_rmsnorm_rope_coords"),
-        (activations, "gelu_tanh"),
-    ):
-        fn = getattr(mod, name)
-
-        def spy(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(mod, name, spy)
-    return calls
+    return count_calls(
+        monkeypatch,
+        (
+            (rmsnorm, "rms_norm"),
+            (rmsnorm, "rms_norm_modulate"),
+            (rmsnorm, "gated_residual_rms_norm_modulate"),
+            (rope, "ltx_qk_rmsnorm_rope"),
+            (rope, "ltx_qk_rmsnorm_rope_coords"),
+            (activations, "gelu_tanh"),
+        ),
+    )
 
 
 def _tiny_transformer(num_layers=2):
     return di.build_tiny_ltx_pipeline(num_layers=num_layers).transformer.to(DEVICE)
 
 
-def _inputs(gen, dtype=torch.float32, batch=2, frames=3, height=8, width=8, text=16):
-    hs = torch.randn(batch, frames * height * width, 8, generator=gen)
-    enc = torch.randn(batch, text, 16, generator=gen)
-    mask = torch.ones(batch, text)
-    mask[-1, text // 2 :] = 0  # padded prompt: the cross-attention mask matters
-    return dict(
-        hidden_states=hs.to(DEVICE, dtype),
-        encoder_hidden_states=enc.to(DEVICE, dtype),
-        timestep=torch.tensor([700.0, 300.0][:batch] + [500.0] * max(0, batch - 2), device=DEVICE),
-        encoder_attention_mask=mask.to(DEVICE),
-        num_frames=frames,
-        height=height,
-        width=width,
-        rope_interpolation_scale=(8 / 25, 32, 32),
-        return_dict=False,
-    )
+def _tiny_case(num_layers=2):
+    """A generator with a fresh seed, the tiny transformer and its inputs drawn from that generator."""
+    gen = make_generator()
+    tr = _tiny_transformer(num_layers)
+    return gen, tr, ltx_inputs(gen)
 
 
-def _run(model, kw):
-    with torch.no_grad():
-        return model(**kw)[0]
+def _transformer_counts(blocks):
+    """The injection's counts for an LTX-Video transformer of that many blocks: per block two weightless
+    RMSNorms (norm1, norm2), four weighted ones (q/k norms of both attentions), the fused block, q/k
+    norm + RoPE, the cross-attention and a GELU; one RoPE (coords) for the model; no VAE."""
+    return {
+        "rmsnorm_weightless": 2 * blocks,
+        "rmsnorm_weighted": 4 * blocks,
+        "adaln_fused_blocks": blocks,
+        "qk_norm_rope_fused": blocks,
+        "cross_attn": blocks,
+        "rope_coords": 1,
+        "gelu_tanh": blocks,
+        "vae_rmsnorm": 0,
+    }
 
 
 def _no_injection_left(model):
@@ -97,22 +102,11 @@ def _no_injection_left(model):
 # Parity and exact restoration
 # --------------------------------------------------------------------------------------------
 def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
-    gen = make_generator()
-    tr = _tiny_transformer()
-    kw = _inputs(gen)
-    ref = _run(tr, kw)
+    gen, tr, kw = _tiny_case()
+    ref = run_model(tr, kw)
     counts = di.inject_optimized_kernels(tr, verbose=False)
-    assert counts == {
-        "rmsnorm_weightless": 4,
-        "rmsnorm_weighted": 8,
-        "adaln_fused_blocks": 2,
-        "qk_norm_rope_fused": 2,
-        "cross_attn": 2,
-        "rope_coords": 1,
-        "gelu_tanh": 2,
-        "vae_rmsnorm": 0,
-    }
-    out = _run(tr, kw)
+    assert counts == _transformer_counts(blocks=2)
+    out = run_model(tr, kw)
     # every block used each fused kernel: norm1+mod (block 1's together with block 0's last residual),
     # residual+norm2+mod, q/k norm+RoPE (coords), GELU, and the cross-attention q/k norms went through
     # the RMSNorm kernel
@@ -124,19 +118,15 @@ def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
     assert torch.isfinite(out).all()
     assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
-    restored = di.remove_optimized_kernels(tr, verbose=False)
-    assert restored == counts
-    _no_injection_left(tr)
-    assert torch.equal(_run(tr, kw), ref)
+    assert di.remove_optimized_kernels(tr, verbose=False) == counts
+    assert_unpatched_again(tr, kw, ref, _no_injection_left)
 
 
 def test_last_residual_fused_into_the_next_norm1():
     """Block i's last gated residual and block i+1's norm1 + modulation run as one kernel: with 3 blocks
     only block 0 calls its norm1 itself; parity holds; removal unlinks the blocks."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=3)
-    kw = _inputs(gen)
-    ref = _run(tr, kw)
+    gen, tr, kw = _tiny_case(num_layers=3)
+    ref = run_model(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False)
     blocks = list(tr.transformer_blocks)
     assert [ic.next_block(b) is not None for b in blocks] == [True, True, False]
@@ -155,7 +145,7 @@ def test_last_residual_fused_into_the_next_norm1():
 
     try:
         rmsnorm.gated_residual_rms_norm_modulate, rmsnorm.rms_norm_modulate = spy, spy_norm
-        out = _run(tr, kw)
+        out = run_model(tr, kw)
     finally:
         rmsnorm.gated_residual_rms_norm_modulate, rmsnorm.rms_norm_modulate = orig, fwd
     assert len(seen_norm) == 1 and calls["fused"] == 3 + 2  # norm2 in 3 blocks + 2 block boundaries
@@ -163,7 +153,7 @@ def test_last_residual_fused_into_the_next_norm1():
     assert all(not b.__dict__[di._CARRY] for b in blocks)  # nothing left behind
     di.remove_optimized_kernels(tr, verbose=False)
     assert all(ic.next_block(b) is None and di._CARRY not in b.__dict__ for b in blocks)
-    assert torch.equal(_run(tr, kw), ref)
+    assert torch.equal(run_model(tr, kw), ref)
 
 
 def test_carry_ignored_when_the_stream_changes_between_blocks():
@@ -196,22 +186,14 @@ def test_tiny_transformer_bf16_parity():
     2^-5 relative L2 (a handful of bf16 ulps), far from a wrong result (relative L2 of order 1)."""
     gen = make_generator()
     tr = _tiny_transformer()
-    kw32 = _inputs(gen)
-    ref32 = _run(tr, kw32).double()
+    kw32 = ltx_inputs(gen)
+    ref32 = run_model(tr, kw32).double()
     tr.to(torch.bfloat16)
     kw = {
         k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and v.dim() == 3 else v)
         for k, v in kw32.items()
     }
-    stock = _run(tr, kw)
-    di.inject_optimized_kernels(tr, verbose=False)
-    patched = _run(tr, kw)
-    assert patched.dtype == stock.dtype == torch.bfloat16
-    e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
-    assert e_patched <= 1.5 * e_stock, f"patched {e_patched:.3e} vs stock {e_stock:.3e} (seed {gen.seed_value})"
-    assert rel_l2(patched, stock) <= 2.0**-5
-    di.remove_optimized_kernels(tr, verbose=False)
-    assert torch.equal(_run(tr, kw), stock)
+    assert_bf16_parity(tr, kw, ref32, di.inject_optimized_kernels, di.remove_optimized_kernels, gen.seed_value)
 
 
 def _pipe_latents(pipe, seed=0, steps=2):
@@ -320,16 +302,7 @@ def test_default_architecture_counts():
         tr = LTXVideoTransformer3DModel()
         vae = AutoencoderKLLTXVideo()
     counts = di.inject_optimized_kernels(tr, verbose=False)
-    assert counts == {
-        "rmsnorm_weightless": 56,
-        "rmsnorm_weighted": 112,
-        "adaln_fused_blocks": 28,
-        "qk_norm_rope_fused": 28,
-        "cross_attn": 28,
-        "rope_coords": 1,
-        "gelu_tanh": 28,
-        "vae_rmsnorm": 0,
-    }
+    assert counts == _transformer_counts(blocks=28)
     n_vae = sum(isinstance(m, DiffusersRMSNorm) for m in vae.modules())
     assert di.inject_optimized_kernels(vae, verbose=False)["vae_rmsnorm"] == n_vae > 0
     di.remove_optimized_kernels(tr, verbose=False)
@@ -339,27 +312,10 @@ def test_default_architecture_counts():
 
 
 def test_injecting_twice_is_harmless(kernel_calls):
-    gen = make_generator()
-    tr = _tiny_transformer()
-    kw = _inputs(gen)
-    ref = _run(tr, kw)
-    first = di.inject_optimized_kernels(tr, verbose=False)
-    once = _run(tr, kw)
-    calls_once = dict(kernel_calls)
-    second = di.inject_optimized_kernels(tr, verbose=False)
-    assert second == first
-    # nothing wrapped twice: each patched module still remembers the class forward as its original
-    for m in tr.modules():
-        state = m.__dict__.get(di._STATE)
-        if state is not None and state["kind"] not in di._PROCESSOR_KINDS:
-            assert state["prev"] is None
-    kernel_calls.clear()
-    assert torch.equal(_run(tr, kw), once)
-    assert dict(kernel_calls) == calls_once
-    di.remove_optimized_kernels(tr, verbose=False)
-    _no_injection_left(tr)
-    assert torch.equal(_run(tr, kw), ref)
-    assert di.remove_optimized_kernels(tr, verbose=False) == {k: 0 for k in di.KINDS}
+    _, tr, kw = _tiny_case()
+    assert_injecting_twice_is_harmless(
+        tr, kw, kernel_calls, di, di.inject_optimized_kernels, di.remove_optimized_kernels, _no_injection_left
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,27 +417,25 @@ def test_sequential_offload_hooks_and_weight_swaps():
     patched code must not read a submodule's weight it does not call (it falls back to calling the
     module). Swapping a weight after injection must be seen by the patched forward."""
     accelerate = pytest.importorskip("accelerate")
-    gen = make_generator()
-    tr = _tiny_transformer()
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     di.inject_optimized_kernels(tr, verbose=False)
     with torch.no_grad():  # a new weight after injection, and an in-place change of another
         tr.transformer_blocks[0].attn1.norm_q.weight = torch.nn.Parameter(
             1 + 0.5 * torch.randn(32, generator=gen).to(DEVICE)
         )
         tr.transformer_blocks[1].scale_shift_table.mul_(2.0)
-    patched = _run(tr, kw)
+    patched = run_model(tr, kw)
     di.remove_optimized_kernels(tr, verbose=False)
-    ref = _run(tr, kw)
+    ref = run_model(tr, kw)
     assert _rel_max(patched, ref) <= FP32_REL
 
     di.inject_optimized_kernels(tr, verbose=False)
     accelerate.cpu_offload(tr, execution_device=DEVICE)
     assert tr.transformer_blocks[0].attn1.norm_q.weight.device.type == "meta"
-    assert _rel_max(_run(tr, kw), ref) <= FP32_REL
+    assert _rel_max(run_model(tr, kw), ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
     assert hasattr(tr.transformer_blocks[0].attn1.norm_q, "_hf_hook")
-    assert torch.equal(_run(tr, kw), ref)
+    assert torch.equal(run_model(tr, kw), ref)
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,25 +444,21 @@ def test_sequential_offload_hooks_and_weight_swaps():
 def test_other_self_attention_processor_gets_cos_sin(kernel_calls):
     """If someone sets diffusers' own processor on one self-attention after injection, the patched
     rope returns (cos, sin) again, and the remaining fused processors use the cos/sin kernel."""
-    gen = make_generator()
-    tr = _tiny_transformer()
-    kw = _inputs(gen)
-    ref = _run(tr, kw)
+    gen, tr, kw = _tiny_case()
+    ref = run_model(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False)
     tr.transformer_blocks[0].attn1.set_processor(LTXVideoAttnProcessor())
-    out = _run(tr, kw)
+    out = run_model(tr, kw)
     assert kernel_calls["ltx_qk_rmsnorm_rope"] == 1 and kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 0
     assert _rel_max(out, ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
-    assert torch.equal(_run(tr, kw), ref)
+    assert torch.equal(run_model(tr, kw), ref)
 
 
 def test_autograd_runs_the_original_code(kernel_calls):
     """The kernels have no backward: with gradients enabled the original operations run, so the
     forward is bit-identical and gradients flow."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=1)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case(num_layers=1)
     ref = tr(**kw)[0]
     ref.square().mean().backward()
     g_ref = tr.proj_in.weight.grad.clone()
@@ -531,11 +481,9 @@ def test_autograd_runs_the_original_code(kernel_calls):
 def test_torch_compile_fullgraph_traces_the_kernels():
     """fullgraph=True: no graph break anywhere in the patched transformer, and the captured graph
     calls the kernels as ops (rocm_triton_kernels::..., the "_triton" twins on a GPU)."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=1)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case(num_layers=1)
     di.inject_optimized_kernels(tr, verbose=False)
-    eager = _run(tr, kw)
+    eager = run_model(tr, kw)
     seen = set()
 
     def backend(gm, example_inputs):
@@ -553,7 +501,7 @@ def test_torch_compile_fullgraph_traces_the_kernels():
 
     torch._dynamo.reset()
     compiled = torch.compile(tr, backend=backend, fullgraph=True)
-    out = _run(compiled, kw)
+    out = run_model(compiled, kw)
     torch._dynamo.reset()
     ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rocm_triton_kernels.")}
     assert {"rms_norm_fused", "ltx_qk_rmsnorm_rope_coords", "gelu"} <= ops, sorted(seen)
@@ -568,13 +516,11 @@ def test_torch_compile_fullgraph_traces_the_kernels():
 def test_torch_compile_inductor():
     """The default torch.compile backend: inductor keeps the custom ops as calls and compiles the rest
     (C++ on the CPU, where the ops run the interpreted kernels; Triton on a GPU)."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=1)
-    kw = _inputs(gen)
-    ref = _run(tr, kw)
+    gen, tr, kw = _tiny_case(num_layers=1)
+    ref = run_model(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False)
     torch._dynamo.reset()
-    out = _run(torch.compile(tr, fullgraph=True), kw)
+    out = run_model(torch.compile(tr, fullgraph=True), kw)
     torch._dynamo.reset()
     assert _rel_max(out, ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
@@ -604,9 +550,7 @@ def test_hooks_on_submodules_still_run(where):
     """The patched block calls attention processors, Linear / Dropout layers and the feed-forward
     without Module.__call__ only where no hook would run: a forward hook registered on any of them
     (or globally) must run and may change the output, exactly as in the unpatched model."""
-    gen = make_generator()
-    tr = _tiny_transformer()
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     blk = tr.transformer_blocks[1]
     target = {
         "attn1": blk.attn1,
@@ -629,11 +573,11 @@ def test_hooks_on_submodules_still_run(where):
     else:
         handle = target.register_forward_hook(hook)
     try:
-        ref = _run(tr, kw)
+        ref = run_model(tr, kw)
         n_ref = sum(fired.values())
         di.inject_optimized_kernels(tr, verbose=False)
         fired.clear()
-        out = _run(tr, kw)
+        out = run_model(tr, kw)
         assert sum(fired.values()) == n_ref > 0, f"hook on {where} ran {sum(fired.values())} times, expected {n_ref}"
         assert _rel_max(out, ref) <= FP32_REL, f"{where}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
     finally:
@@ -699,9 +643,7 @@ def test_trainable_weight_inside_a_block_gets_its_gradient(trainable):
     """LoRA-style training: the base model frozen, one weight inside a block trainable. The patched
     block must fall back to the original code (the kernels have no backward), so the weight gets the
     same gradient as in the unpatched model, not None."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=2)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     tr.requires_grad_(False)
     tr.get_parameter(trainable).requires_grad_(True)
     ref_out, ref_g = _grads(tr, kw, {trainable})
@@ -720,7 +662,7 @@ def test_text_embedding_requiring_grad_gets_its_gradient():
     gen = make_generator()
     tr = _tiny_transformer(num_layers=2)
     tr.requires_grad_(False)
-    kw = _inputs(gen)
+    kw = ltx_inputs(gen)
     enc = kw["encoder_hidden_states"].clone().requires_grad_(True)
 
     def grad_of_enc():
@@ -742,9 +684,7 @@ def test_text_embedding_requiring_grad_gets_its_gradient():
 def test_carry_ignored_after_an_in_place_change_between_blocks(where):
     """A hook that changes the residual stream in place between two blocks: the tensor is the same object,
     so identity alone would let block 1 use a norm of the old values. The version counter catches it."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=2)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     b0, b1 = tr.transformer_blocks
 
     def change(h):  # not a uniform scaling: RMSNorm would not see that
@@ -761,22 +701,14 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(where):
         if where.startswith("post")
         else b1.register_forward_pre_hook(pre, with_kwargs=True)
     )
-    try:
-        ref = _run(tr, kw)
-        di.inject_optimized_kernels(tr, verbose=False)
-        got = _run(tr, kw)
-    finally:
-        handle.remove()
-        di.remove_optimized_kernels(tr, verbose=False)
+    ref, got, _ = without_and_with_kernels(tr, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, [handle])
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e} (seed {gen.seed_value})"
 
 
 def test_gradient_checkpointing_matches_without_it():
     """Gradient checkpointing recomputes each block in backward: with the kernels injected, the
     gradients equal those of the unpatched model with checkpointing on."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=3)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case(num_layers=3)
     tr.train()
     names = {n for n, _ in tr.named_parameters()}
     _, ref = _grads(tr, kw, names)
@@ -805,12 +737,12 @@ def test_block_subclass_with_its_own_forward_is_left_alone():
     gen = make_generator()
     tr = _tiny_transformer(num_layers=2)
     tr.transformer_blocks[1].__class__ = ScaledBlock
-    kw = _inputs(gen)
-    ref = _run(tr, kw)
+    kw = ltx_inputs(gen)
+    ref = run_model(tr, kw)
     counts = di.inject_optimized_kernels(tr, verbose=False)
     try:
         assert counts["adaln_fused_blocks"] == 1
-        got = _run(tr, kw)
+        got = run_model(tr, kw)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
@@ -820,39 +752,24 @@ def test_block_subclass_with_its_own_forward_is_left_alone():
 def test_block_norm_swapped_for_layernorm_is_computed_as_layernorm(which):
     """A block whose norm1 / norm2 someone replaced by nn.LayerNorm (after or before injection) must run
     that LayerNorm, not the fused RMSNorm kernel."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=2)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     blk = tr.transformer_blocks[1]
     dim = blk.scale_shift_table.shape[1]
     di.inject_optimized_kernels(tr, verbose=False)
     try:
         setattr(blk, which, torch.nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6).to(DEVICE))
-        got = _run(tr, kw)
+        got = run_model(tr, kw)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
-    ref = _run(tr, kw)  # unpatched, same modules
+    ref = run_model(tr, kw)  # unpatched, same modules
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("which", ["norm1", "norm2"])
 def test_hook_on_a_block_norm_still_runs(which):
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=2)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     norm = getattr(tr.transformer_blocks[1], which)
-    fired = []
-    handle = norm.register_forward_hook(lambda m, a, o: fired.append(1) or o * 1.25)
-    try:
-        ref = _run(tr, kw)
-        n_ref = len(fired)
-        fired.clear()
-        di.inject_optimized_kernels(tr, verbose=False)
-        got = _run(tr, kw)
-    finally:
-        handle.remove()
-        di.remove_optimized_kernels(tr, verbose=False)
-    assert len(fired) == n_ref == 1
+    ref, got = hooked_norm_outputs(norm, tr, kw, di.inject_optimized_kernels, di.remove_optimized_kernels)
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
 
 
@@ -892,9 +809,7 @@ def test_carry_not_made_for_a_next_block_with_hooks():
     """A pre-hook of block 1 that brings in its parameters (as weight streaming or offloading does) runs
     after block 0 would have computed block 1's norm from them: with any hook on either block, nothing
     is carried, and block 1 computes its norm itself once its hooks have run."""
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=2)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     b1 = tr.transformer_blocks[1]
     real = b1.scale_shift_table.detach().clone()
 
@@ -907,14 +822,7 @@ def test_carry_not_made_for_a_next_block_with_hooks():
     with torch.no_grad():
         b1.scale_shift_table.zero_()  # "offloaded" until its pre-hook runs
     handles = [b1.register_forward_pre_hook(pre), b1.register_forward_hook(post)]
-    try:
-        ref = _run(tr, kw)
-        di.inject_optimized_kernels(tr, verbose=False)
-        got = _run(tr, kw)
-    finally:
-        for h in handles:
-            h.remove()
-        di.remove_optimized_kernels(tr, verbose=False)
+    ref, got, _ = without_and_with_kernels(tr, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, handles)
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
 
 
@@ -930,9 +838,7 @@ def test_diffusers_hook_changing_a_block_output_in_place(mode):
             output.add_(0.5 * output.flip(-1))
             return output
 
-    gen = make_generator()
-    tr = _tiny_transformer(num_layers=2)
-    kw = _inputs(gen)
+    gen, tr, kw = _tiny_case()
     HookRegistry.check_if_exists_or_initialize(tr.transformer_blocks[0]).register_hook(InPlacePost(), "inplace")
     ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
     with ctx():

@@ -16,7 +16,19 @@ import head_norm_rope
 import injection_common as ic
 import layernorm
 import mmdit_injection as mi
-from kernel_testing import DEVICE, make_generator, rel_l2
+from kernel_testing import (
+    DEVICE,
+    assert_bf16_parity,
+    assert_injecting_twice_is_harmless,
+    assert_unpatched_again,
+    compile_aot_eager,
+    count_calls,
+    hooked_norm_outputs,
+    make_generator,
+    rel_l2,
+    run_model,
+    without_and_with_kernels,
+)
 
 # fp32: each fused step is the same math with one rounding and another summation order: a few fp32
 # ulps per op, far below 1e-5 of the output's magnitude through the tiny models.
@@ -71,23 +83,17 @@ EXPECTED_CALLS = {
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts calls of the leaf kernels the integration uses (proves the kernels, not torch, ran)."""
-    calls = Counter()
-    for mod, name in (
-        (layernorm, "layer_norm_modulate"),
-        (layernorm, "layer_norm_modulate_dual"),
-        (layernorm, "gated_residual_layer_norm_modulate"),
-        (layernorm, "gated_residual_layer_norm_modulate_dual"),
-        (head_norm_rope, "joint_head_rms_norm_rope"),
-        (activations, "gelu_tanh"),
-    ):
-        fn = getattr(mod, name)
-
-        def spy(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(mod, name, spy)
-    return calls
+    return count_calls(
+        monkeypatch,
+        (
+            (layernorm, "layer_norm_modulate"),
+            (layernorm, "layer_norm_modulate_dual"),
+            (layernorm, "gated_residual_layer_norm_modulate"),
+            (layernorm, "gated_residual_layer_norm_modulate_dual"),
+            (head_norm_rope, "joint_head_rms_norm_rope"),
+            (activations, "gelu_tanh"),
+        ),
+    )
 
 
 def _model(kind, dtype=torch.float32, *, seed):
@@ -98,11 +104,6 @@ def _model(kind, dtype=torch.float32, *, seed):
 def _inputs(model, dtype=torch.float32, *, seed):
     # 64x64 pixels: 16 image tokens in both models; 7 text tokens
     return mi.make_mmdit_inputs(model, batch=2, height=64, width=64, text_len=7, dtype=dtype, device=DEVICE, seed=seed)
-
-
-def _run(model, kw):
-    with torch.no_grad():
-        return model(**kw)[0]
 
 
 def _rel_max(a, b):
@@ -125,17 +126,15 @@ def test_fp32_parity_and_exact_restore(kind, kernel_calls):
     gen = make_generator()
     model = _model(kind, seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     counts = mi.inject_mmdit_kernels(model, verbose=False)
     assert counts == EXPECTED_TINY[kind]
-    out = _run(model, kw)
+    out = run_model(model, kw)
     assert dict(kernel_calls) == {k: v for k, v in EXPECTED_CALLS[kind].items() if v}
     assert torch.isfinite(out).all()
     assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
-    restored = mi.remove_mmdit_kernels(model, verbose=False)
-    assert restored == counts
-    _no_injection_left(model)
-    assert torch.equal(_run(model, kw), ref)
+    assert mi.remove_mmdit_kernels(model, verbose=False) == counts
+    assert_unpatched_again(model, kw, ref, _no_injection_left)
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -147,18 +146,10 @@ def test_bf16_parity(kind):
     gen = make_generator()
     model = _model(kind, seed=gen.seed_value % 1000)
     kw32 = _inputs(model, seed=gen.seed_value)
-    ref32 = _run(model, kw32).double()
+    ref32 = run_model(model, kw32).double()
     torch.nn.Module.to(model, torch.bfloat16)
     kw = _inputs(model, dtype=torch.bfloat16, seed=gen.seed_value)
-    stock = _run(model, kw)
-    mi.inject_mmdit_kernels(model, verbose=False)
-    patched = _run(model, kw)
-    assert patched.dtype == stock.dtype == torch.bfloat16
-    e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
-    assert e_patched <= 1.5 * e_stock, f"patched {e_patched:.3e} vs stock {e_stock:.3e} (seed {gen.seed_value})"
-    assert rel_l2(patched, stock) <= 2.0**-5
-    mi.remove_mmdit_kernels(model, verbose=False)
-    assert torch.equal(_run(model, kw), stock)
+    assert_bf16_parity(model, kw, ref32, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, gen.seed_value)
 
 
 @pytest.mark.parametrize("kind, hook_act_mlp", [("sd3", False), ("flux", False), ("flux", True)])
@@ -187,17 +178,17 @@ def test_gemm_gelu_path_taken_where_verified(kind, hook_act_mlp, kernel_calls, m
     if hook_act_mlp:
         for blk in model.single_transformer_blocks:
             blk.act_mlp.register_forward_hook(lambda m, a, o: hook_calls.update(["act_mlp"]))
-    stock = _run(model, kw)
+    stock = run_model(model, kw)
     hook_calls.clear()
     mi.inject_mmdit_kernels(model, verbose=False)
-    patched = _run(model, kw)
+    patched = run_model(model, kw)
     n_single = len(model.single_transformer_blocks) if hook_act_mlp else 0
     assert fused == {"fused": EXPECTED_TINY[kind]["mmdit_gelu_tanh"] - n_single}
     assert kernel_calls["gelu_tanh"] == n_single
     assert hook_calls["act_mlp"] == n_single
     assert rel_l2(patched, stock) <= 2.0**-5
     mi.remove_mmdit_kernels(model, verbose=False)
-    assert torch.equal(_run(model, kw), stock)
+    assert torch.equal(run_model(model, kw), stock)
 
 
 def test_plain_tanh_gelu_check_traces_like_eager():
@@ -296,10 +287,10 @@ def test_last_residual_fused_into_the_next_norm(kind, kernel_calls):
     gen = make_generator()
     model = _deep_model(kind, gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
     calls, undo = _count_norm_calls(model)
-    out = _run(model, kw)
+    out = run_model(model, kw)
     undo()
     assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
     n = len(model.transformer_blocks)
@@ -313,7 +304,7 @@ def test_last_residual_fused_into_the_next_norm(kind, kernel_calls):
     assert all(not blk.__dict__.get(mi._CARRY) for blk in model.transformer_blocks)  # nothing left behind
     mi.remove_mmdit_kernels(model, verbose=False)
     assert all(ic.next_block(b) is None and mi._CARRY not in b.__dict__ for b in model.transformer_blocks)
-    assert torch.equal(_run(model, kw), ref)
+    assert torch.equal(run_model(model, kw), ref)
 
 
 def test_carry_ignored_when_the_stream_changes_between_blocks():
@@ -361,24 +352,16 @@ def test_injecting_twice_is_harmless(kernel_calls):
     gen = make_generator()
     model = _model("flux", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
-    ref = _run(model, kw)
-    first = mi.inject_mmdit_kernels(model, verbose=False)
-    once = _run(model, kw)
-    calls_once = dict(kernel_calls)
-    assert mi.inject_mmdit_kernels(model, verbose=False) == first
-    for m in model.modules():  # nothing wrapped twice
-        state = m.__dict__.get(mi._STATE)
-        if state is not None and state["kind"] not in mi._PROCESSOR_KINDS:
-            assert state["prev"] is None
-        if state is not None and state["kind"] in mi._PROCESSOR_KINDS:
-            assert type(state["prev"]) is not mi.FluxFusedAttnProcessor
-    kernel_calls.clear()
-    assert torch.equal(_run(model, kw), once)
-    assert dict(kernel_calls) == calls_once
-    mi.remove_mmdit_kernels(model, verbose=False)
-    _no_injection_left(model)
-    assert torch.equal(_run(model, kw), ref)
-    assert mi.remove_mmdit_kernels(model, verbose=False) == {k: 0 for k in mi.KINDS}
+    assert_injecting_twice_is_harmless(
+        model,
+        kw,
+        kernel_calls,
+        mi,
+        mi.inject_mmdit_kernels,
+        mi.remove_mmdit_kernels,
+        _no_injection_left,
+        fused=(mi.FluxFusedAttnProcessor,),
+    )
 
 
 def test_fused_qkv_projections(kernel_calls):
@@ -387,9 +370,9 @@ def test_fused_qkv_projections(kernel_calls):
     model = _model("flux", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     model.fuse_qkv_projections()
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
-    out = _run(model, kw)
+    out = run_model(model, kw)
     assert kernel_calls["joint_head_rms_norm_rope"] == 2
     assert _rel_max(out, ref) <= FP32_REL
 
@@ -419,9 +402,9 @@ def test_other_processor_and_ff_chunking_left_to_the_original(gen):
     assert counts["mmdit_qk_norm_fused"] == 2 and type(attn2.processor) is AttnProcessor2_0
     model.enable_forward_chunking(chunk_size=1, dim=0)
     kw = _inputs(model, seed=gen.seed_value)
-    out = _run(model, kw)
+    out = run_model(model, kw)
     mi.remove_mmdit_kernels(model, verbose=False)
-    assert _rel_max(out, _run(model, kw)) <= FP32_REL
+    assert _rel_max(out, run_model(model, kw)) <= FP32_REL
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -430,10 +413,9 @@ def test_torch_compile_fullgraph_traces_the_kernels(kind):
     gen = make_generator()
     model = _model(kind, seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = compile_aot_eager(model)
     with torch.no_grad():
         out = compiled(**kw)[0]
     torch._dynamo.reset()
@@ -519,7 +501,7 @@ def test_dispatch_from_inject_optimized_kernels(kernel_calls):
     gen = make_generator()
     model = _model("flux", seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
 
     class Pipe:
         components = {"transformer": model, "scheduler": object()}
@@ -528,11 +510,9 @@ def test_dispatch_from_inject_optimized_kernels(kernel_calls):
     assert {k: counts[k] for k in mi.KINDS} == EXPECTED_TINY["flux"]
     assert all(counts[k] == 0 for k in di.KINDS)
     assert di.injected_counts(Pipe()) == counts
-    assert _rel_max(_run(model, kw), ref) <= FP32_REL and kernel_calls["joint_head_rms_norm_rope"] == 2
-    restored = di.remove_optimized_kernels(Pipe(), verbose=False)
-    assert restored == counts
-    _no_injection_left(model)
-    assert torch.equal(_run(model, kw), ref)
+    assert _rel_max(run_model(model, kw), ref) <= FP32_REL and kernel_calls["joint_head_rms_norm_rope"] == 2
+    assert di.remove_optimized_kernels(Pipe(), verbose=False) == counts
+    assert_unpatched_again(model, kw, ref, _no_injection_left)
     assert set(di.injected_counts(model).values()) == {0}
 
 
@@ -637,14 +617,9 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(kind, gen):
             if isinstance(t, torch.Tensor):
                 t.add_(0.5 * t.flip(-1))
 
-    handle = b0.register_forward_hook(post)
-    try:
-        ref = _run(model, kw)
-        mi.inject_mmdit_kernels(model, verbose=False)
-        got = _run(model, kw)
-    finally:
-        handle.remove()
-        mi.remove_mmdit_kernels(model, verbose=False)
+    ref, got, _ = without_and_with_kernels(
+        model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, [b0.register_forward_hook(post)]
+    )
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
 
 
@@ -655,18 +630,7 @@ def test_hook_on_a_block_layernorm_still_runs(kind, gen):
     model = _model_with_blocks(kind, gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     norm = model.transformer_blocks[0].norm2
-    fired = []
-    handle = norm.register_forward_hook(lambda m, a, o: fired.append(1) or o * 1.25)
-    try:
-        ref = _run(model, kw)
-        n_ref = len(fired)
-        fired.clear()
-        mi.inject_mmdit_kernels(model, verbose=False)
-        got = _run(model, kw)
-    finally:
-        handle.remove()
-        mi.remove_mmdit_kernels(model, verbose=False)
-    assert len(fired) == n_ref == 1
+    ref, got = hooked_norm_outputs(norm, model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels)
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
 
 
@@ -697,15 +661,9 @@ def test_hooks_on_submodules_still_run(kind, where, gen):
         )
     else:
         handle = target.register_forward_hook(hook)
-    try:
-        ref = _run(model, kw)
-        n_ref = len(fired)
-        fired.clear()
-        mi.inject_mmdit_kernels(model, verbose=False)
-        got = _run(model, kw)
-    finally:
-        handle.remove()
-        mi.remove_mmdit_kernels(model, verbose=False)
+    ref, got, n_ref = without_and_with_kernels(
+        model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, [handle], fired
+    )
     assert len(fired) == n_ref > 0
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
 
@@ -723,14 +681,8 @@ def test_hook_on_the_next_block_norm1_still_runs(kind, gen):
         return (o[0] * 1.5,) + tuple(o[1:])
 
     handle = model.transformer_blocks[1].norm1.register_forward_hook(hook)
-    try:
-        ref = _run(model, kw)
-        n_ref = len(fired)
-        fired.clear()
-        mi.inject_mmdit_kernels(model, verbose=False)
-        got = _run(model, kw)
-    finally:
-        handle.remove()
-        mi.remove_mmdit_kernels(model, verbose=False)
+    ref, got, n_ref = without_and_with_kernels(
+        model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, [handle], fired
+    )
     assert len(fired) == n_ref == 1
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"

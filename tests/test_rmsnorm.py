@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import kernel_testing as kt
 import rmsnorm
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn
 
@@ -138,15 +139,21 @@ def test_modulate_with_ltx_views(gen):
     assert_close(out, ref, torch.bfloat16, seed=gen.seed_value)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gate_shape", [None, "B1D", "BSD", "D"])
-def test_gated_residual_rms_norm_modulate(dtype, gate_shape, gen):
-    B, S, D = 2, 6, 131
+def _residual_inputs(B, S, D, dtype, gate_shape, gen):
+    """h [B, S, D] (scale 2), y [B, S, D] and a gate of the given shape (None: no gate), drawn in that order."""
     h = randn((B, S, D), dtype, gen, scale=2.0)
     y = randn((B, S, D), dtype, gen)
     gate = None
     if gate_shape is not None:
         gate = randn({"B1D": (B, 1, D), "BSD": (B, S, D), "D": (D,)}[gate_shape], dtype, gen)
+    return h, y, gate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_shape", [None, "B1D", "BSD", "D"])
+def test_gated_residual_rms_norm_modulate(dtype, gate_shape, gen):
+    B, S, D = 2, 6, 131
+    h, y, gate = _residual_inputs(B, S, D, dtype, gate_shape, gen)
     sc = randn((B, 1, D), dtype, gen, scale=0.5)
     sh = randn((B, 1, D), dtype, gen, scale=0.5)
     with poisoned_outputs():
@@ -168,11 +175,7 @@ def test_gated_residual_add(dtype, gate_shape, chunked, gen, monkeypatch):
         monkeypatch.setattr(rmsnorm, "_MAX_FUSED_N", 64)
         monkeypatch.setattr(rmsnorm, "_CHUNK_N", 32)
     B, S, D = 2, 5, 131
-    h = randn((B, S, D), dtype, gen, scale=2.0)
-    y = randn((B, S, D), dtype, gen)
-    gate = None
-    if gate_shape is not None:
-        gate = randn({"B1D": (B, 1, D), "BSD": (B, S, D), "D": (D,)}[gate_shape], dtype, gen)
+    h, y, gate = _residual_inputs(B, S, D, dtype, gate_shape, gen)
     with poisoned_outputs():
         out = rmsnorm.gated_residual_add(h, y, gate)
     ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), None if gate is None else gate.double())
@@ -389,27 +392,21 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+@kt.error_cases(ERROR_CASES)
 def test_errors(case, gen):
-    _, exc, match, call = case
-    t = _error_inputs(gen)
-    with pytest.raises(exc, match=match):
-        call(t)
+    kt.assert_error_case(case, _error_inputs(gen))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+@kt.needs_gpu_and_cpu
 def test_device_mismatch(gen):
     x = randn((2, 64), torch.float32, gen)
     with pytest.raises(ValueError, match="weight is on cpu"):
         rmsnorm.rms_norm(x, torch.ones(64))
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is off when a GPU runs the tests")
+@kt.cpu_only
 def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="CPU tensor"):
-        rmsnorm.rms_norm(torch.ones(2, 8))
+    kt.assert_cpu_tensor_refused_without_interpreter(monkeypatch, lambda: rmsnorm.rms_norm(torch.ones(2, 8)))
 
 
 def test_custom_op_under_torch_compile(gen):
@@ -422,8 +419,7 @@ def test_custom_op_under_torch_compile(gen):
         h, out = rmsnorm.gated_residual_rms_norm_modulate(x, x * 2, None, sc, sh)
         return rmsnorm.rms_norm(out + h) * 3
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled = kt.compile_aot_eager(f)
     got = compiled(x, sc, sh)
     assert_close(got, f(x, sc, sh).double(), torch.float32, seed=gen.seed_value)
     torch.library.opcheck(

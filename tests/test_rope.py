@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import kernel_testing as kt
 import rope
 from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, poisoned_outputs, randn
 
@@ -631,19 +632,17 @@ def _error_cases():
     ]
 
 
-@pytest.mark.parametrize("case", _error_cases(), ids=lambda c: c[0])
+@kt.error_cases(_error_cases())
 def test_errors(case):
-    _, exc, match, fn = case
-    with pytest.raises(exc, match=match):
-        fn()
+    kt.assert_error_case(case)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="only meaningful on a CPU-only machine")
+@kt.cpu_only
 def test_cpu_tensor_without_interpreter_is_rejected(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.ones(1, 2, 4)
-    with pytest.raises(ValueError, match="CPU tensor: Triton kernels run on a GPU"):
-        rope.ltx_rope(x, x, x)
+    kt.assert_cpu_tensor_refused_without_interpreter(
+        monkeypatch, lambda: rope.ltx_rope(x, x, x), match="CPU tensor: Triton kernels run on a GPU"
+    )
 
 
 def test_supported_dtypes():

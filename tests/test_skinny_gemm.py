@@ -33,6 +33,14 @@ def _quantize(w32, f8, per_channel):
     return wq.to(DEVICE), scale.to(DEVICE)
 
 
+def _quantized_x(m, k, f8, gen):
+    """FP8 x [m, k] with its per-tensor scale (amax / fp8 max): the torch._scaled_mm convention."""
+    x32 = torch.randn((m, k), generator=gen)
+    xs = (x32.abs().max() / torch.finfo(f8).max).reshape(1).float()
+    xq = (x32 / xs).to(f8).to(DEVICE)
+    return xq, xs.to(DEVICE)
+
+
 def _check(out, x, w, bias=None, weight_scale=None, x_scale=None, seed=None, name="y"):
     """|out - ref| <= output rounding * |ref| + fp32 accumulation bound.
 
@@ -213,10 +221,7 @@ def test_fp8_weight_fp16_x_scale_shapes(f8, gen):
 def test_fp8_x_and_weight_against_scaled_mm(f8, m, gen):
     """FP8 x with a per-tensor scale: the torch._scaled_mm convention, and its result."""
     n, k = 96, 512
-    x32 = torch.randn((m, k), generator=gen)
-    xs = (x32.abs().max() / torch.finfo(f8).max).reshape(1).float()
-    xq = (x32 / xs).to(f8).to(DEVICE)
-    xs = xs.to(DEVICE)
+    xq, xs = _quantized_x(m, k, f8, gen)
     wq, ws = _quantize(torch.randn((n, k), generator=gen), f8, per_channel=False)
     b = randn((n,), torch.bfloat16, gen)
     with poisoned_outputs():
@@ -276,10 +281,7 @@ def test_fp8_x_and_weight_take_the_fp8_dot_path(f8, m, gen, monkeypatch):
     monkeypatch.setattr(sg, "_skinny_gemm_kernel", spy)
     monkeypatch.setattr(sg, "_KERNEL_MAX_M", {})  # always the kernel, whatever was measured on this GPU
     n, k = 80, 384
-    x32 = torch.randn((m, k), generator=gen)
-    xs = (x32.abs().max() / torch.finfo(f8).max).reshape(1).float()
-    xq = (x32 / xs).to(f8).to(DEVICE)
-    xs = xs.to(DEVICE)
+    xq, xs = _quantized_x(m, k, f8, gen)
     wq, ws = _quantize(torch.randn((n, k), generator=gen), f8, per_channel=True)
     with poisoned_outputs():
         y = sg.skinny_gemm(xq, wq, weight_scale=ws, x_scale=xs, out_dtype=torch.float32)

@@ -10,6 +10,7 @@ import torch
 from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
 
 import activations as act
+import kernel_testing as kt
 from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, poisoned_outputs, randn
 
 
@@ -392,12 +393,9 @@ ERROR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda c: c[0])
+@kt.error_cases(ERROR_CASES)
 def test_errors(case, gen):
-    _, exc, match, call = case
-    t = _error_inputs(gen)
-    with pytest.raises(exc, match=match):
-        call(t)
+    kt.assert_error_case(case, _error_inputs(gen))
 
 
 def test_custom_op_under_torch_compile(gen):
@@ -410,8 +408,7 @@ def test_custom_op_under_torch_compile(gen):
         q1 = act.swiglu(x[:, :64], x[:, 64:], fp8="per_tensor", fp8_scale=sc)
         return y + q.float() * s[:, None] + q1.float() * sc
 
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled = kt.compile_aot_eager(f)
     assert torch.equal(compiled(x, sc), f(x, sc))
     torch._dynamo.reset()
     op = torch.ops.rocm_triton_kernels.swiglu.default

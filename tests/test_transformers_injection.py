@@ -7,8 +7,6 @@ Runs on the CPU through Triton's interpreter (tiny shapes) or on a GPU."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForC
 from transformers.models.llama import modeling_llama
 
 import transformers_injection as ti
-from kernel_testing import DEVICE, make_generator, rel_l2
+from kernel_testing import DEVICE, make_generator, rel_l2, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -462,13 +460,7 @@ def test_bad_argument():
 def test_example_runs_on_cpu():
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the example decides
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "transformers_injection_example.py"), "--device-free"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    r = run_python([ROOT / "scripts" / "transformers_injection_example.py", "--device-free"], env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["ok"] is True

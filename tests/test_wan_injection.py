@@ -6,8 +6,6 @@ architectures (meta device), the kernels actually called, exact restoration, ide
 fallbacks (autograd with a trainable weight inside a block, hooks, another processor, fused projections,
 a carried norm after an in-place change)."""
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -16,7 +14,17 @@ import layernorm
 import rmsnorm
 import rope
 import wan_injection as wi
-from kernel_testing import DEVICE, INTERPRET, interpreter_bf16_round_to_nearest_even, make_generator, randn, rel_l2
+from kernel_testing import (
+    DEVICE,
+    INTERPRET,
+    count_calls,
+    interpreter_bf16_round_to_nearest_even,
+    make_generator,
+    randn,
+    rel_l2,
+    run_model,
+    without_and_with_kernels,
+)
 
 # fp32: each fused step is the same math with one rounding and another summation order
 FP32_REL = 1e-5
@@ -40,43 +48,32 @@ def _inputs(model, variant, dtype=torch.float32, seed=0):
     return wi.make_wan_inputs(model, dtype=dtype, device=DEVICE, seed=seed, **VARIANTS[variant][1])
 
 
-def _run(model, kw):
-    with torch.no_grad():
-        return model(**kw)[0]
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts calls of the leaf kernels (proves that the kernels, not torch, ran)."""
-    calls = Counter()
-    for mod, name in (
-        (layernorm, "layer_norm_modulate"),
-        (layernorm, "gated_residual_layer_norm_modulate"),
-        (rmsnorm, "gated_residual_add"),
-        (rmsnorm, "rms_norm"),
-        (rope, "ltx_qk_rmsnorm_rope"),
-        (activations, "gelu_tanh"),
-    ):
-        fn = getattr(mod, name)
-
-        def spy(*a, _fn=fn, _name=name, **k):
-            calls[_name] += 1
-            return _fn(*a, **k)
-
-        monkeypatch.setattr(mod, name, spy)
-    return calls
+    return count_calls(
+        monkeypatch,
+        (
+            (layernorm, "layer_norm_modulate"),
+            (layernorm, "gated_residual_layer_norm_modulate"),
+            (rmsnorm, "gated_residual_add"),
+            (rmsnorm, "rms_norm"),
+            (rope, "ltx_qk_rmsnorm_rope"),
+            (activations, "gelu_tanh"),
+        ),
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_fp32_matches_unpatched(variant, kernel_calls, gen):
     model = _model(variant, seed=gen.seed_value % 1000)
     kw = _inputs(model, variant, seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     counts = wi.inject_wan_kernels(model, verbose=False)
     layers = model.config.num_layers
     i2v = variant == "i2v"
     assert counts == {"wan_blocks": layers, "wan_rmsnorm_weighted": (5 if i2v else 4) * layers, "wan_gelu_tanh": layers}
-    out = _run(model, kw)
+    out = run_model(model, kw)
     assert torch.isfinite(out).all()
     err = rel_l2(out, ref)
     assert err < FP32_REL, f"{variant}: rel L2 {err:.3g} against the unpatched model"
@@ -90,7 +87,7 @@ def test_fp32_matches_unpatched(variant, kernel_calls, gen):
     # cross-attention q/k norms (+ I2V's norm_added_k) through the RMSNorm kernel
     assert kernel_calls["rms_norm"] == (3 if i2v else 2) * layers
     wi.remove_wan_kernels(model, verbose=False)
-    assert torch.equal(_run(model, kw), ref), "removal must restore the original forwards exactly"
+    assert torch.equal(run_model(model, kw), ref), "removal must restore the original forwards exactly"
 
 
 @pytest.mark.parametrize("keep_fp32", [True, False], ids=["from_pretrained_fp32_kept", "model_to_bf16"])
@@ -101,13 +98,13 @@ def test_bf16_is_as_accurate_as_unpatched(variant, keep_fp32, gen):
     unpatched bf16 model is (the kernels round once per fused step, where Wan also rounds once)."""
     ref_model = _model(variant, seed=gen.seed_value % 1000)
     kw32 = _inputs(ref_model, variant, seed=gen.seed_value)
-    ref = _run(ref_model, kw32)
+    ref = run_model(ref_model, kw32)
     model = _model(variant, dtype=torch.bfloat16, keep_fp32=keep_fp32, seed=gen.seed_value % 1000)
     kw = _inputs(model, variant, dtype=torch.bfloat16, seed=gen.seed_value)
-    base = _run(model, kw).float()
+    base = run_model(model, kw).float()
     counts = wi.inject_wan_kernels(model, verbose=False)
     assert counts["wan_blocks"] == model.config.num_layers
-    out = _run(model, kw).float()
+    out = run_model(model, kw).float()
     e_base, e_out = rel_l2(base, ref), rel_l2(out, ref)
     assert e_out <= 1.5 * e_base + 1e-3, f"patched {e_out:.4g} vs unpatched {e_base:.4g} (rel L2 to fp32)"
     assert rel_l2(out, base) < 0.05
@@ -154,12 +151,12 @@ def test_hooks_on_skipped_modules_still_run(gen):
     block) still runs, and the output stays right."""
     model = _model("t2v", seed=gen.seed_value % 1000)
     kw = _inputs(model, "t2v", seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     wi.inject_wan_kernels(model, verbose=False)
     for target in (model.blocks[0].attn1, model.blocks[0].attn1.norm_q, model.blocks[1], model.blocks[0].norm1):
         seen = []
         handle = target.register_forward_hook(lambda m, a, o: seen.append(1))
-        out = _run(model, kw)
+        out = run_model(model, kw)
         handle.remove()
         assert seen, f"hook on {type(target).__name__} did not run"
         assert rel_l2(out, ref) < FP32_REL
@@ -181,20 +178,14 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(where, gen):
         if where.startswith("post")
         else b1.register_forward_pre_hook(lambda m, a: change(a[0]))
     )
-    try:
-        ref = _run(model, kw)
-        wi.inject_wan_kernels(model, verbose=False)
-        got = _run(model, kw)
-    finally:
-        handle.remove()
-        wi.remove_wan_kernels(model, verbose=False)
+    ref, got, _ = without_and_with_kernels(model, kw, wi.inject_wan_kernels, wi.remove_wan_kernels, [handle])
     assert rel_l2(got, ref) < FP32_REL
 
 
 def test_other_processor_or_fused_projections_fall_back(kernel_calls, gen):
     model = _model("t2v", seed=gen.seed_value % 1000)
     kw = _inputs(model, "t2v", seed=gen.seed_value)
-    ref = _run(model, kw)
+    ref = run_model(model, kw)
     wi.inject_wan_kernels(model, verbose=False)
 
     class MyProcessor(wi.WanAttnProcessor):
@@ -202,7 +193,7 @@ def test_other_processor_or_fused_projections_fall_back(kernel_calls, gen):
 
     model.blocks[0].attn1.set_processor(MyProcessor())
     model.blocks[1].attn1.fuse_projections()
-    out = _run(model, kw)
+    out = run_model(model, kw)
     assert rel_l2(out, ref) < FP32_REL
     assert kernel_calls["ltx_qk_rmsnorm_rope"] == 0
 
@@ -274,9 +265,9 @@ def test_whole_model_with_gpu_rounding_is_much_closer_than_with_truncation(gen):
     rounding boundary somewhere; it is far closer than with the interpreter's truncation."""
     model = _model("t2v", dtype=torch.bfloat16, seed=gen.seed_value % 1000)
     kw = _inputs(model, "t2v", dtype=torch.bfloat16, seed=gen.seed_value)
-    base = _run(model, kw)
+    base = run_model(model, kw)
     wi.inject_wan_kernels(model, verbose=False)
-    trunc = _run(model, kw)
+    trunc = run_model(model, kw)
     with interpreter_bf16_round_to_nearest_even():
-        rne = _run(model, kw)
+        rne = run_model(model, kw)
     assert rel_l2(rne.float(), base.float()) <= 0.25 * rel_l2(trunc.float(), base.float())
