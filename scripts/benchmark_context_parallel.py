@@ -235,19 +235,7 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
     ulysses = args.ulysses_degree if args.ulysses_degree is not None else max(world // args.ring_degree, 1)
     ring = args.ring_degree
 
-    if args.tiny:
-        model = di.build_tiny_ltx_pipeline(seed=args.seed).transformer.to(device)
-        what = "tiny random LTX-Video transformer (2 blocks, width 32)"
-    else:
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            model = di.LTXVideoTransformer3DModel().float().eval()
-        what = "real-size LTX-Video transformer, random weights (no checkpoint)"
-    if args.attention_backend:
-        model.set_attention_backend(args.attention_backend)  # before injection: the processors carry it over
-    with torch.no_grad():  # identical weights on every rank, whatever the device's generator does
-        for t in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(t.data, src=0)
+    model, what = _build_model(args, torch, dist, device, di)
     inputs = be.transformer_inputs(model, args, device, torch.float32)
     if args.no_text_mask:
         inputs["encoder_attention_mask"] = None
@@ -261,66 +249,127 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
         f"world {world}: ulysses {ulysses} x ring {ring}; modes {list(args.modes)}"
     )
 
-    clock = be.Clock(gpu)
+    bench = _Bench(args, torch, dist, gpu, be, di, model, inputs)
     dtype = torch.float32 if not gpu else torch.bfloat16
+    ref32 = bench.forward()[0]
+    bench.cast(dtype)
 
-    def forward(m, inp):
-        with torch.no_grad():
+    results = {m: {} for m in args.modes}
+    single = _time_one_gpu(bench, results)
+    di.remove_optimized_kernels(model, verbose=False)
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
+    runs = _time_context_parallel(bench, world)
+    profiles = _profile_modes(bench, runs)
+    failed = _report_context_parallel(bench, runs, results, single, ref32, profiles, world)
+    di.remove_optimized_kernels(model, verbose=False)
+
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    dist.all_reduce(flag)  # every rank exits with the same status
+    ok = flag.item() == 0
+    if rank == 0:
+        layout = {"world_size": world, "ulysses_degree": ulysses, "ring_degree": ring}
+        config = _config(args, tokens, text_tokens, dtype, layout)
+        _write_summary(_summary(args, torch, gpu, world, what, config, results, ok), args.output_json)
+    if not ok:
+        log("FAILED: a context-parallel mode failed or diverged (see results.<mode>.context_parallel)")
+    return 0 if ok else 1
+
+
+def _build_model(args, torch, dist, device, di):
+    """(the LTX-Video transformer in fp32 with the same random weights on every rank, what it is)."""
+    if args.tiny:
+        model = di.build_tiny_ltx_pipeline(seed=args.seed).transformer.to(device)
+        what = "tiny random LTX-Video transformer (2 blocks, width 32)"
+    else:
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = di.LTXVideoTransformer3DModel().float().eval()
+        what = "real-size LTX-Video transformer, random weights (no checkpoint)"
+    if args.attention_backend:
+        model.set_attention_backend(args.attention_backend)  # before injection: the processors carry it over
+    with torch.no_grad():  # identical weights on every rank, whatever the device's generator does
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+    return model, what
+
+
+class _Bench:
+    """The model and its inputs on this rank: one forward, the switch between modes, and a mode's
+    warm-up and timed forwards."""
+
+    def __init__(self, args, torch, dist, gpu, be, di, model, inputs):
+        self.args, self.torch, self.dist, self.gpu, self.be, self.di = args, torch, dist, gpu, be, di
+        self.model, self.inputs = model, inputs
+        self.clock = be.Clock(gpu)
+
+    def forward(self):
+        """(output in fp32, time in ms) of one forward."""
+        model, inputs, clock = self.model, self.inputs, self.clock
+        with self.torch.no_grad():
             a = clock.mark()
-            y = m(**inp)[0]
+            y = model(**inputs)[0]
             b = clock.mark()
         clock.sync()
         return y.float(), clock.ms(a, b)
 
-    ref32 = forward(model, inputs)[0]
-    model.to(dtype)
-    inputs = {
-        k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
-        for k, v in inputs.items()
-    }
+    def cast(self, dtype):
+        """The model and its floating-point inputs but the timestep to dtype."""
+        torch = self.torch
+        self.model.to(dtype)
+        self.inputs = {
+            k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
+            for k, v in self.inputs.items()
+        }
 
-    def set_mode(mode):
-        di.remove_optimized_kernels(model, verbose=False)
-        return di.inject_optimized_kernels(model, verbose=False) if mode == "triton" else None
+    def set_mode(self, mode):
+        self.di.remove_optimized_kernels(self.model, verbose=False)
+        return self.di.inject_optimized_kernels(self.model, verbose=False) if mode == "triton" else None
 
-    def timed(mode, parallel: bool):
-        counts = set_mode(mode)
-        for _ in range(args.warmup):
-            forward(model, inputs)
-        if gpu:
+    def timed(self, mode, parallel: bool):
+        """(injected counts, last output, per-forward times in ms, peak memory in GB or None)."""
+        torch = self.torch
+        counts = self.set_mode(mode)
+        for _ in range(self.args.warmup):
+            self.forward()
+        if self.gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times, out = [], None
-        for _ in range(args.repeats):
+        for _ in range(self.args.repeats):
             if parallel:
-                dist.barrier()
-            out, ms = forward(model, inputs)
+                self.dist.barrier()
+            out, ms = self.forward()
             times.append(ms)
-        peak = torch.cuda.max_memory_allocated() / 1e9 if gpu else None
+        peak = torch.cuda.max_memory_allocated() / 1e9 if self.gpu else None
         return counts, out, times, peak
 
-    results = {m: {} for m in args.modes}
+
+def _time_one_gpu(bench, results) -> dict:
+    """Each mode on this rank alone, into results[mode]; returns each mode's output, the baseline's always."""
     single = {}
-    for mode in args.modes:
-        counts, out, times, peak = timed(mode, parallel=False)
+    for mode in bench.args.modes:
+        counts, out, times, peak = bench.timed(mode, parallel=False)
         single[mode] = out
         results[mode]["injected"] = counts
-        results[mode]["one_gpu"] = {"forward_ms": be.stats(times), "peak_memory_gb": peak}
+        results[mode]["one_gpu"] = {"forward_ms": bench.be.stats(times), "peak_memory_gb": peak}
         log(f"1 GPU  {mode:>8}: {statistics.median(times):.2f} ms")
     if "baseline" not in single:  # the parity yardstick is the stock model's distance to float32
-        set_mode("baseline")
-        single["baseline"] = forward(model, inputs)[0]
+        bench.set_mode("baseline")
+        single["baseline"] = bench.forward()[0]
+    return single
 
-    di.remove_optimized_kernels(model, verbose=False)
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring))
-    failed = False
-    runs = {m: {"times": [], "round_medians": []} for m in args.modes}  # per mode: per-rank times over rounds
-    for rnd in range(args.rounds):  # modes interleaved, so drifts (clocks, host jitter) hit each alike
-        for mode in args.modes:
+
+def _time_context_parallel(bench, world) -> dict:
+    """Per mode, the split model's per-rank times over all rounds, each round's median, the last output and
+    peak memory, or the error that stopped the mode."""
+    dist = bench.dist
+    runs = {m: {"times": [], "round_medians": []} for m in bench.args.modes}  # per mode: per-rank times over rounds
+    for rnd in range(bench.args.rounds):  # modes interleaved, so drifts (clocks, host jitter) hit each alike
+        for mode in bench.args.modes:
             if "error" in runs[mode]:
                 continue
             try:
-                counts, out, times, peak = timed(mode, parallel=True)
+                counts, out, times, peak = bench.timed(mode, parallel=True)
             except Exception as exc:  # every rank runs the same shapes, so every rank fails at the same place
                 runs[mode]["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 del exc
@@ -337,50 +386,42 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
             )
             runs[mode]["round_medians"].append(_median_slowest(gathered)["median"])
             runs[mode].update(out=out, peak=peak)
+    return runs
+
+
+def _profile_modes(bench, runs) -> dict:
+    """--profile: one split forward per mode that ran; every rank runs it (the collectives need them all)
+    and rank 0's numbers are kept."""
     profiles = {}
-    if args.profile:  # every rank runs the forward (the collectives need them all); rank 0's numbers are kept
-        for mode in args.modes:
+    if bench.args.profile:
+        for mode in bench.args.modes:
             if "error" not in runs[mode]:
-                set_mode(mode)
-                profiles[mode] = be.profile_forward(model, inputs, gpu)
-    for mode in args.modes:
+                bench.set_mode(mode)
+                profiles[mode] = bench.be.profile_forward(bench.model, bench.inputs, bench.gpu)
+    return profiles
+
+
+def _report_context_parallel(bench, runs, results, single, ref32, profiles, world) -> bool:
+    """Each mode's context-parallel result into results[mode]["context_parallel"], logged; returns whether
+    a mode of this bundle failed or diverged (a baseline failure does not count)."""
+    failed = False
+    for mode in bench.args.modes:
         run = runs[mode]
         if "error" in run:
             err = run["error"]
             results[mode]["context_parallel"] = {"error": err}
             if mode == "baseline":  # diffusers as shipped: reported, not this script's failure
                 results[mode]["context_parallel"]["note"] = (
-                    KNOWN_BASELINE_FAILURE if inputs.get("encoder_attention_mask") is not None else None
+                    KNOWN_BASELINE_FAILURE if bench.inputs.get("encoder_attention_mask") is not None else None
                 )
                 log(f"CP x{world} baseline (diffusers as shipped) failed: {err}")
             else:
                 failed = True
                 log(f"CP x{world} {mode} FAILED: {err}", all_ranks=True)
             continue
-        out = run["out"]
-        peaks = [None] * world
-        dist.all_gather_object(peaks, run["peak"])
-        cp = {
-            "forward_ms": _median_slowest(run["times"]),
-            "round_medians_ms": run["round_medians"],
-            "peak_memory_gb_per_rank": peaks,
-        }
-        finite = bool(torch.isfinite(out).all())
-        vs32 = be.distance(out, ref32)
-        base32 = be.distance(single["baseline"], ref32)
-        ok = finite and vs32["rel_l2"] <= 1.5 * base32["rel_l2"] + 1e-6
-        cp["parity"] = {
-            "finite": finite,
-            "vs_fp32": vs32,
-            "vs_one_gpu_same_mode": be.distance(out, single[mode]),
-            "one_gpu_baseline_vs_fp32": base32,
-            "rule": "finite and rel_l2(cp output, fp32 one-GPU output) <= 1.5 * rel_l2(one-GPU baseline, fp32) + 1e-6",
-            "ok": bool(ok),
-        }
-        cp.update(scaling(results[mode]["one_gpu"]["forward_ms"]["median"], cp["forward_ms"]["median"], world))
-        if mode in profiles:
-            cp["profile_rank0"] = profiles[mode]
+        cp = _context_parallel_result(bench, mode, run, results, single, ref32, profiles, world)
         results[mode]["context_parallel"] = cp
+        ok = cp["parity"]["ok"]
         failed |= not ok
         log(
             f"CP x{world} {mode:>8}: {cp['forward_ms']['median']:.2f} ms (slowest rank; rounds "
@@ -389,71 +430,103 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
             f"parity {'ok' if ok else 'FAILED'}",
             all_ranks=not ok,
         )
-    di.remove_optimized_kernels(model, verbose=False)
+    return failed
 
-    flag = torch.tensor([1.0 if failed else 0.0], device=device)
-    dist.all_reduce(flag)  # every rank exits with the same status
-    ok = flag.item() == 0
-    if rank == 0:
-        summary = {
-            "benchmark": "benchmark_context_parallel.py",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": f"torchrun --nproc-per-node {world} scripts/benchmark_context_parallel.py "
-            + " ".join(args.argv),
-            "device": (
-                f"{world} x {torch.cuda.get_device_name()}"
-                if gpu
-                else f"{world} CPU processes (gloo, Triton interpreter; not a measurement)"
-            ),
-            "versions": {
-                "torch": torch.__version__,
-                "triton": __import__("triton").__version__,
-                "diffusers": __import__("diffusers").__version__,
-                "python": platform.python_version(),
-            },
-            "weights": what,
-            "config": {
-                "num_frames": args.num_frames,
-                "height": args.height,
-                "width": args.width,
-                "tokens": tokens,
-                "text_tokens": text_tokens,
-                "text_mask": not args.no_text_mask,
-                "batch": 2,
-                "dtype": str(dtype).replace("torch.", ""),
-                "world_size": world,
-                "ulysses_degree": ulysses,
-                "ring_degree": ring,
-                "attention_backend": args.attention_backend or "diffusers default",
-                "repeats": args.repeats,
-                "rounds": args.rounds,
-                "warmup": args.warmup,
-                "seed": args.seed,
-            },
-            "timing": (
-                "CUDA events around each forward, after a barrier; per repeat the slowest rank; one GPU: "
-                "--repeats forwards; context parallel: --rounds x --repeats, modes interleaved"
-            )
+
+def _context_parallel_result(bench, mode, run, results, single, ref32, profiles, world) -> dict:
+    """One mode's context-parallel timing, memory per rank, parity and scaling."""
+    be = bench.be
+    out = run["out"]
+    peaks = [None] * world
+    bench.dist.all_gather_object(peaks, run["peak"])
+    cp = {
+        "forward_ms": _median_slowest(run["times"]),
+        "round_medians_ms": run["round_medians"],
+        "peak_memory_gb_per_rank": peaks,
+    }
+    finite = bool(bench.torch.isfinite(out).all())
+    vs32 = be.distance(out, ref32)
+    base32 = be.distance(single["baseline"], ref32)
+    ok = finite and vs32["rel_l2"] <= 1.5 * base32["rel_l2"] + 1e-6
+    cp["parity"] = {
+        "finite": finite,
+        "vs_fp32": vs32,
+        "vs_one_gpu_same_mode": be.distance(out, single[mode]),
+        "one_gpu_baseline_vs_fp32": base32,
+        "rule": "finite and rel_l2(cp output, fp32 one-GPU output) <= 1.5 * rel_l2(one-GPU baseline, fp32) + 1e-6",
+        "ok": bool(ok),
+    }
+    cp.update(scaling(results[mode]["one_gpu"]["forward_ms"]["median"], cp["forward_ms"]["median"], world))
+    if mode in profiles:
+        cp["profile_rank0"] = profiles[mode]
+    return cp
+
+
+def _config(args, tokens, text_tokens, dtype, layout) -> dict:
+    """The summary's "config": sizes, dtype, the split (layout: world_size, ulysses_degree, ring_degree)
+    and the timing settings."""
+    return {
+        "num_frames": args.num_frames,
+        "height": args.height,
+        "width": args.width,
+        "tokens": tokens,
+        "text_tokens": text_tokens,
+        "text_mask": not args.no_text_mask,
+        "batch": 2,
+        "dtype": str(dtype).replace("torch.", ""),
+        **layout,
+        "attention_backend": args.attention_backend or "diffusers default",
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "seed": args.seed,
+    }
+
+
+def _summary(args, torch, gpu, world, what, config, results, ok) -> dict:
+    """Rank 0's JSON summary."""
+    summary = {
+        "benchmark": "benchmark_context_parallel.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": f"torchrun --nproc-per-node {world} scripts/benchmark_context_parallel.py " + " ".join(args.argv),
+        "device": (
+            f"{world} x {torch.cuda.get_device_name()}"
             if gpu
-            else "host clock",
-            "results": results,
-            "ok": ok,
-        }
-        cp_ms = {
-            m: r["context_parallel"]["forward_ms"]["median"]
-            for m, r in results.items()
-            if "forward_ms" in r.get("context_parallel", {})
-        }
-        if "baseline" in cp_ms and "triton" in cp_ms:
-            summary["triton_speedup_vs_baseline_context_parallel"] = cp_ms["baseline"] / cp_ms["triton"]
-        text = json.dumps(summary, indent=2, default=str)
-        print(text)
-        if args.output_json:
-            with open(args.output_json, "w") as f:
-                f.write(text + "\n")
-    if not ok:
-        log("FAILED: a context-parallel mode failed or diverged (see results.<mode>.context_parallel)")
-    return 0 if ok else 1
+            else f"{world} CPU processes (gloo, Triton interpreter; not a measurement)"
+        ),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "diffusers": __import__("diffusers").__version__,
+            "python": platform.python_version(),
+        },
+        "weights": what,
+        "config": config,
+        "timing": (
+            "CUDA events around each forward, after a barrier; per repeat the slowest rank; one GPU: "
+            "--repeats forwards; context parallel: --rounds x --repeats, modes interleaved"
+        )
+        if gpu
+        else "host clock",
+        "results": results,
+        "ok": ok,
+    }
+    cp_ms = {
+        m: r["context_parallel"]["forward_ms"]["median"]
+        for m, r in results.items()
+        if "forward_ms" in r.get("context_parallel", {})
+    }
+    if "baseline" in cp_ms and "triton" in cp_ms:
+        summary["triton_speedup_vs_baseline_context_parallel"] = cp_ms["baseline"] / cp_ms["triton"]
+    return summary
+
+
+def _write_summary(summary: dict, output_json) -> None:
+    text = json.dumps(summary, indent=2, default=str)
+    print(text)
+    if output_json:
+        with open(output_json, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

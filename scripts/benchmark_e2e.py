@@ -68,6 +68,17 @@ def log(*a):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_workload_arguments(p)
+    _add_timing_arguments(p)
+    _add_parity_and_output_arguments(p)
+    args = p.parse_args(argv)
+    _check_common_args(p, args)
+    _check_model_args(p, args)
+    return args
+
+
+def _add_workload_arguments(p):
+    """What runs: the model, its variant, the modes and the video size."""
     p.add_argument(
         "--model",
         choices=("ltx", "sd3", "flux", "wan"),
@@ -92,6 +103,10 @@ def parse_args(argv=None):
     p.add_argument("--height", type=int, help="multiple of 32 (default 512; CPU 32)")
     p.add_argument("--width", type=int, help="multiple of 32 (default 768; CPU 32)")
     p.add_argument("--steps", type=int, help="denoising steps per pipeline call (default 4; CPU 2)")
+
+
+def _add_timing_arguments(p):
+    """How it is timed: repeats, warm-up, rounds, seed, dtype, what is timed, profiling, compile, heating."""
     p.add_argument(
         "--repeats", type=int, help="timed pipeline calls, or forwards with --transformer-only (default 3 / 10; CPU 1)"
     )
@@ -117,6 +132,10 @@ def parse_args(argv=None):
         help="untimed baseline calls for this long before the first mode, so every mode runs on a GPU "
         "at its working temperature and clocks (default 20 on a GPU, 0 on the CPU)",
     )
+
+
+def _add_parity_and_output_arguments(p):
+    """The parity rule, the tiny pipeline, and where the results go."""
     p.add_argument("--no-fp32-reference", action="store_true", help="skip the float32 run; parity by PSNR vs baseline")
     p.add_argument(
         "--min-psnr", type=float, default=30.0, help="PSNR floor vs baseline without the fp32 reference (dB)"
@@ -126,7 +145,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--output-json", help="also write the JSON summary here")
     p.add_argument("--png", help="chart of per-step (or per-forward) time per mode, if matplotlib is installed")
-    args = p.parse_args(argv)
+
+
+def _check_common_args(p, args):
+    """Sets args.modes; rejects unknown modes and counts out of range."""
     modes = MODES if args.mode == "all" else tuple(m.strip() for m in args.mode.split(","))
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -138,6 +160,11 @@ def parse_args(argv=None):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "warmup" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {v}")
+
+
+def _check_model_args(p, args):
+    """Sets the default --variant and, for the models timed by their transformer alone, --transformer-only;
+    rejects a variant of another model and sizes the model's compression does not divide."""
     defaults = {"sd3": "sd3.5-medium", "wan": WAN_VARIANTS[0]}
     if args.variant is None:
         args.variant = defaults.get(args.model)
@@ -152,21 +179,20 @@ def parse_args(argv=None):
             v = getattr(args, name)
             if v is not None and v % mult:
                 p.error(f"--{name} must be a multiple of {mult} for Wan {args.variant}, got {v}")
-        return args
+        return
     if args.model != "ltx":
         args.transformer_only = True  # the SD3 / FLUX pipelines need CLIP/T5 encoders: time the transformer
         for name in ("height", "width"):
             v = getattr(args, name)
             if v is not None and v % 16:
                 p.error(f"--{name} must be a multiple of 16 (VAE 8x, then 2x2 patches), got {v}")
-        return args
+        return
     if args.num_frames is not None and (args.num_frames - 1) % 8:
         p.error(f"--num-frames must be 8k+1 (LTX-Video's temporal compression), got {args.num_frames}")
     for name in ("height", "width"):
         v = getattr(args, name)
         if v is not None and v % 32:
             p.error(f"--{name} must be a multiple of 32 (LTX-Video's spatial compression), got {v}")
-    return args
 
 
 # --------------------------------------------------------------------------------------------
@@ -618,6 +644,43 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
         log("no GPU: tiny random pipeline on the CPU through Triton's interpreter (not a measurement)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _fill_defaults(args, gpu)
+    sys.path.insert(0, HERE)
+    from diffusers.utils import logging as diffusers_logging
+
+    import diffusers_injection as di
+
+    diffusers_logging.set_verbosity_error()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # progress is optional
+        tqdm = None
+
+    device = "cuda" if gpu else "cpu"
+    dtype = DTYPES[args.dtype]
+    clock = Clock(gpu)
+    pipe, base_model, inputs, weights = _load(args, device, dtype)
+    ref32 = _fp32_reference(args, pipe, base_model, inputs, clock, dtype)
+    inputs = _to_dtype(args, pipe, base_model, inputs, dtype, gpu)
+    if args.heat_seconds > 0:
+        _heat(args, pipe, base_model, inputs, clock)
+
+    per_mode = (args.warmup + args.repeats) * args.rounds
+    progress = tqdm(total=per_mode * len(args.modes), file=sys.stderr, desc="benchmark") if tqdm else _NoBar()
+    results, outputs = _run_rounds(args, gpu, clock, pipe, base_model, inputs, di, progress)
+    parity = judge(outputs, ref32, args.min_psnr)
+    for mode in results:
+        results[mode]["parity"] = parity[mode]
+    ok = all(v["ok"] for v in parity.values())
+
+    summary = _summary(args, argv, gpu, weights, _config(args, base_model, inputs), results, ok)
+    _report(args, summary, results, ok)
+    return 0 if ok else 1
+
+
+def _fill_defaults(args, gpu: bool) -> None:
+    """The sizes, counts, dtype and heating time not given on the command line: the model's defaults on a
+    GPU, small ones on the CPU."""
     cpu_defaults = dict(num_frames=9, height=32, width=32, steps=2, repeats=1, dtype="fp32", heat_seconds=0.0)
     gpu_defaults = dict(
         num_frames=121,
@@ -637,20 +700,11 @@ def main(argv=None) -> int:
     for k, v in (cpu_defaults if not gpu else gpu_defaults).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    sys.path.insert(0, HERE)
-    from diffusers.utils import logging as diffusers_logging
 
-    import diffusers_injection as di
 
-    diffusers_logging.set_verbosity_error()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # progress is optional
-        tqdm = None
-
-    device = "cuda" if gpu else "cpu"
-    dtype = DTYPES[args.dtype]
-    clock = Clock(gpu)
+def _load(args, device, dtype):
+    """(LTX pipeline or None, the transformer in fp32, its forward's inputs or None for a pipeline run,
+    description of the weights). The inputs are in fp32, but LTX-Video's (--transformer-only) in dtype."""
     if args.model == "ltx":
         pipe, weights = load_pipeline(device, args.tiny, args.seed)
         pipe.set_progress_bar_config(disable=True)
@@ -661,18 +715,24 @@ def main(argv=None) -> int:
         pipe = None
         base_model, inputs, weights = (load_wan if args.model == "wan" else load_mmdit)(args, device)
         log(f"{weights}; {args.height}x{args.width}; modes {list(args.modes)}")
+    return pipe, base_model, inputs, weights
 
-    ref32 = None
-    if not args.no_fp32_reference and dtype != torch.float32:
-        log("float32 reference run")
-        if args.transformer_only:
-            inputs32 = {
-                k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
-            }
-            ref32 = {"output": run_forward(base_model, inputs32, clock)[0]}
-        else:
-            lat, frames, _ = run_pipeline(pipe, base_model, args, clock)
-            ref32 = {"latents": lat, "frames": frames}
+
+def _fp32_reference(args, pipe, base_model, inputs, clock, dtype):
+    """The float32 run's outputs (the parity yardstick), or None when skipped or already fp32."""
+    if args.no_fp32_reference or dtype == torch.float32:
+        return None
+    log("float32 reference run")
+    if args.transformer_only:
+        inputs32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+        return {"output": run_forward(base_model, inputs32, clock)[0]}
+    lat, frames, _ = run_pipeline(pipe, base_model, args, clock)
+    return {"latents": lat, "frames": frames}
+
+
+def _to_dtype(args, pipe, base_model, inputs, dtype, gpu: bool):
+    """The model in dtype (Wan's fp32 modules kept) and the inputs in dtype but the timestep; returns the
+    inputs."""
     if pipe is not None:
         pipe.to(dtype)
         if args.transformer_only and gpu:  # not needed: frees device memory
@@ -689,23 +749,28 @@ def main(argv=None) -> int:
             k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "timestep" else v)
             for k, v in inputs.items()
         }
+    return inputs
 
-    if args.heat_seconds > 0:
-        # The first mode would otherwise run on a cool GPU. (Clocks can still fall later in the run: in the
-        # recorded LTX-Video run, after 20 s of this, the same GEMM and attention kernels took 6-15 % longer
-        # in the modes timed after the baseline; --rounds alternates the order.)
-        log(f"heating the GPU with baseline calls for {args.heat_seconds:.0f} s")
-        heat_calls, t_end = 0, time.perf_counter() + args.heat_seconds
-        while time.perf_counter() < t_end:
-            if pipe is not None and not args.transformer_only:
-                run_pipeline(pipe, base_model, args, clock)
-            else:
-                run_forward(base_model, inputs, clock)
-            heat_calls += 1
-        log(f"  {heat_calls} calls")
 
-    per_mode = (args.warmup + args.repeats) * args.rounds
-    progress = tqdm(total=per_mode * len(args.modes), file=sys.stderr, desc="benchmark") if tqdm else _NoBar()
+def _heat(args, pipe, base_model, inputs, clock) -> None:
+    """Untimed baseline calls for --heat-seconds, so that the first mode does not run on a cool GPU. Clocks
+    can still fall later in the run (in the recorded LTX-Video run, after 20 s of this, the same GEMM and
+    attention kernels took 6-15 % longer in the modes timed after the baseline); --rounds alternates the
+    order."""
+    log(f"heating the GPU with baseline calls for {args.heat_seconds:.0f} s")
+    heat_calls, t_end = 0, time.perf_counter() + args.heat_seconds
+    while time.perf_counter() < t_end:
+        if pipe is not None and not args.transformer_only:
+            run_pipeline(pipe, base_model, args, clock)
+        else:
+            run_forward(base_model, inputs, clock)
+        heat_calls += 1
+    log(f"  {heat_calls} calls")
+
+
+def _run_rounds(args, gpu, clock, pipe, base_model, inputs, di, progress):
+    """Every mode in every round, the order alternating between rounds; returns (results per mode, pooled
+    over the rounds; outputs per mode, of the last round). Leaves the model as it was."""
     results, outputs = {}, {}
     orders = [args.modes if r % 2 == 0 else tuple(reversed(args.modes)) for r in range(args.rounds)]
     try:
@@ -731,20 +796,44 @@ def main(argv=None) -> int:
         di.remove_optimized_kernels(base_model, verbose=False)
         if pipe is not None:
             object.__setattr__(pipe, "transformer", base_model)
-    parity = judge(outputs, ref32, args.min_psnr)
-    for mode in results:
-        results[mode]["parity"] = parity[mode]
-    ok = all(v["ok"] for v in parity.values())
+    return results, outputs
 
-    tokens = None
-    if inputs is not None:
-        hs = inputs["hidden_states"]
-        p = getattr(base_model.config, "patch_size", 1) or 1
-        if hs.dim() == 5:  # Wan latents [B, C, F, H, W], patch (t, h, w)
-            tokens = math.prod(n // q for n, q in zip(hs.shape[2:], p))
-        else:
-            tokens = hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
-    summary = {
+
+def _token_count(base_model, inputs):
+    """Tokens of one sample in the timed forward, or None for a pipeline run."""
+    if inputs is None:
+        return None
+    hs = inputs["hidden_states"]
+    p = getattr(base_model.config, "patch_size", 1) or 1
+    if hs.dim() == 5:  # Wan latents [B, C, F, H, W], patch (t, h, w)
+        return math.prod(n // q for n, q in zip(hs.shape[2:], p))
+    return hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
+
+
+def _config(args, base_model, inputs) -> dict:
+    """The summary's "config"."""
+    return {
+        "model": args.model,
+        "variant": args.variant,
+        "num_frames": args.num_frames,
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2,
+        "tokens": _token_count(base_model, inputs),
+        "compile_mode": args.compile_mode,
+        "heat_seconds": args.heat_seconds,
+        "rounds": args.rounds,
+    }
+
+
+def _summary(args, argv, gpu, weights, config, results, ok) -> dict:
+    """The JSON summary."""
+    return {
         "benchmark": "benchmark_e2e.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python scripts/benchmark_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -758,23 +847,7 @@ def main(argv=None) -> int:
         },
         "weights": weights,
         "transformer_only": args.transformer_only,
-        "config": {
-            "model": args.model,
-            "variant": args.variant,
-            "num_frames": args.num_frames,
-            "height": args.height,
-            "width": args.width,
-            "steps": args.steps,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "dtype": args.dtype,
-            "seed": args.seed,
-            "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2,
-            "tokens": tokens,
-            "compile_mode": args.compile_mode,
-            "heat_seconds": args.heat_seconds,
-            "rounds": args.rounds,
-        },
+        "config": config,
         "timing": (
             "CUDA events around each transformer forward"
             if args.transformer_only
@@ -786,6 +859,10 @@ def main(argv=None) -> int:
         "targets": targets(results, args.transformer_only) if gpu else None,
         "ok": ok,
     }
+
+
+def _report(args, summary, results, ok) -> None:
+    """One line per mode on stderr, the JSON on stdout (and --output-json), the chart (--png)."""
     key = "forward_ms" if args.transformer_only else "step_ms"
     for mode, r in results.items():
         log(
@@ -803,7 +880,6 @@ def main(argv=None) -> int:
         chart(summary, args.png)
     if not ok:
         log("FAILED: a mode's output diverged (see results.<mode>.parity)")
-    return 0 if ok else 1
 
 
 class _NoBar:

@@ -1041,83 +1041,103 @@ def run(args):
         # correctness first, every provider (only this bundle's kernels decide the exit code)
         errs, bad = check_case(name, label, case, dtype)
         failures += bad
-        # interleaved rounds
-        per = {p: [] for p in case["providers"] if math.isfinite(errs.get(p, float("nan")))}
-        # the same-size copy reference, for this bundle's kernels whose counted bytes are what they move
-        copy_fn = same_size_copy(case["bytes"]) if "weight_bytes" not in case else None
-        cold = case.get("cold_providers") or {}
-        copy_cold = same_size_copy(case["bytes"], cold=True) if copy_fn is not None and cold else None
-        copy_recs = []
-        # the same access pattern (n_in reads, n_out writes) for cases that declare one: bf16 streams only
-        pattern = case.get("pattern") if dtype == torch.bfloat16 else None
-        pat_fn = same_pattern(case["bytes"], *pattern) if pattern else None
-        pat_cold = same_pattern(case["bytes"], *pattern, cold=True) if pattern and cold else None
-        pat_recs = []
-        for _ in range(args.rounds):
-            for prov in per:
-                per[prov].append(time_provider(case["providers"][prov], graph, cold.get(prov)))
-            if copy_fn is not None:
-                copy_recs.append(time_provider(copy_fn, graph, copy_cold))
-            if pat_fn is not None:
-                pat_recs.append(time_provider(pat_fn, graph, pat_cold))
-        for prov, recs in per.items():
-            ms = statistics.median(r["ms"] for r in recs)
-            gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
-            rec = {
-                "kernel": name,
-                **fields,
-                "shape": label,
-                "dtype": args.dtype,
-                "provider": prov,
-                "bytes": case["bytes"],
-                "ms": ms,
-                "ms_rounds": [r["ms"] for r in recs],
-                "ms_p20": statistics.median(r["ms_p20"] for r in recs),
-                "ms_p80": statistics.median(r["ms_p80"] for r in recs),
-                "graph_ms": statistics.median(gms) if gms else None,
-                "GBps": case["bytes"] / (ms * 1e-3) / 1e9,
-                "max_err_vs_fp64": errs[prov],
-            }
-            rec["pct_copy"] = 100 * rec["GBps"] / copy_gbs
-            if "weight_bytes" in case:  # skinny GEMM: the weight read is the bound that matters
-                rec["weight_GBps"] = case["weight_bytes"] / (ms * 1e-3) / 1e9
-                if rec["graph_ms"]:
-                    rec["weight_GBps_graph"] = case["weight_bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
-                    rec["weight_pct_copy_graph"] = 100 * rec["weight_GBps_graph"] / copy_gbs
-            if rec["graph_ms"]:
-                rec["GBps_graph"] = case["bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
-                rec["pct_copy_graph"] = 100 * rec["GBps_graph"] / copy_gbs
-            cgms = [r["cold_graph_ms"] for r in recs if r.get("cold_graph_ms")]
-            if cgms:
-                rec["cold_graph_ms"] = statistics.median(cgms)
-                rec["GBps_cold_graph"] = case["bytes"] / (rec["cold_graph_ms"] * 1e-3) / 1e9
-                rec["pct_copy_cold_graph"] = 100 * rec["GBps_cold_graph"] / copy_gbs
-            if copy_recs and prov.startswith("triton") and prov not in case.get("moves_more", ()):
-                rec["same_size_copy_ms"] = statistics.median(r["ms"] for r in copy_recs)
-                rec["pct_same_size_copy"] = 100 * rec["same_size_copy_ms"] / ms
-                cg = [r["graph_ms"] for r in copy_recs if r.get("graph_ms")]
-                if rec["graph_ms"] and cg:
-                    rec["same_size_copy_graph_ms"] = statistics.median(cg)
-                    rec["pct_same_size_copy_graph"] = 100 * rec["same_size_copy_graph_ms"] / rec["graph_ms"]
-                ccg = [r["cold_graph_ms"] for r in copy_recs if r.get("cold_graph_ms")]
-                if rec.get("cold_graph_ms") and ccg:
-                    rec["same_size_copy_cold_graph_ms"] = statistics.median(ccg)
-                    rec["pct_same_size_copy_cold_graph"] = (
-                        100 * rec["same_size_copy_cold_graph_ms"] / rec["cold_graph_ms"]
-                    )
-            if pat_recs and prov.startswith("triton") and prov not in case.get("moves_more", ()):
-                rec["same_pattern"] = list(pattern)
-                for key in ("graph_ms", "cold_graph_ms"):
-                    t = [r[key] for r in pat_recs if r.get(key)]
-                    if rec.get(key) and t:
-                        rec[f"same_pattern_{key}"] = statistics.median(t)
-                        rec[f"pct_same_pattern_{key[:-3]}"] = 100 * rec[f"same_pattern_{key}"] / rec[key]
-            records.append(rec)
-        del case, copy_fn, pat_fn, pat_cold
+        timed = _time_case(case, errs, graph, args.rounds, dtype)
+        head = {"kernel": name, **fields, "shape": label, "dtype": args.dtype}
+        for prov, recs in timed["providers"].items():
+            records.append(_record(head, prov, recs, case, errs[prov], copy_gbs, timed))
+        del case, timed
         torch.cuda.empty_cache()
         _print_rows(records, name, label)
     info["cold_span_bytes"] = COLD_SPAN
     return {"device": info, "command": " ".join(sys.argv), "records": records, "failures": failures}
+
+
+def _time_case(case, errs, graph, rounds, dtype) -> dict:
+    """Interleaved timing rounds of the providers that ran (each round: every provider, then the references).
+    Returns the timings per provider ("providers"), of the same-size copy ("copy", for this bundle's kernels
+    whose counted bytes are what they move) and of the same access pattern ("pattern", n_in reads and n_out
+    writes, for bf16 cases that declare one: "pattern_shape")."""
+    per = {p: [] for p in case["providers"] if math.isfinite(errs.get(p, float("nan")))}
+    copy_fn = same_size_copy(case["bytes"]) if "weight_bytes" not in case else None
+    cold = case.get("cold_providers") or {}
+    copy_cold = same_size_copy(case["bytes"], cold=True) if copy_fn is not None and cold else None
+    copy_recs = []
+    pattern = case.get("pattern") if dtype == torch.bfloat16 else None
+    pat_fn = same_pattern(case["bytes"], *pattern) if pattern else None
+    pat_cold = same_pattern(case["bytes"], *pattern, cold=True) if pattern and cold else None
+    pat_recs = []
+    for _ in range(rounds):
+        for prov in per:
+            per[prov].append(time_provider(case["providers"][prov], graph, cold.get(prov)))
+        if copy_fn is not None:
+            copy_recs.append(time_provider(copy_fn, graph, copy_cold))
+        if pat_fn is not None:
+            pat_recs.append(time_provider(pat_fn, graph, pat_cold))
+    return {"providers": per, "copy": copy_recs, "pattern": pat_recs, "pattern_shape": pattern}
+
+
+def _record(head, prov, recs, case, err, copy_gbs, timed) -> dict:
+    """One provider's JSON record: head (kernel, the work item's fields, shape, dtype), its median times
+    over the rounds, the bandwidths they mean and, for this bundle's kernels, the time of the same-size copy
+    and of the same access pattern relative to theirs."""
+    ms = statistics.median(r["ms"] for r in recs)
+    gms = [r.get("graph_ms") for r in recs if r.get("graph_ms")]
+    rec = {
+        **head,
+        "provider": prov,
+        "bytes": case["bytes"],
+        "ms": ms,
+        "ms_rounds": [r["ms"] for r in recs],
+        "ms_p20": statistics.median(r["ms_p20"] for r in recs),
+        "ms_p80": statistics.median(r["ms_p80"] for r in recs),
+        "graph_ms": statistics.median(gms) if gms else None,
+        "GBps": case["bytes"] / (ms * 1e-3) / 1e9,
+        "max_err_vs_fp64": err,
+    }
+    rec["pct_copy"] = 100 * rec["GBps"] / copy_gbs
+    if "weight_bytes" in case:  # skinny GEMM: the weight read is the bound that matters
+        rec["weight_GBps"] = case["weight_bytes"] / (ms * 1e-3) / 1e9
+        if rec["graph_ms"]:
+            rec["weight_GBps_graph"] = case["weight_bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
+            rec["weight_pct_copy_graph"] = 100 * rec["weight_GBps_graph"] / copy_gbs
+    if rec["graph_ms"]:
+        rec["GBps_graph"] = case["bytes"] / (rec["graph_ms"] * 1e-3) / 1e9
+        rec["pct_copy_graph"] = 100 * rec["GBps_graph"] / copy_gbs
+    cgms = [r["cold_graph_ms"] for r in recs if r.get("cold_graph_ms")]
+    if cgms:
+        rec["cold_graph_ms"] = statistics.median(cgms)
+        rec["GBps_cold_graph"] = case["bytes"] / (rec["cold_graph_ms"] * 1e-3) / 1e9
+        rec["pct_copy_cold_graph"] = 100 * rec["GBps_cold_graph"] / copy_gbs
+    ours = prov.startswith("triton") and prov not in case.get("moves_more", ())
+    if timed["copy"] and ours:
+        _add_same_size_copy(rec, timed["copy"])
+    if timed["pattern"] and ours:
+        _add_same_pattern(rec, timed["pattern"], timed["pattern_shape"])
+    return rec
+
+
+def _add_same_size_copy(rec, copy_recs) -> None:
+    """The same-size copy's median times, and their share of the record's (eager, graph, cold graph)."""
+    rec["same_size_copy_ms"] = statistics.median(r["ms"] for r in copy_recs)
+    rec["pct_same_size_copy"] = 100 * rec["same_size_copy_ms"] / rec["ms"]
+    cg = [r["graph_ms"] for r in copy_recs if r.get("graph_ms")]
+    if rec["graph_ms"] and cg:
+        rec["same_size_copy_graph_ms"] = statistics.median(cg)
+        rec["pct_same_size_copy_graph"] = 100 * rec["same_size_copy_graph_ms"] / rec["graph_ms"]
+    ccg = [r["cold_graph_ms"] for r in copy_recs if r.get("cold_graph_ms")]
+    if rec.get("cold_graph_ms") and ccg:
+        rec["same_size_copy_cold_graph_ms"] = statistics.median(ccg)
+        rec["pct_same_size_copy_cold_graph"] = 100 * rec["same_size_copy_cold_graph_ms"] / rec["cold_graph_ms"]
+
+
+def _add_same_pattern(rec, pat_recs, pattern) -> None:
+    """The same access pattern's median graph times, and their share of the record's."""
+    rec["same_pattern"] = list(pattern)
+    for key in ("graph_ms", "cold_graph_ms"):
+        t = [r[key] for r in pat_recs if r.get(key)]
+        if rec.get(key) and t:
+            rec[f"same_pattern_{key}"] = statistics.median(t)
+            rec[f"pct_same_pattern_{key[:-3]}"] = 100 * rec[f"same_pattern_{key}"] / rec[key]
 
 
 def _print_rows(records, name, label):

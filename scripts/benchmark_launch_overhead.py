@@ -231,10 +231,7 @@ def per_kernel(args, argv) -> int:
         "worst_vs_F_rms_norm": max((r["vs_F_rms_norm"] for r in rows), default=None),
         "worst_vs_torch_ops": max((r["vs_torch_ops"] for r in rows if r["vs_torch_ops"] is not None), default=None),
     }
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.output_json:
-        Path(args.output_json).write_text(text + "\n")
+    _emit(doc, args.output_json)
     return 0
 
 
@@ -245,13 +242,19 @@ def log(*a):
 # --------------------------------------------------------------------------------------------
 # Launch-bound chain
 # --------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    args = _parse(argv)
-    if not torch.cuda.is_available():
-        print("error: this benchmark needs a GPU (CUDA or ROCm build of PyTorch)", file=sys.stderr)
-        return 2
-    if not args.chain:
-        return per_kernel(args, argv)
+# name, torch.library.triton_op (None: eager), torch.compile mode
+CHAIN_VARIANTS = (
+    ("eager", None, None),
+    ("compile custom_op", False, "default"),
+    ("compile triton_op", True, "default"),
+    ("compile custom_op reduce-overhead", False, "reduce-overhead"),
+    ("compile triton_op reduce-overhead", True, "reduce-overhead"),
+)
+
+
+def launch_chain(args, argv) -> int:
+    """--chain: the chain of fused norm calls, eager and compiled (CHAIN_VARIANTS), each timed and its output
+    compared with the eager chain's."""
     import rmsnorm
 
     if not rmsnorm._TRITON_OP:
@@ -263,56 +266,17 @@ def main(argv=None) -> int:
     y = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
     emb = torch.randn(args.batch, 1, 3 * args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.3
     gate, scale, shift = emb.chunk(3, dim=-1)
-
-    def chain(h, y):
-        for _ in range(args.chain_calls):
-            h, y = rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift)
-        return h
-
-    def timed(fn):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+    chain = _make_chain(rmsnorm, args, gate, scale, shift)
 
     reference = chain(h, y).clone()
     results, ok = {}, True
-    variants = [
-        ("eager", None, None),
-        ("compile custom_op", False, "default"),
-        ("compile triton_op", True, "default"),
-        ("compile custom_op reduce-overhead", False, "reduce-overhead"),
-        ("compile triton_op reduce-overhead", True, "reduce-overhead"),
-    ]
-    for name, use_triton_op, mode in variants:
-        if use_triton_op is None:
-
-            def fn():
-                return chain(h, y)
-        else:
-            # which op torch.compile records is read while it traces; the compiled code guards on the
-            # flag, so it stays set until this variant is timed (else every call would recompile)
-            rmsnorm._TRITON_OP = use_triton_op
-            torch._dynamo.reset()
-            compiled = torch.compile(chain, mode=mode, dynamic=False)
-
-            def fn(compiled=compiled):
-                torch.compiler.cudagraph_mark_step_begin()
-                return compiled(h, y).clone()  # a CUDA-graph output is overwritten by the next replay
-
+    for name, use_triton_op, mode in CHAIN_VARIANTS:
+        fn = _variant_fn(rmsnorm, chain, h, y, use_triton_op, mode)
         try:
             out = fn()
             same = torch.equal(out, reference)
             ok &= same
-            ms = timed(fn)
+            ms = _cuda_ms(fn, args.repeats)
         finally:
             rmsnorm._TRITON_OP = True
             torch._dynamo.reset()
@@ -327,10 +291,63 @@ def main(argv=None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    bytes_per_call = (
-        4 * h.numel() * h.element_size()
-    )  # read h, y; write h, out (gate, scale, shift: one row per sample)
-    doc = {
+    _emit(_chain_doc(args, argv, shape, h, results, ok), args.output_json)
+    return 0 if ok else 1
+
+
+def _make_chain(rmsnorm, args, gate, scale, shift):
+    """chain(h, y): --chain-calls fused gated residual + AdaLN RMSNorm calls, each call's output feeding the next."""
+
+    def chain(h, y):
+        for _ in range(args.chain_calls):
+            h, y = rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift)
+        return h
+
+    return chain
+
+
+def _variant_fn(rmsnorm, chain, h, y, use_triton_op, mode):
+    """A call of the chain as the variant runs it: eager (use_triton_op None) or compiled with mode."""
+    if use_triton_op is None:
+
+        def fn():
+            return chain(h, y)
+
+        return fn
+    # which op torch.compile records is read while it traces; the compiled code guards on the
+    # flag, so it stays set until this variant is timed (else every call would recompile)
+    rmsnorm._TRITON_OP = use_triton_op
+    torch._dynamo.reset()
+    compiled = torch.compile(chain, mode=mode, dynamic=False)
+
+    def fn(compiled=compiled):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(h, y).clone()  # a CUDA-graph output is overwritten by the next replay
+
+    return fn
+
+
+def _cuda_ms(fn, repeats: int) -> float:
+    """Median time of one fn() call in ms (CUDA events), after 5 untimed calls."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _chain_doc(args, argv, shape, h, results, ok) -> dict:
+    """The --chain JSON."""
+    # read h, y; write h, out (gate, scale, shift: one row per sample)
+    bytes_per_call = 4 * h.numel() * h.element_size()
+    return {
         "benchmark": "launch_overhead",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": _command(argv),
@@ -344,11 +361,24 @@ def main(argv=None) -> int:
         "results": results,
         "ok": ok,
     }
+
+
+def _emit(doc: dict, output_json) -> None:
+    """The JSON on stdout, and in output_json when given."""
     text = json.dumps(doc, indent=1)
     print(text)
-    if args.output_json:
-        Path(args.output_json).write_text(text + "\n")
-    return 0 if ok else 1
+    if output_json:
+        Path(output_json).write_text(text + "\n")
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        print("error: this benchmark needs a GPU (CUDA or ROCm build of PyTorch)", file=sys.stderr)
+        return 2
+    if not args.chain:
+        return per_kernel(args, argv)
+    return launch_chain(args, argv)
 
 
 if __name__ == "__main__":

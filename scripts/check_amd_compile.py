@@ -1183,9 +1183,47 @@ def _reexec_without_interpreter(argv: Sequence[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, targets = _parse_args(argv)
+    if args.list:
+        for name, (module, _) in CASES.items():
+            print(f"{module:14s} {name}")
+        return 0
+    if _interpreting_env():
+        _reexec_without_interpreter(argv)  # does not return
+
+    t0 = time.perf_counter()
+    records = compile_all(targets, args.kernel, args.num_warps, args.waves_per_eu)
+    elapsed = time.perf_counter() - t0
+    failures = [r for r in records if not r["ok"]]
+    report = {
+        "tools": tool_versions(),
+        "targets": {t: {"backend": TARGETS[t][0], "arch": TARGETS[t][1], "warp_size": TARGETS[t][2]} for t in targets},
+        "kernel_filter": args.kernel,
+        "num_warps_override": args.num_warps,
+        "waves_per_eu_override": args.waves_per_eu,
+        "records": records,
+        "n_records": len(records),
+        "n_failed": len(failures),
+        "elapsed_s": round(elapsed, 2),
+        "ok": bool(records) and not failures,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text + "\n")
+    print(format_table(records), file=sys.stderr)
+    if not records:
+        print(f"no case or kernel matches {args.kernel!r}", file=sys.stderr)
+    print(f"{len(records)} compiles, {len(failures)} failed, {elapsed:.1f} s", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+def _parse_args(argv: Sequence[str]):
+    """(parsed command line, the targets it names); exits with status 2 on a bad one."""
     import argparse
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(
         description="Compile every Triton kernel of the bundle ahead of time for AMD and NVIDIA targets, at the "
         "launch configurations the launchers choose for real model shapes, and report registers, spills, "
@@ -1231,39 +1269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--num-warps must be a power of two from 1 to 32, got {args.num_warps}")
     if args.waves_per_eu is not None and not 1 <= args.waves_per_eu <= 16:
         p.error(f"--waves-per-eu must be from 1 to 16, got {args.waves_per_eu}")
-    if args.list:
-        for name, (module, _) in CASES.items():
-            print(f"{module:14s} {name}")
-        return 0
-    if _interpreting_env():
-        _reexec_without_interpreter(argv)  # does not return
-
-    t0 = time.perf_counter()
-    records = compile_all(targets, args.kernel, args.num_warps, args.waves_per_eu)
-    elapsed = time.perf_counter() - t0
-    failures = [r for r in records if not r["ok"]]
-    report = {
-        "tools": tool_versions(),
-        "targets": {t: {"backend": TARGETS[t][0], "arch": TARGETS[t][1], "warp_size": TARGETS[t][2]} for t in targets},
-        "kernel_filter": args.kernel,
-        "num_warps_override": args.num_warps,
-        "waves_per_eu_override": args.waves_per_eu,
-        "records": records,
-        "n_records": len(records),
-        "n_failed": len(failures),
-        "elapsed_s": round(elapsed, 2),
-        "ok": bool(records) and not failures,
-    }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(text + "\n")
-    print(format_table(records), file=sys.stderr)
-    if not records:
-        print(f"no case or kernel matches {args.kernel!r}", file=sys.stderr)
-    print(f"{len(records)} compiles, {len(failures)} failed, {elapsed:.1f} s", file=sys.stderr)
-    return 0 if report["ok"] else 1
+    return args, targets
 
 
 if __name__ == "__main__":

@@ -659,48 +659,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     skipped = []
     gelu_notes = []
     for model in transformers:
-        for m in model.modules():
-            kind = _rmsnorm_kind(m)
-            if kind is not None:
-                fn = _diffusers_rmsnorm_forward if isinstance(m, DiffusersRMSNorm) else _torch_rmsnorm_forward
-                new[kind] += _patch_forward(m, fn, kind)
-            elif isinstance(m, (DiffusersRMSNorm, torch.nn.RMSNorm)):
-                skipped.append(f"{type(m).__name__} (a bias, or a forward of its own)")
-            elif _is_gelu_tanh(m):
-                new["gelu_tanh"] += _patch_forward(m, _gelu_tanh_forward, "gelu_tanh")
-            elif _class_forward(m, LTXVideoTransformerBlock):
-                new["adaln_fused_blocks"] += _patch_forward(m, _ltx_block_forward, "adaln_fused_blocks")
-            elif isinstance(m, LTXVideoTransformerBlock):
-                skipped.append(f"{type(m).__name__} (a forward of its own)")
-
-        # Attention processors, only where diffusers' own LTX processor is in place: self-attention
-        # (q/k norm + RoPE fused) and cross-attention (same class, no RoPE, mask broadcast over heads).
-        attn1s = []  # every block's self-attention: the patched rope hands over coords only if all are fused
-        for block in model.modules():
-            if isinstance(block, LTXVideoTransformerBlock) and not _class_forward(block, LTXVideoTransformerBlock):
-                attn1s.append(block.attn1)
-            if not _class_forward(block, LTXVideoTransformerBlock):
-                continue
-            for attn, kind, what in ((block.attn1, "qk_norm_rope_fused", "self"), (block.attn2, "cross_attn", "cross")):
-                if not isinstance(attn, LTXAttention):
-                    continue
-                if _STATE not in attn.__dict__:
-                    if type(attn.processor) is not LTXVideoAttnProcessor:
-                        skipped.append(f"{what}-attention with processor {type(attn.processor).__name__}")
-                        continue
-                    new[kind] += _install_processor(attn, kind)
-                if kind == "qk_norm_rope_fused":
-                    attn1s.append(attn)
-
-        _link_blocks(model)
-        gelu_notes.append(ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)))
-        rope_mod = getattr(model, "rope", None)
-        if _class_forward(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
-            if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):
-                new["rope_coords"] += 1
-            # a plain tuple attribute: not registered as submodules (no second parent in the tree)
-            rope_mod.__dict__["_rtk_attn1_modules"] = tuple(attn1s)
-
+        _inject_ltx_transformer(model, new, skipped, gelu_notes)
     for vae in vaes:
         for m in vae.modules():
             if _class_forward(m, DiffusersRMSNorm) and m.bias is None:
@@ -721,20 +680,80 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             gelu_notes.append(ic.probe_gelu_modules(mmdit._tanh_gelu_modules(model)))
 
     counts = injected_counts(pipe_or_model)
+    found = bool(transformers or vaes) or mmdit is not None or wan is not None
+    msg = _injection_message(counts, new, found, skipped, gelu_notes)
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+    return counts
+
+
+def _inject_ltx_transformer(model, new: dict, skipped: list, gelu_notes: list) -> None:
+    """Inject the kernels into one LTX-Video transformer: its norms, GELUs and blocks, then its attention
+    processors and RoPE. Adds to new (counts per kind), skipped (what was left untouched and why) and
+    gelu_notes."""
+    for m in model.modules():
+        kind = _rmsnorm_kind(m)
+        if kind is not None:
+            fn = _diffusers_rmsnorm_forward if isinstance(m, DiffusersRMSNorm) else _torch_rmsnorm_forward
+            new[kind] += _patch_forward(m, fn, kind)
+        elif isinstance(m, (DiffusersRMSNorm, torch.nn.RMSNorm)):
+            skipped.append(f"{type(m).__name__} (a bias, or a forward of its own)")
+        elif _is_gelu_tanh(m):
+            new["gelu_tanh"] += _patch_forward(m, _gelu_tanh_forward, "gelu_tanh")
+        elif _class_forward(m, LTXVideoTransformerBlock):
+            new["adaln_fused_blocks"] += _patch_forward(m, _ltx_block_forward, "adaln_fused_blocks")
+        elif isinstance(m, LTXVideoTransformerBlock):
+            skipped.append(f"{type(m).__name__} (a forward of its own)")
+
+    attn1s = _install_ltx_processors(model, new, skipped)
+    _link_blocks(model)
+    gelu_notes.append(ic.probe_gelu_modules(m for m in model.modules() if _is_gelu_tanh(m)))
+    rope_mod = getattr(model, "rope", None)
+    if _class_forward(rope_mod, LTXVideoRotaryPosEmbed) and attn1s:
+        if _patch_forward(rope_mod, _ltx_rope_forward, "rope_coords"):
+            new["rope_coords"] += 1
+        # a plain tuple attribute: not registered as submodules (no second parent in the tree)
+        rope_mod.__dict__["_rtk_attn1_modules"] = tuple(attn1s)
+
+
+def _install_ltx_processors(model, new: dict, skipped: list) -> list:
+    """The kernels' attention processors, only where diffusers' own LTX processor is in place: self-attention
+    (q/k norm + RoPE fused) and cross-attention (same class, no RoPE, mask broadcast over heads). Returns
+    every block's self-attention: the patched RoPE hands over coords only if all of them are fused."""
+    attn1s = []
+    for block in model.modules():
+        if isinstance(block, LTXVideoTransformerBlock) and not _class_forward(block, LTXVideoTransformerBlock):
+            attn1s.append(block.attn1)
+        if not _class_forward(block, LTXVideoTransformerBlock):
+            continue
+        for attn, kind, what in ((block.attn1, "qk_norm_rope_fused", "self"), (block.attn2, "cross_attn", "cross")):
+            if not isinstance(attn, LTXAttention):
+                continue
+            if _STATE not in attn.__dict__:
+                if type(attn.processor) is not LTXVideoAttnProcessor:
+                    skipped.append(f"{what}-attention with processor {type(attn.processor).__name__}")
+                    continue
+                new[kind] += _install_processor(attn, kind)
+            if kind == "qk_norm_rope_fused":
+                attn1s.append(attn)
+    return attn1s
+
+
+def _injection_message(counts: dict, new: dict, found: bool, skipped: list, gelu_notes: list) -> str:
+    """What inject_optimized_kernels logs: the counts, how many were already in place, what was left
+    untouched and the GELU notes; found: whether any supported model was there."""
     msg = "injected kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
     already = sum(counts.values()) - sum(new.values())
     if already:
         msg += f" ({already} were already in place)"
-    if not transformers and not vaes and mmdit is None and wan is None:
+    if not found:
         msg += " (no LTX-Video, SD3, FLUX or Wan model found: nothing replaced)"
     if skipped:
         msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
     for note in dict.fromkeys(n for n in gelu_notes if n):
         msg += "; " + note
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
-    return counts
+    return msg
 
 
 def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:

@@ -170,15 +170,7 @@ def main() -> int:
         log("no GPU in use: tiny LTX-Video pipeline on the CPU through Triton's interpreter")
         os.environ["TRITON_INTERPRET"] = "1"  # must be set before the kernel modules are imported
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network
-    for name, g, c in (
-        ("num_frames", 25, 9),
-        ("height", 480, 32),
-        ("width", 704, 32),
-        ("steps", 8, 2),
-        ("dtype", "bf16", "fp32"),
-    ):
-        if getattr(args, name) is None:
-            setattr(args, name, g if gpu else c)
+    _fill_defaults(args, gpu)
     sys.path.insert(0, HERE)
     from diffusers.utils import logging as diffusers_logging
 
@@ -196,34 +188,15 @@ def main() -> int:
     if dtype != torch.float32:  # the yardstick for half-precision parity
         ref32 = generate(pipe, args, device)[0]
         pipe.to(dtype)
-    warmup = argparse.Namespace(**{**vars(args), "steps": 2})
-    if gpu:
-        generate(pipe, warmup, device)  # warm-up (cuBLAS, allocator)
-    stock, stock_ms, call = generate(pipe, args, device, timed=True)
-    stock_graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
+    stock, stock_ms, call, stock_graph_ms = _timed_run(pipe, args, device, gpu)  # warm-up: cuBLAS, allocator
 
     counts = di.inject_optimized_kernels(pipe)
-    if gpu:
-        generate(pipe, warmup, device)  # warm-up (Triton compiles each kernel once)
-    patched, patched_ms, _ = generate(pipe, args, device, timed=True)
-    patched_graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
+    # warm-up: Triton compiles each kernel once; the CUDA graph takes the unpatched run's first-call inputs
+    patched, patched_ms, _, patched_graph_ms = _timed_run(pipe, args, device, gpu, call)
 
     di.remove_optimized_kernels(pipe)
     restored = generate(pipe, args, device)[0]
 
-    parity = {"patched_vs_unpatched": compare(patched, stock)}
-    if ref32 is None:
-        threshold = "rel_max_diff <= 1e-4"
-        ok = parity["patched_vs_unpatched"]["rel_max_diff"] <= 1e-4
-    else:
-        parity["unpatched_vs_fp32"] = compare(stock, ref32)
-        parity["patched_vs_fp32"] = compare(patched, ref32)
-        threshold = "rel_l2(patched, fp32) <= 1.5 * rel_l2(unpatched, fp32)"
-        ok = parity["patched_vs_fp32"]["rel_l2"] <= 1.5 * parity["unpatched_vs_fp32"]["rel_l2"] + 1e-7
-    bit_identical = bool(torch.equal(restored, stock))
-    ok = bool(ok and bit_identical and torch.isfinite(patched).all())
-
-    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     summary = {
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "weights": weights,
@@ -240,42 +213,99 @@ def main() -> int:
         "seed": args.seed,
         "latent_shape": list(stock.shape),
         "replaced": counts,
-        "step_ms": {
-            "clock": "CUDA events, transformer call + guidance + scheduler step"
-            if gpu
-            else "host clock (interpreter: not a speed measurement)",
-            "unpatched_median": med(stock_ms),
-            "patched_median": med(patched_ms),
-            "speedup": (med(stock_ms) / med(patched_ms)) if gpu and stock_ms and patched_ms else None,
-            "what_speedup_means": SPEEDUP_MEANS if gpu else "nothing: the interpreter's times are not speed",
-            "unpatched": stock_ms,
-            "patched": patched_ms,
-        },
-        "transformer_call_cuda_graph_ms": {
-            "what": "one transformer call (CFG batch) replayed from a CUDA graph: GPU time without kernel-issue overhead",
-            "unpatched": stock_graph_ms,
-            "patched": patched_graph_ms,
-            "speedup": (stock_graph_ms / patched_graph_ms) if stock_graph_ms and patched_graph_ms else None,
-        },
-        "parity": parity,
-        "parity_threshold": threshold,
-        "restored_bit_identical": bit_identical,
-        "ok": ok,
+        "step_ms": _step_ms(gpu, stock_ms, patched_ms),
+        "transformer_call_cuda_graph_ms": _graph_ms(stock_graph_ms, patched_graph_ms),
+        **_verdict(stock, patched, restored, ref32),
     }
-    log(f"replaced: {counts}")
+    _report(summary, gpu)
+    return 0 if summary["ok"] else 1
+
+
+def _fill_defaults(args, gpu: bool) -> None:
+    """The size, steps and dtype not given on the command line: GPU or CPU defaults."""
+    for name, g, c in (
+        ("num_frames", 25, 9),
+        ("height", 480, 32),
+        ("width", 704, 32),
+        ("steps", 8, 2),
+        ("dtype", "bf16", "fp32"),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, g if gpu else c)
+
+
+def _timed_run(pipe, args, device, gpu: bool, call=None):
+    """On a GPU a 2-step warm-up run first; then a timed run. Returns (final latents, step times in ms,
+    the keyword arguments of one transformer call: `call` if given, else the run's first, and that call's
+    time replayed from a CUDA graph in ms or None on the CPU)."""
+    warmup = argparse.Namespace(**{**vars(args), "steps": 2})
+    if gpu:
+        generate(pipe, warmup, device)
+    latents, step_ms, first_call = generate(pipe, args, device, timed=True)
+    call = first_call if call is None else call
+    graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
+    return latents, step_ms, call, graph_ms
+
+
+def _step_ms(gpu: bool, stock_ms, patched_ms) -> dict:
+    """The summary's "step_ms": median denoising-step times and the eager speed-up."""
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {
+        "clock": "CUDA events, transformer call + guidance + scheduler step"
+        if gpu
+        else "host clock (interpreter: not a speed measurement)",
+        "unpatched_median": med(stock_ms),
+        "patched_median": med(patched_ms),
+        "speedup": (med(stock_ms) / med(patched_ms)) if gpu and stock_ms and patched_ms else None,
+        "what_speedup_means": SPEEDUP_MEANS if gpu else "nothing: the interpreter's times are not speed",
+        "unpatched": stock_ms,
+        "patched": patched_ms,
+    }
+
+
+def _graph_ms(stock_graph_ms, patched_graph_ms) -> dict:
+    """The summary's "transformer_call_cuda_graph_ms"."""
+    return {
+        "what": "one transformer call (CFG batch) replayed from a CUDA graph: GPU time without kernel-issue overhead",
+        "unpatched": stock_graph_ms,
+        "patched": patched_graph_ms,
+        "speedup": (stock_graph_ms / patched_graph_ms) if stock_graph_ms and patched_graph_ms else None,
+    }
+
+
+def _verdict(stock, patched, restored, ref32) -> dict:
+    """parity, parity_threshold, restored_bit_identical and ok (see the module docstring for the rules)."""
+    parity = {"patched_vs_unpatched": compare(patched, stock)}
+    if ref32 is None:
+        threshold = "rel_max_diff <= 1e-4"
+        ok = parity["patched_vs_unpatched"]["rel_max_diff"] <= 1e-4
+    else:
+        parity["unpatched_vs_fp32"] = compare(stock, ref32)
+        parity["patched_vs_fp32"] = compare(patched, ref32)
+        threshold = "rel_l2(patched, fp32) <= 1.5 * rel_l2(unpatched, fp32)"
+        ok = parity["patched_vs_fp32"]["rel_l2"] <= 1.5 * parity["unpatched_vs_fp32"]["rel_l2"] + 1e-7
+    bit_identical = bool(torch.equal(restored, stock))
+    ok = bool(ok and bit_identical and torch.isfinite(patched).all())
+    return {"parity": parity, "parity_threshold": threshold, "restored_bit_identical": bit_identical, "ok": ok}
+
+
+def _report(summary: dict, gpu: bool) -> None:
+    """The results on stderr, the JSON summary on stdout."""
+    graph = summary["transformer_call_cuda_graph_ms"]
+    log(f"replaced: {summary['replaced']}")
     log(
         f"step ms (median): unpatched {summary['step_ms']['unpatched_median']}, patched {summary['step_ms']['patched_median']}"
     )
     if gpu:
         log(f"speedup {summary['step_ms']['speedup']:.2f}x: {SPEEDUP_MEANS}")
-        log(f"transformer call from a CUDA graph, ms: unpatched {stock_graph_ms}, patched {patched_graph_ms}")
+        log(f"transformer call from a CUDA graph, ms: unpatched {graph['unpatched']}, patched {graph['patched']}")
     log(
-        f"parity vs unpatched: {parity['patched_vs_unpatched']}; threshold {threshold}; restored bit-identical: {bit_identical}"
+        f"parity vs unpatched: {summary['parity']['patched_vs_unpatched']}; threshold {summary['parity_threshold']}; "
+        f"restored bit-identical: {summary['restored_bit_identical']}"
     )
     print(json.dumps(summary, indent=2))
-    if not ok:
+    if not summary["ok"]:
         log("FAILED: parity or restoration check did not pass")
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -707,50 +707,7 @@ def inject_llama_kernels(
     llama_like = False
 
     for m in modules:
-        if _STATE in m.__dict__:
-            llama_like = True
-            continue
-        if _is_llama_rmsnorm(m):
-            llama_like = True
-            if not numerics["rmsnorm"]:
-                skipped.append("RMSNorm (this transformers' LlamaRMSNorm numerics differ from the kernel's)")
-            elif _foreign_forward(m):
-                skipped.append(f"{type(m).__name__} with its own instance forward")
-            else:
-                new["rmsnorm"] += _patch_forward(m, _rmsnorm_forward, "rmsnorm")
-        elif _is_llama_mlp(m):
-            llama_like = True
-            if not _is_plain_silu(m.act_fn):
-                skipped.append(f"{type(m).__name__} with activation {type(m.act_fn).__name__}")
-            elif _foreign_forward(m):
-                skipped.append(f"{type(m).__name__} with its own instance forward")
-            else:
-                new["swiglu"] += _patch_forward(m, _mlp_forward, "swiglu")
-        elif _is_llama_decoder_layer(m):
-            llama_like = True
-            if not fuse_residual:
-                continue
-            if not numerics["rmsnorm"] or not _is_llama_rmsnorm(m.post_attention_layernorm):
-                skipped.append(f"{type(m).__name__} whose post-attention norm is not Llama's RMSNorm")
-            elif _foreign_forward(m):
-                skipped.append(f"{type(m).__name__} with its own instance forward")
-            else:
-                new["fused_add_rmsnorm"] += _patch_forward(
-                    m, _decoder_layer_forward, "fused_add_rmsnorm", params=_decoder_layer_plan(type(m))
-                )
-        elif rope and _rope_site(type(m)) is not None:
-            llama_like = True
-            if not numerics["rope"]:
-                skipped.append("RoPE (this transformers' apply_rotary_pos_emb differs from the kernel's math)")
-            elif _foreign_forward(m):
-                skipped.append(f"{type(m).__name__} with its own instance forward")
-            else:
-                site = _rope_site(type(m))
-                if _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, site)):
-                    _rope_acquire(m, site)
-                    new["rope"] += 1
-        elif _rope_site(type(m)) is not None:
-            llama_like = True  # an attention layer, RoPE not requested
+        llama_like |= _inject_module(m, numerics, fuse_residual, rope, new, skipped)
 
     if skinny_gemm and llama_like:
         for m in modules:
@@ -774,6 +731,54 @@ def inject_llama_kernels(
     if verbose:
         print(msg, file=sys.stderr)
     return counts
+
+
+def _inject_module(m, numerics: dict, fuse_residual: bool, rope: bool, new: dict, skipped: list) -> bool:
+    """Inject the kernel of m's kind into m, if it has one and may take it (adding to new, or to skipped with
+    the reason it may not); returns whether m is a Llama-style module (patched already, or of a kind the
+    injection knows, injected or not)."""
+    if _STATE in m.__dict__:
+        return True
+    if _is_llama_rmsnorm(m):
+        if not numerics["rmsnorm"]:
+            skipped.append("RMSNorm (this transformers' LlamaRMSNorm numerics differ from the kernel's)")
+        elif _foreign_forward(m):
+            skipped.append(f"{type(m).__name__} with its own instance forward")
+        else:
+            new["rmsnorm"] += _patch_forward(m, _rmsnorm_forward, "rmsnorm")
+    elif _is_llama_mlp(m):
+        if not _is_plain_silu(m.act_fn):
+            skipped.append(f"{type(m).__name__} with activation {type(m.act_fn).__name__}")
+        elif _foreign_forward(m):
+            skipped.append(f"{type(m).__name__} with its own instance forward")
+        else:
+            new["swiglu"] += _patch_forward(m, _mlp_forward, "swiglu")
+    elif _is_llama_decoder_layer(m):
+        if not fuse_residual:
+            return True
+        if not numerics["rmsnorm"] or not _is_llama_rmsnorm(m.post_attention_layernorm):
+            skipped.append(f"{type(m).__name__} whose post-attention norm is not Llama's RMSNorm")
+        elif _foreign_forward(m):
+            skipped.append(f"{type(m).__name__} with its own instance forward")
+        else:
+            new["fused_add_rmsnorm"] += _patch_forward(
+                m, _decoder_layer_forward, "fused_add_rmsnorm", params=_decoder_layer_plan(type(m))
+            )
+    elif rope and _rope_site(type(m)) is not None:
+        if not numerics["rope"]:
+            skipped.append("RoPE (this transformers' apply_rotary_pos_emb differs from the kernel's math)")
+        elif _foreign_forward(m):
+            skipped.append(f"{type(m).__name__} with its own instance forward")
+        else:
+            site = _rope_site(type(m))
+            if _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, site)):
+                _rope_acquire(m, site)
+                new["rope"] += 1
+    elif _rope_site(type(m)) is not None:
+        pass  # an attention layer, RoPE not requested
+    else:
+        return False
+    return True
 
 
 def remove_llama_kernels(model: torch.nn.Module, *, verbose: bool = True) -> dict:

@@ -329,7 +329,28 @@ def main(argv=None) -> int:
     opts = dict(skinny_gemm=args.skinny_gemm, verbose=False)
     log(f"{weights}; prompt {prompt.shape[1]} tokens, {args.new_tokens} new tokens, dtype {args.dtype}")
 
-    # ---- fp32: the unpatched model, the patched model, and the model after removal
+    counts, ref_tokens, ref32, fp32, ok = _check_fp32(model, prompt, args, opts, ti)
+    missing = kernels_ran(counts, fp32["kernel_calls"], half=False)
+    half = None
+    speed = None
+    if dtype != torch.float32:
+        half, half_ok, speed = _check_half(model, prompt, ref_tokens, ref32, args, opts, gpu, factor, ti)
+        missing += [k for k in kernels_ran(counts, half["kernel_calls"], half=True) if k not in missing]
+        ok = ok and half_ok
+    if missing:
+        log(f"these injected kinds never ran their kernel: {missing}")
+    ok = bool(ok and not missing)
+
+    checks = {"fp32": fp32, "half": half, "decode": speed}
+    print(json.dumps(_summary(model, prompt, args, gpu, weights, counts, checks, missing, factor, ok), indent=2))
+    if not ok:
+        log("FAILED: a parity, restoration or kernel-call check did not pass")
+    return 0 if ok else 1
+
+
+def _check_fp32(model, prompt, args, opts, ti):
+    """In fp32: the unpatched model, the patched model, and the model after removal. Returns (counts
+    injected, the unpatched greedy tokens, the unpatched logits, the "fp32" result, whether it passes)."""
     cast_parameters(model, torch.float32)
     ref_tokens = greedy_tokens(model, prompt, args.new_tokens)
     ref32 = forced_logits(model, prompt, ref_tokens)
@@ -347,7 +368,6 @@ def main(argv=None) -> int:
         "restored_bit_identical": bool(torch.equal(restored32, ref32)),
         "kernel_calls": dict(calls32),
     }
-    missing = kernels_ran(counts, calls32, half=False)
     ok = (
         fp32["patched_vs_unpatched"]["rel_max_diff"] <= FP32_REL_MAX
         and fp32["greedy_tokens_identical"]
@@ -358,65 +378,69 @@ def main(argv=None) -> int:
         f"fp32: {fp32['patched_vs_unpatched']}, greedy identical {fp32['greedy_tokens_identical']}, "
         f"restored bit-identical {fp32['restored_bit_identical']}, kernel calls {fp32['kernel_calls']}"
     )
+    return counts, ref_tokens, ref32, fp32, ok
 
-    # ---- half precision: parity against the fp32 run, and decode speed on a GPU
-    half = None
-    speed = None
-    if dtype != torch.float32:
-        cast_parameters(model, dtype)
-        stock_h = forced_logits(model, prompt, ref_tokens)
-        stock_tokens = greedy_tokens(model, prompt, args.new_tokens)
-        if gpu:
-            decode_tokens_per_s(model, prompt, 8, 1)  # warm-up
-            stock_tps, stock_runs = decode_tokens_per_s(model, prompt, args.decode_steps, args.reps)
-        ti.inject_llama_kernels(model, **opts)
-        with ti.count_kernel_calls() as calls_h:
-            patched_h = forced_logits(model, prompt, ref_tokens)
-            patched_tokens = greedy_tokens(model, prompt, args.new_tokens)
-        if gpu:
-            decode_tokens_per_s(model, prompt, 8, 1)  # warm-up: Triton compiles each kernel once
-            patched_tps, patched_runs = decode_tokens_per_s(model, prompt, args.decode_steps, args.reps)
-        ti.remove_llama_kernels(model, verbose=False)
-        restored_h = forced_logits(model, prompt, ref_tokens)
-        half = {
-            "unpatched_vs_fp32": compare(stock_h, ref32),
-            "patched_vs_fp32": compare(patched_h, ref32),
-            "patched_vs_unpatched": compare(patched_h, stock_h),
-            "greedy_tokens_identical": bool(torch.equal(patched_tokens, stock_tokens)),
-            "greedy_common_prefix": common_prefix(patched_tokens, stock_tokens),
-            "restored_bit_identical": bool(torch.equal(restored_h, stock_h)),
-            "kernel_calls": dict(calls_h),
-        }
-        missing += [k for k in kernels_ran(counts, calls_h, half=True) if k not in missing]
-        ok = ok and (
-            half["patched_vs_fp32"]["rel_l2"] <= factor * half["unpatched_vs_fp32"]["rel_l2"] + 1e-7
-            and half["restored_bit_identical"]
-            and bool(torch.isfinite(patched_h).all())
-        )
-        log(
-            f"{args.dtype}: patched vs fp32 rel L2 {half['patched_vs_fp32']['rel_l2']:.3e}, unpatched vs fp32 "
-            f"{half['unpatched_vs_fp32']['rel_l2']:.3e}; greedy tokens identical {half['greedy_tokens_identical']} "
-            f"(common prefix {half['greedy_common_prefix']}/{args.new_tokens}); kernel calls {half['kernel_calls']}"
-        )
-        if gpu:
-            speed = {
-                "clock": "CUDA events around the decode loop, batch 1, after a prefill of the prompt",
-                "decode_steps": args.decode_steps,
-                "reps": args.reps,
-                "unpatched_tokens_per_s": stock_tps,
-                "patched_tokens_per_s": patched_tps,
-                "speedup": patched_tps / stock_tps,
-                "unpatched_runs": stock_runs,
-                "patched_runs": patched_runs,
-            }
-            log(
-                f"decode tokens/s: unpatched {stock_tps:.1f}, patched {patched_tps:.1f} (x{patched_tps / stock_tps:.3f})"
-            )
-    if missing:
-        log(f"these injected kinds never ran their kernel: {missing}")
-    ok = bool(ok and not missing)
 
-    summary = {
+def _check_half(model, prompt, ref_tokens, ref32, args, opts, gpu: bool, factor: float, ti):
+    """In args.dtype: parity of the unpatched and the patched model against the fp32 logits, and decode
+    speed on a GPU. Returns (the "half" result, whether it passes, the "decode" result or None)."""
+    cast_parameters(model, DTYPES[args.dtype])
+    stock_h = forced_logits(model, prompt, ref_tokens)
+    stock_tokens = greedy_tokens(model, prompt, args.new_tokens)
+    if gpu:
+        decode_tokens_per_s(model, prompt, 8, 1)  # warm-up
+        stock_tps, stock_runs = decode_tokens_per_s(model, prompt, args.decode_steps, args.reps)
+    ti.inject_llama_kernels(model, **opts)
+    with ti.count_kernel_calls() as calls_h:
+        patched_h = forced_logits(model, prompt, ref_tokens)
+        patched_tokens = greedy_tokens(model, prompt, args.new_tokens)
+    if gpu:
+        decode_tokens_per_s(model, prompt, 8, 1)  # warm-up: Triton compiles each kernel once
+        patched_tps, patched_runs = decode_tokens_per_s(model, prompt, args.decode_steps, args.reps)
+    ti.remove_llama_kernels(model, verbose=False)
+    restored_h = forced_logits(model, prompt, ref_tokens)
+    half = {
+        "unpatched_vs_fp32": compare(stock_h, ref32),
+        "patched_vs_fp32": compare(patched_h, ref32),
+        "patched_vs_unpatched": compare(patched_h, stock_h),
+        "greedy_tokens_identical": bool(torch.equal(patched_tokens, stock_tokens)),
+        "greedy_common_prefix": common_prefix(patched_tokens, stock_tokens),
+        "restored_bit_identical": bool(torch.equal(restored_h, stock_h)),
+        "kernel_calls": dict(calls_h),
+    }
+    ok = (
+        half["patched_vs_fp32"]["rel_l2"] <= factor * half["unpatched_vs_fp32"]["rel_l2"] + 1e-7
+        and half["restored_bit_identical"]
+        and bool(torch.isfinite(patched_h).all())
+    )
+    log(
+        f"{args.dtype}: patched vs fp32 rel L2 {half['patched_vs_fp32']['rel_l2']:.3e}, unpatched vs fp32 "
+        f"{half['unpatched_vs_fp32']['rel_l2']:.3e}; greedy tokens identical {half['greedy_tokens_identical']} "
+        f"(common prefix {half['greedy_common_prefix']}/{args.new_tokens}); kernel calls {half['kernel_calls']}"
+    )
+    speed = _decode_speed(args, stock_tps, stock_runs, patched_tps, patched_runs) if gpu else None
+    return half, ok, speed
+
+
+def _decode_speed(args, stock_tps, stock_runs, patched_tps, patched_runs) -> dict:
+    """The "decode" result (and its log line): tokens/s of the unpatched and the patched model."""
+    speed = {
+        "clock": "CUDA events around the decode loop, batch 1, after a prefill of the prompt",
+        "decode_steps": args.decode_steps,
+        "reps": args.reps,
+        "unpatched_tokens_per_s": stock_tps,
+        "patched_tokens_per_s": patched_tps,
+        "speedup": patched_tps / stock_tps,
+        "unpatched_runs": stock_runs,
+        "patched_runs": patched_runs,
+    }
+    log(f"decode tokens/s: unpatched {stock_tps:.1f}, patched {patched_tps:.1f} (x{patched_tps / stock_tps:.3f})")
+    return speed
+
+
+def _summary(model, prompt, args, gpu, weights, counts, checks, missing, factor, ok) -> dict:
+    """The JSON summary; checks: the "fp32", "half" and "decode" results."""
+    return {
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "weights": weights,
         "versions": {
@@ -442,9 +466,7 @@ def main(argv=None) -> int:
         "skinny_gemm": args.skinny_gemm,
         "replaced": counts,
         "not_fused": "the MLP residual add with the next layer's input_layernorm (crosses LlamaModel's layer loop)",
-        "fp32": fp32,
-        "half": half,
-        "decode": speed,
+        **checks,
         "thresholds": {
             "fp32": f"rel_max_diff(patched, unpatched) <= {FP32_REL_MAX:g}; greedy tokens identical; restored bit-identical",
             "half": f"rel_l2(patched, fp32) <= {factor} * rel_l2(unpatched, fp32); restored bit-identical; greedy reported",
@@ -453,10 +475,6 @@ def main(argv=None) -> int:
         "kinds_without_kernel_calls": missing,
         "ok": ok,
     }
-    print(json.dumps(summary, indent=2))
-    if not ok:
-        log("FAILED: a parity, restoration or kernel-call check did not pass")
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":
