@@ -180,59 +180,58 @@ def _store_tile(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _act_tile(X, U, x_row, u_row, cols, mask, ACT: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr):
+def _act_tile(X, U, x_row, u_row, cols, mask, ACT: tl.constexpr, EVEN: tl.constexpr):
+    """fp32 act(x) of a tile, times the tile of U when there is one (gated)."""
     x = _load_tile(X + x_row[:, None] + cols[None, :], mask, EVEN).to(tl.float32)
     y = _act_f32(x, ACT)
-    if GATED:
+    if U is not None:
         u = _load_tile(U + u_row[:, None] + cols[None, :], mask, EVEN).to(tl.float32)
         y = u * y
     return y
 
 
 @triton.jit
+def _block_ids(n_col_blocks, GRID_2D: tl.constexpr):
+    """(row block, column block) of this program: the two grid axes when GRID_2D, else one axis, row
+    block major."""
+    if GRID_2D:
+        return tl.program_id(1), tl.program_id(0)
+    pid = tl.program_id(0)
+    return pid // n_col_blocks, pid % n_col_blocks
+
+
+@triton.jit
 def _act_rows_kernel(
-    X,  # activation input, last dim contiguous: the input (GATED False) or the gate (GATED True)
-    x_stride_o,
-    x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
-    U,  # GATED: the operand multiplied by act(gate) (GEGLU's value, SwiGLU's up); same row layout rules
-    u_stride_o,
-    u_stride_i,
+    X, x_stride_o, x_stride_i,  # activation input (the gate when U is given), last dim contiguous; row strides (see _row_layout)
+    U, u_stride_o, u_stride_i,  # None, or the operand multiplied by act(X) (GEGLU's value, SwiGLU's up); same rules
     OUT,  # contiguous [M, N] output (FP8_MODE > 0: the FP8 output, or its uint8 view when not NATIVE_FP8)
-    FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
-    M,
-    N,
-    INNER,  # rows, output width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
-    # cdiv(N, BLOCK_N), 1 when WHOLE_ROWS; used when not GRID_2D: program p covers row block
+    FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written); else None
+    M, N, INNER,  # rows, output width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
+    # cdiv(N, BLOCK_N), 1 with FP8_MODE 2; used when not GRID_2D: program p covers row block
     # p // n_col_blocks, column block p % n_col_blocks
     n_col_blocks,
     ACT: tl.constexpr,  # 0: GELU (erf); 1: GELU (tanh approximation); 2: SiLU
-    GATED: tl.constexpr,  # True: out = U * act(X) (GEGLU, SwiGLU); False: out = act(X)
-    FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales
+    FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales (whole rows per program)
     FP8_MAX: tl.constexpr,  # largest finite value of OUT's FP8 format (FP8_MODE > 0)
     FP8_MIN_EXP: tl.constexpr,  # fp32 biased exponent of its smallest normal (FP8_MODE > 0)
     FP8_NAN: tl.constexpr,  # its NaN code (FP8_MODE > 0)
     MIN_SCALE: tl.constexpr,  # lower bound of the per-row scales (FP8_MODE 2)
     NATIVE_FP8: tl.constexpr,  # FP8_MODE > 0: Triton's FP8 cast (see _fp8_convert), else _fp8_encode
     BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_N: tl.constexpr,  # columns per program (per step when WHOLE_ROWS)
-    WHOLE_ROWS: tl.constexpr,  # FP8_MODE 2: each program covers whole rows (a row maximum is needed)
-    SINGLE_PASS: tl.constexpr,  # WHOLE_ROWS and BLOCK_N >= N: the row is held in registers
+    BLOCK_N: tl.constexpr,  # columns per program (per step with FP8_MODE 2)
+    SINGLE_PASS: tl.constexpr,  # FP8_MODE 2 and BLOCK_N >= N: the row is held in registers
     GRID_2D: tl.constexpr,  # grid (column blocks, row blocks): no division of the program id
     EVEN: tl.constexpr,  # M % BLOCK_M == 0 and N % BLOCK_N == 0: no masks on loads and stores
-):
-    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+):  # fmt: skip
+    # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
     tl.static_assert(ACT == 0 or ACT == 1 or ACT == 2, "ACT is 0 (GELU erf), 1 (GELU tanh) or 2 (SiLU)")
     tl.static_assert(FP8_MODE == 0 or FP8_MODE == 1 or FP8_MODE == 2, "FP8_MODE is 0, 1 or 2")
+    tl.static_assert((FP8_SCALE is None) == (FP8_MODE == 0), "FP8_SCALE goes with FP8_MODE 1 or 2")
     tl.static_assert(FP8_MODE > 0 or not NATIVE_FP8, "NATIVE_FP8 needs FP8_MODE > 0")
-    tl.static_assert(FP8_MODE != 2 or WHOLE_ROWS, "per-row FP8 scales need WHOLE_ROWS")
-    tl.static_assert(WHOLE_ROWS or not SINGLE_PASS, "SINGLE_PASS needs WHOLE_ROWS")
-    if GRID_2D:
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-    else:
-        pid = tl.program_id(0)
-        pid_m = pid // n_col_blocks
-        pid_n = pid % n_col_blocks
+    tl.static_assert(FP8_MODE == 2 or not SINGLE_PASS, "SINGLE_PASS needs FP8_MODE 2")
+    # per-row scales need a row maximum: each program covers whole rows
+    WHOLE_ROWS: tl.constexpr = FP8_MODE == 2
+    pid_m, pid_n = _block_ids(n_col_blocks, GRID_2D)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     if not EVEN:
@@ -240,14 +239,12 @@ def _act_rows_kernel(
     outer = (rows // INNER).to(tl.int64)
     inner = (rows % INNER).to(tl.int64)
     x_row = outer * x_stride_o + inner * x_stride_i
-    u_row = x_row
-    if GATED:
-        u_row = outer * u_stride_o + inner * u_stride_i
+    u_row = outer * u_stride_o + inner * u_stride_i  # (unused without U)
     out_row = rows.to(tl.int64) * N
     if not WHOLE_ROWS:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols < N)[None, :]
-        y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED, EVEN)
+        y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, EVEN)
         if FP8_MODE == 1:
             # read on the device (no host sync); capped: a zero scale saturates instead of making 0 * inf
             inv_scale = tl.minimum(1.0 / tl.load(FP8_SCALE).to(tl.float32), 3.0e38)
@@ -260,7 +257,7 @@ def _act_rows_kernel(
         if SINGLE_PASS:
             # the whole row in registers: one read, one write
             mask = row_mask[:, None] & (cols0 < N)[None, :]
-            y = _act_tile(X, U, x_row, u_row, cols0, mask, ACT, GATED, EVEN)
+            y = _act_tile(X, U, x_row, u_row, cols0, mask, ACT, EVEN)
             # masked-off elements are act(0) * 0 = 0: they do not change the maximum
             row_scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, MIN_SCALE)
             _store_tile(FP8_SCALE + rows, row_scale, row_mask, EVEN)
@@ -272,14 +269,14 @@ def _act_rows_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                amax = tl.maximum(amax, tl.abs(_act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED, EVEN)))
+                amax = tl.maximum(amax, tl.abs(_act_tile(X, U, x_row, u_row, cols, mask, ACT, EVEN)))
             row_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
             _store_tile(FP8_SCALE + rows, row_scale, row_mask, EVEN)
             inv_row_scale = 1.0 / row_scale
             for start in range(0, N, BLOCK_N):
                 cols = start + cols0
                 mask = row_mask[:, None] & (cols < N)[None, :]
-                y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, GATED, EVEN)
+                y = _act_tile(X, U, x_row, u_row, cols, mask, ACT, EVEN)
                 q = _fp8_convert(y * inv_row_scale[:, None], OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
                 _store_tile(OUT + out_row[:, None] + cols[None, :], q, mask, EVEN)
 
@@ -646,14 +643,13 @@ def _gelu_plan(x: torch.Tensor, approximate: str):
         inner, stride_o, stride_i = _row_layout(x)
         block_m, block_n, warps = _launch_config(n_elements, n, x.element_size(), warp_size, flat=False)
         grid, grid_2d, n_col_blocks, even = _row_grid(m, n, block_m, block_n)
-        # X per call; U None (not read when not GATED); OUT per call; FP8_SCALE None
+        # X per call; U None (not gated); OUT per call; FP8_SCALE None
         launch = _Launch(
             _act_rows_kernel,
             grid,
             (None, stride_o, stride_i, None, 0, 0, None, None, m, n, inner, n_col_blocks),
             dict(
                 ACT=int(approx_tanh),
-                GATED=False,
                 FP8_MODE=0,
                 FP8_MAX=0.0,
                 FP8_MIN_EXP=0,
@@ -662,7 +658,6 @@ def _gelu_plan(x: torch.Tensor, approximate: str):
                 NATIVE_FP8=False,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
-                WHOLE_ROWS=False,
                 SINGLE_PASS=False,
                 GRID_2D=grid_2d,
                 EVEN=even,
@@ -763,6 +758,21 @@ def _swiglu_plan(x, up, gate_first, fp8_mode: int, fp8_scale, fp8_dtype):
     return _gated_plan(x, up, None, 2, fp8_mode, fp8_scale, fp8_dtype)
 
 
+def _gated_layout(gate, up, parent):
+    """(inner, gate row strides, up row strides) of the two operands (see _row_layout); parent: the [..., 2H]
+    tensor both are views of (one layout for both), or None."""
+    if parent is None:
+        _check_last_contiguous("gate", gate)
+        _check_last_contiguous("up", up)
+        return _row_layout_pair(gate, up)
+    if parent.stride(-1) != 1:
+        raise ValueError(
+            f"x must be contiguous in its last dimension (stride {parent.stride(-1)}); call .contiguous() on x first"
+        )
+    inner, g_o, g_i = _row_layout(parent)
+    return inner, (g_o, g_i), (g_o, g_i)
+
+
 def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype, gate_second=False):
     """The checks and configuration of out = up * act(gate) for views gate/up of one shape [..., H];
     parent: the [..., 2H] tensor both are views of (one row layout for both), or None for two separate
@@ -790,18 +800,7 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
 
         return run_empty
     h = gate.shape[-1]
-    if parent is not None:
-        if parent.stride(-1) != 1:
-            raise ValueError(
-                f"x must be contiguous in its last dimension (stride {parent.stride(-1)}); "
-                "call .contiguous() on x first"
-            )
-        inner, g_o, g_i = _row_layout(parent)
-        u_o, u_i = g_o, g_i
-    else:
-        _check_last_contiguous("gate", gate)
-        _check_last_contiguous("up", up)
-        inner, (g_o, g_i), (u_o, u_i) = _row_layout_pair(gate, up)
+    inner, (g_o, g_i), (u_o, u_i) = _gated_layout(gate, up, parent)
     m = n_out // h
     _, _, warp_size = _device_target(device)
     if fp8_mode == 2:
@@ -818,7 +817,6 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
         (None, g_o, g_i, None, u_o, u_i, None, None, m, h, inner, n_col_blocks),
         dict(
             ACT=act,
-            GATED=True,
             FP8_MODE=fp8_mode,
             FP8_MAX=fp8_max,
             FP8_MIN_EXP=fp8_min_exp,
@@ -827,7 +825,6 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
             NATIVE_FP8=native_fp8,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            WHOLE_ROWS=fp8_mode == 2,
             SINGLE_PASS=single,
             GRID_2D=grid_2d,
             EVEN=even,
@@ -879,6 +876,21 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kernel_args(*operands):
+    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
+    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
+    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
+    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
+    args, slots = [], []
+    for op in operands:
+        if type(op) is list:
+            slots.append(len(args) if op[0] else None)
+            args += [None, *op[1:]]
+        else:
+            args.append(op)
+    return tuple(args), slots
 
 
 # How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as

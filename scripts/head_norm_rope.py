@@ -65,12 +65,12 @@ _MAX_UNROLL = 8
 # Kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _norm_heads(x, w, D, eps, DT: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
-    """RMSNorm of fp32 heads x [BLOCK_H, BLOCK_D] (zeros past D) with the fp32 weight tile w, rounded to DT
-    where the module rounds; returns fp32 holding DT values."""
+def _norm_heads(x, w, D, eps, DT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """RMSNorm of fp32 heads x [BLOCK_H, BLOCK_D] (zeros past D) with the fp32 weight tile w (None: no
+    weight), rounded to DT where the module rounds; returns fp32 holding DT values."""
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     y = x * rstd[:, None]
-    if HAS_WEIGHT:
+    if w is not None:
         if CAST_BEFORE_WEIGHT:
             y = y.to(DT).to(tl.float32)
         y = y * w
@@ -104,17 +104,16 @@ def _norm_rope_store(
     cols,
     D,
     eps,
-    HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,
-    HAS_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Normalise (and rotate) one step's heads of q and k and store them at their output rows."""
+    """Normalise (and, with the cos/sin tiles c and sn, rotate) one step's heads of q and k and store them
+    at their output rows."""
     DT: tl.constexpr = QO.dtype.element_ty
-    yq = _norm_heads(xq, wq, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-    yk = _norm_heads(xk, wk, D, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-    if HAS_ROPE:
+    yq = _norm_heads(xq, wq, D, eps, DT, CAST_BEFORE_WEIGHT)
+    yk = _norm_heads(xk, wk, D, eps, DT, CAST_BEFORE_WEIGHT)
+    if c is not None:
         yq = yq * c + _rotate_pairs(yq, BLOCK_H, BLOCK_D) * sn
         yk = yk * c + _rotate_pairs(yk, BLOCK_H, BLOCK_D) * sn
     out = out_tok + heads[:, None] * D + cols[None, :]
@@ -132,33 +131,9 @@ def _load_heads(q_tok, k_tok, q_sh, k_sh, heads, cols, mask):
 
 @triton.jit
 def _head_step(
-    q_tok,
-    k_tok,
-    q_sh,
-    k_sh,
-    xq,
-    xk,
-    heads,
-    mask,
-    col_mask,
-    wq,
-    wk,
-    c,
-    sn,
-    QO,
-    KO,
-    out_tok,
-    cols,
-    H,
-    D,
-    eps,
-    HAS_WEIGHT: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr,
-    HAS_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
+    q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D, eps,
+    CAST_BEFORE_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
     """One step of heads: load the next step's q and k (PREFETCH; a fully masked load past the last head
     moves no data), then normalise, rotate and store this step's. Returns the next step's (heads, mask,
     xq, xk)."""
@@ -171,61 +146,31 @@ def _head_step(
         nmask = col_mask & (nxt < H)[:, None]
         xq_next, xk_next = _load_heads(q_tok, k_tok, q_sh, k_sh, nxt, cols, nmask)
     _norm_rope_store(
-        xq,
-        xk,
-        wq,
-        wk,
-        c,
-        sn,
-        heads,
-        mask,
-        QO,
-        KO,
-        out_tok,
-        cols,
-        D,
-        eps,
-        HAS_WEIGHT,
-        CAST_BEFORE_WEIGHT,
-        HAS_ROPE,
-        BLOCK_H,
-        BLOCK_D,
+        xq, xk, wq, wk, c, sn, heads, mask, QO, KO, out_tok, cols, D, eps, CAST_BEFORE_WEIGHT, BLOCK_H, BLOCK_D
     )
     return nxt, nmask, xq_next, xk_next
 
 
 @triton.jit
 def _head_rms_norm_rope_kernel(
-    Q,
-    q_sb,
-    q_ss,
-    q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
-    K,
-    k_sb,
-    k_ss,
-    k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
-    QW,
-    KW,  # RMSNorm weights [D] of q and k (HAS_WEIGHT)
-    COS,
-    c_ss,  # cos [S_OUT, D] (HAS_ROPE): token stride; channels contiguous
-    SIN,
-    s_ss,  # sin [S_OUT, D] (HAS_ROPE)
-    QO,
-    KO,  # contiguous [B, S_OUT, H, D] outputs; this launch writes tokens SEQ_OFF .. SEQ_OFF + S - 1
-    S,
-    H,
-    D,  # tokens of this segment, heads, head dim
-    S_OUT,
-    SEQ_OFF,  # tokens of the output, first output token of this segment
+    Q, q_sb, q_ss, q_sh,  # q [B, S, H, D]: element strides of batch, token and head; D contiguous
+    K, k_sb, k_ss, k_sh,  # k [B, S, H, D], same shape and dtype as q, its own strides
+    QW, KW,  # RMSNorm weights [D] of q and k (None: no weight)
+    COS, c_ss,  # cos [S_OUT, D] (None: no RoPE): token stride; channels contiguous
+    SIN, s_ss,  # sin [S_OUT, D] (with COS)
+    QO, KO,  # contiguous [B, S_OUT, H, D] outputs; this launch writes tokens SEQ_OFF .. SEQ_OFF + S - 1
+    S, H, D,  # tokens of this segment, heads, head dim
+    S_OUT, SEQ_OFF,  # tokens of the output, first output token of this segment
     eps,  # RMSNorm epsilon
-    HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
-    HAS_ROPE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per step
     N_STEPS: tl.constexpr,  # cdiv(H, BLOCK_H): a program covers all H heads of one token
     MAX_UNROLL: tl.constexpr,  # unroll the steps when N_STEPS <= MAX_UNROLL (see _MAX_UNROLL)
     BLOCK_D: tl.constexpr,  # >= D (whole heads)
-):
+):  # fmt: skip
+    # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert((QW is None) == (KW is None), "QW and KW come together")
+    tl.static_assert((COS is None) == (SIN is None), "COS and SIN come together")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     # One program per token: the norm weights and the token's cos/sin row are loaded once and serve
     # all its heads (programs of 8 heads load them three times per FLUX token, as many load instructions
@@ -240,14 +185,14 @@ def _head_rms_norm_rope_kernel(
     # per-token operands are loaded at the tile's full shape so they share its register layout
     tile = cols[None, :] + 0 * hh[:, None]
     col_mask = tile < D
-    wq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    wk = wq
-    if HAS_WEIGHT:
+    wq = None
+    wk = None
+    if QW is not None:
         wq = tl.load(QW + tile, mask=col_mask, other=0.0).to(tl.float32)
         wk = tl.load(KW + tile, mask=col_mask, other=0.0).to(tl.float32)
-    c = wq
-    sn = wq
-    if HAS_ROPE:
+    c = None
+    sn = None
+    if COS is not None:
         c = tl.load(COS + tok * c_ss + tile, mask=col_mask, other=0.0).to(tl.float32)
         sn = tl.load(SIN + tok * s_ss + tile, mask=col_mask, other=0.0).to(tl.float32)
     q_tok = Q + b * q_sb + s * q_ss
@@ -262,63 +207,15 @@ def _head_rms_norm_rope_kernel(
     if N_STEPS <= MAX_UNROLL:
         for step in tl.static_range(N_STEPS):
             heads, mask, xq, xk = _head_step(
-                q_tok,
-                k_tok,
-                q_sh,
-                k_sh,
-                xq,
-                xk,
-                heads,
-                mask,
-                col_mask,
-                wq,
-                wk,
-                c,
-                sn,
-                QO,
-                KO,
-                out_tok,
-                cols,
-                H,
-                D,
-                eps,
-                HAS_WEIGHT,
-                CAST_BEFORE_WEIGHT,
-                HAS_ROPE,
-                BLOCK_H,
-                BLOCK_D,
-                step + 1 < N_STEPS,
-            )
+                q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D, eps,
+                CAST_BEFORE_WEIGHT, BLOCK_H, BLOCK_D, step + 1 < N_STEPS,
+            )  # fmt: skip
     else:
         for _ in range(0, N_STEPS):
             heads, mask, xq, xk = _head_step(
-                q_tok,
-                k_tok,
-                q_sh,
-                k_sh,
-                xq,
-                xk,
-                heads,
-                mask,
-                col_mask,
-                wq,
-                wk,
-                c,
-                sn,
-                QO,
-                KO,
-                out_tok,
-                cols,
-                H,
-                D,
-                eps,
-                HAS_WEIGHT,
-                CAST_BEFORE_WEIGHT,
-                HAS_ROPE,
-                BLOCK_H,
-                BLOCK_D,
-                True,
-            )
+                q_tok, k_tok, q_sh, k_sh, xq, xk, heads, mask, col_mask, wq, wk, c, sn, QO, KO, out_tok, cols, H, D, eps,
+                CAST_BEFORE_WEIGHT, BLOCK_H, BLOCK_D, True,
+            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,6 +362,39 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
     bsz, _, heads, dim = qs[0].shape
     dtype = qs[0].dtype
     has_weight = q_weights[0] is not None
+    total = _check_parts(qs, ks, q_weights, k_weights, has_weight)
+    has_rope = _check_tables(cos, sin, total, dim, dev)
+    out_shape = (bsz, total, heads, dim)
+    if bsz * total * heads * dim == 0:
+
+        def run_empty(qs, ks, q_weights, k_weights, cos, sin):
+            return (torch.empty(out_shape, dtype=dtype, device=dev), torch.empty(out_shape, dtype=dtype, device=dev))
+
+        return run_empty
+    launches = _part_launches(qs, ks, eps, total, has_weight, (cos, sin) if has_rope else None, cast_before_weight)
+
+    # outputs are contiguous; with one part they have q's shape and dtype, and torch.empty_like(q) makes
+    # them with less host time where _dense_like(q)
+    like_q = n_parts == 1 and _dense_like(qs[0])
+
+    def run(qs, ks, q_weights, k_weights, cos, sin):
+        if like_q:
+            q_out, k_out = torch.empty_like(qs[0]), torch.empty_like(qs[0])
+        else:
+            q_out = torch.empty(out_shape, dtype=dtype, device=dev)
+            k_out = torch.empty(out_shape, dtype=dtype, device=dev)
+        for i, launch in launches:
+            launch(qs[i], ks[i], q_weights[i], k_weights[i], cos, sin, q_out, k_out)
+        return q_out, k_out
+
+    return run
+
+
+def _check_parts(qs, ks, q_weights, k_weights, has_weight: bool) -> int:
+    """Check every part against the first one's q; returns the total number of tokens."""
+    n_parts = len(qs)
+    dev, dtype = qs[0].device, qs[0].dtype
+    bsz, _, heads, dim = qs[0].shape
     total = 0
     for i, (q, k, qw, kw) in enumerate(zip(qs, ks, q_weights, k_weights)):
         tag = "" if n_parts == 1 else f" (part {i})"
@@ -498,57 +428,52 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
         total += q.shape[1]
     if dim > _MAX_HEAD_DIM:
         raise ValueError(f"q has head dim {dim}; this kernel supports at most {_MAX_HEAD_DIM} (unsupported width)")
-    has_rope = cos is not None or sin is not None
-    if has_rope:
-        if cos is None or sin is None:
-            raise ValueError("cos and sin must be given together (or both None for no rotary embedding)")
-        if dim % 2:
-            raise ValueError(f"q has head dim {dim}; interleaved RoPE needs an even head dim")
-        for nm, t in (("cos", cos), ("sin", sin)):
-            _check_tensor(nm, t, _ANY_FLOAT, dev, ref="q")
-            if t.dim() != 2 or t.shape[0] != total or t.shape[1] != dim:
-                raise ValueError(
-                    f"{nm} has shape {tuple(t.shape)}; expected [{total}, {dim}] (one row per token of the "
-                    "concatenated parts, as FluxPosEmbed returns it)"
-                )
-            _check_last_contiguous(nm, t)
-    out_shape = (bsz, total, heads, dim)
-    if bsz * total * heads * dim == 0:
+    return total
 
-        def run_empty(qs, ks, q_weights, k_weights, cos, sin):
-            return (torch.empty(out_shape, dtype=dtype, device=dev), torch.empty(out_shape, dtype=dtype, device=dev))
 
-        return run_empty
+def _check_tables(cos, sin, total: int, dim: int, dev) -> bool:
+    """Check the RoPE tables (both None: no rotation); returns whether there are any."""
+    if cos is None and sin is None:
+        return False
+    if cos is None or sin is None:
+        raise ValueError("cos and sin must be given together (or both None for no rotary embedding)")
+    if dim % 2:
+        raise ValueError(f"q has head dim {dim}; interleaved RoPE needs an even head dim")
+    for nm, t in (("cos", cos), ("sin", sin)):
+        _check_tensor(nm, t, _ANY_FLOAT, dev, ref="q")
+        if t.dim() != 2 or t.shape[0] != total or t.shape[1] != dim:
+            raise ValueError(
+                f"{nm} has shape {tuple(t.shape)}; expected [{total}, {dim}] (one row per token of the "
+                "concatenated parts, as FluxPosEmbed returns it)"
+            )
+        _check_last_contiguous(nm, t)
+    return True
+
+
+def _part_launches(qs, ks, eps, total: int, has_weight: bool, tables, cast_before_weight):
+    """One launch per part with tokens: [(part index, _Launch)]. tables: (cos, sin), None without RoPE."""
+    bsz, _, heads, dim = qs[0].shape
+    dev = qs[0].device
     warp_size = _device_target(dev)[2]
-    # One launch per part with tokens. Absent weights and tables are passed as q_out (never
-    # dereferenced: the constexpr flags remove the loads that would use them).
-    launches = []  # (part index, _Launch)
+    has_rope = tables is not None
+    launches = []
     offset = 0
     for i, (q, k, e) in enumerate(zip(qs, ks, eps)):
         seq = q.shape[1]
-        m = bsz * seq * heads
-        if m == 0:
+        if bsz * seq * heads == 0:
             offset += seq
             continue
         block_h, block_d, num_warps = _launch_config(dim, heads, warp_size)
-        grid = (bsz * seq,)  # one program per token
-        args = (
-            None,
-            q.stride(0),
-            q.stride(1),
-            q.stride(2),  # Q
-            None,
-            k.stride(0),
-            k.stride(1),
-            k.stride(2),  # K
-            None,
-            None,  # QW, KW
-            None,
-            cos.stride(0) if has_rope else 0,  # COS
-            None,
-            sin.stride(0) if has_rope else 0,  # SIN
-            None,
-            None,  # QO, KO
+        # Absent weights and tables stay None: the kernel leaves out every use of them.
+        args, slots = _kernel_args(
+            [True, *q.stride()[:3]],
+            [True, *k.stride()[:3]],
+            [has_weight],  # QW
+            [has_weight],  # KW
+            [has_rope, tables[0].stride(0) if has_rope else 0],  # COS
+            [has_rope, tables[1].stride(0) if has_rope else 0],  # SIN
+            [True],  # QO
+            [True],  # KO
             seq,
             heads,
             dim,
@@ -556,54 +481,18 @@ def _plan(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight):
             offset,
             e,
         )
-        launches.append(
-            (
-                i,
-                _Launch(
-                    _head_rms_norm_rope_kernel,
-                    grid,
-                    args,
-                    dict(
-                        HAS_WEIGHT=has_weight,
-                        CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                        HAS_ROPE=has_rope,
-                        BLOCK_H=block_h,
-                        N_STEPS=_cdiv(heads, block_h),
-                        MAX_UNROLL=_MAX_UNROLL,
-                        BLOCK_D=block_d,
-                        num_warps=num_warps,
-                    ),
-                    (
-                        0,
-                        4,
-                        8 if has_weight else None,
-                        9 if has_weight else None,
-                        10 if has_rope else None,
-                        12 if has_rope else None,
-                        14,
-                        15,
-                    ),
-                    dev,
-                ),
-            )
+        config = dict(
+            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+            BLOCK_H=block_h,
+            N_STEPS=_cdiv(heads, block_h),
+            MAX_UNROLL=_MAX_UNROLL,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
         )
+        grid = (bsz * seq,)  # one program per token
+        launches.append((i, _Launch(_head_rms_norm_rope_kernel, grid, args, config, slots, dev)))
         offset += seq
-
-    # outputs are contiguous; with one part they have q's shape and dtype, and torch.empty_like(q) makes
-    # them with less host time where _dense_like(q)
-    like_q = n_parts == 1 and _dense_like(qs[0])
-
-    def run(qs, ks, q_weights, k_weights, cos, sin):
-        if like_q:
-            q_out, k_out = torch.empty_like(qs[0]), torch.empty_like(qs[0])
-        else:
-            q_out = torch.empty(out_shape, dtype=dtype, device=dev)
-            k_out = torch.empty(out_shape, dtype=dtype, device=dev)
-        for i, launch in launches:
-            launch(qs[i], ks[i], q_weights[i], k_weights[i], cos, sin, q_out, k_out)
-        return q_out, k_out
-
-    return run
+    return launches
 
 
 # ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
@@ -624,6 +513,21 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kernel_args(*operands):
+    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
+    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
+    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
+    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
+    args, slots = [], []
+    for op in operands:
+        if type(op) is list:
+            slots.append(len(args) if op[0] else None)
+            args += [None, *op[1:]]
+        else:
+            args.append(op)
+    return tuple(args), slots
 
 
 # How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as

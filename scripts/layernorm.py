@@ -5,7 +5,8 @@
     out = ((x - mean(x)) / sqrt(var(x) + eps) [* w] [+ b]) * (1 + scale) + shift   (parts optional)
     with the biased variance over the last dim, all arithmetic in fp32, one rounding per output.
 
-One Triton kernel implements every variant; constexpr flags remove the parts a call does not use.
+One Triton kernel implements every variant; an operand a call leaves out is passed as None, which removes
+every use of it when the kernel is compiled.
 This is the norm of the MMDiT models in diffusers (SD3 ``JointTransformerBlock``, FLUX
 ``FluxTransformerBlock`` / ``FluxSingleTransformerBlock``): ``nn.LayerNorm(D, elementwise_affine=False,
 eps=1e-6)`` followed by ``* (1 + scale) + shift`` with one scale/shift row per sample. Public functions:
@@ -69,32 +70,50 @@ _INTERPRETER_PROGRAMS = 3  # the persistent grid under the interpreter: CPU test
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
+# ---- shared block row_kernels begin: copies are identical (scripts/sync_shared_blocks.py) ----
 @triton.jit
-def _affine_modulate(
-    y,
-    W,
-    BIAS,
-    SCALE,
-    SHIFT,
-    s_row,
-    t_row,
-    rows,
-    cols,
-    mask,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MOD: tl.constexpr,
-):
-    """Normalised fp32 rows y -> (* w) (+ b), then * (1 + scale) + shift."""
-    if HAS_WEIGHT:
+def _row_block(rows, M, INNER):
+    """A block's rows kept in bounds (masked-off rows address row 0), their mask, and their outer and inner
+    indices (row r -> outer r // INNER, inner r % INNER; see _row_layout)."""
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)
+    return rows, row_mask, (rows // INNER).to(tl.int64), (rows % INNER).to(tl.int64)
+
+
+@triton.jit
+def _row_start(rows, outer, inner, stride_o, stride_i, DENSE: tl.constexpr = False):
+    """Offset of each row's first element in a tensor with row strides (stride_o, stride_i). DENSE: row r
+    starts at r * stride_i, so the address of the first load does not wait for the division by INNER."""
+    if DENSE:
+        return rows.to(tl.int64) * stride_i
+    return outer * stride_o + inner * stride_i
+
+
+@triton.jit
+def _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, outer, inner):
+    """(SCALE, SHIFT, their row offsets) for rows (outer, inner), or None without a modulation."""
+    mod = None
+    if SCALE is not None:
+        mod = (SCALE, SHIFT, outer * s_stride_o + inner * s_stride_i, outer * t_stride_o + inner * t_stride_i)
+    return mod
+
+
+# ---- shared block row_kernels end ----
+
+
+@triton.jit
+def _affine_modulate(y, W, BIAS, MOD, rows, cols, mask):
+    """Normalised fp32 rows y -> (* w) (+ b), then * (1 + scale) + shift (MOD: see _modulation)."""
+    if W is not None:
         # loaded at the tile's full shape so it shares the tile's register layout (a [BLOCK_N] load
         # gets another layout and costs a conversion through LDS)
         w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
         y = y * w
-    if HAS_BIAS:
+    if BIAS is not None:
         b = tl.load(BIAS + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
         y = y + b
-    if HAS_MOD:
+    if MOD is not None:
+        SCALE, SHIFT, s_row, t_row = MOD
         sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y * (1.0 + sc) + sh
@@ -102,43 +121,26 @@ def _affine_modulate(
 
 
 @triton.jit
-def _load_residual(
-    X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr
-):
-    """fp32 rows of x, or of h = x + gate * y rounded to h's dtype (and stored to H_OUT)."""
-    x, yv, g = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask, HAS_RESIDUAL, HAS_GATE)
-    return _residual(x, yv, g, H_OUT, out_row, cols, mask, HAS_RESIDUAL, HAS_GATE)
-
-
-@triton.jit
-def _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr):
-    """fp32 tiles of the normalised input again (a later pass of the chunked path): the stored h when
-    a residual was added in pass 1, else x."""
-    if HAS_RESIDUAL:
-        return tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    return tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
-    """The tiles of x (and y, gate) as stored; 0.0 placeholders for the absent ones."""
+def _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask):
+    """The tiles of x, y and gate as stored (0.0 for an absent one)."""
     x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0)
     yv = 0.0
     g = 0.0
-    if HAS_RESIDUAL:
+    if Y is not None:
         yv = tl.load(Y + y_row[:, None] + cols[None, :], mask=mask, other=0.0)
-        if HAS_GATE:
+        if GATE is not None:
             g = tl.load(GATE + g_row[:, None] + cols[None, :], mask=mask, other=0.0)
     return x, yv, g
 
 
 @triton.jit
-def _residual(x, yv, g, H_OUT, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr):
-    """fp32 x, or h = x + gate * y rounded to h's dtype and stored to H_OUT (the value normalised)."""
+def _residual(x, yv, g, H_OUT, GATE, out_row, cols, mask):
+    """fp32 x; with H_OUT, h = x + gate * y (GATE: whether there is a gate) rounded to h's dtype, stored
+    to H_OUT and returned (the value normalised)."""
     x = x.to(tl.float32)
-    if HAS_RESIDUAL:
+    if H_OUT is not None:
         yv = yv.to(tl.float32)
-        if HAS_GATE:
+        if GATE is not None:
             yv = g.to(tl.float32) * yv
         h = (x + yv).to(H_OUT.dtype.element_ty)
         tl.store(H_OUT + out_row[:, None] + cols[None, :], h, mask=mask)
@@ -147,11 +149,21 @@ def _residual(x, yv, g, H_OUT, out_row, cols, mask, HAS_RESIDUAL: tl.constexpr, 
 
 
 @triton.jit
-def _load_mod(SCALE, SHIFT, s_row, t_row, cols, mask, PRE: tl.constexpr):
-    """fp32 tiles of scale and shift when PRE (requested early), else 0.0 placeholders."""
+def _reread_rows(X, H_OUT, x_row, out_row, cols, mask):
+    """fp32 tiles of the normalised input again (a later pass of the chunked path): the stored h when
+    a residual was added in pass 1, else x."""
+    if H_OUT is not None:
+        return tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_mod(MOD, cols, mask, PRE: tl.constexpr):
+    """fp32 tiles of MOD's scale and shift when PRE (requested early), else 0.0 placeholders."""
     sc = 0.0
     sh = 0.0
     if PRE:
+        SCALE, SHIFT, s_row, t_row = MOD
         sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return sc, sh
@@ -159,173 +171,59 @@ def _load_mod(SCALE, SHIFT, s_row, t_row, cols, mask, PRE: tl.constexpr):
 
 @triton.jit
 def _finish_rows(
-    y,
-    W,
-    BIAS,
-    SCALE,
-    SHIFT,
-    SCALE2,
-    SHIFT2,
-    OUT,
-    OUT2,
-    s_row,
-    t_row,
-    s2_row,
-    t2_row,
-    out_row,
-    rows,
-    cols,
-    mask,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MOD: tl.constexpr,
-    HAS_MOD2: tl.constexpr,
-    sc=0.0,
-    sh=0.0,
-    PRE: tl.constexpr = False,
+    y, W, BIAS, MOD, MOD2, OUT, OUT2, out_row, rows, cols, mask, sc=0.0, sh=0.0, PRE: tl.constexpr = False
 ):
     """Normalised fp32 rows y (columns `cols`) -> affine, modulation(s), stores to OUT (and OUT2).
     PRE: the modulation's scale and shift are the tiles sc, sh loaded earlier (_load_mod)."""
-    if HAS_MOD2:
-        y2 = _affine_modulate(y, W, BIAS, SCALE2, SHIFT2, s2_row, t2_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, True)
+    if MOD2 is not None:
+        y2 = _affine_modulate(y, W, BIAS, MOD2, rows, cols, mask)
         tl.store(OUT2 + out_row[:, None] + cols[None, :], y2.to(OUT2.dtype.element_ty), mask=mask)
     if PRE:
-        y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, False)
+        y = _affine_modulate(y, W, BIAS, None, rows, cols, mask)
         y = y * (1.0 + sc) + sh
     else:
-        y = _affine_modulate(y, W, BIAS, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_BIAS, HAS_MOD)
+        y = _affine_modulate(y, W, BIAS, MOD, rows, cols, mask)
     tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_offsets(
-    rows,
-    M,
-    N,
-    INNER,
-    x_stride_o,
-    x_stride_i,
-    y_stride_o,
-    y_stride_i,
-    g_stride_o,
-    g_stride_i,
-    s_stride_o,
-    s_stride_i,
-    t_stride_o,
-    t_stride_i,
-    s2_stride_o,
-    s2_stride_i,
-    t2_stride_o,
-    t2_stride_i,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_MOD: tl.constexpr,
-    HAS_MOD2: tl.constexpr,
-    X_DENSE: tl.constexpr,
-    Y_DENSE: tl.constexpr,
-):
-    """Row mask and the element offsets of each tensor's row for row indices `rows`."""
-    row_mask = rows < M
-    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
-    outer = (rows // INNER).to(tl.int64)
-    inner = (rows % INNER).to(tl.int64)
-    # dense rows: the address of the first load does not wait for the integer division by INNER
-    x_row = rows.to(tl.int64) * x_stride_i if X_DENSE else outer * x_stride_o + inner * x_stride_i
-    out_row = rows.to(tl.int64) * N
-    y_row = out_row  # placeholders, used only under the matching flag
-    g_row = out_row
-    s_row = out_row
-    t_row = out_row
-    s2_row = out_row
-    t2_row = out_row
-    if HAS_RESIDUAL:
-        y_row = rows.to(tl.int64) * y_stride_i if Y_DENSE else outer * y_stride_o + inner * y_stride_i
-        if HAS_GATE:
-            g_row = outer * g_stride_o + inner * g_stride_i
-    if HAS_MOD:
-        s_row = outer * s_stride_o + inner * s_stride_i
-        t_row = outer * t_stride_o + inner * t_stride_i
-    if HAS_MOD2:
-        s2_row = outer * s2_stride_o + inner * s2_stride_i
-        t2_row = outer * t2_stride_o + inner * t2_stride_i
-    return rows, row_mask, x_row, y_row, g_row, out_row, s_row, t_row, s2_row, t2_row
-
-
-@triton.jit
-def _load_raw_chunks(
-    X,
-    Y,
-    GATE,
-    x_row,
-    y_row,
-    g_row,
-    row_mask,
-    N,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NCH: tl.constexpr,
-):
-    """A single-pass row block as stored: x (y, gate) for chunk 0, and chunks 1, 2 when NCH == 3
-    (0.0 placeholders otherwise)."""
+def _load_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
+    """A single-pass row block as stored: the (x, y, gate) tiles of chunk 0, 1 and 2; chunks 1 and 2 only
+    when NCH == 3 (0.0 placeholders otherwise)."""
     cols0 = tl.arange(0, BLOCK_N)
-    m0 = row_mask[:, None] & (cols0 < N)[None, :]
-    x0, y0, g0 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
-    x1 = 0.0
-    y1 = 0.0
-    g1 = 0.0
-    x2 = 0.0
-    y2 = 0.0
-    g2 = 0.0
+    c0 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0, row_mask[:, None] & (cols0 < N)[None, :])
+    c1 = (0.0, 0.0, 0.0)
+    c2 = (0.0, 0.0, 0.0)
     if NCH == 3:
         m1 = row_mask[:, None] & (cols0 + BLOCK_N < N)[None, :]
         m2 = row_mask[:, None] & (cols0 + 2 * BLOCK_N < N)[None, :]
-        x1, y1, g1 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0 + BLOCK_N, m1, HAS_RESIDUAL, HAS_GATE)
-        x2, y2, g2 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0 + 2 * BLOCK_N, m2, HAS_RESIDUAL, HAS_GATE)
-    return x0, y0, g0, x1, y1, g1, x2, y2, g2
+        c1 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0 + BLOCK_N, m1)
+        c2 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0 + 2 * BLOCK_N, m2)
+    return c0, c1, c2
 
 
 @triton.jit
 def _single_pass_rows(
-    x0,
-    y0,
-    g0,
-    x1,
-    y1,
-    g1,
-    x2,
-    y2,
-    g2,
+    chunks,
     H_OUT,
+    GATE,
     W,
     BIAS,
-    SCALE,
-    SHIFT,
-    SCALE2,
-    SHIFT2,
+    MOD,
+    MOD2,
     OUT,
     OUT2,
     rows,
     row_mask,
     out_row,
-    s_row,
-    t_row,
-    s2_row,
-    t2_row,
     N,
     eps,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MOD: tl.constexpr,
-    HAS_MOD2: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NCH: tl.constexpr,
 ):
-    """Normalise a row block held in registers (the raw tiles of _load_raw_chunks): one chunk of the
-    next power of two above N, or three (N = 3 * BLOCK_N, e.g. SD3's 1536 and FLUX's 3072) so that no
-    lane idles. Each reduction runs once over the chunks' elementwise sum."""
+    """Normalise a row block held in registers (the tiles of _load_chunks): one chunk of the next power
+    of two above N, or three (N = 3 * BLOCK_N, e.g. SD3's 1536 and FLUX's 3072) so that no lane idles.
+    Each reduction runs once over the chunks' elementwise sum."""
     cols0 = tl.arange(0, BLOCK_N)
     c1 = cols0 + BLOCK_N
     c2 = cols0 + 2 * BLOCK_N
@@ -335,15 +233,18 @@ def _single_pass_rows(
     # With a residual, scale and shift are requested before the reductions so that their latency
     # overlaps them (about 2 % faster at SD3's and FLUX's shapes on an H200); without one that was 1-2 %
     # slower, so they are loaded after, in _finish_rows.
-    PRE: tl.constexpr = HAS_RESIDUAL and HAS_MOD and not HAS_MOD2
-    x0 = _residual(x0, y0, g0, H_OUT, out_row, cols0, m0, HAS_RESIDUAL, HAS_GATE)
-    sc0, sh0 = _load_mod(SCALE, SHIFT, s_row, t_row, cols0, m0, PRE)
+    PRE: tl.constexpr = H_OUT is not None and MOD is not None and MOD2 is None
+    x0, y0, g0 = chunks[0]
+    x0 = _residual(x0, y0, g0, H_OUT, GATE, out_row, cols0, m0)
+    sc0, sh0 = _load_mod(MOD, cols0, m0, PRE)
     tot = x0
     if NCH == 3:
-        x1 = _residual(x1, y1, g1, H_OUT, out_row, c1, m1, HAS_RESIDUAL, HAS_GATE)
-        x2 = _residual(x2, y2, g2, H_OUT, out_row, c2, m2, HAS_RESIDUAL, HAS_GATE)
-        sc1, sh1 = _load_mod(SCALE, SHIFT, s_row, t_row, c1, m1, PRE)
-        sc2, sh2 = _load_mod(SCALE, SHIFT, s_row, t_row, c2, m2, PRE)
+        x1, y1, g1 = chunks[1]
+        x2, y2, g2 = chunks[2]
+        x1 = _residual(x1, y1, g1, H_OUT, GATE, out_row, c1, m1)
+        x2 = _residual(x2, y2, g2, H_OUT, GATE, out_row, c2, m2)
+        sc1, sh1 = _load_mod(MOD, c1, m1, PRE)
+        sc2, sh2 = _load_mod(MOD, c2, m2, PRE)
         tot = x0 + x1 + x2
     mean = tl.sum(tot, axis=1)[:, None] / N
     d0 = tl.where(m0, x0 - mean, 0.0)
@@ -353,390 +254,114 @@ def _single_pass_rows(
         d2 = x2 - mean
         ss = ss + d1 * d1 + d2 * d2
     rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1)[:, None] / N + eps)
-    _finish_rows(
-        d0 * rstd,
-        W,
-        BIAS,
-        SCALE,
-        SHIFT,
-        SCALE2,
-        SHIFT2,
-        OUT,
-        OUT2,
-        s_row,
-        t_row,
-        s2_row,
-        t2_row,
-        out_row,
-        rows,
-        cols0,
-        m0,
-        HAS_WEIGHT,
-        HAS_BIAS,
-        HAS_MOD,
-        HAS_MOD2,
-        sc0,
-        sh0,
-        PRE,
-    )
+    _finish_rows(d0 * rstd, W, BIAS, MOD, MOD2, OUT, OUT2, out_row, rows, cols0, m0, sc0, sh0, PRE)
     if NCH == 3:
-        _finish_rows(
-            d1 * rstd,
-            W,
-            BIAS,
-            SCALE,
-            SHIFT,
-            SCALE2,
-            SHIFT2,
-            OUT,
-            OUT2,
-            s_row,
-            t_row,
-            s2_row,
-            t2_row,
-            out_row,
-            rows,
-            c1,
-            m1,
-            HAS_WEIGHT,
-            HAS_BIAS,
-            HAS_MOD,
-            HAS_MOD2,
-            sc1,
-            sh1,
-            PRE,
-        )
-        _finish_rows(
-            d2 * rstd,
-            W,
-            BIAS,
-            SCALE,
-            SHIFT,
-            SCALE2,
-            SHIFT2,
-            OUT,
-            OUT2,
-            s_row,
-            t_row,
-            s2_row,
-            t2_row,
-            out_row,
-            rows,
-            c2,
-            m2,
-            HAS_WEIGHT,
-            HAS_BIAS,
-            HAS_MOD,
-            HAS_MOD2,
-            sc2,
-            sh2,
-            PRE,
-        )
+        _finish_rows(d1 * rstd, W, BIAS, MOD, MOD2, OUT, OUT2, out_row, rows, c1, m1, sc1, sh1, PRE)
+        _finish_rows(d2 * rstd, W, BIAS, MOD, MOD2, OUT, OUT2, out_row, rows, c2, m2, sc2, sh2, PRE)
+
+
+@triton.jit
+def _multi_pass_rows(
+    X, Y, GATE, H_OUT, W, BIAS, MOD, MOD2, OUT, OUT2, x_row, y_row, g_row, out_row, rows, row_mask, N, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A row block too wide for registers, in three passes over BLOCK_N columns at a time: the mean (and
+    the residual update, stored once), the variance around the mean (no cancellation, unlike one
+    sum-of-squares pass), then normalise, affine, modulate and store."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x, yv, g = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask)
+        acc += _residual(x, yv, g, H_OUT, GATE, out_row, cols, mask)
+    mean = tl.sum(acc, axis=1) / N
+    if H_OUT is not None:
+        tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        acc += xc * xc
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask)
+        _finish_rows((x - mean[:, None]) * rstd[:, None], W, BIAS, MOD, MOD2, OUT, OUT2, out_row, rows, cols, mask)
 
 
 @triton.jit
 def _layer_norm_kernel(
-    X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
-    x_stride_o,
-    x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
-    Y,
-    y_stride_o,
-    y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
-    GATE,
-    g_stride_o,
-    g_stride_i,  # gate multiplying Y (HAS_GATE), broadcast strides
-    H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
-    W,  # weight [N] (HAS_WEIGHT)
-    BIAS,  # bias [N] (HAS_BIAS)
-    SCALE,
-    s_stride_o,
-    s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
-    SHIFT,
-    t_stride_o,
-    t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
-    SCALE2,
-    s2_stride_o,
-    s2_stride_i,  # second modulation scale (HAS_MOD2), broadcast strides
-    SHIFT2,
-    t2_stride_o,
-    t2_stride_i,  # second modulation shift (HAS_MOD2), broadcast strides
-    OUT,  # contiguous [M, N] output
-    OUT2,  # contiguous [M, N] second output (HAS_MOD2)
-    M,
-    N,
-    INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
-    eps,  # epsilon added to the variance
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_MOD: tl.constexpr,
-    HAS_MOD2: tl.constexpr,
+    X, x_stride_o, x_stride_i,  # input rows (the residual stream h when Y is given); last dim contiguous
+    Y, y_stride_o, y_stride_i,  # branch output added to h (None: no residual)
+    GATE, g_stride_o, g_stride_i,  # gate multiplying Y (None: no gate), broadcast strides
+    H_OUT,  # contiguous [M, N] output of the updated residual h (with Y)
+    W, BIAS,  # weight and bias [N] (None: not applied)
+    SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i,  # modulation (None: none), broadcast strides
+    SCALE2, s2_stride_o, s2_stride_i, SHIFT2, t2_stride_o, t2_stride_i,  # second modulation (None: none)
+    OUT, OUT2,  # contiguous [M, N] outputs (OUT2: the second modulation's)
+    M, N, INNER, eps,  # rows, row width, rows per outer index (row r -> r // INNER, r % INNER), epsilon
     BLOCK_M: tl.constexpr,  # rows per program (per step when PERSISTENT)
     BLOCK_N: tl.constexpr,  # columns per step (SINGLE_PASS: per chunk, NCH * BLOCK_N >= N)
-    SINGLE_PASS: tl.constexpr,
-    NCH: tl.constexpr = 1,  # SINGLE_PASS: chunks per row, 1 or 3
-    X_DENSE: tl.constexpr = False,  # row r of X starts at r * x_stride_i (no division by INNER)
-    Y_DENSE: tl.constexpr = False,  # the same for Y
-    PERSISTENT: tl.constexpr = False,  # SINGLE_PASS: program p takes row blocks p, p + G, ... (G programs)
-):
+    SINGLE_PASS: tl.constexpr,  # a row block held in registers: one read, one write
+    NCH: tl.constexpr,  # SINGLE_PASS: chunks per row, 1 or 3
+    X_DENSE: tl.constexpr, Y_DENSE: tl.constexpr,  # row r of X (Y) starts at r * x_stride_i (y_stride_i)
+    PERSISTENT: tl.constexpr,  # SINGLE_PASS: program p takes row blocks p, p + G, ... (G programs)
+):  # fmt: skip
     # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
-    tl.static_assert(HAS_RESIDUAL or not (HAS_GATE or Y_DENSE), "HAS_GATE and Y_DENSE need HAS_RESIDUAL")
-    tl.static_assert(HAS_MOD or not HAS_MOD2, "HAS_MOD2 needs HAS_MOD")
+    tl.static_assert((Y is None) == (H_OUT is None), "Y and H_OUT come together")
+    tl.static_assert(Y is not None or (GATE is None and not Y_DENSE), "GATE and Y_DENSE need Y")
+    tl.static_assert((SCALE is None) == (SHIFT is None), "SCALE and SHIFT come together")
+    tl.static_assert(
+        (SCALE2 is None) == (SHIFT2 is None) and (SHIFT2 is None) == (OUT2 is None),
+        "SCALE2, SHIFT2, OUT2 come together",
+    )
+    tl.static_assert(SCALE is not None or SCALE2 is None, "SCALE2 needs SCALE")
     tl.static_assert(NCH == 1 or (NCH == 3 and SINGLE_PASS), "NCH is 1, or 3 with SINGLE_PASS")
     tl.static_assert(SINGLE_PASS or not PERSISTENT, "PERSISTENT needs SINGLE_PASS")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows, row_mask, outer, inner = _row_block(pid * BLOCK_M + tl.arange(0, BLOCK_M), M, INNER)
+    x_row = _row_start(rows, outer, inner, x_stride_o, x_stride_i, X_DENSE)
+    y_row = _row_start(rows, outer, inner, y_stride_o, y_stride_i, Y_DENSE)
+    g_row = _row_start(rows, outer, inner, g_stride_o, g_stride_i)
     if SINGLE_PASS and PERSISTENT:
         # A fixed number of programs, each looping over row blocks; the next block's inputs are
         # requested before this block's reductions, so a program keeps loads in flight while it
         # reduces and stores (one launch-sized grid would leave that gap to other programs only).
         G = tl.num_programs(0)
-        n_blocks = tl.cdiv(M, BLOCK_M)
-        rr, rm, xr, yr, gr, orow, sr, tr, s2r, t2r = _row_offsets(
-            rows,
-            M,
-            N,
-            INNER,
-            x_stride_o,
-            x_stride_i,
-            y_stride_o,
-            y_stride_i,
-            g_stride_o,
-            g_stride_i,
-            s_stride_o,
-            s_stride_i,
-            t_stride_o,
-            t_stride_i,
-            s2_stride_o,
-            s2_stride_i,
-            t2_stride_o,
-            t2_stride_i,
-            HAS_RESIDUAL,
-            HAS_GATE,
-            HAS_MOD,
-            HAS_MOD2,
-            X_DENSE,
-            Y_DENSE,
-        )
-        x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(
-            X, Y, GATE, xr, yr, gr, rm, N, HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH
-        )
-        for blk0 in range(pid, n_blocks, G):
+        chunks = _load_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N, BLOCK_N, NCH)
+        for blk0 in range(pid, tl.cdiv(M, BLOCK_M), G):
             blk = blk0 + 0 * pid  # a tensor under the interpreter too
-            rr, rm, xr, yr, gr, orow, sr, tr, s2r, t2r = _row_offsets(
-                blk * BLOCK_M + tl.arange(0, BLOCK_M),
-                M,
-                N,
-                INNER,
-                x_stride_o,
-                x_stride_i,
-                y_stride_o,
-                y_stride_i,
-                g_stride_o,
-                g_stride_i,
-                s_stride_o,
-                s_stride_i,
-                t_stride_o,
-                t_stride_i,
-                s2_stride_o,
-                s2_stride_i,
-                t2_stride_o,
-                t2_stride_i,
-                HAS_RESIDUAL,
-                HAS_GATE,
-                HAS_MOD,
-                HAS_MOD2,
-                X_DENSE,
-                Y_DENSE,
-            )
+            rows, row_mask, outer, inner = _row_block(blk * BLOCK_M + tl.arange(0, BLOCK_M), M, INNER)
+            out_row = rows.to(tl.int64) * N
+            mod = _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, outer, inner)
+            mod2 = _modulation(SCALE2, s2_stride_o, s2_stride_i, SHIFT2, t2_stride_o, t2_stride_i, outer, inner)
             # the next block (all masked off past the last one)
-            _nr, nm, nxr, nyr, ngr, _no, _ns, _nt, _ns2, _nt2 = _row_offsets(
-                (blk + G) * BLOCK_M + tl.arange(0, BLOCK_M),
-                M,
-                N,
-                INNER,
-                x_stride_o,
-                x_stride_i,
-                y_stride_o,
-                y_stride_i,
-                g_stride_o,
-                g_stride_i,
-                s_stride_o,
-                s_stride_i,
-                t_stride_o,
-                t_stride_i,
-                s2_stride_o,
-                s2_stride_i,
-                t2_stride_o,
-                t2_stride_i,
-                HAS_RESIDUAL,
-                HAS_GATE,
-                False,
-                False,
-                X_DENSE,
-                Y_DENSE,
-            )
-            n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2 = _load_raw_chunks(
-                X, Y, GATE, nxr, nyr, ngr, nm, N, HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH
-            )
+            nr, nm, no, ni = _row_block((blk + G) * BLOCK_M + tl.arange(0, BLOCK_M), M, INNER)
+            nx = _row_start(nr, no, ni, x_stride_o, x_stride_i, X_DENSE)
+            ny = _row_start(nr, no, ni, y_stride_o, y_stride_i, Y_DENSE)
+            nxt = _load_chunks(X, Y, GATE, nx, ny, _row_start(nr, no, ni, g_stride_o, g_stride_i), nm, N, BLOCK_N, NCH)
             _single_pass_rows(
-                x0,
-                y0,
-                g0,
-                x1,
-                y1,
-                g1,
-                x2,
-                y2,
-                g2,
-                H_OUT,
-                W,
-                BIAS,
-                SCALE,
-                SHIFT,
-                SCALE2,
-                SHIFT2,
-                OUT,
-                OUT2,
-                rr,
-                rm,
-                orow,
-                sr,
-                tr,
-                s2r,
-                t2r,
-                N,
-                eps,
-                HAS_RESIDUAL,
-                HAS_GATE,
-                HAS_WEIGHT,
-                HAS_BIAS,
-                HAS_MOD,
-                HAS_MOD2,
-                BLOCK_N,
-                NCH,
+                chunks, H_OUT, GATE, W, BIAS, mod, mod2, OUT, OUT2, rows, row_mask, out_row, N, eps, BLOCK_N, NCH
             )
-            x0, y0, g0, x1, y1, g1, x2, y2, g2 = n0, ny0, ng0, n1, ny1, ng1, n2, ny2, ng2
+            chunks = nxt
     else:
-        rows, row_mask, x_row, y_row, g_row, out_row, s_row, t_row, s2_row, t2_row = _row_offsets(
-            rows,
-            M,
-            N,
-            INNER,
-            x_stride_o,
-            x_stride_i,
-            y_stride_o,
-            y_stride_i,
-            g_stride_o,
-            g_stride_i,
-            s_stride_o,
-            s_stride_i,
-            t_stride_o,
-            t_stride_i,
-            s2_stride_o,
-            s2_stride_i,
-            t2_stride_o,
-            t2_stride_i,
-            HAS_RESIDUAL,
-            HAS_GATE,
-            HAS_MOD,
-            HAS_MOD2,
-            X_DENSE,
-            Y_DENSE,
-        )
-        cols0 = tl.arange(0, BLOCK_N)
+        out_row = rows.to(tl.int64) * N
+        mod = _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, outer, inner)
+        mod2 = _modulation(SCALE2, s2_stride_o, s2_stride_i, SHIFT2, t2_stride_o, t2_stride_i, outer, inner)
         if SINGLE_PASS:
-            x0, y0, g0, x1, y1, g1, x2, y2, g2 = _load_raw_chunks(
-                X, Y, GATE, x_row, y_row, g_row, row_mask, N, HAS_RESIDUAL, HAS_GATE, BLOCK_N, NCH
-            )
+            chunks = _load_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N, BLOCK_N, NCH)
             _single_pass_rows(
-                x0,
-                y0,
-                g0,
-                x1,
-                y1,
-                g1,
-                x2,
-                y2,
-                g2,
-                H_OUT,
-                W,
-                BIAS,
-                SCALE,
-                SHIFT,
-                SCALE2,
-                SHIFT2,
-                OUT,
-                OUT2,
-                rows,
-                row_mask,
-                out_row,
-                s_row,
-                t_row,
-                s2_row,
-                t2_row,
-                N,
-                eps,
-                HAS_RESIDUAL,
-                HAS_GATE,
-                HAS_WEIGHT,
-                HAS_BIAS,
-                HAS_MOD,
-                HAS_MOD2,
-                BLOCK_N,
-                NCH,
+                chunks, H_OUT, GATE, W, BIAS, mod, mod2, OUT, OUT2, rows, row_mask, out_row, N, eps, BLOCK_N, NCH
             )
         else:
-            # Pass 1: the mean (and the residual update, stored once).
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                acc += _load_residual(
-                    X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask, HAS_RESIDUAL, HAS_GATE
-                )
-            mean = tl.sum(acc, axis=1) / N
-            if HAS_RESIDUAL:
-                tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
-            # Pass 2: the variance around the mean.
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL)
-                xc = tl.where(mask, x - mean[:, None], 0.0)
-                acc += xc * xc
-            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
-            # Pass 3: normalise, affine, modulate, store.
-            for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask, HAS_RESIDUAL)
-                _finish_rows(
-                    (x - mean[:, None]) * rstd[:, None],
-                    W,
-                    BIAS,
-                    SCALE,
-                    SHIFT,
-                    SCALE2,
-                    SHIFT2,
-                    OUT,
-                    OUT2,
-                    s_row,
-                    t_row,
-                    s2_row,
-                    t2_row,
-                    out_row,
-                    rows,
-                    cols,
-                    mask,
-                    HAS_WEIGHT,
-                    HAS_BIAS,
-                    HAS_MOD,
-                    HAS_MOD2,
-                )
+            _multi_pass_rows(
+                X, Y, GATE, H_OUT, W, BIAS, mod, mod2, OUT, OUT2, x_row, y_row, g_row, out_row, rows, row_mask, N, eps,
+                BLOCK_M, BLOCK_N,
+            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -1013,6 +638,98 @@ def _launch(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
 def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
     """The checks and configuration of _launch; returns run(x, y, gate, weight, bias, scale, shift, scale2,
     shift2)."""
+    g_strides, mods = _check_operands(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps)
+    device, shape, n = x.device, x.shape, x.shape[-1]
+    has_residual = y is not None
+    has_mod, has_mod2 = mods[0] is not None, mods[1] is not None
+
+    x_dtype = x.dtype
+    if x.numel() == 0:
+
+        def run_empty(x, y, gate, weight, bias, scale, shift, scale2, shift2):
+            out = torch.empty(shape, dtype=x_dtype, device=device)
+            out2 = torch.empty(shape, dtype=x_dtype, device=device) if has_mod2 else None
+            h_out = torch.empty(shape, dtype=x_dtype, device=device) if has_residual else None
+            return h_out, out, out2
+
+        return run_empty
+    m = x.numel() // n
+    stride_sets = [x.stride()[:-1]]
+    if has_residual:
+        stride_sets.append(y.stride()[:-1])
+    if gate is not None:
+        stride_sets.append(g_strides[:-1])
+    for mod in mods:
+        if mod is not None:
+            stride_sets += [mod[2][:-1], mod[3][:-1]]
+    inner, layouts = _row_layout(stride_sets, list(shape[:-1]))
+    it = iter(layouts)
+    xs = next(it)
+    ys = next(it) if has_residual else (0, 0)
+    gs = next(it) if gate is not None else (0, 0)
+    ss, ts = (next(it), next(it)) if has_mod else ((0, 0), (0, 0))
+    s2, t2 = (next(it), next(it)) if has_mod2 else ((0, 0), (0, 0))
+
+    _, _, warp_size = _device_target(device)
+    block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, has_residual)
+    n_blocks = _cdiv(m, block_m)
+    programs = 0
+    if single and _PERSISTENT and _persistent_variant(has_residual, has_mod, has_mod2):
+        programs, p_warps = _persistent_config(n_blocks, block_m, n, warp_size, _num_sms(device))
+        if programs:
+            num_warps = p_warps
+    grid = (programs or n_blocks,)
+    # Absent tensors stay None: the kernel leaves out every use of them.
+    args, slots = _kernel_args(
+        [True, *xs],
+        [has_residual, *ys],
+        [gate is not None, *gs],
+        [has_residual],  # H_OUT
+        [weight is not None],
+        [bias is not None],
+        [has_mod, *ss],
+        [has_mod, *ts],
+        [has_mod2, *s2],
+        [has_mod2, *t2],
+        [True],  # OUT
+        [has_mod2],  # OUT2
+        m,
+        n,
+        inner,
+        float(eps),
+    )
+    config = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SINGLE_PASS=single,
+        NCH=nch,
+        X_DENSE=_dense(xs, m, inner),
+        Y_DENSE=has_residual and _dense(ys, m, inner),
+        PERSISTENT=programs > 0,
+        num_warps=num_warps,
+    )
+    launch = _Launch(_layer_norm_kernel, grid, args, config, slots, device)
+
+    # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
+    like_x = _dense_like(x)
+    shape_t = tuple(shape)
+
+    def run(x, y, gate, weight, bias, scale, shift, scale2, shift2):
+        out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        out2 = h_out = None
+        if has_mod2:
+            out2 = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        if has_residual:
+            h_out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
+        launch(x, y, gate, h_out, weight, bias, scale, shift, scale2, shift2, out, out2)
+        return h_out, out, out2
+
+    return run
+
+
+def _check_operands(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
+    """Check x, eps and the optional operands; returns (gate's broadcast strides or None, [modulation,
+    second modulation]), each modulation (scale, shift, their broadcast strides) or None."""
     _check_tensor("x", x, _SUPPORTED_DTYPES)
     device = x.device
     if x.dim() == 0:
@@ -1054,137 +771,9 @@ def _plan(x, y, gate, weight, bias, scale, shift, scale2, shift2, eps):
         _check_tensor(sc_name, sc, _SUPPORTED_DTYPES, device)
         _check_tensor(sh_name, sh, _SUPPORTED_DTYPES, device)
         mods.append((sc, sh, _bcast_strides(sc_name, sc, shape), _bcast_strides(sh_name, sh, shape)))
-    has_mod, has_mod2 = mods[0] is not None, mods[1] is not None
-    if has_mod2 and not has_mod:
+    if mods[1] is not None and mods[0] is None:
         raise ValueError("scale2/shift2 need scale/shift (the first modulation)")
-
-    x_dtype = x.dtype
-    if x.numel() == 0:
-
-        def run_empty(x, y, gate, weight, bias, scale, shift, scale2, shift2):
-            out = torch.empty(shape, dtype=x_dtype, device=device)
-            out2 = torch.empty(shape, dtype=x_dtype, device=device) if has_mod2 else None
-            h_out = torch.empty(shape, dtype=x_dtype, device=device) if has_residual else None
-            return h_out, out, out2
-
-        return run_empty
-    m = x.numel() // n
-    stride_sets = [x.stride()[:-1]]
-    if has_residual:
-        stride_sets.append(y.stride()[:-1])
-    if gate is not None:
-        stride_sets.append(g_strides[:-1])
-    for mod in mods:
-        if mod is not None:
-            stride_sets += [mod[2][:-1], mod[3][:-1]]
-    inner, layouts = _row_layout(stride_sets, list(shape[:-1]))
-    it = iter(layouts)
-    xs = next(it)
-    ys = next(it) if has_residual else (0, 0)
-    gs = next(it) if gate is not None else (0, 0)
-    ss, ts = (next(it), next(it)) if has_mod else ((0, 0), (0, 0))
-    s2, t2 = (next(it), next(it)) if has_mod2 else ((0, 0), (0, 0))
-
-    _, _, warp_size = _device_target(device)
-    block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, has_residual)
-    n_blocks = _cdiv(m, block_m)
-    programs = 0
-    if single and _PERSISTENT and _persistent_variant(has_residual, has_mod, has_mod2):
-        programs, p_warps = _persistent_config(n_blocks, block_m, n, warp_size, _num_sms(device))
-        if programs:
-            num_warps = p_warps
-    grid = (programs or n_blocks,)
-    # Absent tensors stay None (their slots are None: the constexpr flags remove every use of them).
-    args = (
-        None,
-        xs[0],
-        xs[1],  # X
-        None,
-        ys[0],
-        ys[1],  # Y
-        None,
-        gs[0],
-        gs[1],  # GATE
-        None,  # H_OUT
-        None,  # W
-        None,  # BIAS
-        None,
-        ss[0],
-        ss[1],  # SCALE
-        None,
-        ts[0],
-        ts[1],  # SHIFT
-        None,
-        s2[0],
-        s2[1],  # SCALE2
-        None,
-        t2[0],
-        t2[1],  # SHIFT2
-        None,  # OUT
-        None,  # OUT2
-        m,
-        n,
-        inner,
-        float(eps),
-    )
-    launch = _Launch(
-        _layer_norm_kernel,
-        grid,
-        args,
-        dict(
-            HAS_RESIDUAL=has_residual,
-            HAS_GATE=gate is not None,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            HAS_MOD=has_mod,
-            HAS_MOD2=has_mod2,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            SINGLE_PASS=single,
-            NCH=nch,
-            X_DENSE=_dense(xs, m, inner),
-            Y_DENSE=has_residual and _dense(ys, m, inner),
-            PERSISTENT=programs > 0,
-            num_warps=num_warps,
-        ),
-        [
-            i if on else None
-            for i, on in zip(
-                (0, 3, 6, 9, 10, 11, 12, 15, 18, 21, 24, 25),
-                (
-                    True,
-                    has_residual,
-                    gate is not None,
-                    has_residual,
-                    weight is not None,
-                    bias is not None,
-                    has_mod,
-                    has_mod,
-                    has_mod2,
-                    has_mod2,
-                    True,
-                    has_mod2,
-                ),
-            )
-        ],
-        device,
-    )
-
-    # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
-    like_x = _dense_like(x)
-    shape_t = tuple(shape)
-
-    def run(x, y, gate, weight, bias, scale, shift, scale2, shift2):
-        out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
-        out2 = h_out = None
-        if has_mod2:
-            out2 = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
-        if has_residual:
-            h_out = torch.empty_like(x) if like_x else torch.empty(shape_t, dtype=x_dtype, device=device)
-        launch(x, y, gate, h_out, weight, bias, scale, shift, scale2, shift2, out, out2)
-        return h_out, out, out2
-
-    return run
+    return g_strides if gate is not None else None, mods
 
 
 # ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
@@ -1205,6 +794,21 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kernel_args(*operands):
+    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
+    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
+    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
+    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
+    args, slots = [], []
+    for op in operands:
+        if type(op) is list:
+            slots.append(len(args) if op[0] else None)
+            args += [None, *op[1:]]
+        else:
+            args.append(op)
+    return tuple(args), slots
 
 
 # How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as

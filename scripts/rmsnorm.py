@@ -7,7 +7,8 @@
     FP8 output: out8 = fp8(clamp(out / s, -fp8_max, fp8_max)), s given (per tensor) or
     s[row] = max|out[row]| / fp8_max computed in the kernel (per token).
 
-One Triton kernel implements every variant; constexpr flags remove the parts a call does not use.
+One Triton kernel implements every variant; an operand a call leaves out is passed as None, which removes
+every use of it when the kernel is compiled.
 Public functions:
 
 * ``rms_norm(x, weight=None, eps=1e-6, cast_before_weight=True, out_dtype=None)``:
@@ -121,88 +122,180 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
 # ---- shared block fp8_kernels end ----
 
 
+# ---- shared block row_kernels begin: copies are identical (scripts/sync_shared_blocks.py) ----
 @triton.jit
-def _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr):
-    """fp32 tiles of the weight and of the modulation scale and shift (0.0 where a flag is off)."""
+def _row_block(rows, M, INNER):
+    """A block's rows kept in bounds (masked-off rows address row 0), their mask, and their outer and inner
+    indices (row r -> outer r // INNER, inner r % INNER; see _row_layout)."""
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)
+    return rows, row_mask, (rows // INNER).to(tl.int64), (rows % INNER).to(tl.int64)
+
+
+@triton.jit
+def _row_start(rows, outer, inner, stride_o, stride_i, DENSE: tl.constexpr = False):
+    """Offset of each row's first element in a tensor with row strides (stride_o, stride_i). DENSE: row r
+    starts at r * stride_i, so the address of the first load does not wait for the division by INNER."""
+    if DENSE:
+        return rows.to(tl.int64) * stride_i
+    return outer * stride_o + inner * stride_i
+
+
+@triton.jit
+def _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, outer, inner):
+    """(SCALE, SHIFT, their row offsets) for rows (outer, inner), or None without a modulation."""
+    mod = None
+    if SCALE is not None:
+        mod = (SCALE, SHIFT, outer * s_stride_o + inner * s_stride_i, outer * t_stride_o + inner * t_stride_i)
+    return mod
+
+
+# ---- shared block row_kernels end ----
+
+
+@triton.jit
+def _load_weight_mod(W, MOD, rows, cols, mask):
+    """fp32 tiles of the weight and of the modulation's scale and shift (0.0 for absent ones; MOD: see
+    _modulation)."""
     w = 0.0
     sc = 0.0
     sh = 0.0
-    if HAS_WEIGHT:
+    if W is not None:
         # loaded at the tile's full [BLOCK_M, BLOCK_N] shape (rows re-read it from cache) so it
         # shares the tile's layout: a [BLOCK_N] or [1, BLOCK_N] load gets another layout and
         # costs a conversion through LDS plus a barrier
         w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
-    if HAS_MOD:
+    if MOD is not None:
+        SCALE, SHIFT, s_row, t_row = MOD
         sc = tl.load(SCALE + s_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sh = tl.load(SHIFT + t_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return w, sc, sh
 
 
 @triton.jit
-def _apply_weight_mod(
-    y, w, sc, sh, X, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, HAS_MOD: tl.constexpr
-):
-    """y = normalised rows (fp32) -> (cast) * w, then * (1 + scale) + shift."""
-    if HAS_WEIGHT:
+def _apply_weight_mod(y, w, sc, sh, X, W, MOD, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """y = normalised rows (fp32) -> (cast) * w, then * (1 + scale) + shift (W, MOD: whether present)."""
+    if W is not None:
         if CAST_BEFORE_WEIGHT:
             y = y.to(X.dtype.element_ty).to(tl.float32)
         y = y * w
-    if HAS_MOD:
+    if MOD is not None:
         y = y * (1.0 + sc) + sh
     return y
 
 
 @triton.jit
-def _weight_modulate(
+def _weight_modulate(y, X, W, MOD, rows, cols, mask, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """_apply_weight_mod with the loads issued here (the multi-pass loops)."""
+    w, sc, sh = _load_weight_mod(W, MOD, rows, cols, mask)
+    return _apply_weight_mod(y, w, sc, sh, X, W, MOD, CAST_BEFORE_WEIGHT)
+
+
+@triton.jit
+def _store_rows(
     y,
-    X,
-    W,
-    SCALE,
-    SHIFT,
-    s_row,
-    t_row,
-    rows,
+    OUT,
+    out_row,
     cols,
     mask,
-    HAS_WEIGHT: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr,
-    HAS_MOD: tl.constexpr,
+    q_scale,
+    FP8_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+    FP8_NAN: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
-    """_apply_weight_mod with the loads issued here (the multi-pass loops)."""
-    w, sc, sh = _load_weight_mod(W, SCALE, SHIFT, s_row, t_row, rows, cols, mask, HAS_WEIGHT, HAS_MOD)
-    return _apply_weight_mod(y, w, sc, sh, X, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
+    """Store fp32 rows y to OUT in OUT's dtype, or (FP8_MODE > 0) times q_scale (a scalar or a [BLOCK_M, 1]
+    column), quantised to OUT's FP8 format. For FP8 the caller marks cols with tl.max_contiguous(cols, 8)
+    where it makes them (a hint given here, on an argument, would be lost): stores of at most 8 contiguous
+    bytes, like the 16-byte bf16 accesses; otherwise a lane holding 16 elements gets 16-byte FP8 stores in
+    another register layout, converted through LDS."""
+    if FP8_MODE == 0:
+        tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        q = _fp8_convert(y * q_scale, OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
+        tl.store(OUT + out_row[:, None] + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def _residual_rows(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask):
+    """fp32 tiles of x; with Y, h = x + y * gate (GATE None: no gate) rounded to h's dtype, stored to
+    H_OUT and returned (the value normalised, as in the unfused model)."""
+    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if Y is not None:
+        yv = tl.load(Y + y_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATE is not None:
+            g = tl.load(GATE + g_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            yv = yv * g
+        h = (x + yv).to(H_OUT.dtype.element_ty)
+        tl.store(H_OUT + out_row[:, None] + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _reread_rows(X, H_OUT, x_row, out_row, cols, mask):
+    """fp32 tiles of the normalised input again (a later pass): the stored h with a residual, else x."""
+    if H_OUT is not None:
+        return tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _multi_pass_rows(
+    X, Y, GATE, H_OUT, W, MOD, OUT, FP8_SCALE, offs, rows, row_mask, N, eps, q_scale,
+    CAST_BEFORE_WEIGHT: tl.constexpr, FP8_MODE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    FP8_NAN: tl.constexpr, MIN_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A row block too wide for registers, BLOCK_N columns at a time: the sum of squares (and the residual
+    update, stored once); for per-row FP8 the row maximum of the output; then normalise, weight, modulate
+    (quantise) and store. offs: the rows' start offsets in X, Y, GATE and the outputs; q_scale: the
+    per-tensor FP8 factor (FP8_MODE 1)."""
+    x_row, y_row, g_row, out_row = offs
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = _residual_rows(X, Y, GATE, H_OUT, x_row, y_row, g_row, out_row, cols, mask)
+        acc += x * x
+    if OUT is not None:
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+        if Y is not None:
+            tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
+        if FP8_MODE == 2:
+            amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < N)[None, :]
+                x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask)
+                y = _weight_modulate(x * rstd[:, None], X, W, MOD, rows, cols, mask, CAST_BEFORE_WEIGHT)
+                amax = tl.maximum(amax, tl.abs(y))
+            row_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
+            tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
+            q_scale = (1.0 / row_scale)[:, None]
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            if FP8_MODE > 0:
+                cols = tl.max_contiguous(cols, 8)  # see _store_rows
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            x = _reread_rows(X, H_OUT, x_row, out_row, cols, mask)
+            y = _weight_modulate(x * rstd[:, None], X, W, MOD, rows, cols, mask, CAST_BEFORE_WEIGHT)
+            _store_rows(y, OUT, out_row, cols, mask, q_scale, FP8_MODE, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
 
 
 @triton.jit
 def _rms_norm_kernel(
-    X,  # input rows (or the residual stream h when HAS_RESIDUAL); last dim contiguous
-    x_stride_o,
-    x_stride_i,  # element strides of the two leading levels of X (see _row_layout)
-    Y,
-    y_stride_o,
-    y_stride_i,  # branch output added to h when HAS_RESIDUAL (else unused)
-    GATE,
-    g_stride_o,
-    g_stride_i,  # per-channel gate for the residual (HAS_GATE), broadcast strides
-    H_OUT,  # contiguous [M, N] output of the updated residual h (HAS_RESIDUAL)
-    W,  # weight [N] (HAS_WEIGHT)
-    SCALE,
-    s_stride_o,
-    s_stride_i,  # modulation scale (HAS_MOD), broadcast strides
-    SHIFT,
-    t_stride_o,
-    t_stride_i,  # modulation shift (HAS_MOD), broadcast strides
-    OUT,  # contiguous [M, N] output (FP8_MODE > 0: the FP8 output, or its uint8 view when not NATIVE_FP8)
+    X, x_stride_o, x_stride_i,  # input rows (the residual stream h when Y is given); last dim contiguous
+    Y, y_stride_o, y_stride_i,  # branch output added to h (None: no residual)
+    GATE, g_stride_o, g_stride_i,  # per-channel gate multiplying Y (None: no gate), broadcast strides
+    H_OUT,  # contiguous [M, N] output of the updated residual h (with Y)
+    W,  # weight [N] (None: not applied)
+    SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i,  # modulation (None: none), broadcast strides
+    OUT,  # contiguous [M, N] output (None: only h = x + y * gate); FP8: the FP8 tensor or its uint8 view
     FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
-    M,
-    N,
-    INNER,  # rows, row width, rows per outer index (row r -> outer r // INNER, inner r % INNER)
-    eps,  # epsilon added to the mean of squares
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
+    M, N, INNER, eps,  # rows, row width, rows per outer index (row r -> r // INNER, r % INNER), epsilon
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round rms(x) to X's dtype before the weight multiply
-    HAS_MOD: tl.constexpr,
     FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales
     FP8_MAX: tl.constexpr,  # largest finite value of OUT's FP8 format (FP8_MODE > 0)
     FP8_MIN_EXP: tl.constexpr,  # fp32 biased exponent of its smallest normal (FP8_MODE > 0)
@@ -211,166 +304,67 @@ def _rms_norm_kernel(
     NATIVE_FP8: tl.constexpr,  # FP8_MODE > 0: Triton's FP8 cast (see _fp8_convert), else _fp8_encode
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # columns per step; >= N when SINGLE_PASS
-    SINGLE_PASS: tl.constexpr,
-    HAS_NORM: tl.constexpr = True,  # False: only the residual update h = x + y * gate (OUT unused)
-    X_DENSE: tl.constexpr = False,  # row r of X starts at r * x_stride_i (no division by INNER)
-    Y_DENSE: tl.constexpr = False,  # the same for Y
-    INPUT_EVICT: tl.constexpr = "",  # single pass: L2 eviction hint of the X and Y loads ("" or "evict_first")
-):
-    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
-    tl.static_assert(HAS_RESIDUAL or not (HAS_GATE or Y_DENSE), "HAS_GATE and Y_DENSE need HAS_RESIDUAL")
+    SINGLE_PASS: tl.constexpr,  # a row block held in registers: one read, one write
+    X_DENSE: tl.constexpr, Y_DENSE: tl.constexpr,  # row r of X (Y) starts at r * x_stride_i (y_stride_i)
+    INPUT_EVICT: tl.constexpr,  # single pass: L2 eviction hint of the X and Y loads ("" or "evict_first")
+):  # fmt: skip
+    # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert((Y is None) == (H_OUT is None), "Y and H_OUT come together")
+    tl.static_assert(Y is not None or (GATE is None and not Y_DENSE), "GATE and Y_DENSE need Y")
+    tl.static_assert((SCALE is None) == (SHIFT is None), "SCALE and SHIFT come together")
     tl.static_assert(
-        HAS_NORM or (HAS_RESIDUAL and not (HAS_WEIGHT or HAS_MOD) and FP8_MODE == 0), "HAS_NORM off: only h + y * gate"
+        OUT is not None or (Y is not None and W is None and SCALE is None and FP8_MODE == 0),
+        "without OUT: only h = x + y * gate",
     )
     tl.static_assert(FP8_MODE == 0 or FP8_MODE == 1 or FP8_MODE == 2, "FP8_MODE is 0, 1 or 2")
+    tl.static_assert((FP8_SCALE is None) == (FP8_MODE == 0), "FP8_SCALE goes with FP8_MODE 1 or 2")
     tl.static_assert(FP8_MODE > 0 or not NATIVE_FP8, "NATIVE_FP8 needs FP8_MODE > 0")
     tl.static_assert(SINGLE_PASS or INPUT_EVICT == "", "INPUT_EVICT applies to the single pass")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows = tl.where(row_mask, rows, 0)  # keep masked-off rows' addresses in bounds
-    outer = (rows // INNER).to(tl.int64)
-    inner = (rows % INNER).to(tl.int64)
-    # dense rows: the address of the first load does not wait for the integer division by INNER
-    x_row = rows.to(tl.int64) * x_stride_i if X_DENSE else outer * x_stride_o + inner * x_stride_i
+    rows, row_mask, outer, inner = _row_block(pid * BLOCK_M + tl.arange(0, BLOCK_M), M, INNER)
+    x_row = _row_start(rows, outer, inner, x_stride_o, x_stride_i, X_DENSE)
     out_row = rows.to(tl.int64) * N
-    if HAS_RESIDUAL:
-        y_row = rows.to(tl.int64) * y_stride_i if Y_DENSE else outer * y_stride_o + inner * y_stride_i
-        if HAS_GATE:
-            g_row = outer * g_stride_o + inner * g_stride_i
-    s_row = out_row  # placeholders, used only when HAS_MOD
-    t_row = out_row
-    if HAS_MOD:
-        s_row = outer * s_stride_o + inner * s_stride_i
-        t_row = outer * t_stride_o + inner * t_stride_i
+    y_row = _row_start(rows, outer, inner, y_stride_o, y_stride_i, Y_DENSE)
+    g_row = _row_start(rows, outer, inner, g_stride_o, g_stride_i)
+    mod = _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, outer, inner)
     cols0 = tl.arange(0, BLOCK_N)
+    inv_scale = 1.0
     if FP8_MODE == 1:
         # read on the device (no host sync); capped so that a zero scale saturates instead of making 0 * inf
         inv_scale = tl.minimum(1.0 / tl.load(FP8_SCALE).to(tl.float32), 3.0e38)
-
     if SINGLE_PASS:
-        col_mask = cols0 < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + x_row[:, None] + cols0[None, :], mask=mask, other=0.0, eviction_policy=INPUT_EVICT).to(
-            tl.float32
-        )
+        if FP8_MODE > 0:
+            cols0 = tl.max_contiguous(cols0, 8)  # see _store_rows
+        mask = row_mask[:, None] & (cols0 < N)[None, :]
+        x = tl.load(X + x_row[:, None] + cols0[None, :], mask=mask, other=0.0, eviction_policy=INPUT_EVICT)
+        x = x.to(tl.float32)
         # weight, scale and shift are requested before the reduction, so their latency overlaps it
         # (2-3 % faster than loading them after it for AdaLN at LTX's [2, 6144, 2048] on an H200)
-        w, sc, sh = _load_weight_mod(
-            W, SCALE, SHIFT, s_row, t_row, rows, cols0, mask, HAS_WEIGHT and HAS_NORM, HAS_MOD and HAS_NORM
-        )
-        if HAS_RESIDUAL:
-            yv = tl.load(Y + y_row[:, None] + cols0[None, :], mask=mask, other=0.0, eviction_policy=INPUT_EVICT).to(
-                tl.float32
-            )
-            if HAS_GATE:
-                g = tl.load(GATE + g_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
-                yv = yv * g
+        w, sc, sh = _load_weight_mod(W, mod, rows, cols0, mask)
+        if Y is not None:
+            yv = tl.load(Y + y_row[:, None] + cols0[None, :], mask=mask, other=0.0, eviction_policy=INPUT_EVICT)
+            yv = yv.to(tl.float32)
+            if GATE is not None:
+                yv = yv * tl.load(GATE + g_row[:, None] + cols0[None, :], mask=mask, other=0.0).to(tl.float32)
             h = (x + yv).to(H_OUT.dtype.element_ty)
             tl.store(H_OUT + out_row[:, None] + cols0[None, :], h, mask=mask)
             x = h.to(tl.float32)  # normalise the stored (rounded) h, as the unfused model does
-        if HAS_NORM:
+        if OUT is not None:
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-            y = _apply_weight_mod(x * rstd[:, None], w, sc, sh, X, HAS_WEIGHT, CAST_BEFORE_WEIGHT, HAS_MOD)
-            if FP8_MODE == 0:
-                tl.store(OUT + out_row[:, None] + cols0[None, :], y.to(OUT.dtype.element_ty), mask=mask)
-            else:
-                if FP8_MODE == 1:
-                    q = y * inv_scale
-                else:
-                    # masked-off columns hold 0 (zero-filled loads), so they do not change the maximum
-                    row_scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, MIN_SCALE)
-                    tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
-                    q = y * (1.0 / row_scale)[:, None]
-                q = _fp8_convert(q, OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
-                # stores of at most 8 contiguous bytes, like the 16-byte bf16 accesses: otherwise a lane
-                # holding 16 elements gets 16-byte FP8 stores in another register layout, converted through LDS
-                st_cols = tl.max_contiguous(cols0, 8)
-                tl.store(OUT + out_row[:, None] + st_cols[None, :], q, mask=mask)
+            y = _apply_weight_mod(x * rstd[:, None], w, sc, sh, X, W, mod, CAST_BEFORE_WEIGHT)
+            q_scale = inv_scale
+            if FP8_MODE == 2:
+                # masked-off columns hold 0 (zero-filled loads), so they do not change the maximum
+                row_scale = tl.maximum(tl.max(tl.abs(y), axis=1) / FP8_MAX, MIN_SCALE)
+                tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
+                q_scale = (1.0 / row_scale)[:, None]
+            _store_rows(y, OUT, out_row, cols0, mask, q_scale, FP8_MODE, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
     else:
-        # Pass 1: sum of squares (and the residual update, stored once).
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            mask = row_mask[:, None] & (cols < N)[None, :]
-            x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                yv = tl.load(Y + y_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                if HAS_GATE:
-                    g = tl.load(GATE + g_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                    yv = yv * g
-                h = (x + yv).to(H_OUT.dtype.element_ty)
-                tl.store(H_OUT + out_row[:, None] + cols[None, :], h, mask=mask)
-                x = h.to(tl.float32)
-            acc += x * x
-    if (not SINGLE_PASS) and HAS_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
-        if HAS_RESIDUAL:
-            tl.debug_barrier()  # the next passes re-read h written by other lanes of this program
-        if FP8_MODE == 2:
-            # Extra pass for dynamic FP8: the row maximum of the output, before anything is quantised.
-            amax = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + cols0
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                if HAS_RESIDUAL:
-                    x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                else:
-                    x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                y = _weight_modulate(
-                    x * rstd[:, None],
-                    X,
-                    W,
-                    SCALE,
-                    SHIFT,
-                    s_row,
-                    t_row,
-                    rows,
-                    cols,
-                    mask,
-                    HAS_WEIGHT,
-                    CAST_BEFORE_WEIGHT,
-                    HAS_MOD,
-                )
-                amax = tl.maximum(amax, tl.abs(y))
-            row_scale = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)
-            tl.store(FP8_SCALE + rows, row_scale, mask=row_mask)
-            inv_row_scale = 1.0 / row_scale
-        # Last pass: normalise, weight, modulate (and quantise), store.
-        for start in range(0, N, BLOCK_N):
-            cols = start + cols0
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            if HAS_RESIDUAL:
-                x = tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = _weight_modulate(
-                x * rstd[:, None],
-                X,
-                W,
-                SCALE,
-                SHIFT,
-                s_row,
-                t_row,
-                rows,
-                cols,
-                mask,
-                HAS_WEIGHT,
-                CAST_BEFORE_WEIGHT,
-                HAS_MOD,
-            )
-            if FP8_MODE == 0:
-                tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
-            else:
-                if FP8_MODE == 1:
-                    q = y * inv_scale
-                else:
-                    q = y * inv_row_scale[:, None]
-                q = _fp8_convert(q, OUT, FP8_MAX, FP8_MIN_EXP, FP8_NAN, NATIVE_FP8)
-                st_cols = tl.max_contiguous(cols, 8)  # as in the single pass
-                tl.store(OUT + out_row[:, None] + st_cols[None, :], q, mask=mask)
+        _multi_pass_rows(
+            X, Y, GATE, H_OUT, W, mod, OUT, FP8_SCALE, (x_row, y_row, g_row, out_row), rows, row_mask, N, eps,
+            inv_scale, CAST_BEFORE_WEIGHT, FP8_MODE, FP8_MAX, FP8_MIN_EXP, FP8_NAN, MIN_SCALE, NATIVE_FP8, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,20 +631,9 @@ _PLANS: dict = {}  # launch plans by call signature (see _launch)
 
 
 def _launch(
-    x,
-    y,
-    gate,
-    weight,
-    scale,
-    shift,
-    eps,
-    cast_before_weight,
-    out_dtype,
-    fp8_mode=0,
-    fp8_scale=None,
-    names=("x", "y", "h"),
-    norm=True,
-):
+    x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
+    names=("x", "y", "h"), norm=True,
+):  # fmt: skip
     """Validate, pick the launch configuration and run the kernel.
 
     Returns (h_out or None, out, per-row FP8 scales or None). fp8_mode 0: out has out_dtype (default
@@ -691,62 +674,10 @@ def _launch(
 
 def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode, fp8_scale, names, norm):
     """The checks and configuration of _launch; returns run(x, y, gate, weight, scale, shift, fp8_scale)."""
-    x_name, y_name, h_name = names
-    _check_tensor(x_name, x, _SUPPORTED_DTYPES)
-    device = x.device
-    if x.dim() == 0:
-        raise ValueError(f"{x_name} must have at least one dimension (the normalised one)")
-    n = x.shape[-1]
-    shape = x.shape
-    _check_last_contiguous(x_name, x)
-    # bool is an int (True == 1.0 and hashes alike: the plan key holds type(eps) so that a plan made for
-    # eps=1.0 never serves eps=True); NaN fails eps >= 0 (and never equals a cached key)
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    has_residual = y is not None
-    if has_residual:
-        _check_tensor(y_name, y, _SUPPORTED_DTYPES, device)
-        if y.shape != shape:
-            raise ValueError(
-                f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(shape)}; they must match"
-            )
-        if y.dtype != x.dtype:
-            raise TypeError(f"{y_name} has dtype {y.dtype} but {h_name} has dtype {x.dtype}; they must match")
-        if y.numel() > 0 and y.stride(-1) != 1 and n > 1:
-            raise ValueError(f"{y_name} must be contiguous in its last dimension; call .contiguous()")
-    if gate is not None:
-        _check_tensor("gate", gate, _SUPPORTED_DTYPES, device)
-        g_strides = _bcast_strides("gate", gate, shape)
-    if weight is not None:
-        _check_tensor("weight", weight, _SUPPORTED_DTYPES, device)
-        if weight.dim() != 1 or weight.shape[0] != n:
-            raise ValueError(f"weight must have shape [{n}] (the last dim of {x_name}), got {tuple(weight.shape)}")
-        if weight.stride(0) != 1 and n > 1:
-            raise ValueError("weight must be contiguous")
-    has_mod = scale is not None or shift is not None
-    if has_mod:
-        if scale is None or shift is None:
-            raise ValueError("scale and shift must be given together")
-        _check_tensor("scale", scale, _SUPPORTED_DTYPES, device)
-        _check_tensor("shift", shift, _SUPPORTED_DTYPES, device)
-        s_strides = _bcast_strides("scale", scale, shape)
-        t_strides = _bcast_strides("shift", shift, shape)
-    if fp8_mode not in (0, 1, 2):
-        raise ValueError(f"fp8_mode must be 0, 1 or 2, got {fp8_mode!r}")
-    if fp8_mode:
-        out_dtype = _check_fp8(device, out_dtype, fp8_mode, fp8_scale)
-        fp8_max, fp8_min_exp, fp8_nan = _FP8_FORMATS[out_dtype]
-        native_fp8 = _native_fp8(device, out_dtype)
-    else:
-        native_fp8 = False
-        if fp8_scale is not None:
-            raise ValueError("fp8_scale is only used with fp8='per_tensor'")
-        fp8_max, fp8_min_exp, fp8_nan = 0.0, 0, 0
-        if out_dtype is None:
-            out_dtype = x.dtype
-        elif out_dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
-
+    g_strides, s_strides, t_strides = _check_operands(x, y, gate, weight, scale, shift, eps, names)
+    device, shape, n = x.device, x.shape, x.shape[-1]
+    has_residual, has_mod = y is not None, scale is not None
+    out_dtype, (fp8_max, fp8_min_exp, fp8_nan), native_fp8 = _check_output(x, out_dtype, fp8_mode, fp8_scale)
     x_dtype, dense_fp8 = x.dtype, fp8_mode and not native_fp8
     if x.numel() == 0:
 
@@ -757,7 +688,6 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
             return h_out, out, row_scales
 
         return run_empty
-    lead = list(shape[:-1])
     m = x.numel() // n
     stride_sets = [x.stride()[:-1]]
     if has_residual:
@@ -766,7 +696,7 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
         stride_sets.append(g_strides[:-1])
     if has_mod:
         stride_sets += [s_strides[:-1], t_strides[:-1]]
-    inner, layouts = _row_layout(stride_sets, lead)
+    inner, layouts = _row_layout(stride_sets, list(shape[:-1]))
     it = iter(layouts)
     xs = next(it)
     ys = next(it) if has_residual else (0, 0)
@@ -778,75 +708,41 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
     block_m, block_n, single, num_warps = _launch_config(n, m, warp_size)
     grid = (_cdiv(m, block_m),)
     out_size = torch.empty((), dtype=out_dtype).element_size()
-    args = (
-        None,
-        xs[0],
-        xs[1],  # X
-        None,
-        ys[0],
-        ys[1],  # Y
-        None,
-        gs[0],
-        gs[1],  # GATE
-        None,  # H_OUT
-        None,  # W
-        None,
-        ss[0],
-        ss[1],  # SCALE
-        None,
-        ts[0],
-        ts[1],  # SHIFT
-        None,  # OUT
-        None,  # FP8_SCALE
+    # Absent tensors stay None: the kernel leaves out every use of them.
+    args, slots = _kernel_args(
+        [True, *xs],
+        [has_residual, *ys],
+        [gate is not None, *gs],
+        [has_residual],  # H_OUT
+        [weight is not None],
+        [has_mod, *ss],
+        [has_mod, *ts],
+        [norm],  # OUT
+        [fp8_mode != 0],  # FP8_SCALE
         m,
         n,
         inner,
         float(eps),
     )
-    present = (
-        True,
-        has_residual,
-        gate is not None,
-        has_residual,
-        weight is not None,
-        has_mod,
-        has_mod,
-        True,
-        fp8_mode != 0,
-    )
-    slots = [i if on else None for i, on in zip((0, 3, 6, 9, 10, 11, 14, 17, 18), present)]
-    launch = _Launch(
-        _rms_norm_kernel,
-        grid,
-        args,
-        dict(
-            HAS_RESIDUAL=has_residual,
-            HAS_GATE=gate is not None,
-            HAS_WEIGHT=weight is not None,
-            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-            HAS_MOD=has_mod,
-            FP8_MODE=fp8_mode,
-            FP8_MAX=fp8_max,
-            FP8_MIN_EXP=fp8_min_exp,
-            FP8_NAN=fp8_nan,
-            MIN_SCALE=_MIN_DYNAMIC_SCALE,
-            NATIVE_FP8=native_fp8,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            SINGLE_PASS=single,
-            HAS_NORM=norm,
-            X_DENSE=_dense(xs, m, inner),
-            Y_DENSE=has_residual and _dense(ys, m, inner),
-            INPUT_EVICT=_input_evict(
-                single,
-                has_residual and gate is None and not has_mod and norm,
-                m * n * (3 * x.element_size() + out_size),
-            ),
-            num_warps=num_warps,
+    config = dict(
+        CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+        FP8_MODE=fp8_mode,
+        FP8_MAX=fp8_max,
+        FP8_MIN_EXP=fp8_min_exp,
+        FP8_NAN=fp8_nan,
+        MIN_SCALE=_MIN_DYNAMIC_SCALE,
+        NATIVE_FP8=native_fp8,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SINGLE_PASS=single,
+        X_DENSE=_dense(xs, m, inner),
+        Y_DENSE=has_residual and _dense(ys, m, inner),
+        INPUT_EVICT=_input_evict(
+            single, has_residual and gate is None and not has_mod and norm, m * n * (3 * x.element_size() + out_size)
         ),
-        slots,
-        device,
+        num_warps=num_warps,
     )
+    launch = _Launch(_rms_norm_kernel, grid, args, config, slots, device)
 
     # outputs are contiguous; torch.empty_like(x) makes the same with less host time where _dense_like(x)
     like_x = _dense_like(x)
@@ -878,6 +774,68 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
     return run
 
 
+def _check_operands(x, y, gate, weight, scale, shift, eps, names):
+    """Check x, eps and the optional operands; returns the broadcast strides of gate, scale and shift
+    (None for each one absent). names: how the messages call x, y, and x when compared with y."""
+    x_name, y_name, h_name = names
+    _check_tensor(x_name, x, _SUPPORTED_DTYPES)
+    device = x.device
+    if x.dim() == 0:
+        raise ValueError(f"{x_name} must have at least one dimension (the normalised one)")
+    n = x.shape[-1]
+    shape = x.shape
+    _check_last_contiguous(x_name, x)
+    # bool is an int (True == 1.0 and hashes alike: the plan key holds type(eps) so that a plan made for
+    # eps=1.0 never serves eps=True); NaN fails eps >= 0 (and never equals a cached key)
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if y is not None:
+        _check_tensor(y_name, y, _SUPPORTED_DTYPES, device)
+        if y.shape != shape:
+            raise ValueError(
+                f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(shape)}; they must match"
+            )
+        if y.dtype != x.dtype:
+            raise TypeError(f"{y_name} has dtype {y.dtype} but {h_name} has dtype {x.dtype}; they must match")
+        if y.numel() > 0 and y.stride(-1) != 1 and n > 1:
+            raise ValueError(f"{y_name} must be contiguous in its last dimension; call .contiguous()")
+    g_strides = s_strides = t_strides = None
+    if gate is not None:
+        _check_tensor("gate", gate, _SUPPORTED_DTYPES, device)
+        g_strides = _bcast_strides("gate", gate, shape)
+    if weight is not None:
+        _check_tensor("weight", weight, _SUPPORTED_DTYPES, device)
+        if weight.dim() != 1 or weight.shape[0] != n:
+            raise ValueError(f"weight must have shape [{n}] (the last dim of {x_name}), got {tuple(weight.shape)}")
+        if weight.stride(0) != 1 and n > 1:
+            raise ValueError("weight must be contiguous")
+    if scale is not None or shift is not None:
+        if scale is None or shift is None:
+            raise ValueError("scale and shift must be given together")
+        _check_tensor("scale", scale, _SUPPORTED_DTYPES, device)
+        _check_tensor("shift", shift, _SUPPORTED_DTYPES, device)
+        s_strides = _bcast_strides("scale", scale, shape)
+        t_strides = _bcast_strides("shift", shift, shape)
+    return g_strides, s_strides, t_strides
+
+
+def _check_output(x, out_dtype, fp8_mode, fp8_scale):
+    """The output dtype, the FP8 format's (largest value, smallest normal's exponent, NaN code) and whether
+    Triton casts to it natively; all zero and False without FP8."""
+    if fp8_mode not in (0, 1, 2):
+        raise ValueError(f"fp8_mode must be 0, 1 or 2, got {fp8_mode!r}")
+    if fp8_mode:
+        out_dtype = _check_fp8(x.device, out_dtype, fp8_mode, fp8_scale)
+        return out_dtype, _FP8_FORMATS[out_dtype], _native_fp8(x.device, out_dtype)
+    if fp8_scale is not None:
+        raise ValueError("fp8_scale is only used with fp8='per_tensor'")
+    if out_dtype is None:
+        out_dtype = x.dtype
+    elif out_dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
+    return out_dtype, (0.0, 0, 0), False
+
+
 # ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
 # Launching with little host time. Triton's JIT binds and specialises every argument on every call,
 # which costs more host time than the launch itself. A launcher here checks a call and picks its
@@ -896,6 +854,21 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kernel_args(*operands):
+    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
+    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
+    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
+    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
+    args, slots = [], []
+    for op in operands:
+        if type(op) is list:
+            slots.append(len(args) if op[0] else None)
+            args += [None, *op[1:]]
+        else:
+            args.append(op)
+    return tuple(args), slots
 
 
 # How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
@@ -1232,21 +1205,9 @@ _GRAD_NAMES = ("x", "y", "gate", "weight", "scale", "shift", "fp8_scale")  # _di
 
 
 def _dispatch(
-    x,
-    y,
-    gate,
-    weight,
-    scale,
-    shift,
-    eps,
-    cast_before_weight,
-    out_dtype,
-    fp8_mode=0,
-    fp8_scale=None,
-    names=("x", "y", "h"),
-    fn="rms_norm",
-    grad_names=_GRAD_NAMES,
-):
+    x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, fp8_mode=0, fp8_scale=None,
+    names=("x", "y", "h"), fn="rms_norm", grad_names=_GRAD_NAMES,
+):  # fmt: skip
     if torch.compiler.is_compiling():
         if isinstance(eps, bool):  # float(True) would hide it from the launcher's check
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")

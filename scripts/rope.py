@@ -171,12 +171,12 @@ def _rope_rotate_half_kernel(
 
 
 @triton.jit
-def _rms_norm_rows(x, W, cols, C, eps, DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
-    """torch.nn.RMSNorm of fp32 rows x [BLOCK_M, BLOCK_C] (zeros past C), rounded where the module
-    rounds (to DTYPE, the input dtype); returns fp32."""
+def _rms_norm_rows(x, W, cols, C, eps, DTYPE: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
+    """torch.nn.RMSNorm of fp32 rows x [BLOCK_M, BLOCK_C] (zeros past C), with weight W (None: none),
+    rounded where the module rounds (to DTYPE, the input dtype); returns fp32."""
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
     y = x * rstd[:, None]
-    if HAS_WEIGHT:
+    if W is not None:
         if CAST_BEFORE_WEIGHT:
             y = y.to(DTYPE).to(tl.float32)
         w = tl.load(W + cols, mask=cols < C, other=0.0).to(tl.float32)
@@ -221,44 +221,57 @@ def _rope_by_pair(y, cp, sp, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _coords_cos_sin(
+    COORDS, g_sb, g_ss, g_sa, FREQS, f_s, b, s, row_mask, N_PAD_PAIRS, N_ROT_PAIRS, BLOCK_C: tl.constexpr
+):
+    """cos and sin per rotation pair, [BLOCK_M, BLOCK_C // 2], computed from the rows' grid coordinates.
+
+    Pair i (channels 2i, 2i+1): identity for i < N_PAD_PAIRS, else p = i - N_PAD_PAIRS uses frequency
+    p // 3 on axis p % 3 (frame, height, width), the angle computed in fp32 in the order diffusers uses:
+    freq * (coord * 2 - 1). Both channels of a pair share the angle (diffusers' repeat_interleave(2)), so
+    the trigonometry runs once per pair and the rotation is applied to the (even, odd) halves that
+    tl.split produces."""
+    pair = tl.arange(0, BLOCK_C // 2) - N_PAD_PAIRS
+    valid = (pair >= 0) & (pair < N_ROT_PAIRS)
+    pair = tl.where(valid, pair, 0)
+    freq = tl.load(FREQS + (pair // 3) * f_s, mask=valid, other=0.0).to(tl.float32)
+    # the row's three coordinates, then each pair picks its axis (no per-pair gather)
+    g_row = COORDS + b * g_sb + s * g_ss
+    g0 = tl.load(g_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(g_row + g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(g_row + 2 * g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    axis = (pair % 3)[None, :]
+    coord = tl.where(axis == 0, g0, tl.where(axis == 1, g1, g2))
+    angle = freq[None, :] * (coord * 2.0 - 1.0)
+    # sin and cos share one argument reduction (_sincos): 16 % faster than tl.sin + tl.cos at LTX's
+    # [2, 6144, 2048] on an H200, within 2 ulp of fp32 sin/cos (far below bf16 rounding).
+    sa, ca = _sincos(angle)
+    return tl.where(valid[None, :], ca, 1.0), tl.where(valid[None, :], sa, 0.0)
+
+
+@triton.jit
 def _ltx_qk_norm_rope_kernel(
-    Q,
-    q_sb,
-    q_ss,  # q [B, S, C]: element strides of batch and token dims; channels contiguous
-    K,
-    k_sb,
-    k_ss,  # k [B, S, C], same shape and dtype as q, its own strides
-    QW,
-    KW,  # RMSNorm weights [C] of q and k (HAS_WEIGHT)
-    COS,
-    c_sb,
-    c_ss,  # cos [B or 1, S, C] (not FROM_COORDS; batch stride 0 when broadcast)
-    SIN,
-    s_sb,
-    s_ss,  # sin, same layout rules as cos
-    COORDS,
-    g_sb,
-    g_ss,
-    g_sa,  # grid coordinates [B or 1, S, 3] (FROM_COORDS): batch, token, axis strides
-    FREQS,
-    f_s,  # frequencies [C // 6] (FROM_COORDS), already times pi / 2
-    QO,
-    KO,  # contiguous [B, S, C] outputs
-    M,
-    B,
-    C,  # rows (B * S), batch size, channels
-    N_PAD_PAIRS,
-    N_ROT_PAIRS,  # (C % 6) // 2 leading identity pairs, then 3 * (C // 6) rotated pairs
+    Q, q_sb, q_ss,  # q [B, S, C]: element strides of batch and token dims; channels contiguous
+    K, k_sb, k_ss,  # k [B, S, C], same shape and dtype as q, its own strides
+    QW, KW,  # RMSNorm weights [C] of q and k (None: no weight)
+    COS, c_sb, c_ss,  # cos [B or 1, S, C] (None with COORDS; batch stride 0 when broadcast)
+    SIN, s_sb, s_ss,  # sin, same layout rules as cos
+    COORDS, g_sb, g_ss, g_sa,  # grid coordinates [B or 1, S, 3] (None with COS/SIN): batch, token, axis strides
+    FREQS, f_s,  # frequencies [C // 6] (with COORDS), already times pi / 2
+    QO, KO,  # contiguous [B, S, C] outputs
+    M, B, C,  # rows (B * S), batch size, channels
+    N_PAD_PAIRS, N_ROT_PAIRS,  # (C % 6) // 2 leading identity pairs, then 3 * (C // 6) rotated pairs
     eps,  # RMSNorm epsilon
-    HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
-    FROM_COORDS: tl.constexpr,  # compute cos/sin from COORDS and FREQS instead of loading them
     TABLE_W: tl.constexpr,  # 0: cos/sin rows are C wide; else D: one head's row, read by every head
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # >= C (whole rows)
-):
-    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
-    tl.static_assert(TABLE_W == 0 or not FROM_COORDS, "TABLE_W applies to tables read, not FROM_COORDS")
+):  # fmt: skip
+    # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+    tl.static_assert((COORDS is None) != (COS is None), "cos/sin tables or COORDS, one of them")
+    tl.static_assert((COS is None) == (SIN is None) and (COORDS is None) == (FREQS is None), "operands in pairs")
+    tl.static_assert((QW is None) == (KW is None), "QW and KW come together")
+    tl.static_assert(TABLE_W == 0 or COORDS is None, "TABLE_W applies to tables read, not COORDS")
     tl.static_assert(TABLE_W % 2 == 0 and TABLE_W <= BLOCK_C, "TABLE_W is even (rotation pairs) and at most BLOCK_C")
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
     # One program normalises and rotates the same rows of q AND k: the cos/sin of those rows are
@@ -276,32 +289,13 @@ def _ltx_qk_norm_rope_kernel(
     xq = tl.load(Q + (b * q_sb + s * q_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     xk = tl.load(K + (b * k_sb + s * k_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     DT: tl.constexpr = Q.dtype.element_ty
-    if FROM_COORDS:
-        # Pair i (channels 2i, 2i+1): identity for i < N_PAD_PAIRS, else p = i - N_PAD_PAIRS uses
-        # frequency p // 3 on axis p % 3 (frame, height, width), the angle computed in fp32 in the
-        # order diffusers uses: freq * (coord * 2 - 1). Both channels of a pair share the angle
-        # (diffusers' repeat_interleave(2)), so the trigonometry runs once per pair and the
-        # rotation is applied to the (even, odd) halves that tl.split produces.
-        pair = tl.arange(0, BLOCK_C // 2) - N_PAD_PAIRS
-        valid = (pair >= 0) & (pair < N_ROT_PAIRS)
-        pair = tl.where(valid, pair, 0)
-        freq = tl.load(FREQS + (pair // 3) * f_s, mask=valid, other=0.0).to(tl.float32)
-        # the row's three coordinates, then each pair picks its axis (no per-pair gather)
-        g_row = COORDS + b * g_sb + s * g_ss
-        g0 = tl.load(g_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        g1 = tl.load(g_row + g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        g2 = tl.load(g_row + 2 * g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        axis = (pair % 3)[None, :]
-        coord = tl.where(axis == 0, g0, tl.where(axis == 1, g1, g2))
-        angle = freq[None, :] * (coord * 2.0 - 1.0)
-        # sin and cos share one argument reduction (_sincos): 16 % faster than tl.sin + tl.cos at LTX's
-        # [2, 6144, 2048] on an H200, within 2 ulp of fp32 sin/cos (far below bf16 rounding).
-        sa, ca = _sincos(angle)
-        cp = tl.where(valid[None, :], ca, 1.0)
-        sp = tl.where(valid[None, :], sa, 0.0)
-        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    if COORDS is not None:
+        cp, sp = _coords_cos_sin(
+            COORDS, g_sb, g_ss, g_sa, FREQS, f_s, b, s, row_mask, N_PAD_PAIRS, N_ROT_PAIRS, BLOCK_C
+        )
+        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
         qo = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
-        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
         ko = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
     else:
         # cos/sin as given, channel by channel (cos[2i] and cos[2i+1] need not be equal); a per-head table
@@ -312,9 +306,9 @@ def _ltx_qk_norm_rope_kernel(
             tcols = cols
         c = tl.load(COS + (b * c_sb + s * c_ss)[:, None] + tcols[None, :], mask=mask, other=0.0).to(tl.float32)
         sn = tl.load(SIN + (b * s_sb + s * s_ss)[:, None] + tcols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
         qo = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
-        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
         ko = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
     tl.store(QO + out_row[:, None] + cols[None, :], qo.to(QO.dtype.element_ty), mask=mask)
     tl.store(KO + out_row[:, None] + cols[None, :], ko.to(KO.dtype.element_ty), mask=mask)
@@ -728,61 +722,34 @@ def _qk_plan(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before
     )
     grid = (_cdiv(m, block_m),)
     has_w = q_weight is not None
-    # The pointers the constexpr flags leave unused stay None (their slots are None).
-    launch = _Launch(
-        _ltx_qk_norm_rope_kernel,
-        grid,
-        (
-            None,
-            q.stride(0),
-            q.stride(1),  # Q
-            None,
-            k.stride(0),
-            k.stride(1),  # K
-            None,
-            None,  # QW, KW
-            *(
-                (None, 0, 0, None, 0, 0)
-                if from_coords  # COS, SIN
-                else (None, cos_v.stride(0), cos_v.stride(1), None, sin_v.stride(0), sin_v.stride(1))
-            ),
-            *(
-                (None, coords_v.stride(0), coords_v.stride(1), coords_v.stride(2), None, freqs.stride(0))
-                if from_coords
-                else (None, 0, 0, 0, None, 0)
-            ),  # COORDS, FREQS
-            None,
-            None,  # QO, KO
-            m,
-            bsz,
-            ch,
-            (ch % 6) // 2,
-            3 * (ch // 6),
-            float(eps),
-        ),
-        dict(
-            HAS_WEIGHT=has_w,
-            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-            FROM_COORDS=from_coords,
-            TABLE_W=0 if from_coords or tw == ch else tw,
-            BLOCK_M=block_m,
-            BLOCK_C=block_c,
-            num_warps=num_warps,
-        ),
-        (
-            0,
-            3,
-            6 if has_w else None,
-            7 if has_w else None,
-            None if from_coords else 8,
-            None if from_coords else 11,
-            14 if from_coords else None,
-            18 if from_coords else None,
-            20,
-            21,
-        ),
-        dev,
+    # Absent tensors stay None: the kernel leaves out every use of them.
+    table = not from_coords
+    args, slots = _kernel_args(
+        [True, q.stride(0), q.stride(1)],
+        [True, k.stride(0), k.stride(1)],
+        [has_w],  # QW
+        [has_w],  # KW
+        [table, *((cos_v.stride(0), cos_v.stride(1)) if table else (0, 0))],
+        [table, *((sin_v.stride(0), sin_v.stride(1)) if table else (0, 0))],
+        [from_coords, *(coords_v.stride()[:3] if from_coords else (0, 0, 0))],
+        [from_coords, freqs.stride(0) if from_coords else 0],
+        [True],  # QO
+        [True],  # KO
+        m,
+        bsz,
+        ch,
+        (ch % 6) // 2,
+        3 * (ch // 6),
+        float(eps),
     )
+    config = dict(
+        CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+        TABLE_W=0 if from_coords or tw == ch else tw,
+        BLOCK_M=block_m,
+        BLOCK_C=block_c,
+        num_warps=num_warps,
+    )
+    launch = _Launch(_ltx_qk_norm_rope_kernel, grid, args, config, slots, dev)
     like_q = _dense_like(q)  # k has q's shape and dtype
 
     def run(q, k, q_weight, k_weight, cos, sin, coords, freqs):
@@ -815,6 +782,21 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kernel_args(*operands):
+    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
+    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
+    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
+    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
+    args, slots = [], []
+    for op in operands:
+        if type(op) is list:
+            slots.append(len(args) if op[0] else None)
+            args += [None, *op[1:]]
+        else:
+            args.append(op)
+    return tuple(args), slots
 
 
 # How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
@@ -1143,11 +1125,12 @@ def _ltx_qk_rmsnorm_rope_op(
     return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
 
 
-def _ltx_qk_rmsnorm_rope_op_fake(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight):
+def _qk_fake(q, k, q_weight, k_weight, eps, table_a, table_b, cast_before_weight):
+    """The fake of both q/k ops (tables: cos and sin, or coords and freqs)."""
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
 
-_register("ltx_qk_rmsnorm_rope", _ltx_qk_rmsnorm_rope_op, _ltx_qk_rmsnorm_rope_op_fake)
+_register("ltx_qk_rmsnorm_rope", _ltx_qk_rmsnorm_rope_op, _qk_fake)
 
 
 def _ltx_qk_rmsnorm_rope_coords_op(
@@ -1163,11 +1146,7 @@ def _ltx_qk_rmsnorm_rope_coords_op(
     return _qk_launch(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
 
 
-def _ltx_qk_rmsnorm_rope_coords_op_fake(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-
-
-_register("ltx_qk_rmsnorm_rope_coords", _ltx_qk_rmsnorm_rope_coords_op, _ltx_qk_rmsnorm_rope_coords_op_fake)
+_register("ltx_qk_rmsnorm_rope_coords", _ltx_qk_rmsnorm_rope_coords_op, _qk_fake)
 
 
 def _eps_arg(eps) -> float:

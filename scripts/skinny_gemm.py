@@ -213,79 +213,81 @@ def _ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE):
 
 
 @triton.jit
-def _epilogue(
-    acc,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    OUT,
-    stride_om,
-    BIAS,
-    W_SCALE,
-    X_SCALE,
-    HAS_BIAS: tl.constexpr,
-    W_SCALE_MODE: tl.constexpr,
-    HAS_X_SCALE: tl.constexpr,
-):
-    """Scales, bias, cast and store of an fp32 [BLOCK_M, BLOCK_N] result."""
+def _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, W_SCALE_MODE: tl.constexpr):
+    """Scales, bias (None: none; X_SCALE likewise), cast and store of an fp32 [BLOCK_M, BLOCK_N] result."""
     n_ok = offs_n < N
     if W_SCALE_MODE == 1:
         acc = acc * tl.load(W_SCALE).to(tl.float32)
     elif W_SCALE_MODE == 2:
         acc = acc * tl.load(W_SCALE + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_X_SCALE:
+    if X_SCALE is not None:
         acc = acc * tl.load(X_SCALE).to(tl.float32)
-    if HAS_BIAS:
+    if BIAS is not None:
         acc = acc + tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & n_ok[None, :]
     ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------------------------
-# Kernel
-# --------------------------------------------------------------------------------------------
+@triton.jit
+def _split_k_finish(
+    acc, WS, COUNTERS, split, tile_n, offs_m, offs_n, M, N, WS_SPLIT_STRIDE, SPLIT_K, OUT, stride_om, BIAS, W_SCALE,
+    X_SCALE, W_SCALE_MODE: tl.constexpr,
+):  # fmt: skip
+    """Store this split's partial sums; the program of the tile that arrives last adds all the splits'
+    partials and runs the epilogue."""
+    tile_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(WS + _ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE), acc, mask=tile_mask)
+    # Memory ordering: the barrier (a workgroup release/acquire fence pair around s_barrier /
+    # bar.sync) orders every lane's partial store before the single atomic, whose gpu-scope
+    # release publishes them all to other CUs; its acquire, followed by the second barrier,
+    # makes the other programs' partials visible to every lane of the program that arrived last.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(COUNTERS + tile_n, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if arrived == SPLIT_K - 1:
+        # Last program of this tile: sum the partials in split order (a fixed order, so the
+        # result does not depend on which program came last). The counter is left as it is: the
+        # launcher gives every launch fresh zeroed counters.
+        total = tl.zeros_like(acc)
+        for s in range(0, SPLIT_K):
+            total += tl.load(
+                WS + _ws_offset(s, offs_m, offs_n, N, WS_SPLIT_STRIDE), mask=tile_mask, other=0.0, cache_modifier=".cg"
+            )
+        _epilogue(total, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, W_SCALE_MODE)
+
+
 @triton.jit
 def _skinny_gemm_kernel(
-    X,
-    stride_xm,  # x [M, K]: rows stride_xm elements apart, last dim contiguous (fp16/bf16/fp8)
-    W,
-    stride_wn,  # weight [N, K]: rows stride_wn elements apart, last dim contiguous
-    BIAS,  # bias [N] (HAS_BIAS)
-    W_SCALE,  # fp32 weight scale: 1 value (W_SCALE_MODE 1) or [N] (W_SCALE_MODE 2)
-    X_SCALE,  # fp32 scale of an FP8 x, 1 value (HAS_X_SCALE)
-    OUT,
-    stride_om,  # y [M, N], rows stride_om elements apart
-    WS,  # fp32 workspace [SPLIT_K, M, N] of partial sums (SPLIT_K > 1)
-    COUNTERS,  # int32 arrival counter per N tile (SPLIT_K > 1): zero on entry (fresh for each launch)
-    M,
-    N,
-    K,
+    X, stride_xm,  # x [M, K]: rows stride_xm elements apart, last dim contiguous (fp16/bf16/fp8)
+    W, stride_wn,  # weight [N, K]: rows stride_wn elements apart, last dim contiguous
+    BIAS,  # bias [N] (None: no bias)
+    W_SCALE,  # fp32 weight scale: 1 value (W_SCALE_MODE 1) or [N] (W_SCALE_MODE 2); None: 16-bit weights
+    X_SCALE,  # fp32 scale of an FP8 x, 1 value (None: 16-bit x)
+    OUT, stride_om,  # y [M, N], rows stride_om elements apart
+    WS,  # fp32 workspace [SPLIT_K, M, N] of partial sums (None: no split, SPLIT_K == 1)
+    COUNTERS,  # int32 arrival counter per N tile (with WS): zero on entry (fresh for each launch)
+    M, N, K,
     WS_SPLIT_STRIDE,  # M * N: elements between two splits' partials in WS
     K_PER_SPLIT,  # K columns per split, a multiple of BLOCK_K
     SPLIT_K,  # number of K splits (runtime: a new count does not recompile)
     NUM_PROGRAMS,  # N tiles x SPLIT_K, for the XCD remap
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,  # tl.dot with DOT_DT operands, else fp32 multiply-add
     DOT_DT: tl.constexpr,
     FP8_DOT: tl.constexpr,  # USE_DOT with FP8 x and W in the GPU's matrix format: no widening
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masked tail block
-    IS_SPLIT: tl.constexpr,  # SPLIT_K > 1
-    HAS_BIAS: tl.constexpr,
-    W_SCALE_MODE: tl.constexpr,
-    HAS_X_SCALE: tl.constexpr,
-    W_BITS: tl.constexpr,
-    X_BITS: tl.constexpr,  # decode FP8 W / x from their bits (passed as uint8)
+    W_SCALE_MODE: tl.constexpr,  # 0: no weight scale, 1: one value, 2: one per output channel
+    W_BITS: tl.constexpr, X_BITS: tl.constexpr,  # decode FP8 W / x from their bits (passed as uint8)
     FNUZ: tl.constexpr,  # the FP8 format decoded from bits is e4m3fnuz (else e4m3fn)
     NUM_XCDS: tl.constexpr,
-):
-    # flag combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
+):  # fmt: skip
+    # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
     tl.static_assert(USE_DOT or not FP8_DOT, "FP8_DOT needs USE_DOT")
     tl.static_assert(not (FP8_DOT and (W_BITS or X_BITS)), "FP8_DOT takes FP8 operands, not their bits")
     tl.static_assert(W_SCALE_MODE == 0 or W_SCALE_MODE == 1 or W_SCALE_MODE == 2, "W_SCALE_MODE is 0, 1 or 2")
+    tl.static_assert((W_SCALE is None) == (W_SCALE_MODE == 0), "W_SCALE goes with W_SCALE_MODE 1 or 2")
+    tl.static_assert((WS is None) == (COUNTERS is None), "WS and COUNTERS come together")
     pid = xcd_remap(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     # Tile-major order: the SPLIT_K programs of one N tile are consecutive logical ids, so after the
     # remap they run on the same XCD at about the same time: the last to arrive waits little and its
@@ -325,35 +327,13 @@ def _skinny_gemm_kernel(
                 acc3 = _fma_step(acc3, x_rows, w_rows, k_full, k_hi, kk, m3, n3, True, W_BITS, X_BITS, FNUZ)
         acc = tl.sum(acc3, axis=2)
 
-    if IS_SPLIT:
-        tile_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        tl.store(WS + _ws_offset(split, offs_m, offs_n, N, WS_SPLIT_STRIDE), acc, mask=tile_mask)
-        # Memory ordering: the barrier (a workgroup release/acquire fence pair around s_barrier /
-        # bar.sync) orders every lane's partial store before the single atomic, whose gpu-scope
-        # release publishes them all to other CUs; its acquire, followed by the second barrier,
-        # makes the other programs' partials visible to every lane of the program that arrived last.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(COUNTERS + tile_n, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if arrived == SPLIT_K - 1:
-            # Last program of this tile: sum the partials in split order (a fixed order, so the
-            # result does not depend on which program came last). The counter is left as it is: the
-            # launcher gives every launch fresh zeroed counters.
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                total += tl.load(
-                    WS + _ws_offset(s, offs_m, offs_n, N, WS_SPLIT_STRIDE),
-                    mask=tile_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-            _epilogue(
-                total, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE
-            )
+    if WS is not None:
+        _split_k_finish(
+            acc, WS, COUNTERS, split, tile_n, offs_m, offs_n, M, N, WS_SPLIT_STRIDE, SPLIT_K, OUT, stride_om, BIAS,
+            W_SCALE, X_SCALE, W_SCALE_MODE,
+        )  # fmt: skip
     else:
-        _epilogue(
-            acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, HAS_BIAS, W_SCALE_MODE, HAS_X_SCALE
-        )
+        _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, W_SCALE_MODE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -634,6 +614,86 @@ def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
 
 def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     """The checks and configuration of _launch; returns run(x, weight, bias, weight_scale, x_scale)."""
+    x_fp8, w_fp8, w_scale_mode, out_dtype = _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+    device = x.device
+    n, k = weight.shape
+    lead = tuple(x.shape[:-1])
+    m = 1
+    for d in lead:
+        m *= d
+    if m > MAX_M:
+        raise ValueError(
+            f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
+            "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
+        )
+    _check_last_contiguous("x", x)
+    _check_last_contiguous("weight", weight)
+    shape = lead + (n,)
+    if m == 0 or n == 0:
+
+        def run_empty(x, weight, bias, weight_scale, x_scale):
+            return torch.empty(shape, dtype=out_dtype, device=device)
+
+        return run_empty
+    if k == 0:  # an empty sum: y = bias (or 0)
+
+        def run_bias(x, weight, bias, weight_scale, x_scale):
+            out = torch.empty(shape, dtype=out_dtype, device=device)
+            out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
+            return out
+
+        return run_bias
+    try:
+        x2 = x.view(m, k)
+    except RuntimeError:
+        raise ValueError(
+            f"x's leading dimensions (shape {tuple(x.shape)}, strides {x.stride()}) cannot be flattened to rows "
+            "with one stride; call .contiguous() on x"
+        ) from None
+    target = _device_target(device)
+    # Dispatch back to torch: possible for this signature, decided on each call by _kernel_max_m (so that
+    # a change to _KERNEL_MAX_M applies at once)
+    to_torch = split_k is None and (x_fp8 or not w_fp8)
+    cfg = _launch_config(m, n, k, weight.element_size(), target, _compute_units(device, target), split_k)
+    launch, x_bits, w_bits = _gemm_launch(x2, weight, bias, x_scale, w_scale_mode, cfg, target)
+    split = cfg.split_k > 1
+    ws_shape, n_tiles = (cfg.split_k, m, n), -(-n // cfg.block_n)
+
+    def run(x, weight, bias, weight_scale, x_scale):
+        if to_torch and m > _kernel_max_m(target, w_fp8):
+            y = _torch_linear(x.view(m, k), weight, bias, weight_scale, x_scale, out_dtype)
+            if y is not None:
+                return y.reshape(shape)
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+        if split:
+            ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
+            # Fresh zeroed arrival counters for every launch (one allocation and one fill, both ordered
+            # on the current stream). Counters kept across calls went stale: a launch that did not finish
+            # (an exception, an interrupt, a killed kernel) left them non-zero and every later launch
+            # then reduced unwritten partials, silently; and a buffer kept per stream was shared by
+            # every CUDA graph captured on that stream. Zeroing a kept buffer before each launch costs
+            # the same fill plus a current-stream lookup and still shares it between graphs; allocated
+            # here, a graph gets its counters from its own memory pool and replays the fill.
+            counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        else:
+            ws = counters = None  # not read
+        launch(
+            x.view(torch.uint8) if x_bits else x,
+            weight.view(torch.uint8) if w_bits else weight,
+            bias,
+            weight_scale,
+            x_scale,
+            out,
+            ws,
+            counters,
+        )
+        return out
+
+    return run
+
+
+def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
+    """Check the operands and options of a call; returns (x_fp8, w_fp8, w_scale_mode, out_dtype)."""
     x_fp8 = isinstance(x, torch.Tensor) and x.dtype in _FP8_DTYPES
     _check_tensor("x", x, _ACT_DTYPES + _FP8_DTYPES)
     device = x.device
@@ -691,77 +751,40 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
     if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
+    return x_fp8, w_fp8, w_scale_mode, out_dtype
 
-    lead = tuple(x.shape[:-1])
-    m = 1
-    for d in lead:
-        m *= d
-    if m > MAX_M:
-        raise ValueError(
-            f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
-            "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
-        )
-    _check_last_contiguous("x", x)
-    _check_last_contiguous("weight", weight)
-    shape = lead + (n,)
-    if m == 0 or n == 0:
 
-        def run_empty(x, weight, bias, weight_scale, x_scale):
-            return torch.empty(shape, dtype=out_dtype, device=device)
-
-        return run_empty
-    if k == 0:  # an empty sum: y = bias (or 0)
-
-        def run_bias(x, weight, bias, weight_scale, x_scale):
-            out = torch.empty(shape, dtype=out_dtype, device=device)
-            out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
-            return out
-
-        return run_bias
-    try:
-        x2 = x.view(m, k)
-    except RuntimeError:
-        raise ValueError(
-            f"x's leading dimensions (shape {tuple(x.shape)}, strides {x.stride()}) cannot be flattened to rows "
-            "with one stride; call .contiguous() on x"
-        ) from None
-    target = _device_target(device)
-    backend = target[0]
-    # Dispatch back to torch: possible for this signature, decided on each call by _kernel_max_m (so that
-    # a change to _KERNEL_MAX_M applies at once)
-    to_torch = split_k is None and (x_fp8 or not w_fp8)
-    cus = _compute_units(device, target)
-    cfg = _launch_config(m, n, k, weight.element_size(), target, cus, split_k)
-    n_tiles = -(-n // cfg.block_n)
-    num_programs = n_tiles * cfg.split_k
+def _gemm_launch(x2, weight, bias, x_scale, w_scale_mode: int, cfg: _Config, target):
+    """The kernel launch for x2 [M, K] and weight [N, K] under cfg; returns (launch, x_bits, w_bits): whether
+    x and W are passed as their uint8 bits (see _decode_fp8_bits)."""
+    (m, k), n = x2.shape, weight.shape[0]
+    x_fp8, w_fp8 = x2.dtype in _FP8_DTYPES, weight.dtype in _FP8_DTYPES
     fnuz = weight.dtype == getattr(torch, "float8_e4m3fnuz", None)
     w_bits = w_fp8 and _decode_fp8_bits(target, fnuz)
     x_bits = x_fp8 and _decode_fp8_bits(target, fnuz)
     # operands of tl.dot: x's dtype, or bf16 for FP8 x (e4m3 values are exact in both); the
     # interpreter's bf16 arithmetic is unreliable, so there the (equally exact) fp32 is used
-    dot_dt = tl.bfloat16 if (x_fp8 or x.dtype == torch.bfloat16) else tl.float16
-    if backend == "interpreter":
+    dot_dt = tl.bfloat16 if (x_fp8 or x2.dtype == torch.bfloat16) else tl.float16
+    if target[0] == "interpreter":
         dot_dt = tl.float32
     # FP8 x and W in an AMD GPU's own matrix FP8 format (e4m3fnuz on gfx94x, e4m3fn on gfx95x) feed
     # tl.dot directly: an FP8 MFMA, no widening. Not on NVIDIA: at these tile sizes (M < 64, no wgmma)
     # Triton 3.6 converts both operands to fp16 for mma.sync anyway, and that form spilled on sm_90.
-    fp8_dot = cfg.use_dot and x_fp8 and not x_bits and not w_bits and backend in ("hip", "interpreter")
+    fp8_dot = cfg.use_dot and x_fp8 and not x_bits and not w_bits and target[0] in ("hip", "interpreter")
     split = cfg.split_k > 1
-    ws_shape = (cfg.split_k, m, n)
+    num_programs = -(-n // cfg.block_n) * cfg.split_k
     # x is passed as itself: x.view(m, k) (checked above) has its data pointer, and the row stride is
-    # fixed by the signature; the output [..., N] is contiguous, its rows n elements apart
-    args = (
-        None,
-        x2.stride(0),  # X
-        None,
-        weight.stride(0),  # W
-        None,  # BIAS (stays None when there is none: not read)
-        None,  # W_SCALE (likewise)
-        None,  # X_SCALE (likewise)
-        None,
-        n,  # OUT, rows n elements apart
-        None,
-        None,  # WS, COUNTERS (stay None when SPLIT_K == 1: not read)
+    # fixed by the signature; the output [..., N] is contiguous, its rows n elements apart. Absent
+    # tensors (bias, scales, the split-K workspace and counters without a split) stay None: not read.
+    args, slots = _kernel_args(
+        [True, x2.stride(0)],
+        [True, weight.stride(0)],
+        [bias is not None],
+        [w_scale_mode != 0],  # W_SCALE
+        [x_scale is not None],
+        [True, n],  # OUT
+        [split],  # WS
+        [split],  # COUNTERS
         m,
         n,
         k,
@@ -770,73 +793,23 @@ def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         cfg.split_k,
         num_programs,
     )
-    launch = _Launch(
-        _skinny_gemm_kernel,
-        (num_programs,),
-        args,
-        dict(
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            USE_DOT=cfg.use_dot,
-            DOT_DT=dot_dt,
-            FP8_DOT=fp8_dot,
-            EVEN_K=k % cfg.block_k == 0,
-            IS_SPLIT=split,
-            HAS_BIAS=bias is not None,
-            W_SCALE_MODE=w_scale_mode,
-            HAS_X_SCALE=x_fp8,
-            W_BITS=w_bits,
-            X_BITS=x_bits,
-            FNUZ=fnuz,
-            NUM_XCDS=cfg.num_xcds,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        ),
-        (
-            0,
-            2,
-            4 if bias is not None else None,
-            5 if weight_scale is not None else None,
-            6 if x_scale is not None else None,
-            7,
-            9 if split else None,
-            10 if split else None,
-        ),
-        device,
+    config = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot,
+        DOT_DT=dot_dt,
+        FP8_DOT=fp8_dot,
+        EVEN_K=k % cfg.block_k == 0,
+        W_SCALE_MODE=w_scale_mode,
+        W_BITS=w_bits,
+        X_BITS=x_bits,
+        FNUZ=fnuz,
+        NUM_XCDS=cfg.num_xcds,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-
-    def run(x, weight, bias, weight_scale, x_scale):
-        if to_torch and m > _kernel_max_m(target, w_fp8):
-            y = _torch_linear(x.view(m, k), weight, bias, weight_scale, x_scale, out_dtype)
-            if y is not None:
-                return y.reshape(shape)
-        out = torch.empty(shape, dtype=out_dtype, device=device)
-        if split:
-            ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
-            # Fresh zeroed arrival counters for every launch (one allocation and one fill, both ordered
-            # on the current stream). Counters kept across calls went stale: a launch that did not finish
-            # (an exception, an interrupt, a killed kernel) left them non-zero and every later launch
-            # then reduced unwritten partials, silently; and a buffer kept per stream was shared by
-            # every CUDA graph captured on that stream. Zeroing a kept buffer before each launch costs
-            # the same fill plus a current-stream lookup and still shares it between graphs; allocated
-            # here, a graph gets its counters from its own memory pool and replays the fill.
-            counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
-        else:
-            ws = counters = None  # not read
-        launch(
-            x.view(torch.uint8) if x_bits else x,
-            weight.view(torch.uint8) if w_bits else weight,
-            bias,
-            weight_scale,
-            x_scale,
-            out,
-            ws,
-            counters,
-        )
-        return out
-
-    return run
+    return _Launch(_skinny_gemm_kernel, (num_programs,), args, config, slots, x2.device), x_bits, w_bits
 
 
 # ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
@@ -857,6 +830,21 @@ def _remember(plans: dict, key, plan):
 def _sig(t):
     """What a plan depends on about a tensor argument (None stays None)."""
     return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _kernel_args(*operands):
+    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
+    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
+    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
+    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
+    args, slots = [], []
+    for op in operands:
+        if type(op) is list:
+            slots.append(len(args) if op[0] else None)
+            args += [None, *op[1:]]
+        else:
+            args.append(op)
+    return tuple(args), slots
 
 
 # How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as

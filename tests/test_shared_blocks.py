@@ -29,6 +29,7 @@ EXPECTED = {
     "sizes": ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope"),
     "strides": ("rmsnorm", "layernorm", "activations"),
     "rows": ("rmsnorm", "layernorm"),
+    "row_kernels": ("rmsnorm", "layernorm"),
     "fp8_kernels": ("rmsnorm", "activations"),
     "fp8": ("rmsnorm", "activations"),
     "fp8_ref": ("rmsnorm", "activations"),
