@@ -139,16 +139,11 @@ def _original_forward(module: torch.nn.Module):
 
 def _unpatch(module: torch.nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = ic.pop_state(module, _STATE)
+    state = ic.unpatch(module, _STATE, _PROCESSOR_KINDS, (LTXFusedSelfAttnProcessor,))
     if state is None:
         return None
-    if state["kind"] in _PROCESSOR_KINDS:
-        if type(module.processor) is LTXFusedSelfAttnProcessor:  # not if someone replaced it since
-            ic.carry_processor_settings(module.processor, state["prev"])  # e.g. enable_parallelism since
-            module.set_processor(state["prev"])
-        return state["kind"]
-    module.__dict__.pop("_rtk_attn1_modules", None)
-    ic.restore_forward(module, state)
+    if state["kind"] not in _PROCESSOR_KINDS:
+        module.__dict__.pop("_rtk_attn1_modules", None)
     return state["kind"]
 
 
@@ -563,21 +558,14 @@ class LTXFusedSelfAttnProcessor:
 # --------------------------------------------------------------------------------------------
 # Discovery
 # --------------------------------------------------------------------------------------------
-_roots = ic.roots
-
-
 def _ltx_models(pipe_or_model):
     """(transformers, vaes): every LTX-Video transformer / VAE inside the input, each once."""
-    seen, transformers, vaes = set(), [], []
-    for root in _roots(pipe_or_model):
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            if isinstance(m, LTXVideoTransformer3DModel):
-                transformers.append(m)
-            elif isinstance(m, AutoencoderKLLTXVideo):
-                vaes.append(m)
+    transformers, vaes = [], []
+    for m in ic.unique_modules(pipe_or_model):
+        if isinstance(m, LTXVideoTransformer3DModel):
+            transformers.append(m)
+        elif isinstance(m, AutoencoderKLLTXVideo):
+            vaes.append(m)
     return transformers, vaes
 
 
@@ -606,16 +594,7 @@ def _empty_counts() -> dict:
 
 def injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is currently injected in pipe_or_model."""
-    counts = _empty_counts()
-    seen = set()
-    for root in _roots(pipe_or_model):
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            state = m.__dict__.get(_STATE)
-            if state is not None:
-                counts[state["kind"]] += 1
+    counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
         counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
@@ -681,10 +660,9 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 
     counts = injected_counts(pipe_or_model)
     found = bool(transformers or vaes) or mmdit is not None or wan is not None
-    msg = _injection_message(counts, new, found, skipped, gelu_notes)
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    none_found = "" if found else "no LTX-Video, SD3, FLUX or Wan model found"
+    msg = ic.counts_message("injected kernels", counts, new, none_found=none_found, skipped=skipped, notes=gelu_notes)
+    ic.report(logger, msg, verbose)
     return counts
 
 
@@ -740,49 +718,25 @@ def _install_ltx_processors(model, new: dict, skipped: list) -> list:
     return attn1s
 
 
-def _injection_message(counts: dict, new: dict, found: bool, skipped: list, gelu_notes: list) -> str:
-    """What inject_optimized_kernels logs: the counts, how many were already in place, what was left
-    untouched and the GELU notes; found: whether any supported model was there."""
-    msg = "injected kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-    already = sum(counts.values()) - sum(new.values())
-    if already:
-        msg += f" ({already} were already in place)"
-    if not found:
-        msg += " (no LTX-Video, SD3, FLUX or Wan model found: nothing replaced)"
-    if skipped:
-        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
-    for note in dict.fromkeys(n for n in gelu_notes if n):
-        msg += "; " + note
-    return msg
-
-
 def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_optimized_kernels: restore the original forwards and attention processors.
 
     Returns the counts per kind of what was restored.
     """
     restored = _empty_counts()
-    seen = set()
-    for root in _roots(pipe_or_model):
-        for m in root.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            ic.link_next(m, None)
-            m.__dict__.pop(_CARRY, None)
-            kind = _unpatch(m)
-            if kind is not None:
-                restored[kind] += 1
+    for m in ic.unique_modules(pipe_or_model):
+        ic.link_next(m, None)
+        m.__dict__.pop(_CARRY, None)
+        kind = _unpatch(m)
+        if kind is not None:
+            restored[kind] += 1
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
         restored.update(mmdit.remove_mmdit_kernels(pipe_or_model, verbose=False))
     wan = _wan_module(pipe_or_model)
     if wan is not None:  # Wan transformers: wan_injection.py
         restored.update(wan.remove_wan_kernels(pipe_or_model, verbose=False))
-    msg = "removed kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    ic.report(logger, ic.counts_message("removed kernels", restored), verbose)
     return restored
 
 

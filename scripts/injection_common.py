@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Machinery shared by the integration scripts (diffusers_injection.py, mmdit_injection.py,
-transformers_injection.py): when a kernel may replace torch for some tensors, and reversible
-per-instance forward patching. The kernel files themselves do not use it (each stays copyable
+wan_injection.py, transformers_injection.py): when a kernel may replace torch for some tensors,
+reversible per-instance forward patching, the counts and messages of an injection (and the header of
+the examples' JSON summaries). The kernel files themselves do not use it (each stays copyable
 alone); an integration copied elsewhere needs this file beside it.
 
 Each integration passes its own state key, so two injectors never undo each other's patches.
@@ -63,6 +64,21 @@ def roots(pipe_or_model) -> list:
     if isinstance(components, dict):
         return [m for m in components.values() if isinstance(m, torch.nn.Module)]
     raise TypeError(f"expected a diffusers pipeline or a torch.nn.Module, got {type(pipe_or_model).__name__}")
+
+
+def modules_once(models):
+    """Every module of the given models (recursively), each once, even where models share one."""
+    seen = set()
+    for model in models:
+        for m in model.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                yield m
+
+
+def unique_modules(pipe_or_model):
+    """Every module inside pipe_or_model (its roots, recursively), each once."""
+    yield from modules_once(roots(pipe_or_model))
 
 
 def class_forward(m, cls) -> bool:
@@ -333,7 +349,11 @@ def probe_torch_rmsnorm() -> bool:
     have rounded first. Probed on the GPU when there is one: that is where the model will run, and
     torch's CPU and GPU implementations have not always rounded alike.
     """
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return rms_norm_rounds_before_weight("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rms_norm_rounds_before_weight(device) -> bool:
+    """probe_torch_rmsnorm's answer for F.rms_norm on the given device (bf16 rows of 64)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 64, generator=g).to(device, torch.bfloat16)
     w = (1 + torch.randn(64, generator=g)).to(device, torch.bfloat16)
@@ -494,6 +514,24 @@ def pop_state(module: torch.nn.Module, state_key: str) -> Optional[dict]:
     return module.__dict__.pop(state_key, None)
 
 
+def unpatch(module: torch.nn.Module, state_key: str, processor_kinds=(), processor_classes=()) -> Optional[dict]:
+    """Undo what an integration patched on module under state_key; returns the record it kept (None if
+    nothing was patched). A kind in processor_kinds swapped the attention processor (the record's "prev"
+    is the one it replaced): that one is put back if the processor in place is still one of
+    processor_classes (not if someone replaced it since), with the per-instance settings the processor
+    in place gained meanwhile (enable_parallelism since, say). Any other kind: restore_forward."""
+    state = pop_state(module, state_key)
+    if state is None:
+        return None
+    if state["kind"] in processor_kinds:
+        if type(module.processor) in processor_classes:
+            carry_processor_settings(module.processor, state["prev"])
+            module.set_processor(state["prev"])
+    else:
+        restore_forward(module, state)
+    return state
+
+
 # Attention-processor settings that diffusers stores on processor instances: the backend
 # (set_attention_backend) and the parallel config (enable_parallelism). They must follow the
 # processor that is in place, in both directions, or a model parallelised after injection would
@@ -576,6 +614,61 @@ def carry_processor_settings(src, dst) -> None:
     for name in PROCESSOR_SETTINGS:
         if name in getattr(src, "__dict__", {}):
             setattr(dst, name, getattr(src, name))
+
+
+# --------------------------------------------------------------------------------------------
+# Counts per kind, the message of an injection, the header of an example's summary
+# --------------------------------------------------------------------------------------------
+def kind_counts(modules, state_key: str, kinds) -> dict:
+    """Per kind (each of kinds, in that order, zeros included): how many of modules hold an integration's
+    record under state_key."""
+    counts = {k: 0 for k in kinds}
+    for m in modules:
+        state = m.__dict__.get(state_key)
+        if state is not None:
+            counts[state["kind"]] += 1
+    return counts
+
+
+def counts_message(title: str, counts: dict, new=None, *, none_found: str = "", skipped=(), notes=()) -> str:
+    """The line an injection (or removal) logs: "title: kind=count, ..."; then how many of those were
+    already in place (where new, the counts this call added, is given); "(none_found: nothing replaced)"
+    where none_found says what was not found; "; left untouched: " and the reasons in skipped (each once,
+    sorted); and each distinct non-empty note of notes."""
+    msg = f"{title}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+    if new is not None:
+        already = sum(counts.values()) - sum(new.values())
+        if already:
+            msg += f" ({already} were already in place)"
+    if none_found:
+        msg += f" ({none_found}: nothing replaced)"
+    if skipped:
+        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
+    for note in dict.fromkeys(n for n in notes if n):
+        msg += "; " + note
+    return msg
+
+
+def report(logger, msg: str, verbose: bool) -> None:
+    """Log msg (INFO) and, if verbose, print it to stderr."""
+    logger.info(msg)
+    if verbose:
+        print(msg, file=sys.stderr)
+
+
+def summary_header(gpu: bool, weights: str, library: str) -> dict:
+    """The first entries of an example's JSON summary: the device (the GPU's name, or the CPU under
+    Triton's interpreter), what the weights are, and the versions of torch, triton and library (the
+    package the injected model comes from)."""
+    return {
+        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
+        "weights": weights,
+        "versions": {
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            library: __import__(library).__version__,
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ def main() -> int:
     from diffusers.utils import logging as diffusers_logging
 
     import diffusers_injection as di
+    import injection_common as ic
 
     diffusers_logging.set_verbosity_error()  # no dtype-cast advice in the output
 
@@ -198,13 +199,7 @@ def main() -> int:
     restored = generate(pipe, args, device)[0]
 
     summary = {
-        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
-        "weights": weights,
-        "versions": {
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "diffusers": __import__("diffusers").__version__,
-        },
+        **ic.summary_header(gpu, weights, "diffusers"),
         "dtype": args.dtype,
         "num_frames": args.num_frames,
         "height": args.height,

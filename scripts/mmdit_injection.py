@@ -85,6 +85,7 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel 
 from torch import nn  # noqa: E402
 
 import activations  # noqa: E402
+import diffusers_injection as di  # noqa: E402
 import head_norm_rope  # noqa: E402
 import injection_common as ic  # noqa: E402
 import layernorm  # noqa: E402
@@ -166,16 +167,8 @@ def _patch_processor(attn: nn.Module, proc, kind: str) -> bool:
 
 def _unpatch(module: nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = module.__dict__.pop(_STATE, None)
-    if state is None:
-        return None
-    if state["kind"] in _PROCESSOR_KINDS:
-        if type(module.processor) in (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor):  # not if replaced since
-            ic.carry_processor_settings(module.processor, state["prev"])  # e.g. enable_parallelism since
-            module.set_processor(state["prev"])
-        return state["kind"]
-    ic.restore_forward(module, state)
-    return state["kind"]
+    state = ic.unpatch(module, _STATE, _PROCESSOR_KINDS, (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor))
+    return None if state is None else state["kind"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,17 +377,9 @@ def _adaln_continuous_forward(self, x, conditioning_embedding):
 # --------------------------------------------------------------------------------------------
 # Replacement forwards: activations
 # --------------------------------------------------------------------------------------------
-def _diffusers_gelu_tanh_forward(self, hidden_states):
-    """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where
-    the device's BLAS verifiably computes the tanh form (see injection_common.linear_gelu_tanh),
-    else the projection, then the activation kernel."""
-    fused = ic.linear_gelu_tanh(hidden_states, self.proj)
-    if fused is not None:
-        return fused
-    hidden_states = self.proj(hidden_states)
-    if not _usable(hidden_states):
-        return self.gelu(hidden_states)
-    return activations.gelu_tanh(hidden_states)
+# diffusers GELU(approximate="tanh"): LTX-Video's replacement (the projection with the activation in its
+# epilogue where the device's BLAS verifiably computes the tanh form, else the projection, then the kernel)
+_diffusers_gelu_tanh_forward = di._gelu_tanh_forward
 
 
 def _torch_gelu_tanh_forward(self, x):
@@ -432,21 +417,12 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
             carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
         )
 
-    attention_outputs = _attention(
-        self.attn, norm_hidden_states, norm_encoder_hidden_states, None, joint_attention_kwargs
+    attn_output, context_attn_output = _attend(
+        self.attn, joint_attention_kwargs, norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states
     )
-    if attention_outputs is None:
-        attention_outputs = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            **joint_attention_kwargs,
-        )
-    attn_output, context_attn_output = attention_outputs
     if self.use_dual_attention:
         hidden_states = _gated_add(hidden_states, gate_msa, attn_output)
-        attn_output2 = _attention(self.attn2, norm_hidden_states2, None, None, joint_attention_kwargs)
-        if attn_output2 is None:
-            attn_output2 = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
+        attn_output2 = _attend(self.attn2, joint_attention_kwargs, norm_hidden_states2)
         hidden_states, norm_hidden_states = _residual_norm_modulate(
             hidden_states, attn_output2, gate_msa2, self.norm2, scale_mlp, shift_mlp
         )
@@ -484,6 +460,14 @@ def _attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb, kwa
     return None
 
 
+def _attend(attn, kwargs: dict, hidden_states, **inputs):
+    """attn(hidden_states=hidden_states, **inputs, **kwargs), inputs being encoder_hidden_states and
+    image_rotary_emb where the block passes them: its processor called directly where that is the same
+    call (_attention)."""
+    out = _attention(attn, hidden_states, inputs.get("encoder_hidden_states"), inputs.get("image_rotary_emb"), kwargs)
+    return out if out is not None else attn(hidden_states=hidden_states, **inputs, **kwargs)
+
+
 def _flux_block_forward(
     self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None
 ):
@@ -497,16 +481,13 @@ def _flux_block_forward(
         carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
     )
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attention_outputs = _attention(
-        self.attn, norm_hidden_states, norm_encoder_hidden_states, image_rotary_emb, joint_attention_kwargs
+    attention_outputs = _attend(
+        self.attn,
+        joint_attention_kwargs,
+        norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
     )
-    if attention_outputs is None:
-        attention_outputs = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
     ip_attn_output = None
     if len(attention_outputs) == 3:
         attn_output, context_attn_output, ip_attn_output = attention_outputs
@@ -572,13 +553,7 @@ def _flux_single_block_forward(
     if mlp_hidden_states is None:
         mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = _attention(self.attn, norm_hidden_states, None, image_rotary_emb, joint_attention_kwargs)
-    if attn_output is None:
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
+    attn_output = _attend(self.attn, joint_attention_kwargs, norm_hidden_states, image_rotary_emb=image_rotary_emb)
     hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
     hidden_states = _gated_add(residual, gate, self.proj_out(hidden_states))
     if hidden_states.dtype == torch.float16:
@@ -822,21 +797,11 @@ class FluxFusedAttnProcessor:
 # --------------------------------------------------------------------------------------------
 # Discovery and counts
 # --------------------------------------------------------------------------------------------
-_roots = ic.roots
-
-
-def _unique_modules(pipe_or_model):
-    seen = set()
-    for root in _roots(pipe_or_model):
-        for m in root.modules():
-            if id(m) not in seen:
-                seen.add(id(m))
-                yield m
-
-
 def find_mmdit_models(pipe_or_model) -> list:
     """Every SD3Transformer2DModel / FluxTransformer2DModel inside the input, each once."""
-    return [m for m in _unique_modules(pipe_or_model) if isinstance(m, (SD3Transformer2DModel, FluxTransformer2DModel))]
+    return [
+        m for m in ic.unique_modules(pipe_or_model) if isinstance(m, (SD3Transformer2DModel, FluxTransformer2DModel))
+    ]
 
 
 def _empty_counts() -> dict:
@@ -845,12 +810,7 @@ def _empty_counts() -> dict:
 
 def mmdit_injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is currently injected in pipe_or_model."""
-    counts = _empty_counts()
-    for m in _unique_modules(pipe_or_model):
-        state = m.__dict__.get(_STATE)
-        if state is not None:
-            counts[state["kind"]] += 1
-    return counts
+    return ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
 
 
 _FORWARDS = {
@@ -910,19 +870,11 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         _link_blocks(model)
         gelu_notes.append(ic.probe_gelu_modules(_tanh_gelu_modules(model)))
     counts = mmdit_injected_counts(pipe_or_model)
-    msg = "injected MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-    already = sum(counts.values()) - sum(new.values())
-    if already:
-        msg += f" ({already} were already in place)"
-    if not models:
-        msg += " (no SD3 or FLUX transformer found: nothing replaced)"
-    if skipped:
-        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
-    for note in dict.fromkeys(n for n in gelu_notes if n):
-        msg += "; " + note
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    none_found = "" if models else "no SD3 or FLUX transformer found"
+    msg = ic.counts_message(
+        "injected MMDiT kernels", counts, new, none_found=none_found, skipped=skipped, notes=gelu_notes
+    )
+    ic.report(logger, msg, verbose)
     return counts
 
 
@@ -930,15 +882,12 @@ def remove_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_mmdit_kernels: restore the original forwards and attention processors.
     Returns the counts per kind of what was restored."""
     restored = _empty_counts()
-    for m in _unique_modules(pipe_or_model):
+    for m in ic.unique_modules(pipe_or_model):
         _unlink_block(m)
         kind = _unpatch(m)
         if kind is not None:
             restored[kind] += 1
-    msg = "removed MMDiT kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    ic.report(logger, ic.counts_message("removed MMDiT kernels", restored), verbose)
     return restored
 
 

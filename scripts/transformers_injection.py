@@ -398,10 +398,9 @@ def _original_forward(module: torch.nn.Module):
 
 def _unpatch(module: torch.nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = ic.pop_state(module, _STATE)
+    state = ic.unpatch(module, _STATE)
     if state is None:
         return None
-    ic.restore_forward(module, state)
     if state["kind"] == "rope":
         _rope_release(module, state["site"].globals)
     return state["kind"]
@@ -643,12 +642,7 @@ def _modules(model):
 
 def injected_counts(model) -> dict:
     """Counts per kind of what is currently injected in model."""
-    counts = _empty_counts()
-    for m in _modules(model):
-        state = m.__dict__.get(_STATE)
-        if state is not None:
-            counts[state["kind"]] += 1
-    return counts
+    return ic.kind_counts(_modules(model), _STATE, KINDS)
 
 
 @contextlib.contextmanager
@@ -719,17 +713,12 @@ def inject_llama_kernels(
                     new["skinny_gemm"] += _patch_forward(m, _linear_forward, "skinny_gemm")
 
     counts = injected_counts(model)
-    msg = "injected Llama kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-    already = sum(counts.values()) - sum(new.values())
-    if already:
-        msg += f" ({already} were already in place)"
-    if not llama_like:
-        msg += " (no Llama-style RMSNorm, MLP, decoder layer or attention found: nothing replaced)"
-    if skipped:
-        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    none_found = "" if llama_like else "no Llama-style RMSNorm, MLP, decoder layer or attention found"
+    ic.report(
+        logger,
+        ic.counts_message("injected Llama kernels", counts, new, none_found=none_found, skipped=skipped),
+        verbose,
+    )
     return counts
 
 
@@ -789,10 +778,7 @@ def remove_llama_kernels(model: torch.nn.Module, *, verbose: bool = True) -> dic
         kind = _unpatch(m)
         if kind is not None:
             restored[kind] += 1
-    msg = "removed Llama kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    ic.report(logger, ic.counts_message("removed Llama kernels", restored), verbose)
     return restored
 
 

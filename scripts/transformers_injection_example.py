@@ -363,10 +363,7 @@ def _check_fp32(model, prompt, args, opts, ti):
     restored32 = forced_logits(model, prompt, ref_tokens)
     fp32 = {
         "patched_vs_unpatched": compare(patched32, ref32),
-        "greedy_tokens_identical": bool(torch.equal(patched32_tokens, ref_tokens)),
-        "greedy_common_prefix": common_prefix(patched32_tokens, ref_tokens),
-        "restored_bit_identical": bool(torch.equal(restored32, ref32)),
-        "kernel_calls": dict(calls32),
+        **_tokens_restoration_calls(patched32_tokens, ref_tokens, restored32, ref32, calls32),
     }
     ok = (
         fp32["patched_vs_unpatched"]["rel_max_diff"] <= FP32_REL_MAX
@@ -403,10 +400,7 @@ def _check_half(model, prompt, ref_tokens, ref32, args, opts, gpu: bool, factor:
         "unpatched_vs_fp32": compare(stock_h, ref32),
         "patched_vs_fp32": compare(patched_h, ref32),
         "patched_vs_unpatched": compare(patched_h, stock_h),
-        "greedy_tokens_identical": bool(torch.equal(patched_tokens, stock_tokens)),
-        "greedy_common_prefix": common_prefix(patched_tokens, stock_tokens),
-        "restored_bit_identical": bool(torch.equal(restored_h, stock_h)),
-        "kernel_calls": dict(calls_h),
+        **_tokens_restoration_calls(patched_tokens, stock_tokens, restored_h, stock_h, calls_h),
     }
     ok = (
         half["patched_vs_fp32"]["rel_l2"] <= factor * half["unpatched_vs_fp32"]["rel_l2"] + 1e-7
@@ -420,6 +414,17 @@ def _check_half(model, prompt, ref_tokens, ref32, args, opts, gpu: bool, factor:
     )
     speed = _decode_speed(args, stock_tps, stock_runs, patched_tps, patched_runs) if gpu else None
     return half, ok, speed
+
+
+def _tokens_restoration_calls(tokens, ref_tokens, restored, ref, calls) -> dict:
+    """The entries of a result that compare the patched model's greedy tokens with ref_tokens, the
+    logits after removal with ref (bit for bit), and count the kernel calls."""
+    return {
+        "greedy_tokens_identical": bool(torch.equal(tokens, ref_tokens)),
+        "greedy_common_prefix": common_prefix(tokens, ref_tokens),
+        "restored_bit_identical": bool(torch.equal(restored, ref)),
+        "kernel_calls": dict(calls),
+    }
 
 
 def _decode_speed(args, stock_tps, stock_runs, patched_tps, patched_runs) -> dict:
@@ -440,14 +445,10 @@ def _decode_speed(args, stock_tps, stock_runs, patched_tps, patched_runs) -> dic
 
 def _summary(model, prompt, args, gpu, weights, counts, checks, missing, factor, ok) -> dict:
     """The JSON summary; checks: the "fp32", "half" and "decode" results."""
+    import injection_common as ic
+
     return {
-        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
-        "weights": weights,
-        "versions": {
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "transformers": __import__("transformers").__version__,
-        },
+        **ic.summary_header(gpu, weights, "transformers"),
         "config": {
             k: getattr(model.config, k)
             for k in (

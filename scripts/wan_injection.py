@@ -343,13 +343,7 @@ def _link_blocks(model) -> None:
 def find_wan_models(pipe_or_model) -> list:
     """Every WanTransformer3DModel inside the input (a pipeline's components, or a module), each once
     (Wan 2.2 A14B pipelines hold two: transformer and transformer_2)."""
-    seen, out = set(), []
-    for root in ic.roots(pipe_or_model):
-        for m in root.modules():
-            if id(m) not in seen and isinstance(m, WanTransformer3DModel):
-                seen.add(id(m))
-                out.append(m)
-    return out
+    return [m for m in ic.unique_modules(pipe_or_model) if isinstance(m, WanTransformer3DModel)]
 
 
 def _empty_counts() -> dict:
@@ -358,16 +352,7 @@ def _empty_counts() -> dict:
 
 def wan_injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is injected now in the Wan transformers of pipe_or_model."""
-    counts = _empty_counts()
-    seen = set()
-    for model in find_wan_models(pipe_or_model):
-        for m in model.modules():
-            if id(m) not in seen:
-                seen.add(id(m))
-                state = m.__dict__.get(_STATE)
-                if state is not None:
-                    counts[state["kind"]] += 1
-    return counts
+    return ic.kind_counts(ic.modules_once(find_wan_models(pipe_or_model)), _STATE, KINDS)
 
 
 def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
@@ -393,38 +378,25 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         # the GEMM-GELU probe now, so a torch.compile trace later finds its result cached
         notes.append(ic.probe_gelu_modules(m for m in model.modules() if di._is_gelu_tanh(m)))
     counts = wan_injected_counts(pipe_or_model)
-    msg = "injected Wan kernels: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-    if not find_wan_models(pipe_or_model):
-        msg += " (no Wan transformer found: nothing replaced)"
-    if skipped:
-        msg += "; left untouched: " + ", ".join(sorted(set(skipped)))
-    for note in dict.fromkeys(n for n in notes if n):
-        msg += "; " + note
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    none_found = "" if find_wan_models(pipe_or_model) else "no Wan transformer found"
+    ic.report(
+        logger,
+        ic.counts_message("injected Wan kernels", counts, none_found=none_found, skipped=skipped, notes=notes),
+        verbose,
+    )
     return counts
 
 
 def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_wan_kernels: restore the original forwards. Returns the counts restored per kind."""
     restored = _empty_counts()
-    seen = set()
-    for model in find_wan_models(pipe_or_model):
-        for m in model.modules():
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            ic.link_next(m, None)
-            m.__dict__.pop(_CARRY, None)
-            state = ic.pop_state(m, _STATE)
-            if state is not None:
-                ic.restore_forward(m, state)
-                restored[state["kind"]] += 1
-    msg = "removed Wan kernels: " + ", ".join(f"{k}={v}" for k, v in restored.items())
-    logger.info(msg)
-    if verbose:
-        print(msg, file=sys.stderr)
+    for m in ic.modules_once(find_wan_models(pipe_or_model)):
+        ic.link_next(m, None)
+        m.__dict__.pop(_CARRY, None)
+        state = ic.unpatch(m, _STATE)
+        if state is not None:
+            restored[state["kind"]] += 1
+    ic.report(logger, ic.counts_message("removed Wan kernels", restored), verbose)
     return restored
 
 
@@ -432,51 +404,33 @@ def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 # Models and inputs with random weights (no hub): shared by the tests and the benchmark
 # --------------------------------------------------------------------------------------------
 # diffusers' WanTransformer3DModel arguments of the released checkpoints' configs (transformer/config.json)
+_T2V_14B = dict(
+    num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16, ffn_dim=13824, num_layers=40
+)
+# tiny: 2 heads x 16 (the RoPE split 8 / 4 / 4), 2 blocks
+_TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=24,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,
+    rope_max_seq_len=64,
+)
 WAN_CONFIGS = {
     "2.1-t2v-1.3b": dict(
         num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16, ffn_dim=8960, num_layers=30
     ),
-    "2.1-t2v-14b": dict(
-        num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16, ffn_dim=13824, num_layers=40
-    ),
-    "2.1-i2v-14b": dict(
-        num_attention_heads=40,
-        attention_head_dim=128,
-        in_channels=36,
-        out_channels=16,
-        ffn_dim=13824,
-        num_layers=40,
-        image_dim=1280,
-        added_kv_proj_dim=5120,
-    ),
+    "2.1-t2v-14b": dict(_T2V_14B),
+    # the T2V 14B blocks, with 36 input channels and the image embedding's own key/value projections
+    "2.1-i2v-14b": dict(_T2V_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
     "2.2-ti2v-5b": dict(
         num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48, ffn_dim=14336, num_layers=30
     ),
-    # tiny: 2 heads x 16 (the RoPE split 8 / 4 / 4), 2 blocks
-    "tiny": dict(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=64,
-    ),
-    "tiny-i2v": dict(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=24,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=64,
-        image_dim=20,
-        added_kv_proj_dim=32,
-    ),
+    "tiny": dict(_TINY),
+    "tiny-i2v": dict(_TINY, image_dim=20, added_kv_proj_dim=32),
 }
 
 

@@ -60,6 +60,11 @@ def randn(shape, dtype, gen, scale=1.0, offset=0.0, device=DEVICE):
     return t.to(device=device, dtype=dtype)
 
 
+def ones(*shape, dtype=None):
+    """torch.ones on the test device."""
+    return torch.ones(*shape, dtype=dtype, device=DEVICE)
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN so an element the kernel fails to write shows up as a mismatch."""
     return t.fill_(float("nan"))
@@ -196,11 +201,74 @@ def assert_error_case(case, *args):
         call(*args)
 
 
+_TWO_DEVICES = pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")
+
+
 def needs_gpu_and_cpu(test):
     """Marks a test of the device checks that needs two devices, a GPU and the CPU (marker gpu)."""
-    return pytest.mark.gpu(
-        pytest.mark.skipif(DEVICE.type == "cpu", reason="needs two devices: a GPU and the CPU")(test)
-    )
+    return pytest.mark.gpu(_TWO_DEVICES(test))
+
+
+def on_gpu_and_cpu(case):
+    """A row of such a table that needs two devices, a GPU and the CPU, marked as needs_gpu_and_cpu marks a
+    test: an operand on the CPU while x is on the GPU."""
+    return pytest.param(case, id=case[0], marks=(pytest.mark.gpu, _TWO_DEVICES))
+
+
+def norm_error_cases(norm, modulate, gated):
+    """The refused calls that rmsnorm.py and layernorm.py share, as rows of such a table, for one file's
+    norm(x, weight, ..., eps=), modulate(x, scale, shift) (the norm with modulation) and
+    gated(x, y, gate, scale, shift) (gated residual, norm and modulation); t.x: an fp32 [2, 4, 64] tensor,
+    t.gen: the test's generator."""
+    return [
+        ("x not a tensor", TypeError, "x must be a torch.Tensor", lambda t: norm([1.0, 2.0])),
+        ("x int32", TypeError, "x has dtype int32", lambda t: norm(ones(2, 4, dtype=torch.int32))),
+        ("x float64", TypeError, "x has dtype float64", lambda t: norm(t.x.double())),
+        ("weight shape", ValueError, r"weight must have shape \[64\]", lambda t: norm(t.x, ones(63))),
+        ("x last stride", ValueError, "contiguous in its last dimension", lambda t: norm(t.x.transpose(1, 2))),
+        ("eps negative", ValueError, "eps must be a non-negative", lambda t: norm(t.x, eps=-1.0)),
+        ("x 0-d", ValueError, "at least one dimension", lambda t: norm(torch.tensor(1.0, device=DEVICE))),
+        (
+            "rows need three strides",
+            ValueError,
+            "cannot be addressed with two strides",
+            lambda t: norm(randn((4, 3, 5, 64), torch.float32, t.gen).permute(1, 0, 2, 3)[:, :, ::2]),
+        ),
+        (
+            "shift broadcast",
+            ValueError,
+            r"shift of shape \(2, 1, 32\) does not broadcast",
+            lambda t: modulate(t.x, ones(2, 1, 64), ones(2, 1, 32)),
+        ),
+        ("modulate no scale shift", ValueError, "scale and shift are required", lambda t: modulate(t.x, None, None)),
+        (
+            "scale int64",
+            TypeError,
+            "scale has dtype int64",
+            lambda t: modulate(t.x, ones(64, dtype=torch.int64), ones(64)),
+        ),
+        (
+            "gated shift without scale",
+            ValueError,
+            "scale and shift must be given together",
+            lambda t: gated(t.x, t.x, None, ones(64), None),
+        ),
+        (
+            "gated y shape",
+            ValueError,
+            r"y has shape \(2, 4, 63\)",
+            lambda t: gated(t.x, t.x[..., :63], None, None, None),
+        ),
+        ("gated y missing", ValueError, "y is required", lambda t: gated(t.x, None, None, None, None)),
+        on_gpu_and_cpu(
+            (
+                "weight on another device",
+                ValueError,
+                "weight is on cpu",
+                lambda t: norm(randn((2, 64), torch.float32, t.gen), torch.ones(64)),
+            )
+        ),
+    ]
 
 
 # A test of what a CPU tensor meets with the interpreter switched off (the kernels run on the CPU here).

@@ -517,19 +517,20 @@ ERROR_CASES = [
         "residual must be contiguous in its last dimension",
         lambda t: _far(t.x, randn((2, 64, 4), torch.float32, t.gen).transpose(1, 2), t.w),
     ),
+    kt.on_gpu_and_cpu(
+        (
+            "fp8_scale on another device",
+            ValueError,
+            "fp8_scale is on cpu",
+            lambda t: _far(t.x, t.x, None, fp8="per_tensor", fp8_scale=torch.ones(1)),
+        )
+    ),
 ]
 
 
 @kt.error_cases(ERROR_CASES)
 def test_errors(case, gen):
     kt.assert_error_case(case, _error_inputs(gen))
-
-
-@kt.needs_gpu_and_cpu
-def test_scale_on_another_device(gen):
-    x = randn((2, 64), torch.float32, gen)
-    with pytest.raises(ValueError, match="fp8_scale is on cpu"):
-        rmsnorm.fused_add_rms_norm(x, x, None, fp8="per_tensor", fp8_scale=torch.ones(1))
 
 
 def test_custom_op_under_torch_compile(gen):

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import head_norm_rope as hnr
+import injection_common as ic
 import kernel_testing as kt
 from kernel_testing import DEVICE, DTYPES, INTERPRET, TOL, assert_close, poisoned_outputs, randn, rel_l2
 
@@ -162,19 +162,6 @@ def test_strided_cos_sin_rows(gen):
 
 
 # ---- against the real modules ---------------------------------------------------------------
-def _torch_rmsnorm_casts_before_weight() -> bool:
-    """Whether F.rms_norm of the installed torch rounds to bf16 before the weight multiply."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, generator=g).to(DEVICE, torch.bfloat16)
-    w = (1 + torch.randn(64, generator=g)).to(DEVICE, torch.bfloat16)
-    got = F.rms_norm(x, (64,), w, 1e-6).float()
-    xf = x.float()
-    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
-    after = (n.to(torch.bfloat16) * w).float()
-    once = (n * w.float()).to(torch.bfloat16).float()
-    return bool((got - after).abs().max() < (got - once).abs().max())
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_flux_processor_steps(dtype, gen):
     """FluxAttnProcessor's q/k path: torch.nn.RMSNorm(128, eps=1e-6) per head on [B, S, H, D], text before
@@ -198,7 +185,7 @@ def test_matches_flux_processor_steps(dtype, gen):
     with torch.no_grad():
         want_q = apply_rotary_emb(torch.cat([naq(eq), nq(q)], dim=1), (cos, sin), sequence_dim=1)
         want_k = apply_rotary_emb(torch.cat([nak(ek), nk(k)], dim=1), (cos, sin), sequence_dim=1)
-    cbw = dtype != torch.float32 and _torch_rmsnorm_casts_before_weight()
+    cbw = dtype != torch.float32 and ic.rms_norm_rounds_before_weight(DEVICE)
     with poisoned_outputs():
         got_q, got_k = hnr.joint_head_rms_norm_rope(
             [(eq, ek, naq.weight, nak.weight), (q, k, nq.weight, nk.weight)], 1e-6, cos, sin, cast_before_weight=cbw

@@ -322,18 +322,9 @@ def test_injecting_twice_is_harmless(kernel_calls):
 # Models that are not LTX-Video
 # --------------------------------------------------------------------------------------------
 def test_tiny_llama_untouched(gen):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers_injection as ti
 
-    torch.manual_seed(gen.seed_value)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
+    model = ti.build_llama(ti.tiny_llama_config(num_hidden_layers=1), device=DEVICE, seed=gen.seed_value)
     ids = torch.randint(0, 64, (1, 7), device=DEVICE)
     with torch.no_grad():
         ref = model(ids).logits

@@ -517,18 +517,7 @@ def test_dispatch_from_inject_optimized_kernels(kernel_calls):
 
 
 def test_non_mmdit_model_untouched():
-    from diffusers import LTXVideoTransformer3DModel
-
-    torch.manual_seed(0)
-    model = LTXVideoTransformer3DModel(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        cross_attention_dim=16,
-        num_layers=1,
-        caption_channels=8,
-    )
+    model = di.build_tiny_ltx_pipeline(num_layers=1).transformer
     assert mi.inject_mmdit_kernels(model, verbose=False) == {k: 0 for k in mi.KINDS}
     _no_injection_left(model)
     with pytest.raises(TypeError, match="diffusers pipeline or a torch.nn.Module"):

@@ -29,6 +29,15 @@ FP32_REL = 1e-5
 BF16_FACTOR = 1.5
 
 TINY_COUNTS = {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu": 2, "rope": 2, "skinny_gemm": 0}
+# The sizes of the tiny Llama (ti.tiny_llama_config), for models built like it from other config classes
+TINY_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 
 
 def _rel_max(a, b):
@@ -205,15 +214,8 @@ def test_llama_copy_is_recognised():
     """Mistral's modules are copies of Llama's (same code): recognised by their code, same parity."""
     gen = make_generator()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    cfg = MistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
+    tiny = ti.tiny_llama_config()  # its sizes; Mistral's defaults otherwise
+    cfg = MistralConfig(**{k: getattr(tiny, k) for k in TINY_SIZES}, pad_token_id=0)
     model = MistralForCausalLM(cfg).to(DEVICE).eval()
     ids = _ids(gen)
     ref = _logits(model, ids)
