@@ -46,7 +46,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 
@@ -269,7 +268,7 @@ def _run(args, torch, dist, device, gpu, rank, world) -> int:
     if rank == 0:
         layout = {"world_size": world, "ulysses_degree": ulysses, "ring_degree": ring}
         config = _config(args, tokens, text_tokens, dtype, layout)
-        _write_summary(_summary(args, torch, gpu, world, what, config, results, ok), args.output_json)
+        _write_summary(_summary(args, torch, be, gpu, world, what, config, results, ok), args.output_json)
     if not ok:
         log("FAILED: a context-parallel mode failed or diverged (see results.<mode>.context_parallel)")
     return 0 if ok else 1
@@ -483,7 +482,7 @@ def _config(args, tokens, text_tokens, dtype, layout) -> dict:
     }
 
 
-def _summary(args, torch, gpu, world, what, config, results, ok) -> dict:
+def _summary(args, torch, be, gpu, world, what, config, results, ok) -> dict:
     """Rank 0's JSON summary."""
     summary = {
         "benchmark": "benchmark_context_parallel.py",
@@ -494,12 +493,7 @@ def _summary(args, torch, gpu, world, what, config, results, ok) -> dict:
             if gpu
             else f"{world} CPU processes (gloo, Triton interpreter; not a measurement)"
         ),
-        "versions": {
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "diffusers": __import__("diffusers").__version__,
-            "python": platform.python_version(),
-        },
+        "versions": be.versions(),
         "weights": what,
         "config": config,
         "timing": (

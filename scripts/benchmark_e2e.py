@@ -831,6 +831,16 @@ def _config(args, base_model, inputs) -> dict:
     }
 
 
+def versions() -> dict:
+    """The torch, Triton, diffusers and Python versions a summary records (also benchmark_context_parallel's)."""
+    return {
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "diffusers": __import__("diffusers").__version__,
+        "python": platform.python_version(),
+    }
+
+
 def _summary(args, argv, gpu, weights, config, results, ok) -> dict:
     """The JSON summary."""
     return {
@@ -839,12 +849,7 @@ def _summary(args, argv, gpu, weights, config, results, ok) -> dict:
         "command": "python scripts/benchmark_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter; not a measurement)",
         "arch": _arch() if gpu else None,
-        "versions": {
-            "torch": torch.__version__,
-            "triton": __import__("triton").__version__,
-            "diffusers": __import__("diffusers").__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions(),
         "weights": weights,
         "transformer_only": args.transformer_only,
         "config": config,

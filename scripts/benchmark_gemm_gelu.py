@@ -30,19 +30,15 @@ if _HERE not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmark_kernels import positive_ints  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 def _rows(text: str):
-    try:
-        rows = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not rows or min(rows) < 1:
-        raise argparse.ArgumentTypeError("rows must be positive")
-    return rows
+    return positive_ints(text, f"expected comma-separated integers, got {text!r}", "rows must be positive")
 
 
 def parse_args(argv=None):

@@ -276,29 +276,34 @@ def case_adaln(B, S, dtype):
     return _case(fns, (x,), ref, _nbytes(x, x, scale, shift))
 
 
-def case_residual_adaln(B, S, dtype):
+def _residual_adaln_case(h, y, gate, scale, shift, eps, h_ref, moved):
+    """h + y (* gate unless None), then rms_norm(h) * (1 + scale) + shift of the new h: the fused kernel, PyTorch
+    eager as the LTX block writes it and torch.compile of that. h_ref: the new h in the inputs' dtype."""
     import rmsnorm
 
-    h = _rand((B, S, HIDDEN), dtype, 2.0)
-    y = _rand((B, S, HIDDEN), dtype)
-    scale = _rand((B, 1, HIDDEN), dtype, 0.3)
-    shift = _rand((B, 1, HIDDEN), dtype, 0.3)
-    eps = 1e-6
-
-    def eager(h, y):  # LTX block: h = h + attn2; norm2(h) * (1 + scale_mlp) + shift_mlp
-        hn = h + y
+    def eager(h, y):
+        hn = h + y if gate is None else h + y * gate
         var = hn.float().pow(2).mean(-1, keepdim=True)
         n = (hn * torch.rsqrt(var + eps)).to(hn.dtype)
         return hn, n * (1 + scale) + shift
 
     fns = {
-        "triton": lambda h, y: rmsnorm.gated_residual_rms_norm_modulate(h, y, None, scale, shift, None, eps),
+        "triton": lambda h, y: rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift, None, eps),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
-    h_ref = (h.double() + y.double()).to(dtype)
     ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
-    return dict(_case(fns, (h, y), ref, _nbytes(h, y, h, h, scale, shift)), pattern=(2, 2))
+    return dict(_case(fns, (h, y), ref, moved), pattern=(2, 2))
+
+
+def case_residual_adaln(B, S, dtype):
+    """LTX block: h = h + attn2; norm2(h) * (1 + scale_mlp) + shift_mlp."""
+    h = _rand((B, S, HIDDEN), dtype, 2.0)
+    y = _rand((B, S, HIDDEN), dtype)
+    scale = _rand((B, 1, HIDDEN), dtype, 0.3)
+    shift = _rand((B, 1, HIDDEN), dtype, 0.3)
+    h_ref = (h.double() + y.double()).to(dtype)
+    return _residual_adaln_case(h, y, None, scale, shift, 1e-6, h_ref, _nbytes(h, y, h, h, scale, shift))
 
 
 def case_gated_residual_adaln(B, S, dtype):
@@ -311,22 +316,8 @@ def case_gated_residual_adaln(B, S, dtype):
     gate = _rand((B, 1, HIDDEN), dtype, 0.5)
     scale = _rand((B, 1, HIDDEN), dtype, 0.3)
     shift = _rand((B, 1, HIDDEN), dtype, 0.3)
-    eps = 1e-6
-
-    def eager(h, y):
-        hn = h + y * gate
-        var = hn.float().pow(2).mean(-1, keepdim=True)
-        n = (hn * torch.rsqrt(var + eps)).to(hn.dtype)
-        return hn, n * (1 + scale) + shift
-
-    fns = {
-        "triton": lambda h, y: rmsnorm.gated_residual_rms_norm_modulate(h, y, gate, scale, shift, None, eps),
-        "eager": eager,
-        "compile": torch.compile(eager, dynamic=False),
-    }
     h_ref = rmsnorm.gated_residual_add_ref(h.double(), y.double(), gate.double()).to(dtype)
-    ref = (h_ref.double(), rmsnorm.rms_norm_modulate_ref(h_ref.double(), scale.double(), shift.double(), None, eps))
-    return dict(_case(fns, (h, y), ref, _nbytes(h, y, gate, h, h, scale, shift)), pattern=(2, 2))
+    return _residual_adaln_case(h, y, gate, scale, shift, 1e-6, h_ref, _nbytes(h, y, gate, h, h, scale, shift))
 
 
 def case_gated_residual(B, S, dtype):
@@ -1202,14 +1193,30 @@ def chart(result, path):
     log(f"chart: {path}")
 
 
-def _int_list(text, what):
+def positive_ints(text, not_ints, not_positive):
+    """The comma-separated integers of a command-line value; argparse.ArgumentTypeError(not_ints) if one is not
+    an integer, (not_positive) if there are none or one is below 1. Shared by the benchmarks' parsers."""
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(not_ints)
     if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{what} must be positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(not_positive)
     return vals
+
+
+def _add_int_list(p, flag, default, doc):
+    """An option of comma-separated positive integers; its help ends with the default."""
+    p.add_argument(
+        flag,
+        type=lambda text: positive_ints(
+            text,
+            f"{flag} must be comma-separated integers, got {text!r}",
+            f"{flag} must be positive integers, got {text!r}",
+        ),
+        default=list(default),
+        help=f"{doc}, default {','.join(map(str, default))}",
+    )
 
 
 def parse_args(argv=None):
@@ -1234,25 +1241,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--shapes", default="1320,6144", help="ltx suite: token counts (B=2): 1320 (25f 480x704), 6144 (121f 512x768)"
     )
-    p.add_argument(
-        "--rows",
-        type=lambda t: _int_list(t, "--rows"),
-        default=list(DECODE_ROWS),
-        help=f"decode suite: rows (tokens in flight), default {','.join(map(str, DECODE_ROWS))}",
-    )
-    p.add_argument(
-        "--widths",
-        type=lambda t: _int_list(t, "--widths"),
-        default=list(DECODE_WIDTHS),
-        help="decode suite: hidden sizes (SwiGLU: output width H, input 2H), "
-        f"default {','.join(map(str, DECODE_WIDTHS))}",
-    )
-    p.add_argument(
-        "--gemm-rows",
-        type=lambda t: _int_list(t, "--gemm-rows"),
-        default=list(GEMM_ROWS),
-        help=f"decode suite, skinny GEMM: rows M (1..32), default {','.join(map(str, GEMM_ROWS))}",
-    )
+    _add_int_list(p, "--rows", DECODE_ROWS, "decode suite: rows (tokens in flight)")
+    _add_int_list(p, "--widths", DECODE_WIDTHS, "decode suite: hidden sizes (SwiGLU: output width H, input 2H)")
+    _add_int_list(p, "--gemm-rows", GEMM_ROWS, "decode suite, skinny GEMM: rows M (1..32)")
     p.add_argument(
         "--gemm-shapes",
         default=",".join(GEMM_SHAPES),

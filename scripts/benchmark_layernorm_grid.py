@@ -41,6 +41,7 @@ if _HERE not in sys.path:
 import torch  # noqa: E402
 
 import layernorm  # noqa: E402
+from benchmark_kernels import positive_ints  # noqa: E402
 
 _NAMED = {"sd3": (2, 4096, 1536), "flux": (1, 4096, 3072), "ltx": (2, 6144, 2048)}
 # tensors of the row shape each variant reads or writes (modulation rows are per sample: negligible)
@@ -64,13 +65,8 @@ def _shape(text: str):
 
 
 def _ints(text: str):
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
-    return vals
+    msg = f"{text!r}: expected comma-separated positive integers"
+    return positive_ints(text, msg, msg)
 
 
 def _parse(argv):

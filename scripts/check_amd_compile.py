@@ -86,6 +86,74 @@ def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def _qk(*shape: int, dtype: torch.dtype = torch.bfloat16) -> Tuple[torch.Tensor, ...]:
+    """q and k of ``shape`` and their norm weights (over the last dimension)."""
+    return _t(*shape, dtype=dtype), _t(*shape, dtype=dtype), _t(shape[-1], dtype=dtype), _t(shape[-1], dtype=dtype)
+
+
+def _cos_sin(*shape: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 RoPE cos and sin tables of ``shape``."""
+    return _f32(*shape), _f32(*shape)
+
+
+def _hy(*shape: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A residual stream h and the branch output y added to it, both bf16 of ``shape``."""
+    return _bf16(*shape), _bf16(*shape)
+
+
+def _emb_chunks(b: int, d: int, n: int) -> Tuple[torch.Tensor, ...]:
+    """The ``n`` [b, d] modulation vectors of an AdaLN projection's [b, n * d] output: emb.chunk(n, dim=1) (row
+    stride n * d)."""
+    return _bf16(b, n * d).chunk(n, dim=1)
+
+
+def _gated_residual_ln(b: int, s: int, d: int, dual: bool = False) -> Tuple[str, Callable]:
+    """layernorm's gated residual + LayerNorm + modulation (``dual``: two modulations) on [b, s, d] rows, with
+    the gate and modulation vectors chunks of one AdaLN projection."""
+    if dual:
+        return "layernorm", lambda m: m.gated_residual_layer_norm_modulate_dual(*_hy(b, s, d), *_emb_chunks(b, d, 5))
+    return "layernorm", lambda m: m.gated_residual_layer_norm_modulate(*_hy(b, s, d), *_emb_chunks(b, d, 3))
+
+
+def _device_fp8(module) -> torch.dtype:
+    """The FP8 format of the target ``module`` is compiled for: e4m3fnuz on gfx942, e4m3fn elsewhere."""
+    return torch.float8_e4m3fnuz if module._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn
+
+
+def _wan_cases(model: str, d: int, ffn: int) -> Dict[str, Tuple[str, Callable]]:
+    """The cases of one Wan 2.1 T2V size (``d`` wide, MLP ``ffn`` wide): see the Wan section of ``CASES``."""
+    s = 32760
+    return {
+        f"wan_{model}_qk_rmsnorm_rope[per-head table 1x{s}x{d}]": (
+            "rope",
+            lambda m: m.ltx_qk_rmsnorm_rope(*_qk(1, s, d), 1e-6, *_cos_sin(1, s, 128)),
+        ),
+        f"wan_{model}_layer_norm_modulate[fp32 modulation 1x{s}x{d}]": (
+            "layernorm",
+            lambda m: m.layer_norm_modulate(_bf16(1, s, d), _f32(1, 1, d), _f32(1, 1, d), 1e-6),
+        ),
+        f"wan_{model}_gated_residual_layer_norm[fp32 gate, weight, bias 1x{s}x{d}]": (
+            "layernorm",
+            lambda m: m.gated_residual_layer_norm_modulate(
+                *_hy(1, s, d), _f32(1, 1, d), None, None, 1e-6, weight=_f32(d), bias=_f32(d)
+            ),
+        ),
+        f"wan_{model}_residual_layer_norm_modulate[1x{s}x{d}]": (
+            "layernorm",
+            lambda m: m.gated_residual_layer_norm_modulate(*_hy(1, s, d), None, _f32(1, 1, d), _f32(1, 1, d), 1e-6),
+        ),
+        f"wan_{model}_gated_residual_add[fp32 gate 1x{s}x{d}]": (
+            "rmsnorm",
+            lambda m: m.gated_residual_add(*_hy(1, s, d), _f32(1, 1, d)),
+        ),
+        f"wan_{model}_cross_attn_rms_norm+w[1x512x{d}]": (
+            "rmsnorm",
+            lambda m: m.rms_norm(_bf16(1, 512, d), _bf16(d), 1e-6),
+        ),
+        f"wan_{model}_gelu_tanh[1x{s}x{ffn}]": ("activations", lambda m: m.gelu_tanh(_bf16(1, s, ffn))),
+    }
+
+
 # LTX-Video transformer: 2048 wide (32 heads x 64), B = 2 with classifier-free guidance, 1,320 tokens
 # (25 frames 480x704) and 6,144 tokens (121 frames 512x768). VAE: channel-last RMSNorm over 128..512 channels.
 CASES: Dict[str, Tuple[str, Callable]] = {
@@ -119,38 +187,36 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     "gated_residual_rms_norm_modulate[2x6144x2048]": (
         "rmsnorm",
         lambda m: m.gated_residual_rms_norm_modulate(
-            _bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048)
+            *_hy(2, 6144, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048)
         ),
     ),
     "gated_residual_rms_norm_modulate[gate=None 2x6144x2048]": (
         "rmsnorm",
-        lambda m: m.gated_residual_rms_norm_modulate(
-            _bf16(2, 6144, 2048), _bf16(2, 6144, 2048), None, _bf16(2, 1, 2048), _bf16(2, 1, 2048)
-        ),
+        lambda m: m.gated_residual_rms_norm_modulate(*_hy(2, 6144, 2048), None, _bf16(2, 1, 2048), _bf16(2, 1, 2048)),
     ),
     # the gated residuals alone (h + attn1 * gate_msa, h + ff * gate_mlp): the same kernel, norm off
     "gated_residual_add[2x6144x2048]": (
         "rmsnorm",
-        lambda m: m.gated_residual_add(_bf16(2, 6144, 2048), _bf16(2, 6144, 2048), _bf16(2, 1, 2048)),
+        lambda m: m.gated_residual_add(*_hy(2, 6144, 2048), _bf16(2, 1, 2048)),
     ),
     "gated_residual_add[2x256x32768]": (
         "rmsnorm",
-        lambda m: m.gated_residual_add(_bf16(2, 256, 32768), _bf16(2, 256, 32768), _bf16(2, 1, 32768)),
+        lambda m: m.gated_residual_add(*_hy(2, 256, 32768), _bf16(2, 1, 32768)),
     ),
     # ---- scripts/rope.py ----
     # LTX interleaved RoPE on q/k [B, S, 2048] with fp32 cos/sin [B, S, 2048] from LTXVideoRotaryPosEmbed
     "ltx_rope[2x1320x2048]": (
         "rope",
-        lambda m: m.ltx_rope(_bf16(2, 1320, 2048), _f32(2, 1320, 2048), _f32(2, 1320, 2048)),
+        lambda m: m.ltx_rope(_bf16(2, 1320, 2048), *_cos_sin(2, 1320, 2048)),
     ),
     "ltx_rope[2x6144x2048]": (
         "rope",
-        lambda m: m.ltx_rope(_bf16(2, 6144, 2048), _f32(2, 6144, 2048), _f32(2, 6144, 2048)),
+        lambda m: m.ltx_rope(_bf16(2, 6144, 2048), *_cos_sin(2, 6144, 2048)),
     ),
     # rows strided: q read in place from a fused [B, S, 3 * 2048] qkv projection
     "ltx_rope[qkv slice 2x6144x2048]": (
         "rope",
-        lambda m: m.ltx_rope(_bf16(2, 6144, 3 * 2048)[..., 2048:4096], _f32(2, 6144, 2048), _f32(2, 6144, 2048)),
+        lambda m: m.ltx_rope(_bf16(2, 6144, 3 * 2048)[..., 2048:4096], *_cos_sin(2, 6144, 2048)),
     ),
     # transformers' rotate-half layout: [B, H, S, D] (Llama-like head dim 128), and a [B, S, H, D] transpose
     "rope_rotate_half[1x32x4096x128]": (
@@ -159,45 +225,21 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     ),
     "rope_rotate_half[transposed 2x32x6144x64]": (
         "rope",
-        lambda m: m.rope_rotate_half(_bf16(2, 6144, 32, 64).transpose(1, 2), _f32(2, 6144, 64), _f32(2, 6144, 64)),
+        lambda m: m.rope_rotate_half(_bf16(2, 6144, 32, 64).transpose(1, 2), *_cos_sin(2, 6144, 64)),
     ),
     # LTX self-attention: norm_q/norm_k (weighted RMSNorm over 2048, eps 1e-5) + RoPE, one launch
     "ltx_qk_rmsnorm_rope[2x1320x2048]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(
-            _bf16(2, 1320, 2048),
-            _bf16(2, 1320, 2048),
-            _bf16(2048),
-            _bf16(2048),
-            1e-5,
-            _f32(2, 1320, 2048),
-            _f32(2, 1320, 2048),
-        ),
+        lambda m: m.ltx_qk_rmsnorm_rope(*_qk(2, 1320, 2048), 1e-5, *_cos_sin(2, 1320, 2048)),
     ),
     "ltx_qk_rmsnorm_rope[2x6144x2048]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(
-            _bf16(2, 6144, 2048),
-            _bf16(2, 6144, 2048),
-            _bf16(2048),
-            _bf16(2048),
-            1e-5,
-            _f32(2, 6144, 2048),
-            _f32(2, 6144, 2048),
-        ),
+        lambda m: m.ltx_qk_rmsnorm_rope(*_qk(2, 6144, 2048), 1e-5, *_cos_sin(2, 6144, 2048)),
     ),
     # the same with cos/sin computed in the kernel from grid coordinates [B, S, 3] and 2048 // 6 frequencies
     "ltx_qk_rmsnorm_rope_coords[2x6144x2048]": (
         "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope_coords(
-            _bf16(2, 6144, 2048),
-            _bf16(2, 6144, 2048),
-            _bf16(2048),
-            _bf16(2048),
-            1e-5,
-            _f32(2, 6144, 3),
-            _f32(2048 // 6),
-        ),
+        lambda m: m.ltx_qk_rmsnorm_rope_coords(*_qk(2, 6144, 2048), 1e-5, _f32(2, 6144, 3), _f32(2048 // 6)),
     ),
     # ---- scripts/activations.py ----
     # LTX feed-forward: GELU(tanh) on the [B, S, 8192] up-projection (contiguous: flat kernel)
@@ -217,7 +259,7 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     **{
         f"fused_add_rms_norm{tag}[{m}x{h}]": (
             "rmsnorm",
-            lambda mod, m=m, h=h, kw=kw: mod.fused_add_rms_norm(_bf16(m, h), _bf16(m, h), _bf16(h), 1e-5, **kw()),
+            lambda mod, m=m, h=h, kw=kw: mod.fused_add_rms_norm(*_hy(m, h), _bf16(h), 1e-5, **kw()),
         )
         for h in (4096, 8192)
         for m in (1, 32, 4096)
@@ -248,7 +290,7 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     # rows wider than the single-pass limit: per-token FP8 adds a pass for the row maximum
     "fused_add_rms_norm+fp8 per_token[32x32768]": (
         "rmsnorm",
-        lambda m: m.fused_add_rms_norm(_bf16(32, 32768), _bf16(32, 32768), _bf16(32768), 1e-5, fp8="per_token"),
+        lambda m: m.fused_add_rms_norm(*_hy(32, 32768), _bf16(32768), 1e-5, fp8="per_token"),
     ),
     # scripts/activations.py swiglu: fused [rows, 2 x 14336] gate/up projection, plain and FP8 (device format)
     **{
@@ -274,13 +316,7 @@ CASES: Dict[str, Tuple[str, Callable]] = {
             "skinny_gemm",
             lambda mod, m=m, n=n, k=k, fp8=fp8: mod.skinny_gemm(
                 _bf16(m, k),
-                _t(
-                    n,
-                    k,
-                    dtype=(torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn)
-                    if fp8
-                    else torch.bfloat16,
-                ),
+                _t(n, k, dtype=_device_fp8(mod) if fp8 else torch.bfloat16),
                 weight_scale=_f32(n) if fp8 else None,
             ),
         )
@@ -318,16 +354,8 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         f"skinny_gemm+fp8 x[8B qo 4096x4096 M{m}]": (
             "skinny_gemm",
             lambda mod, m=m: mod.skinny_gemm(
-                _t(
-                    m,
-                    4096,
-                    dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn,
-                ),
-                _t(
-                    4096,
-                    4096,
-                    dtype=torch.float8_e4m3fnuz if mod._device_target(None)[1] == "gfx942" else torch.float8_e4m3fn,
-                ),
+                _t(m, 4096, dtype=_device_fp8(mod)),
+                _t(4096, 4096, dtype=_device_fp8(mod)),
                 _bf16(4096),
                 weight_scale=_f32(1),
                 x_scale=_f32(1),
@@ -341,48 +369,28 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     # Modulation vectors are [B, D] views of the AdaLN projection's emb.chunk(n, dim=1) (row stride n * D).
     "layer_norm_modulate[sd3 2x4096x1536]": (
         "layernorm",
-        lambda m: m.layer_norm_modulate(_bf16(2, 4096, 1536), *_bf16(2, 6 * 1536).chunk(6, dim=1)[1::-1]),
+        lambda m: m.layer_norm_modulate(_bf16(2, 4096, 1536), *_emb_chunks(2, 1536, 6)[1::-1]),
     ),
     "layer_norm_modulate[flux single 1x4608x3072]": (
         "layernorm",
-        lambda m: m.layer_norm_modulate(_bf16(1, 4608, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)[1::-1]),
+        lambda m: m.layer_norm_modulate(_bf16(1, 4608, 3072), *_emb_chunks(1, 3072, 3)[1::-1]),
     ),
     # no more row blocks than the persistent grid's programs: one program per row block
     "layer_norm_modulate[3 rows of 1536]": (
         "layernorm",
-        lambda m: m.layer_norm_modulate(_bf16(1, 3, 1536), *_bf16(1, 6 * 1536).chunk(6, dim=1)[1::-1]),
+        lambda m: m.layer_norm_modulate(_bf16(1, 3, 1536), *_emb_chunks(1, 1536, 6)[1::-1]),
     ),
     # SD35AdaLayerNormZeroX: one norm, two modulations
     "layer_norm_modulate_dual[sd3.5 2x4096x1536]": (
         "layernorm",
-        lambda m: m.layer_norm_modulate_dual(_bf16(2, 4096, 1536), *_bf16(2, 4 * 1536).chunk(4, dim=1)),
+        lambda m: m.layer_norm_modulate_dual(_bf16(2, 4096, 1536), *_emb_chunks(2, 1536, 4)),
     ),
     # h = h + gate * attn, then norm2 + MLP modulation (image and text streams)
-    "gated_residual_layer_norm_modulate[sd3 2x4096x1536]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 3 * 1536).chunk(3, dim=1)
-        ),
-    ),
+    "gated_residual_layer_norm_modulate[sd3 2x4096x1536]": _gated_residual_ln(2, 4096, 1536),
     # a block's last gated residual + the next block's SD35AdaLayerNormZeroX (two modulations)
-    "gated_residual_layer_norm_modulate_dual[sd3.5 2x4096x1536]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate_dual(
-            _bf16(2, 4096, 1536), _bf16(2, 4096, 1536), *_bf16(2, 5 * 1536).chunk(5, dim=1)
-        ),
-    ),
-    "gated_residual_layer_norm_modulate[flux 1x4096x3072]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 4096, 3072), _bf16(1, 4096, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)
-        ),
-    ),
-    "gated_residual_layer_norm_modulate[flux text 1x512x3072]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 512, 3072), _bf16(1, 512, 3072), *_bf16(1, 3 * 3072).chunk(3, dim=1)
-        ),
-    ),
+    "gated_residual_layer_norm_modulate_dual[sd3.5 2x4096x1536]": _gated_residual_ln(2, 4096, 1536, dual=True),
+    "gated_residual_layer_norm_modulate[flux 1x4096x3072]": _gated_residual_ln(1, 4096, 3072),
+    "gated_residual_layer_norm_modulate[flux text 1x512x3072]": _gated_residual_ln(1, 512, 3072),
     # nn.LayerNorm with weight and bias; the widest single-pass fp32 row; the chunked three-pass path
     "layer_norm+w+b[2x4096x1536]": (
         "layernorm",
@@ -392,36 +400,14 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         "layernorm",
         lambda m: m.layer_norm(_f32(2, 256, 16384), _f32(16384), _f32(16384)),
     ),
-    "gated_residual_layer_norm_modulate[chunked 1x64x32768]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 64, 32768), _bf16(1, 64, 32768), *_bf16(1, 3 * 32768).chunk(3, dim=1)
-        ),
-    ),
+    "gated_residual_layer_norm_modulate[chunked 1x64x32768]": _gated_residual_ln(1, 64, 32768),
     # ---- scripts/head_norm_rope.py: per-head q/k RMSNorm (+ RoPE) ----
-    # FLUX double-stream attention: text (512) and image (4096) q/k as [1, S, 24, 128] views of the projections,
-    # their own norm weights, fp32 cos/sin [4608, 128] from FluxPosEmbed, written into one [1, 4608, 24, 128]
+    # FLUX double-stream attention: text (512) and image (4096) q/k as [1, S, 24, 128] (the layout of the
+    # projections' [1, S, 3072] outputs viewed per head), their own norm weights, fp32 cos/sin [4608, 128] from
+    # FluxPosEmbed, written into one [1, 4608, 24, 128]
     "joint_head_rms_norm_rope[flux double 1x(512+4096)x24x128]": (
         "head_norm_rope",
-        lambda m: m.joint_head_rms_norm_rope(
-            [
-                (
-                    _bf16(1, 512, 3072).unflatten(-1, (24, 128)),
-                    _bf16(1, 512, 3072).unflatten(-1, (24, 128)),
-                    _bf16(128),
-                    _bf16(128),
-                ),
-                (
-                    _bf16(1, 4096, 3072).unflatten(-1, (24, 128)),
-                    _bf16(1, 4096, 3072).unflatten(-1, (24, 128)),
-                    _bf16(128),
-                    _bf16(128),
-                ),
-            ],
-            1e-6,
-            _f32(4608, 128),
-            _f32(4608, 128),
-        ),
+        lambda m: m.joint_head_rms_norm_rope([_qk(1, 512, 24, 128), _qk(1, 4096, 24, 128)], 1e-6, *_cos_sin(4608, 128)),
     ),
     # FLUX single-stream attention with fused qkv projections: q/k are chunks of one [1, 4608, 3 * 3072] output
     "head_rms_norm_rope[flux single qkv slices 1x4608x24x128]": (
@@ -432,155 +418,35 @@ CASES: Dict[str, Tuple[str, Callable]] = {
             _bf16(128),
             _bf16(128),
             1e-6,
-            _f32(4608, 128),
-            _f32(4608, 128),
+            *_cos_sin(4608, 128),
         ),
     ),
     # SD3.5 joint attention: diffusers RMSNorm(64) per head (bf16 weights: rounded before the multiply), no RoPE,
-    # image (4096) then text (333) tokens
+    # image (4096) then text (333) tokens, q/k [2, S, 24, 64] (the projections' [2, S, 1536] viewed per head)
     "joint_head_rms_norm_rope[sd3.5 norm only 2x(4096+333)x24x64]": (
         "head_norm_rope",
         lambda m: m.joint_head_rms_norm_rope(
-            [
-                (
-                    _bf16(2, 4096, 1536).view(2, 4096, 24, 64),
-                    _bf16(2, 4096, 1536).view(2, 4096, 24, 64),
-                    _bf16(64),
-                    _bf16(64),
-                ),
-                (
-                    _bf16(2, 333, 1536).view(2, 333, 24, 64),
-                    _bf16(2, 333, 1536).view(2, 333, 24, 64),
-                    _bf16(64),
-                    _bf16(64),
-                ),
-            ],
-            1e-6,
-            cast_before_weight=True,
+            [_qk(2, 4096, 24, 64), _qk(2, 333, 24, 64)], 1e-6, cast_before_weight=True
         ),
     ),
     # fp32 activations (twice the registers per element) and a wide 256 head
     "head_rms_norm_rope[fp32 1x4608x24x128]": (
         "head_norm_rope",
-        lambda m: m.head_rms_norm_rope(
-            _f32(1, 4608, 24, 128), _f32(1, 4608, 24, 128), _f32(128), _f32(128), 1e-6, _f32(4608, 128), _f32(4608, 128)
-        ),
+        lambda m: m.head_rms_norm_rope(*_qk(1, 4608, 24, 128, dtype=torch.float32), 1e-6, *_cos_sin(4608, 128)),
     ),
     "head_rms_norm_rope[1x4096x16x256]": (
         "head_norm_rope",
-        lambda m: m.head_rms_norm_rope(
-            _bf16(1, 4096, 16, 256),
-            _bf16(1, 4096, 16, 256),
-            _bf16(256),
-            _bf16(256),
-            1e-6,
-            _f32(4096, 256),
-            _f32(4096, 256),
-        ),
+        lambda m: m.head_rms_norm_rope(*_qk(1, 4096, 16, 256), 1e-6, *_cos_sin(4096, 256)),
     ),
     # more head steps than the kernel unrolls (64 heads of 256: 16 steps of 4): the looped form
     "head_rms_norm_rope[looped head steps 1x1024x64x256]": (
         "head_norm_rope",
-        lambda m: m.head_rms_norm_rope(
-            _bf16(1, 1024, 64, 256),
-            _bf16(1, 1024, 64, 256),
-            _bf16(256),
-            _bf16(256),
-            1e-6,
-            _f32(1024, 256),
-            _f32(1024, 256),
-        ),
+        lambda m: m.head_rms_norm_rope(*_qk(1, 1024, 64, 256), 1e-6, *_cos_sin(1024, 256)),
     ),
     # ---- Wan 2.1 T2V (scripts/wan_injection.py): 1.3B 1536 wide (12 heads x 128), 14B 5120 (40 x 128); B = 1,
     # 32,760 tokens (81 frames 480x832); modulation, gates, norm2's weight and bias in fp32 (from_pretrained) ----
-    "wan_1.3B_qk_rmsnorm_rope[per-head table 1x32760x1536]": (
-        "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(
-            _bf16(1, 32760, 1536),
-            _bf16(1, 32760, 1536),
-            _bf16(1536),
-            _bf16(1536),
-            1e-6,
-            _f32(1, 32760, 128),
-            _f32(1, 32760, 128),
-        ),
-    ),
-    "wan_1.3B_layer_norm_modulate[fp32 modulation 1x32760x1536]": (
-        "layernorm",
-        lambda m: m.layer_norm_modulate(_bf16(1, 32760, 1536), _f32(1, 1, 1536), _f32(1, 1, 1536), 1e-6),
-    ),
-    "wan_1.3B_gated_residual_layer_norm[fp32 gate, weight, bias 1x32760x1536]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 32760, 1536),
-            _bf16(1, 32760, 1536),
-            _f32(1, 1, 1536),
-            None,
-            None,
-            1e-6,
-            weight=_f32(1536),
-            bias=_f32(1536),
-        ),
-    ),
-    "wan_1.3B_residual_layer_norm_modulate[1x32760x1536]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 32760, 1536), _bf16(1, 32760, 1536), None, _f32(1, 1, 1536), _f32(1, 1, 1536), 1e-6
-        ),
-    ),
-    "wan_1.3B_gated_residual_add[fp32 gate 1x32760x1536]": (
-        "rmsnorm",
-        lambda m: m.gated_residual_add(_bf16(1, 32760, 1536), _bf16(1, 32760, 1536), _f32(1, 1, 1536)),
-    ),
-    "wan_1.3B_cross_attn_rms_norm+w[1x512x1536]": (
-        "rmsnorm",
-        lambda m: m.rms_norm(_bf16(1, 512, 1536), _bf16(1536), 1e-6),
-    ),
-    "wan_1.3B_gelu_tanh[1x32760x8960]": ("activations", lambda m: m.gelu_tanh(_bf16(1, 32760, 8960))),
-    "wan_14B_qk_rmsnorm_rope[per-head table 1x32760x5120]": (
-        "rope",
-        lambda m: m.ltx_qk_rmsnorm_rope(
-            _bf16(1, 32760, 5120),
-            _bf16(1, 32760, 5120),
-            _bf16(5120),
-            _bf16(5120),
-            1e-6,
-            _f32(1, 32760, 128),
-            _f32(1, 32760, 128),
-        ),
-    ),
-    "wan_14B_layer_norm_modulate[fp32 modulation 1x32760x5120]": (
-        "layernorm",
-        lambda m: m.layer_norm_modulate(_bf16(1, 32760, 5120), _f32(1, 1, 5120), _f32(1, 1, 5120), 1e-6),
-    ),
-    "wan_14B_gated_residual_layer_norm[fp32 gate, weight, bias 1x32760x5120]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 32760, 5120),
-            _bf16(1, 32760, 5120),
-            _f32(1, 1, 5120),
-            None,
-            None,
-            1e-6,
-            weight=_f32(5120),
-            bias=_f32(5120),
-        ),
-    ),
-    "wan_14B_residual_layer_norm_modulate[1x32760x5120]": (
-        "layernorm",
-        lambda m: m.gated_residual_layer_norm_modulate(
-            _bf16(1, 32760, 5120), _bf16(1, 32760, 5120), None, _f32(1, 1, 5120), _f32(1, 1, 5120), 1e-6
-        ),
-    ),
-    "wan_14B_gated_residual_add[fp32 gate 1x32760x5120]": (
-        "rmsnorm",
-        lambda m: m.gated_residual_add(_bf16(1, 32760, 5120), _bf16(1, 32760, 5120), _f32(1, 1, 5120)),
-    ),
-    "wan_14B_cross_attn_rms_norm+w[1x512x5120]": (
-        "rmsnorm",
-        lambda m: m.rms_norm(_bf16(1, 512, 5120), _bf16(5120), 1e-6),
-    ),
-    "wan_14B_gelu_tanh[1x32760x13824]": ("activations", lambda m: m.gelu_tanh(_bf16(1, 32760, 13824))),
+    **_wan_cases("1.3B", 1536, 8960),
+    **_wan_cases("14B", 5120, 13824),
     # ---- scripts/xcd_remap.py ----
     # the XCD tile remap helper inside its demo kernel: 1003 programs (not a multiple of 8) over 8 XCDs
     "xcd_remap_demo[1003 programs, 8 XCDs]": ("xcd_remap", lambda m: m.xcd_remap_table(1003, 8)),
