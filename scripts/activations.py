@@ -45,7 +45,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gelu", "gelu_tanh", "geglu", "swiglu", "gelu_ref", "geglu_ref", "swiglu_ref", "fp8_quantize_ref"]
+__all__ = [
+    "gelu",
+    "gelu_tanh",
+    "geglu",
+    "swiglu",
+    "fp8_quantize",
+    "gelu_ref",
+    "geglu_ref",
+    "swiglu_ref",
+    "fp8_quantize_ref",
+]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _APPROXIMATIONS = ("none", "tanh")
@@ -105,8 +115,10 @@ def _silu_f32(x):
 
 @triton.jit
 def _act_f32(x, ACT: tl.constexpr):
-    """ACT 0: exact (erf) GELU; 1: tanh-approximate GELU; 2: SiLU."""
-    if ACT == 2:
+    """ACT 0: exact (erf) GELU; 1: tanh-approximate GELU; 2: SiLU; 3: none (x itself: FP8 quantisation)."""
+    if ACT == 3:
+        return x
+    elif ACT == 2:
         return _silu_f32(x)
     else:
         return _gelu_f32(x, ACT == 1)
@@ -210,7 +222,7 @@ def _act_rows_kernel(
     # cdiv(N, BLOCK_N), 1 with FP8_MODE 2; used when not GRID_2D: program p covers row block
     # p // n_col_blocks, column block p % n_col_blocks
     n_col_blocks,
-    ACT: tl.constexpr,  # 0: GELU (erf); 1: GELU (tanh approximation); 2: SiLU
+    ACT: tl.constexpr,  # 0: GELU (erf); 1: GELU (tanh approximation); 2: SiLU; 3: none (with FP8_MODE > 0)
     FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales (whole rows per program)
     FP8_MAX: tl.constexpr,  # largest finite value of OUT's FP8 format (FP8_MODE > 0)
     FP8_MIN_EXP: tl.constexpr,  # fp32 biased exponent of its smallest normal (FP8_MODE > 0)
@@ -224,7 +236,8 @@ def _act_rows_kernel(
     EVEN: tl.constexpr,  # M % BLOCK_M == 0 and N % BLOCK_N == 0: no masks on loads and stores
 ):  # fmt: skip
     # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
-    tl.static_assert(ACT == 0 or ACT == 1 or ACT == 2, "ACT is 0 (GELU erf), 1 (GELU tanh) or 2 (SiLU)")
+    tl.static_assert(ACT >= 0 and ACT <= 3, "ACT is 0 (GELU erf), 1 (GELU tanh), 2 (SiLU) or 3 (none)")
+    tl.static_assert(ACT != 3 or FP8_MODE > 0, "ACT 3 (none) is for FP8 quantisation")
     tl.static_assert(FP8_MODE == 0 or FP8_MODE == 1 or FP8_MODE == 2, "FP8_MODE is 0, 1 or 2")
     tl.static_assert((FP8_SCALE is None) == (FP8_MODE == 0), "FP8_SCALE goes with FP8_MODE 1 or 2")
     tl.static_assert(FP8_MODE > 0 or not NATIVE_FP8, "NATIVE_FP8 needs FP8_MODE > 0")
@@ -567,6 +580,17 @@ def _fp8_mode(fp8) -> int:
     return _FP8_MODES[fp8]
 
 
+def _fp8_options(fp8, fp8_scale, fp8_dtype) -> int:
+    """The FP8 mode of a public call's fp8= (0: none, 1: per tensor, 2: per token), refusing the options
+    that the mode does not use."""
+    mode = _fp8_mode(fp8)
+    if fp8_dtype is not None and mode == 0:
+        raise ValueError("fp8_dtype is only used with fp8='per_tensor' or fp8='per_token'")
+    if mode != 1 and fp8_scale is not None:
+        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
+    return mode
+
+
 def _check_fp8(device, fp8_dtype, fp8_mode: int, fp8_scale) -> torch.dtype:
     """Validate the FP8 arguments of an FP8 launch; returns the FP8 output dtype (fp8_dtype, or the
     device's when None)."""
@@ -760,7 +784,11 @@ def _swiglu_plan(x, up, gate_first, fp8_mode: int, fp8_scale, fp8_dtype):
 
 def _gated_layout(gate, up, parent):
     """(inner, gate row strides, up row strides) of the two operands (see _row_layout); parent: the [..., 2H]
-    tensor both are views of (one layout for both), or None."""
+    tensor both are views of (one layout for both), or None. up None: one operand, gate (no product)."""
+    if up is None and parent is None:
+        _check_last_contiguous("x", gate)
+        inner, g_o, g_i = _row_layout(gate)
+        return inner, (g_o, g_i), (0, 0)
     if parent is None:
         _check_last_contiguous("gate", gate)
         _check_last_contiguous("up", up)
@@ -773,6 +801,26 @@ def _gated_layout(gate, up, parent):
     return inner, (g_o, g_i), (g_o, g_i)
 
 
+def _act_fp8_launch(x, act: int, fp8_mode: int, fp8_scale, fp8_dtype):
+    """Validate and launch act(x) with FP8 output (act 3: x itself); returns (out, row scales or None).
+    Plans kept per call signature, as in _gelu_launch."""
+    try:
+        key = ("act_fp8", _sig(x), act, fp8_mode, fp8_scale if fp8_scale is None else _sig(fp8_scale), fp8_dtype)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is None:
+        _check_tensor("x", x, _SUPPORTED_DTYPES)
+        if x.dim() == 0:
+            raise ValueError("x must have at least one dimension (its last one is a row)")
+        if fp8_mode not in (1, 2):
+            raise ValueError(f"fp8 must be 'per_tensor' or 'per_token' here, got mode {fp8_mode!r}")
+        plan = _gated_plan(x, None, None, act, fp8_mode, fp8_scale, fp8_dtype)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, None, fp8_scale)
+
+
 def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype, gate_second=False):
     """The checks and configuration of out = up * act(gate) for views gate/up of one shape [..., H];
     parent: the [..., 2H] tensor both are views of (one row layout for both), or None for two separate
@@ -780,7 +828,8 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
 
     Returns run(x, up, fp8_scale) -> (out, row scales or None). With a parent, x is the parent (up is
     not used): its second half x[..., H:] is the gate when gate_second, else the up operand, and the
-    other operand is x itself (the first half starts at x's address). Without, x is the gate.
+    other operand is x itself (the first half starts at x's address). Without, x is the gate. up and
+    parent both None: out = act(gate) (with FP8 output; act 3 quantises gate itself).
     """
     device = gate.device
     if fp8_mode:
@@ -830,7 +879,7 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
             EVEN=even,
             num_warps=warps,
         ),
-        (0, 3, 6, 7) if fp8_mode else (0, 3, 6),
+        (0, 3 if up is not None or parent is not None else None, 6, 7 if fp8_mode else None),
         device,
     )
     # the output has gate's shape: empty_like where gate is a dense plain tensor of the output dtype
@@ -1231,18 +1280,61 @@ def _swiglu_op_fake(x, up, gate_first, fp8_mode, fp8_scale, fp8_dtype):
 _register("swiglu", _swiglu_op, _swiglu_op_fake)
 
 
+def _act_fp8_op(
+    x: torch.Tensor, act: int, fp8_mode: int, fp8_scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, row_scales = _act_fp8_launch(x, act, fp8_mode, fp8_scale, fp8_dtype)
+    return out, (row_scales if row_scales is not None else x.new_empty(0, dtype=torch.float32))
+
+
+def _act_fp8_op_fake(x, act, fp8_mode, fp8_scale, fp8_dtype):
+    out = torch.empty(x.shape, dtype=fp8_dtype or _fp8_dtype_for(x.device), device=x.device)
+    if fp8_mode == 2:
+        return out, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    return out, x.new_empty(0, dtype=torch.float32)
+
+
+_register("act_fp8", _act_fp8_op, _act_fp8_op_fake)
+
+
+def _act_fp8(x, act: int, fn: str, fp8, fp8_scale, fp8_dtype):
+    """act(x) quantised to FP8 (see gelu's fp8=): out_fp8, or (out_fp8, scales) per token."""
+    mode = _fp8_options(fp8, fp8_scale, fp8_dtype)
+    if torch.compiler.is_compiling():
+        out, row_scales = _compile_op("act_fp8")(x, act, mode, fp8_scale, fp8_dtype)
+    else:
+        _check_no_grad(fn, ("x", "fp8_scale"), (x, fp8_scale))
+        out, row_scales = _act_fp8_launch(x, act, mode, fp8_scale, fp8_dtype)
+    return (out, row_scales) if mode == 2 else out
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+def gelu(
+    x: torch.Tensor,
+    approximate: str = "tanh",
+    *,
+    fp8: Optional[str] = None,
+    fp8_scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+):
     """torch.nn.functional.gelu(x, approximate) for fp32/fp16/bf16 x of any shape.
 
     The result is contiguous, of x's shape and dtype. Rows may be strided as long as the last dim is
     contiguous. Note the default: "tanh" (LTX-Video, diffusers "gelu-approximate"); torch's default
-    is "none".
+    is "none". With FP8 output (the input of an FP8 GEMM, e.g. a feed-forward's down projection),
+    quantised from the fp32 value:
+      fp8="per_tensor": out_fp8 = fp8(clamp(out / fp8_scale, +-fp8_max)), fp8_scale a one-element
+        float32 tensor on x's device;
+      fp8="per_token": (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12), float32,
+        shape x.shape[:-1]; dequantise as out_fp8.float() * scales[..., None].
+    fp8_dtype: None picks float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere.
     The kernel has no backward: in grad mode, an input that requires grad raises RuntimeError (call it
     under torch.no_grad() / torch.inference_mode(), or use gelu_ref where gradients are needed).
     """
+    if fp8 is not None or fp8_scale is not None or fp8_dtype is not None:
+        return _act_fp8(x, int(_check_approximate(approximate)), "gelu", fp8, fp8_scale, fp8_dtype)
     if torch.compiler.is_compiling():
         return _compile_op("gelu")(x, approximate)
     # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
@@ -1297,11 +1389,7 @@ def swiglu(
     fp8_dtype: None picks float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere; pass either to force it.
     No backward: in grad mode, an input that requires grad raises RuntimeError (see gelu).
     """
-    mode = _fp8_mode(fp8)
-    if fp8_dtype is not None and mode == 0:
-        raise ValueError("fp8_dtype is only used with fp8='per_tensor' or fp8='per_token'")
-    if mode != 1 and fp8_scale is not None:
-        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
+    mode = _fp8_options(fp8, fp8_scale, fp8_dtype)
     if up is not None and gate_first is not None:
         raise ValueError("gate_first applies to the fused [..., 2H] input only; with two tensors the first is the gate")
     gate_first = True if gate_first is None else bool(gate_first)
@@ -1314,6 +1402,25 @@ def swiglu(
         )
         out, row_scales = _swiglu_launch(x, up, gate_first, mode, fp8_scale, fp8_dtype)
     return (out, row_scales) if mode == 2 else out
+
+
+def fp8_quantize(
+    x: torch.Tensor,
+    fp8: str = "per_token",
+    *,
+    fp8_scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+):
+    """x quantised to FP8 in one pass (the input of an FP8 GEMM whose producer cannot emit FP8 itself,
+    e.g. an attention output): fp8="per_token" (default) returns (x_fp8, scales) with scales[row] =
+    max(max|x[row]| / fp8_max, 1e-12), float32, shape x.shape[:-1]; fp8="per_tensor" returns
+    x_fp8 = fp8(clamp(x / fp8_scale, +-fp8_max)). fp32/fp16/bf16 x, rows may be strided (last dim
+    contiguous). fp8_dtype: None picks float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see gelu).
+    """
+    if fp8 is None:
+        raise ValueError("fp8 must be 'per_tensor' or 'per_token'")
+    return _act_fp8(x, 3, "fp8_quantize", fp8, fp8_scale, fp8_dtype)
 
 
 # --------------------------------------------------------------------------------------------

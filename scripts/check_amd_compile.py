@@ -307,6 +307,25 @@ CASES: Dict[str, Tuple[str, Callable]] = {
     "swiglu[70000x2x4096, 1D grid]": ("activations", lambda m: m.swiglu(_bf16(70000, 2 * 4096))),
     # 70B MLP rows (28672 > the whole-row limit): per-token FP8 reads each row twice
     "swiglu+fp8 per_token[32x2x28672]": ("activations", lambda m: m.swiglu(_bf16(32, 2 * 28672), fp8="per_token")),
+    # FP8 inputs of a diffusion transformer's FP8 GEMMs at LTX-Video's [2, 6144, 2048] (FF inner 8192): the AdaLN
+    # norm with per-token FP8 output (q/k/v and FF up-projection inputs), with the gated residual before it, the
+    # feed-forward's GELU with FP8 output (down-projection input), and the attention output quantised
+    "rms_norm_modulate+fp8 per_token[2x6144x2048]": (
+        "rmsnorm",
+        lambda m: m.rms_norm_modulate(_bf16(2, 6144, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048), fp8="per_token"),
+    ),
+    "gated_residual_rms_norm_modulate+fp8 per_token[2x6144x2048]": (
+        "rmsnorm",
+        lambda m: m.gated_residual_rms_norm_modulate(
+            *_hy(2, 6144, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048), _bf16(2, 1, 2048), fp8="per_token"
+        ),
+    ),
+    "gelu_tanh+fp8 per_token[2x6144x8192]": ("activations", lambda m: m.gelu(_bf16(2, 6144, 8192), fp8="per_token")),
+    "fp8_quantize per_token[2x6144x2048]": ("activations", lambda m: m.fp8_quantize(_bf16(2, 6144, 2048))),
+    "fp8_quantize per_tensor[2x6144x2048]": (
+        "activations",
+        lambda m: m.fp8_quantize(_bf16(2, 6144, 2048), "per_tensor", fp8_scale=_f32(1)),
+    ),
     # ---- scripts/skinny_gemm.py: decode-time linear layers y = x @ W^T, M = 1..32 rows ----
     # Llama-3 8B (q/o 4096x4096, gate/up 14336x4096, k/v 1024x4096 with GQA, down 4096x14336) and 70B (q/o
     # 8192x8192, gate/up 28672x8192, down 8192x28672); bf16 weights and FP8 weights in the device's format

@@ -601,6 +601,17 @@ def _fp8_mode(fp8) -> int:
     return _FP8_MODES[fp8]
 
 
+def _fp8_options(fp8, fp8_scale, fp8_dtype) -> int:
+    """The FP8 mode of a public call's fp8= (0: none, 1: per tensor, 2: per token), refusing the options
+    that the mode does not use."""
+    mode = _fp8_mode(fp8)
+    if fp8_dtype is not None and mode == 0:
+        raise ValueError("fp8_dtype is only used with fp8='per_tensor' or fp8='per_token'")
+    if mode != 1 and fp8_scale is not None:
+        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
+    return mode
+
+
 def _check_fp8(device, fp8_dtype, fp8_mode: int, fp8_scale) -> torch.dtype:
     """Validate the FP8 arguments of an FP8 launch; returns the FP8 output dtype (fp8_dtype, or the
     device's when None)."""
@@ -1253,15 +1264,28 @@ def rms_norm_modulate(
     eps: float = 1e-6,
     *,
     cast_before_weight: bool = True,
-) -> torch.Tensor:
+    fp8: Optional[str] = None,
+    fp8_scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+):
     """AdaLN: rms_norm(x, weight) * (1 + scale) + shift in one pass, with fp32 math and one rounding.
 
     scale and shift broadcast to x: [D], [B, 1, D] (LTX-Video, DiT: one per sample) or [B, S, D].
+    Returns out of x's dtype, or with FP8 output (the input of an FP8 GEMM), quantised from fp32:
+      fp8="per_tensor": out_fp8 = fp8(clamp(out / fp8_scale, +-fp8_max)), fp8_scale a one-element float32
+        tensor on x's device;
+      fp8="per_token": (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12), float32, shape
+        x.shape[:-1]; dequantise as out_fp8.float() * scales[..., None].
+    fp8_dtype: None picks float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere.
     No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use rms_norm() for a plain norm")
-    return _dispatch(x, None, None, weight, scale, shift, eps, cast_before_weight, None, fn="rms_norm_modulate")[1]
+    mode = _fp8_options(fp8, fp8_scale, fp8_dtype)
+    _, out, row_scales = _dispatch(
+        x, None, None, weight, scale, shift, eps, cast_before_weight, fp8_dtype, mode, fp8_scale, fn="rms_norm_modulate"
+    )
+    return (out, row_scales) if mode == 2 else out
 
 
 def gated_residual_rms_norm_modulate(
@@ -1274,28 +1298,25 @@ def gated_residual_rms_norm_modulate(
     eps: float = 1e-6,
     *,
     cast_before_weight: bool = True,
+    fp8: Optional[str] = None,
+    fp8_scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
 ):
     """h_new = h + y * gate (gate None: h + y), rounded to h's dtype; out = rms_norm_modulate(h_new).
 
-    Returns (h_new, out). scale/shift may both be None (plain fused residual add + RMSNorm).
+    Returns (h_new, out); with fp8="per_token" (h_new, out_fp8, scales), with fp8="per_tensor"
+    (h_new, out_fp8): FP8 output as in rms_norm_modulate. scale/shift may both be None (plain fused
+    residual add + RMSNorm).
     No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
     if y is None:
         raise ValueError("y is required; use rms_norm_modulate() without a residual")
-    h_out, out, _ = _dispatch(
-        h,
-        y,
-        gate,
-        weight,
-        scale,
-        shift,
-        eps,
-        cast_before_weight,
-        None,
-        fn="gated_residual_rms_norm_modulate",
-        grad_names=("h",) + _GRAD_NAMES[1:],
-    )
-    return h_out, out
+    mode = _fp8_options(fp8, fp8_scale, fp8_dtype)
+    h_out, out, row_scales = _dispatch(
+        h, y, gate, weight, scale, shift, eps, cast_before_weight, fp8_dtype, mode, fp8_scale,
+        fn="gated_residual_rms_norm_modulate", grad_names=("h",) + _GRAD_NAMES[1:],
+    )  # fmt: skip
+    return (h_out, out, row_scales) if mode == 2 else (h_out, out)
 
 
 def gated_residual_add(h: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
@@ -1350,11 +1371,7 @@ def fused_add_rms_norm(
     float8_e4m3fnuz on gfx942 and float8_e4m3fn elsewhere; pass either to force it.
     No backward: in grad mode, an input that requires grad raises RuntimeError (see rms_norm).
     """
-    mode = _fp8_mode(fp8)
-    if fp8_dtype is not None and mode == 0:
-        raise ValueError("fp8_dtype is only used with fp8='per_tensor' or fp8='per_token'")
-    if mode != 1 and fp8_scale is not None:
-        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
+    mode = _fp8_options(fp8, fp8_scale, fp8_dtype)
     if residual is None:
         raise ValueError("residual is required; use rms_norm() without a residual")
     r, out, row_scales = _dispatch(

@@ -115,7 +115,8 @@ CASES = {
         {"SINGLE_PASS": False, "PERSISTENT": True},
         "PERSISTENT needs SINGLE_PASS",
     ),
-    "gelu-act_3": (_gelu, {"ACT": 3}, "ACT is 0 (GELU erf), 1 (GELU tanh) or 2 (SiLU)"),
+    "gelu-act_4": (_gelu, {"ACT": 4}, "ACT is 0 (GELU erf), 1 (GELU tanh), 2 (SiLU) or 3 (none)"),
+    "gelu-identity_without_fp8": (_gelu, {"ACT": 3}, "ACT 3 (none) is for FP8 quantisation"),
     "swiglu-row_scales_without_scale_tensor": (_swiglu, {"FP8_MODE": 2}, "FP8_SCALE goes with FP8_MODE 1 or 2"),
     "swiglu-single_pass_without_row_scales": (_swiglu, {"SINGLE_PASS": True}, "SINGLE_PASS needs FP8_MODE 2"),
     "qk_rope-table_width_with_coords": (
