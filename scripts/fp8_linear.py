@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FP8 linear layers for diffusion transformers: an FP8 weight with one scale per output channel, inputs
+quantised per token, the product by the platform's scaled FP8 GEMM (``torch._scaled_mm``: cuBLASLt on
+NVIDIA, hipBLASLt on ROCm) with both scales applied in its epilogue.
+
+    y = (x_fp8 * x_scale[:, None]) @ (w_fp8 * w_scale[:, None])^T + bias       (fp32 accumulation, bf16 out)
+
+* ``quantize_weight(w)``: (w_fp8 [N, K], w_scale [N] float32), w_scale = max|w[n]| / fp8_max per row.
+* ``fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias=None)``: the GEMM for inputs already in FP8, e.g. from
+  ``rmsnorm.rms_norm_modulate(..., fp8="per_token")`` or ``activations.gelu(..., fp8="per_token")``, which
+  write FP8 and the per-token scales in the pass that produces them.
+* ``Fp8Linear``: an ``nn.Linear`` replacement holding the FP8 weight; ``forward(x)`` quantises x per token
+  (``activations.fp8_quantize``, one pass) and calls ``fp8_linear``; ``forward_fp8(x_fp8, x_scale)`` skips
+  the quantisation. ``Fp8Linear.from_linear(linear)`` quantises a linear layer's weight.
+
+The scale layout is the row-wise recipe of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], both
+float32), which PyTorch's source accepts on gfx942 (weight float8_e4m3fnuz), gfx950 and gfx1201 (weight
+float8_e4m3fn) with bf16 output, and on NVIDIA sm_89+ (references/kernel-patterns.md, "FP8 GEMMs"); the
+FP8 format is the device's (``activations._fp8_dtype_for``). K and N must be multiples of 16 (a
+``torch._scaled_mm`` requirement on every GPU): ``from_linear`` refuses other shapes, which stay in bf16.
+Not measured on AMD hardware. Inference only: no backward.
+
+This file imports activations.py (the quantisation kernel); copy both. Run ``python fp8_linear.py --help``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import activations
+
+__all__ = ["quantize_weight", "fp8_linear", "Fp8Linear", "fp8_linear_ref"]
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
+_MIN_SCALE = 1e-12  # as the kernels' per-token scales: a zero row quantises to zeros, never to NaN
+
+
+def _fp8_dtype(device: torch.device, fp8_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if fp8_dtype is None:
+        return activations._fp8_dtype_for(device)
+    if fp8_dtype not in _FP8_MAX:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
+    return fp8_dtype
+
+
+def quantize_weight(weight: torch.Tensor, fp8_dtype: Optional[torch.dtype] = None):
+    """(w_fp8, w_scale) of a [N, K] weight: one float32 scale per output channel (row), max|w[n]| / fp8_max
+    (at least 1e-12), and w_fp8 = w / w_scale[:, None] rounded to nearest even in fp8_dtype (default: the
+    device's format). Computed in float32."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point [N, K] tensor, got {getattr(weight, 'shape', weight)!r}")
+    fp8_dtype = _fp8_dtype(weight.device, fp8_dtype)
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / _FP8_MAX[fp8_dtype]).clamp_min(_MIN_SCALE)
+    q = (w / scale[:, None]).clamp(-_FP8_MAX[fp8_dtype], _FP8_MAX[fp8_dtype]).to(fp8_dtype)
+    return q, scale
+
+
+def _check_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
+    if x_fp8.dtype not in _FP8_MAX or w_fp8.dtype != x_fp8.dtype:
+        raise TypeError(f"x_fp8 and w_fp8 must share one FP8 dtype, got {x_fp8.dtype} and {w_fp8.dtype}")
+    n, k = w_fp8.shape
+    if x_fp8.shape[-1] != k:
+        raise ValueError(f"x_fp8 has K = {x_fp8.shape[-1]} but w_fp8 [N, K] has K = {k}")
+    if k % 16 or n % 16:
+        raise ValueError(f"torch._scaled_mm needs K and N multiples of 16, got K = {k}, N = {n}")
+    if w_scale.dtype != torch.float32 or w_scale.shape != (n,):
+        raise ValueError(f"w_scale must be float32 of shape [{n}], got {w_scale.dtype} {tuple(w_scale.shape)}")
+    if x_scale.dtype != torch.float32 or x_scale.shape not in (tuple(x_fp8.shape[:-1]), (1,), ()):
+        raise ValueError(
+            f"x_scale must be float32 of shape {tuple(x_fp8.shape[:-1])} (per token) or one value, got "
+            f"{x_scale.dtype} {tuple(x_scale.shape)}"
+        )
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape [{n}], got {tuple(bias.shape)}")
+
+
+def fp8_linear(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """(x_fp8 * x_scale) @ (w_fp8 * w_scale[:, None])^T + bias by torch._scaled_mm, x_fp8 [..., K] with
+    x_scale per token (shape x_fp8.shape[:-1]) or one value; w_fp8 [N, K] with w_scale [N]. Returns
+    [..., N] in out_dtype. The bias is added in the GEMM's epilogue when it has out_dtype and out_dtype
+    is 16-bit (what torch._scaled_mm takes), else after it in fp32."""
+    _check_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+    lead = x_fp8.shape[:-1]
+    x2 = x_fp8.reshape(-1, x_fp8.shape[-1])
+    if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
+        x2 = x2.contiguous()  # torch._scaled_mm takes a row-major A
+    m = x2.shape[0]
+    sa = x_scale.reshape(-1, 1).float()
+    if sa.shape[0] != m:
+        sa = sa.expand(m, 1).contiguous()  # one value: the row-wise recipe with equal rows
+    fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+    y = torch._scaled_mm(
+        x2,
+        w_fp8.t(),
+        scale_a=sa,
+        scale_b=w_scale.reshape(1, -1),
+        bias=bias if fused_bias else None,
+        out_dtype=out_dtype,
+    )
+    if bias is not None and not fused_bias:
+        y = (y.float() + bias.float()).to(out_dtype)
+    return y.reshape(*lead, w_fp8.shape[0])
+
+
+def fp8_linear_ref(x_fp8, x_scale, w_fp8, w_scale, bias=None) -> torch.Tensor:
+    """float64 value of fp8_linear (dequantised inputs, exact products and sums up to float64 rounding)."""
+    xs = x_scale.double()
+    x = x_fp8.double() * (xs[..., None] if xs.dim() == x_fp8.dim() - 1 and xs.numel() > 1 else xs.reshape(()))
+    y = x @ (w_fp8.double() * w_scale.double()[:, None]).T
+    return y if bias is None else y + bias.double()
+
+
+class Fp8Linear(torch.nn.Module):
+    """nn.Linear with an FP8 weight (one scale per output channel) and per-token FP8 inputs; see the
+    module docstring. Build with ``Fp8Linear.from_linear(linear)``; inference only."""
+
+    def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], out_dtype):
+        super().__init__()
+        self.out_features, self.in_features = w_fp8.shape
+        self.register_buffer("weight", w_fp8)
+        self.register_buffer("weight_scale", w_scale)
+        self.register_buffer("bias", bias)
+        self.out_dtype = out_dtype
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fp8_dtype: Optional[torch.dtype] = None) -> "Fp8Linear":
+        """The FP8 twin of linear (its weight quantised per output channel, its bias kept in its dtype; the
+        output dtype is the weight's). ValueError where torch._scaled_mm cannot serve it (K or N not a
+        multiple of 16, a weight dtype other than fp16/bf16/fp32)."""
+        w = linear.weight
+        if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{type(linear).__name__} has a {w.dtype} weight; expected fp16, bf16 or fp32")
+        n, k = w.shape
+        if k % 16 or n % 16:
+            raise ValueError(f"in_features {k} and out_features {n} must be multiples of 16 for torch._scaled_mm")
+        q, s = quantize_weight(w, fp8_dtype)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, s, bias, w.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.weight.dtype}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.in_features}")
+        x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=self.weight.dtype)
+        return self.forward_fp8(x_fp8, x_scale)
+
+    def forward_fp8(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+
+def _main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(
+        description="Check Fp8Linear against nn.Linear on random inputs: the FP8 GEMM against its float64 value "
+        "(exactness) and against the bf16 layer (the cost of FP8). JSON on stdout."
+    )
+    p.add_argument("--tokens", type=int, default=256, help="rows of x (default 256)")
+    p.add_argument("--in-features", type=int, default=2048)
+    p.add_argument("--out-features", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not activations._interpreting() else "cpu")
+    if device.type == "cpu" and not activations._interpreting():
+        print(json.dumps({"ok": False, "error": "no GPU: set TRITON_INTERPRET=1 to run on the CPU"}))
+        return 2
+    g = torch.Generator().manual_seed(args.seed)
+    lin = torch.nn.Linear(args.in_features, args.out_features).to(device, torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / args.in_features**0.5)
+        x = torch.randn(args.tokens, args.in_features, generator=g).to(device, torch.bfloat16)
+        f8 = Fp8Linear.from_linear(lin)
+        y8 = f8(x)
+        y = lin(x)
+        xq, xs = activations.fp8_quantize(x, fp8_dtype=f8.weight.dtype)
+        ref = fp8_linear_ref(xq, xs, f8.weight, f8.weight_scale, f8.bias)
+    gemm_err = float(((y8.double() - ref).norm() / ref.norm()).item())
+    fp8_cost = float(((y8.double() - y.double()).norm() / y.double().norm()).item())
+    ok = gemm_err < 1e-2 and fp8_cost < 0.1
+    print(json.dumps({"device": str(device), "fp8_dtype": str(f8.weight.dtype), "gemm_rel_l2_vs_float64": gemm_err,
+                      "rel_l2_vs_bf16_linear": fp8_cost, "ok": ok}))  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""fp8_linear.py: per-channel FP8 weights, per-token FP8 inputs and torch._scaled_mm, against float64."""
+
+import pytest
+import torch
+from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step
+
+import activations
+import fp8_linear as fl
+from kernel_testing import DEVICE, assert_close, poisoned_outputs, randn
+
+
+def _layer(k, n, gen, bias=True, dtype=torch.bfloat16):
+    lin = torch.nn.Linear(k, n, bias=bias).to(DEVICE, dtype)
+    with torch.no_grad():
+        lin.weight.copy_(randn((n, k), torch.float32, gen, scale=k**-0.5))
+        if bias:
+            lin.bias.copy_(randn((n,), torch.float32, gen, scale=0.1))
+    return lin
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_weight_per_channel(fp8_dtype, gen):
+    w = randn((48, 64), torch.bfloat16, gen)
+    w[5] = 0.0  # a zero row: scale 1e-12, values 0
+    q, s = fl.quantize_weight(w, fp8_dtype)
+    assert q.dtype == fp8_dtype and s.dtype == torch.float32 and s.shape == (48,)
+    expected = (w.double().abs().amax(1) / FP8_MAX[fp8_dtype]).clamp_min(1e-12)
+    assert_close(s, expected, torch.float32, rtol=1e-6, atol=0, name="scales", seed=gen.seed_value)
+    v = w.double() / s.double()[:, None]
+    assert bool(((q.double() - v).abs() <= _fp8_step(q.double(), fp8_dtype) / 2 * 1.0001).all())
+    assert bool((q[5].double() == 0).all()) and not torch.isnan(q.double()).any()
+    assert torch.equal(q.double().abs().amax(1)[torch.arange(48) != 5], torch.full((47,), FP8_MAX[fp8_dtype]))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("shape", [(7, 64), (2, 5, 128)])
+def test_fp8_linear_matches_float64(shape, per_token, fp8_dtype, gen):
+    k, n = shape[-1], 96
+    x = randn(shape, torch.bfloat16, gen, scale=2.0)
+    if per_token:
+        xq, xs = activations.fp8_quantize(x, fp8_dtype=fp8_dtype)
+    else:
+        xs = torch.tensor([2.0**-6], device=DEVICE)
+        xq = activations.fp8_quantize(x, "per_tensor", fp8_scale=xs, fp8_dtype=fp8_dtype)
+    wq, ws = fl.quantize_weight(randn((n, k), torch.float32, gen, scale=k**-0.5), fp8_dtype)
+    bias = randn((n,), torch.bfloat16, gen, scale=0.1)
+    y = fl.fp8_linear(xq, xs, wq, ws, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], n)
+    # one bf16 rounding of an fp32 accumulation of exact products
+    assert_close(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias), torch.bfloat16, seed=gen.seed_value)
+
+
+def test_fp8_linear_float32_output_with_bias(gen):
+    """torch._scaled_mm takes no bias with float32 output: the bias is added after it, in fp32."""
+    xq, xs = activations.fp8_quantize(randn((4, 32), torch.float32, gen))
+    wq, ws = fl.quantize_weight(randn((16, 32), torch.float32, gen))
+    bias = randn((16,), torch.float32, gen)
+    y = fl.fp8_linear(xq, xs, wq, ws, bias, out_dtype=torch.float32)
+    assert_close(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias), torch.float32, rtol=1e-5, atol=1e-5, seed=gen.seed_value)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_layer_against_bf16_layer(bias, gen):
+    lin = _layer(256, 128, gen, bias)
+    x = randn((3, 9, 256), torch.bfloat16, gen)
+    f8 = fl.Fp8Linear.from_linear(lin)
+    assert f8.weight.dtype == activations._fp8_dtype_for(DEVICE) and f8.out_dtype == torch.bfloat16
+    with torch.no_grad(), poisoned_outputs():
+        y8, y = f8(x), lin(x)
+        xq, xs = activations.fp8_quantize(x, fp8_dtype=f8.weight.dtype)
+        assert torch.equal(f8.forward_fp8(xq, xs), y8), "forward is fp8_quantize then forward_fp8"
+    # the product itself is exact up to the output rounding: the error is FP8's, a few percent
+    assert_close(y8, fl.fp8_linear_ref(xq, xs, f8.weight, f8.weight_scale, f8.bias), torch.bfloat16)
+    rel = float((y8.double() - y.double()).norm() / y.double().norm())
+    assert 1e-4 < rel < 0.06, f"FP8 layer off the bf16 layer by rel. L2 {rel:.4f} (seed {gen.seed_value})"
+
+
+ERRORS = {
+    "K not a multiple of 16": (lambda g: fl.Fp8Linear.from_linear(torch.nn.Linear(40, 32)), ValueError, "multiples"),
+    "N not a multiple of 16": (lambda g: fl.Fp8Linear.from_linear(torch.nn.Linear(32, 40)), ValueError, "multiples"),
+    "int8 weight": (
+        lambda g: fl.quantize_weight(torch.ones((16, 16), dtype=torch.int8)),
+        ValueError,
+        "floating-point",
+    ),
+    "bad fp8 dtype": (lambda g: fl.quantize_weight(torch.ones(16, 16), torch.float8_e5m2), TypeError, "fp8_dtype"),
+    "mixed fp8 dtypes": (
+        lambda g: fl.fp8_linear(
+            torch.ones(2, 16).to(torch.float8_e4m3fn),
+            torch.ones(2),
+            torch.ones(16, 16).to(torch.float8_e4m3fnuz),
+            torch.ones(16),
+        ),
+        TypeError,
+        "share one FP8 dtype",
+    ),
+    "wrong x_scale shape": (
+        lambda g: fl.fp8_linear(
+            torch.ones(2, 16).to(torch.float8_e4m3fn),
+            torch.ones(3),
+            torch.ones(16, 16).to(torch.float8_e4m3fn),
+            torch.ones(16),
+        ),
+        ValueError,
+        "x_scale",
+    ),
+    "wrong feature count": (
+        lambda g: fl.Fp8Linear.from_linear(torch.nn.Linear(32, 16)).forward(torch.ones(2, 16, device=DEVICE)),
+        ValueError,
+        "features",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors(case, gen):
+    fn, exc, match = ERRORS[case]
+    with pytest.raises(exc, match=match):
+        fn(gen)
+
+
+def test_self_check_runs(capsys):
+    assert fl._main(["--tokens", "16", "--in-features", "64", "--out-features", "32"]) == 0
+    assert '"ok": true' in capsys.readouterr().out
