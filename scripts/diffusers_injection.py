@@ -73,6 +73,7 @@ from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
 )
 
 import activations  # noqa: E402
+import fp8_linear  # noqa: E402
 import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope  # noqa: E402
@@ -99,6 +100,7 @@ KINDS = (
     "rope_coords",
     "gelu_tanh",
     "vae_rmsnorm",
+    "fp8_linear",
 )
 
 _PROCESSOR_KINDS = ("qk_norm_rope_fused", "cross_attn")
@@ -595,6 +597,7 @@ def _empty_counts() -> dict:
 def injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is currently injected in pipe_or_model."""
     counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
+    counts["fp8_linear"] = sum(fp8_linear.fp8_linear_count(m) for m in _ltx_models(pipe_or_model)[0])
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
         counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
@@ -621,7 +624,7 @@ def _mmdit_module(pipe_or_model):
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
+def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool = False) -> dict:
     """Replace LTX-Video's norms, AdaLN modulation, q/k norm + RoPE and GELU with the kernels.
 
     pipe_or_model: an LTXPipeline (or any diffusers pipeline: only its LTX components are touched),
@@ -629,7 +632,15 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     Returns the counts per kind of what is injected after the call (a second call returns the same
     counts and wraps nothing twice). Call it before enable_model_cpu_offload() or after, and
     before torch.compile (the kernels are torch.library ops, so compile traces them).
+
+    fp8=True (LTX-Video transformers only, inference only): the bf16 linear layers of the transformer
+    blocks become fp8_linear.Fp8Linear (FP8 weight, one scale per output channel; inputs quantised per
+    token; torch._scaled_mm); their bf16 weights move to the CPU until remove_optimized_kernels puts the
+    same modules back. FP8 changes the output by more than the kernels alone do: check it on your
+    weights (references/diffusers-integration.md).
     """
+    if type(fp8) is not bool:
+        raise ValueError(f"fp8 must be True or False, got {fp8!r}")
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
 
@@ -637,8 +648,15 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     new = _empty_counts()
     skipped = []
     gelu_notes = []
+    if fp8 and not transformers:
+        raise ValueError("fp8=True is implemented for LTX-Video transformers; none was found in the argument")
     for model in transformers:
         _inject_ltx_transformer(model, new, skipped, gelu_notes)
+        if fp8:
+            parents = [m for blk in getattr(model, "transformer_blocks", ()) for m in blk.modules()]
+            swapped, left = fp8_linear.swap_in_fp8(model, parents)
+            new["fp8_linear"] += swapped
+            skipped += [f"{why}: kept in bf16" for why in left]
     for vae in vaes:
         for m in vae.modules():
             if _class_forward(m, DiffusersRMSNorm) and m.bias is None:
@@ -724,6 +742,8 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     Returns the counts per kind of what was restored.
     """
     restored = _empty_counts()
+    for model in _ltx_models(pipe_or_model)[0]:
+        restored["fp8_linear"] += fp8_linear.restore_from_fp8(model)
     for m in ic.unique_modules(pipe_or_model):
         ic.link_next(m, None)
         m.__dict__.pop(_CARRY, None)

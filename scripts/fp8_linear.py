@@ -12,6 +12,8 @@ NVIDIA, hipBLASLt on ROCm) with both scales applied in its epilogue.
 * ``Fp8Linear``: an ``nn.Linear`` replacement holding the FP8 weight; ``forward(x)`` quantises x per token
   (``activations.fp8_quantize``, one pass) and calls ``fp8_linear``; ``forward_fp8(x_fp8, x_scale)`` skips
   the quantisation. ``Fp8Linear.from_linear(linear)`` quantises a linear layer's weight.
+* ``swap_in_fp8(root, parents)`` / ``restore_from_fp8(root)``: replace a model's bf16 linear layers with
+  Fp8Linear twins, the originals kept on the CPU, and put the very same originals back.
 
 The scale layout is the row-wise recipe of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], both
 float32), which PyTorch's source accepts on gfx942 (weight float8_e4m3fnuz), gfx950 and gfx1201 (weight
@@ -31,7 +33,15 @@ import torch
 
 import activations
 
-__all__ = ["quantize_weight", "fp8_linear", "Fp8Linear", "fp8_linear_ref"]
+__all__ = [
+    "quantize_weight",
+    "fp8_linear",
+    "Fp8Linear",
+    "fp8_linear_ref",
+    "swap_in_fp8",
+    "restore_from_fp8",
+    "fp8_linear_count",
+]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
 _MIN_SCALE = 1e-12  # as the kernels' per-token scales: a zero row quantises to zeros, never to NaN
@@ -160,6 +170,71 @@ class Fp8Linear(torch.nn.Module):
 
     def forward_fp8(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Swapping a model's linear layers in and out, reversibly
+# --------------------------------------------------------------------------------------------
+_SWAPPED = "_rtk_fp8_linears"  # on the root module: the swaps made, to undo them exactly
+
+
+def _eligible(lin: torch.nn.Module) -> Optional[str]:
+    """Why lin stays in bf16 (None: it can become an Fp8Linear)."""
+    if type(lin) is not torch.nn.Linear:
+        return f"{type(lin).__name__} (not a plain nn.Linear)"
+    if lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or "forward" in lin.__dict__:
+        return "nn.Linear with hooks or a forward of its own"
+    w = lin.weight
+    if type(w) is not torch.nn.Parameter or w.dtype != torch.bfloat16:
+        return f"nn.Linear with a {w.dtype} weight (FP8 GEMMs here give bf16, the output ROCm's row-wise takes)"
+    if not (w.device.type == "cuda" or (w.device.type == "cpu" and activations._interpreting())):
+        return f"nn.Linear on {w.device}"
+    if w.shape[0] % 16 or w.shape[1] % 16:
+        return f"nn.Linear {w.shape[1]} -> {w.shape[0]} (not multiples of 16)"
+    return None
+
+
+def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True):
+    """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
+
+    The originals are kept, on the CPU when offload (their GPU memory freed: the point of FP8 weights),
+    in a record on root, so that restore_from_fp8(root) puts back the very same modules with their exact
+    weights on their devices. Returns (layers swapped, the reasons of those left in bf16)."""
+    record = root.__dict__.setdefault(_SWAPPED, [])
+    done, left = 0, []
+    for parent in parents:
+        for name, child in list(parent._modules.items()):
+            if child is None or isinstance(child, Fp8Linear):
+                continue
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            why = _eligible(child)
+            if why is not None:
+                left.append(why)
+                continue
+            with torch.no_grad():
+                twin = Fp8Linear.from_linear(child, fp8_dtype)
+            device = child.weight.device
+            if offload:
+                child.to("cpu")
+            parent._modules[name] = twin
+            record.append((parent, name, child, device))
+            done += 1
+    return done, left
+
+
+def restore_from_fp8(root: torch.nn.Module) -> int:
+    """Undo swap_in_fp8 on root: the original modules back in place, on their devices. Returns how many."""
+    record = root.__dict__.pop(_SWAPPED, [])
+    for parent, name, original, device in reversed(record):
+        original.to(device)
+        parent._modules[name] = original
+    return len(record)
+
+
+def fp8_linear_count(root: torch.nn.Module) -> int:
+    """How many layers swap_in_fp8 has swapped in root (and not restored)."""
+    return len(root.__dict__.get(_SWAPPED, ()))
 
 
 def _main(argv=None) -> int:

@@ -88,6 +88,7 @@ def _transformer_counts(blocks):
         "rope_coords": 1,
         "gelu_tanh": blocks,
         "vae_rmsnorm": 0,
+        "fp8_linear": 0,
     }
 
 

@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""inject_optimized_kernels(fp8=True) on diffusers' LTX-Video: the transformer blocks' linear layers become
+FP8 (fp8_linear.Fp8Linear), the output stays near the bf16 model's, and removal puts the very same modules
+and weights back. Tiny random transformer, through Triton's interpreter on the CPU or natively on a GPU."""
+
+import pytest
+import torch
+
+import diffusers_injection as di
+import fp8_linear
+from kernel_testing import DEVICE, ltx_inputs, make_generator, run_model
+
+# per block: attn1 to_q, to_k, to_v, to_out.0; attn2 the same four; the feed-forward's two projections
+LINEARS_PER_BLOCK = 10
+
+
+def _bf16_case(num_layers=2):
+    gen = make_generator()
+    tr = di.build_tiny_ltx_pipeline(num_layers=num_layers).transformer.to(DEVICE, torch.bfloat16)
+    kw = {
+        k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() and v.dim() == 3 else v)
+        for k, v in ltx_inputs(gen).items()
+    }
+    return gen, tr, kw
+
+
+def _block_linears(tr):
+    return [(n, m) for n, m in tr.transformer_blocks.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_fp8_linears_swapped_output_close_and_exact_restore():
+    gen, tr, kw = _bf16_case()
+    originals = _block_linears(tr)
+    weights = {n: m.weight.detach().clone() for n, m in originals}
+    stock = run_model(tr, kw)
+    counts = di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    assert counts["fp8_linear"] == 2 * LINEARS_PER_BLOCK == len(originals)
+    swapped = [m for m in tr.transformer_blocks.modules() if isinstance(m, fp8_linear.Fp8Linear)]
+    assert len(swapped) == len(originals) and not _block_linears(tr)
+    assert isinstance(tr.proj_out, torch.nn.Linear), "layers outside the blocks stay bf16"
+    out = run_model(tr, kw)
+    assert torch.isfinite(out).all()
+    rel = float((out.double() - stock.double()).norm() / stock.double().norm())
+    # FP8 inputs and weights (3 mantissa bits) through two blocks: a few percent, not a wrong result
+    assert 1e-3 < rel < 0.15, f"FP8 output off the bf16 model's by rel. L2 {rel:.4f} (seed {gen.seed_value})"
+
+    restored = di.remove_optimized_kernels(tr, verbose=False)
+    assert restored["fp8_linear"] == len(originals)
+    back = _block_linears(tr)
+    assert [n for n, _ in back] == [n for n, _ in originals]
+    assert all(m is o for (_, m), (_, o) in zip(back, originals)), "the very same modules are back"
+    assert all(torch.equal(m.weight, weights[n]) and m.weight.device == weights[n].device for n, m in back)
+    assert torch.equal(run_model(tr, kw), stock)
+
+
+def test_injecting_fp8_twice_swaps_nothing_more():
+    _, tr, _ = _bf16_case(num_layers=1)
+    first = di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    assert di.inject_optimized_kernels(tr, verbose=False, fp8=True) == first
+    assert fp8_linear.fp8_linear_count(tr) == LINEARS_PER_BLOCK
+    di.remove_optimized_kernels(tr, verbose=False)
+    assert fp8_linear.fp8_linear_count(tr) == 0 and len(_block_linears(tr)) == LINEARS_PER_BLOCK
+
+
+def test_fp32_model_keeps_its_linears(caplog):
+    tr = di.build_tiny_ltx_pipeline(num_layers=1).transformer.to(DEVICE)  # fp32 weights
+    with caplog.at_level("INFO", logger="diffusers_injection"):
+        counts = di.inject_optimized_kernels(tr, verbose=True, fp8=True)
+    assert counts["fp8_linear"] == 0 and len(_block_linears(tr)) == LINEARS_PER_BLOCK
+    assert "float32 weight" in caplog.text
+    di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_hooked_linear_is_left_in_bf16():
+    _, tr, kw = _bf16_case(num_layers=1)
+    seen = []
+    handle = tr.transformer_blocks[0].attn1.to_q.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    try:
+        counts = di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+        assert counts["fp8_linear"] == LINEARS_PER_BLOCK - 1
+        assert type(tr.transformer_blocks[0].attn1.to_q) is torch.nn.Linear
+        run_model(tr, kw)
+        assert seen == [torch.bfloat16], "the hook still sees the layer run"
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.0, None])
+def test_fp8_argument_checked(bad):
+    _, tr, _ = _bf16_case(num_layers=1)
+    with pytest.raises(ValueError, match="fp8 must be True or False"):
+        di.inject_optimized_kernels(tr, verbose=False, fp8=bad)
+
+
+def test_fp8_without_an_ltx_transformer_is_refused():
+    with pytest.raises(ValueError, match="LTX-Video transformers"):
+        di.inject_optimized_kernels(torch.nn.Sequential(torch.nn.Linear(16, 16)), verbose=False, fp8=True)
