@@ -11,6 +11,9 @@ Modes (same prompt, seed, size, frames and steps for each):
                   (fp8_linear.Fp8Linear: per-channel weight scales, per-token input scales, torch._scaled_mm);
                   LTX-Video only, not part of "all": ask for it with --mode
   triton-fp8+compile  the same, then torch.compile
+  torchao-fp8     what a diffusers user picks today: torchao's Float8DynamicActivationFloat8WeightConfig
+                  (per-row scales) on the same linear layers, no kernels of this bundle; needs torchao
+  torchao-fp8+compile  the same, then torch.compile (torchao's recommended use)
 
 Pipeline mode (default): the LTX-Video pipeline from the local Hugging Face cache when present
 (offline), else the real-size transformer with random weights, a small random T5 of the real
@@ -63,7 +66,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # --model wan --variant: diffusers' WanTransformer3DModel configs of released checkpoints (wan_injection.WAN_CONFIGS)
 WAN_VARIANTS = ("2.1-t2v-1.3b", "2.1-t2v-14b", "2.2-ti2v-5b")
 MODES = ("baseline", "triton", "compile", "triton+compile")
-FP8_MODES = ("triton-fp8", "triton-fp8+compile")  # LTX-Video only; not in "all"
+FP8_MODES = ("triton-fp8", "triton-fp8+compile", "torchao-fp8", "torchao-fp8+compile")  # LTX-Video; not in "all"
 # What FP8 may cost: an FP8 mode passes when its outputs are no further from the float32 run than this
 # times the (bf16) baseline's distance; the kernels' bf16 modes keep 1.5x.
 FP8_PARITY_FACTOR = 1.25
@@ -163,6 +166,11 @@ def _check_common_args(p, args):
         p.error(f"unknown mode(s) {bad}; choose from {list(MODES + FP8_MODES)} or all")
     if any(m in FP8_MODES for m in modes) and args.model != "ltx":
         p.error(f"the FP8 modes {list(FP8_MODES)} are implemented for --model ltx only")
+    if any(m.startswith("torchao") for m in modes):
+        try:
+            import torchao.quantization  # noqa: F401
+        except ImportError as exc:
+            p.error(f"the torchao modes need torchao installed (pip install torchao): {exc}")
     args.modes = modes
     if args.heat_seconds is not None and not args.heat_seconds >= 0:
         p.error(f"--heat-seconds must be >= 0, got {args.heat_seconds}")
@@ -461,13 +469,46 @@ def judge(outputs: dict, ref32: dict | None, min_psnr: float) -> dict:
 # --------------------------------------------------------------------------------------------
 # Modes
 # --------------------------------------------------------------------------------------------
+def torchao_fp8(model):
+    """torchao's FP8 recipe (dynamic per-row activation scales, per-row weight scales) on the bf16 linear
+    layers of model's transformer blocks, the layers the bundle's FP8 mode replaces. The original weights
+    wait on the CPU meanwhile; returns the function that puts them back (the very same parameters)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    targets = [
+        m for m in model.transformer_blocks.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+    ]
+    saved = [(m, m.weight, m.weight.device) for m in targets]
+    ids = {id(m) for m in targets}
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    quantize_(model.transformer_blocks, config, filter_fn=lambda mod, fqn: id(mod) in ids)
+    for m, p, _ in saved:
+        if m.weight is p:
+            raise RuntimeError("torchao's quantize_ left a linear layer's weight as it was")
+        p.data = p.data.to("cpu")
+
+    def undo():
+        for m, p, device in saved:
+            p.data = p.data.to(device)
+            m.weight = p
+
+    return undo
+
+
+_UNDO = []  # how to take the model out of a mode that changed its weights (torchao), run by the next set_mode
+
+
 def set_mode(mode, holder, base_model, args, di):
     """Put the model in `mode`; returns (callable model, counts of injected kernels)."""
     import torch._dynamo
 
+    while _UNDO:
+        _UNDO.pop()()
     di.remove_optimized_kernels(base_model, verbose=False)
     torch._dynamo.reset()
     counts = None
+    if mode.startswith("torchao"):
+        _UNDO.append(torchao_fp8(base_model))
     if "triton" in mode:
         counts = di.inject_optimized_kernels(base_model, verbose=False, fp8="fp8" in mode)
     model = base_model
@@ -814,6 +855,8 @@ def _run_rounds(args, gpu, clock, pipe, base_model, inputs, di, progress):
                 outputs[mode] = outs
     finally:
         progress.close()
+        while _UNDO:
+            _UNDO.pop()()
         di.remove_optimized_kernels(base_model, verbose=False)
         if pipe is not None:
             object.__setattr__(pipe, "transformer", base_model)

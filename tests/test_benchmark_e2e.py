@@ -5,6 +5,7 @@ status, the kernel classification of the profile, and one tiny end-to-end run th
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,38 @@ def test_tiny_run_in_two_rounds():
     for mode in ("baseline", "triton"):
         res = summary["results"][mode]
         assert len(res["forward_ms_all"]) == 4 and len(res["forward_ms_round_medians"]) == 2
+
+
+def test_torchao_mode_puts_the_very_same_weights_back(monkeypatch):
+    """The torchao modes change the model's weights in place; the undo torchao_fp8 returns must put the
+    original parameters back, values and all. torchao's FP8 needs a GPU, so a stand-in quantize_ that
+    replaces each selected weight the way torchao does (a new Parameter) checks the mechanics here."""
+    import types
+
+    calls = []
+
+    def fake_quantize_(model, config, filter_fn=None):
+        for fqn, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and filter_fn(m, fqn):
+                calls.append(fqn)
+                m.weight = torch.nn.Parameter(torch.zeros_like(m.weight), requires_grad=False)
+
+    fake = types.ModuleType("torchao.quantization")
+    fake.quantize_ = fake_quantize_
+    fake.PerRow = lambda: "per-row"
+    fake.Float8DynamicActivationFloat8WeightConfig = lambda granularity: ("fp8", granularity)
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", fake)
+
+    model = torch.nn.Module()
+    model.transformer_blocks = torch.nn.ModuleList(
+        [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))]
+    ).to(torch.bfloat16)
+    model.proj_out = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    undo = be.torchao_fp8(model)
+    assert calls == ["0.0", "0.2"], "only the blocks' bf16 linear layers"
+    assert float(model.transformer_blocks[0][0].weight.abs().sum()) == 0.0
+    undo()
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
