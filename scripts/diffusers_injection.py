@@ -274,6 +274,29 @@ def _link_blocks(model) -> None:
         ic.link_next(blk, nxt if linked else None)
 
 
+def _fp8_feed_forward(ff):
+    """(up, down): the two Fp8Linear projections of diffusers' FeedForward ff when it computes exactly
+    down(gelu_tanh(up(x))): the class's forward, no hooks, its modules the GELU-tanh (its own forward or
+    this file's patch) holding up, an identity Dropout and down, both FP8 in one format. Then the norm
+    before it and the GELU write FP8 for the projections. Else None (the modules run as they are)."""
+    if type(ff) is not FeedForward or "forward" in ff.__dict__ or not ic.hook_free(ff):
+        return None
+    net = ff.net
+    if type(net) is not torch.nn.ModuleList or len(net) != 3:
+        return None
+    gelu, drop, down = net
+    own = "forward" not in gelu.__dict__ or (gelu.__dict__.get(_STATE) or {}).get("kind") == "gelu_tanh"
+    if not (_is_gelu_tanh(gelu) and own and ic.hook_free(gelu)):
+        return None
+    if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.hook_free(drop):
+        return None
+    up = gelu.proj
+    for lin in (up, down):
+        if type(lin) is not fp8_linear.Fp8Linear or "forward" in lin.__dict__ or not ic.hook_free(lin):
+            return None
+    return (up, down) if up.weight.dtype == down.weight.dtype else None
+
+
 def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
     """attn(hidden_states, ...): for a plain LTXAttention without hooks, its processor called directly.
     LTXAttention.forward (diffusers 0.42) only drops keyword arguments its processor does not take
@@ -335,17 +358,25 @@ def _ltx_block_forward(
         self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask, None
     )
     # h + attn2, then norm2 + modulation, one kernel returning both the new residual and the norm.
-    hidden_states, norm_hidden_states = rmsnorm.gated_residual_rms_norm_modulate(
-        hidden_states,
-        attn_hidden_states,
-        None,
-        scale_mlp,
-        shift_mlp,
-        args2[0],
-        self.norm2.eps,
-        cast_before_weight=args2[1],
-    )
-    ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
+    fp8_ff = _fp8_feed_forward(self.ff)
+    if fp8_ff is not None:
+        # FP8 feed-forward: the norm writes the up-projection's FP8 input and per-token scales, the GELU
+        # the down-projection's (no separate quantisation pass for either)
+        up, down = fp8_ff
+        hidden_states, x8, x_scale = rmsnorm.gated_residual_rms_norm_modulate(
+            hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, args2[0], self.norm2.eps,
+            cast_before_weight=args2[1], fp8="per_token", fp8_dtype=up.weight.dtype,
+        )  # fmt: skip
+        g8, g_scale = activations.gelu(
+            up.forward_fp8(x8, x_scale), "tanh", fp8="per_token", fp8_dtype=down.weight.dtype
+        )
+        ff_output = down.forward_fp8(g8, g_scale)
+    else:
+        hidden_states, norm_hidden_states = rmsnorm.gated_residual_rms_norm_modulate(
+            hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, args2[0], self.norm2.eps,
+            cast_before_weight=args2[1],
+        )  # fmt: skip
+        ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
     fused = _residual_into_next_norm1(self, hidden_states, ff_output, gate_mlp, temb)
     return fused if fused is not None else rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 

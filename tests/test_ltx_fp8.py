@@ -120,3 +120,54 @@ def test_copies_of_an_fp8_model_compute_and_restore_alike(how):
     assert di.remove_optimized_kernels(clone, verbose=False)["fp8_linear"] == LINEARS_PER_BLOCK
     assert torch.equal(run_model(clone, kw), stock)
     di.remove_optimized_kernels(tr, verbose=False)
+
+
+def _count(monkeypatch, module, name, calls):
+    original = getattr(module, name)
+
+    def spy(*a, **k):
+        calls[name] = calls.get(name, 0) + 1
+        return original(*a, **k)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+def test_feed_forward_takes_fp8_from_the_norm_and_the_gelu(monkeypatch):
+    """With both feed-forward projections FP8, the norm before them writes the up-projection's FP8 input and
+    the GELU the down-projection's: two quantisation passes fewer per block than quantising each layer's
+    input, and the same output up to where the bf16 rounding before quantisation is skipped."""
+    import activations
+
+    _, tr, kw = _bf16_case()
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        calls = {}
+        _count(monkeypatch, activations, "fp8_quantize", calls)
+        fused = run_model(tr, kw)
+        assert calls["fp8_quantize"] == 2 * (LINEARS_PER_BLOCK - 2)
+        monkeypatch.setattr(di, "_fp8_feed_forward", lambda ff: None)
+        calls.clear()
+        separate = run_model(tr, kw)
+        assert calls["fp8_quantize"] == 2 * LINEARS_PER_BLOCK
+        rel = float((fused.double() - separate.double()).norm() / separate.double().norm())
+        assert rel < 0.05, f"fused FP8 feed-forward off the separately quantised one by rel. L2 {rel:.4f}"
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_hook_on_a_feed_forward_projection_turns_the_fusion_off(monkeypatch):
+    import activations
+
+    _, tr, kw = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    seen = []
+    down = tr.transformer_blocks[0].ff.net[2]
+    handle = down.register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
+    try:
+        calls = {}
+        _count(monkeypatch, activations, "fp8_quantize", calls)
+        run_model(tr, kw)
+        assert calls["fp8_quantize"] == LINEARS_PER_BLOCK and len(seen) == 1, "each layer ran as a module"
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
