@@ -274,6 +274,30 @@ def _link_blocks(model) -> None:
         ic.link_next(blk, nxt if linked else None)
 
 
+def _fp8_layers(*layers) -> bool:
+    """Whether each layer is an Fp8Linear that runs its own forward only (no hooks), all in one format."""
+    fmt = {getattr(getattr(m, "weight", None), "dtype", None) for m in layers}
+    return len(fmt) == 1 and all(
+        type(m) is fp8_linear.Fp8Linear and "forward" not in m.__dict__ and ic.hook_free(m) for m in layers
+    )
+
+
+def _project_qkv(attn, hidden_states, encoder_hidden_states):
+    """(to_q(hidden_states), to_k(encoder_hidden_states), to_v(encoder_hidden_states)). With FP8 layers
+    each input is quantised once, not once per layer that reads it."""
+    if not _fp8_layers(attn.to_q, attn.to_k, attn.to_v):
+        q = ic.call(attn.to_q, hidden_states)
+        return q, ic.call(attn.to_k, encoder_hidden_states), ic.call(attn.to_v, encoder_hidden_states)
+    fmt = attn.to_q.weight.dtype
+    x8, xs = activations.fp8_quantize(hidden_states, fp8_dtype=fmt)
+    e8, es = (
+        (x8, xs)
+        if encoder_hidden_states is hidden_states
+        else activations.fp8_quantize(encoder_hidden_states, fp8_dtype=fmt)
+    )
+    return attn.to_q.forward_fp8(x8, xs), attn.to_k.forward_fp8(e8, es), attn.to_v.forward_fp8(e8, es)
+
+
 def _fp8_feed_forward(ff):
     """(up, down): the two Fp8Linear projections of diffusers' FeedForward ff when it computes exactly
     down(gelu_tanh(up(x))): the class's forward, no hooks, its modules the GELU-tanh (its own forward or
@@ -510,9 +534,7 @@ class LTXFusedSelfAttnProcessor:
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
 
-        query = ic.call(attn.to_q, hidden_states)
-        key = ic.call(attn.to_k, encoder_hidden_states)
-        value = ic.call(attn.to_v, encoder_hidden_states)
+        query, key, value = _project_qkv(attn, hidden_states, encoder_hidden_states)
 
         if image_rotary_emb is None:
             query = ic.call(attn.norm_q, query)

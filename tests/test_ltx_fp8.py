@@ -12,6 +12,10 @@ from kernel_testing import DEVICE, ltx_inputs, make_generator, run_model
 
 # per block: attn1 to_q, to_k, to_v, to_out.0; attn2 the same four; the feed-forward's two projections
 LINEARS_PER_BLOCK = 10
+# quantisation passes (fp8_quantize) per block: self-attention 2 (q/k/v share their input's, to_out), cross-
+# attention 3 (q, k/v sharing the text's, to_out); the feed-forward's inputs come in FP8 from the norm and the
+# GELU, or take 2 more passes when that fusion is off
+ATTN_QUANT_PASSES = 5
 
 
 def _bf16_case(num_layers=2):
@@ -144,11 +148,11 @@ def test_feed_forward_takes_fp8_from_the_norm_and_the_gelu(monkeypatch):
         calls = {}
         _count(monkeypatch, activations, "fp8_quantize", calls)
         fused = run_model(tr, kw)
-        assert calls["fp8_quantize"] == 2 * (LINEARS_PER_BLOCK - 2)
+        assert calls["fp8_quantize"] == 2 * ATTN_QUANT_PASSES
         monkeypatch.setattr(di, "_fp8_feed_forward", lambda ff: None)
         calls.clear()
         separate = run_model(tr, kw)
-        assert calls["fp8_quantize"] == 2 * LINEARS_PER_BLOCK
+        assert calls["fp8_quantize"] == 2 * (ATTN_QUANT_PASSES + 2)
         rel = float((fused.double() - separate.double()).norm() / separate.double().norm())
         assert rel < 0.05, f"fused FP8 feed-forward off the separately quantised one by rel. L2 {rel:.4f}"
     finally:
@@ -167,7 +171,29 @@ def test_hook_on_a_feed_forward_projection_turns_the_fusion_off(monkeypatch):
         calls = {}
         _count(monkeypatch, activations, "fp8_quantize", calls)
         run_model(tr, kw)
-        assert calls["fp8_quantize"] == LINEARS_PER_BLOCK and len(seen) == 1, "each layer ran as a module"
+        assert calls["fp8_quantize"] == ATTN_QUANT_PASSES + 2 and len(seen) == 1, "each layer ran as a module"
     finally:
         handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_attention_inputs_quantised_once_and_output_close(monkeypatch):
+    """q, k and v read one FP8 copy of their input (k and v of the cross-attention: one of the text); the
+    output is that of quantising each layer's input separately (the same FP8 values, bit for bit)."""
+    import activations
+
+    _, tr, kw = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        calls = {}
+        _count(monkeypatch, activations, "fp8_quantize", calls)
+        shared = run_model(tr, kw)
+        assert calls["fp8_quantize"] == ATTN_QUANT_PASSES
+        calls.clear()
+        monkeypatch.setattr(di, "_fp8_layers", lambda *layers: False)
+        separate = run_model(tr, kw)
+        # q, k, v of both attentions each quantising its own input, and both to_out layers
+        assert calls["fp8_quantize"] == 6 + 2
+        assert torch.equal(shared, separate)
+    finally:
         di.remove_optimized_kernels(tr, verbose=False)
