@@ -736,8 +736,29 @@ def main(argv=None) -> int:
     ok = all(v["ok"] for v in parity.values())
 
     summary = _summary(args, argv, gpu, weights, _config(args, base_model, inputs), results, ok)
+    if any("fp8" in m for m in args.modes) and args.transformer_only:
+        summary["fp8_layer_errors"] = fp8_layer_errors(base_model, inputs)
     _report(args, summary, results, ok)
     return 0 if ok else 1
+
+
+def fp8_layer_errors(base_model, inputs) -> dict:
+    """What FP8 costs each linear layer the FP8 modes replace: on one bf16 forward of these inputs, each
+    layer's output against its FP8 twin's on the same input (fp8_linear.layer_errors), summarised."""
+    import fp8_linear
+
+    errs = fp8_linear.layer_errors(base_model.transformer_blocks, lambda: base_model(**inputs))
+    if not errs:
+        return {"layers": 0}
+    vals = sorted(errs.values())
+    worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "what": "rel. L2 of each block linear layer's FP8 output against its bf16 output, same input",
+        "layers": len(vals),
+        "median": vals[len(vals) // 2],
+        "max": vals[-1],
+        "worst": [{"layer": n, "rel_l2": e} for n, e in worst],
+    }
 
 
 def _fill_defaults(args, gpu: bool) -> None:

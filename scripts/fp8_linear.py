@@ -14,6 +14,8 @@ NVIDIA, hipBLASLt on ROCm) with both scales applied in its epilogue.
   the quantisation. ``Fp8Linear.from_linear(linear)`` quantises a linear layer's weight.
 * ``swap_in_fp8(root, parents)`` / ``restore_from_fp8(root)``: replace a model's bf16 linear layers with
   Fp8Linear twins, the originals kept on the CPU, and put the very same originals back.
+* ``layer_errors(root, forward)``: per layer, the relative error FP8 adds to its output on the inputs a
+  real forward gives it (the check to run on your own weights).
 
 The scale layout is the row-wise recipe of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], both
 float32), which PyTorch's source accepts on gfx942 (weight float8_e4m3fnuz), gfx950 and gfx1201 (weight
@@ -41,6 +43,7 @@ __all__ = [
     "swap_in_fp8",
     "restore_from_fp8",
     "fp8_linear_count",
+    "layer_errors",
 ]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
@@ -235,6 +238,36 @@ def restore_from_fp8(root: torch.nn.Module) -> int:
 def fp8_linear_count(root: torch.nn.Module) -> int:
     """How many layers swap_in_fp8 has swapped in root (and not restored)."""
     return len(root.__dict__.get(_SWAPPED, ()))
+
+
+def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None) -> dict:
+    """Per layer, what FP8 costs it: runs forward() once with a hook on every plain bf16 nn.Linear under
+    root that swap_in_fp8 would replace, and compares, on the very input each layer receives, its output
+    with its Fp8Linear twin's (relative L2, float64). Returns {qualified name: rel. L2}; nothing is kept
+    and root is left as it was (hooks removed, also on failure). Run it on the bf16 model, not an FP8 one."""
+    errors, handles = {}, []
+
+    def hook(name):
+        def fn(module, args, out):
+            with torch.no_grad():
+                twin = Fp8Linear.from_linear(module, fp8_dtype)
+                y8 = twin(args[0]).double()
+                ref = out.double()
+                err = float((y8 - ref).norm() / ref.norm().clamp_min(1e-30))
+            errors[name] = max(err, errors.get(name, 0.0))
+
+        return fn
+
+    try:
+        for name, m in root.named_modules():
+            if isinstance(m, torch.nn.Linear) and _eligible(m) is None:
+                handles.append(m.register_forward_hook(hook(name)))
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return errors
 
 
 def _main(argv=None) -> int:

@@ -197,3 +197,33 @@ def test_attention_inputs_quantised_once_and_output_close(monkeypatch):
         assert torch.equal(shared, separate)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_layer_errors_report_each_block_linear_and_leave_the_model_alone():
+    _, tr, kw = _bf16_case()
+    stock = run_model(tr, kw)
+    errors = fp8_linear.layer_errors(tr.transformer_blocks, lambda: run_model(tr, kw))
+    captured = {}
+    to_q = tr.transformer_blocks[1].attn1.to_q
+    h = to_q.register_forward_hook(lambda m, a, o: captured.update(x=a[0].clone(), y=o.clone()))
+    try:
+        run_model(tr, kw)  # deterministic: to_q sees the input it saw under layer_errors
+    finally:
+        h.remove()
+    assert len(errors) == 2 * LINEARS_PER_BLOCK and "1.attn1.to_q" in errors
+    assert all(0.0 < e < 0.1 for e in errors.values()), errors
+    # the reported figure is the FP8 twin's error on the input the layer received
+    with torch.no_grad():
+        y8 = fp8_linear.Fp8Linear.from_linear(to_q)(captured["x"]).double()
+    ref = captured["y"].double()
+    assert errors["1.attn1.to_q"] == pytest.approx(float((y8 - ref).norm() / ref.norm()), rel=1e-9)
+    assert not any(m._forward_hooks for m in tr.modules()) and torch.equal(run_model(tr, kw), stock)
+
+
+def test_benchmark_summary_of_layer_errors():
+    import benchmark_e2e as be
+
+    _, tr, kw = _bf16_case(num_layers=1)
+    s = be.fp8_layer_errors(tr, kw)
+    assert s["layers"] == LINEARS_PER_BLOCK and 0 < s["median"] <= s["max"] < 0.1
+    assert len(s["worst"]) == 5 and s["worst"][0]["rel_l2"] == s["max"]
