@@ -580,6 +580,20 @@ def _fp8_mode(fp8) -> int:
     return _FP8_MODES[fp8]
 
 
+def _fp8_constexprs(fp8_mode: int, fp8_format, native: bool) -> dict:
+    """The kernels' FP8 constexprs: the mode, the format's (largest value, fp32 exponent of its smallest
+    normal, NaN code), the floor of the per-row scales and whether Triton's own cast is used."""
+    fp8_max, fp8_min_exp, fp8_nan = fp8_format
+    return dict(
+        FP8_MODE=fp8_mode,
+        FP8_MAX=fp8_max,
+        FP8_MIN_EXP=fp8_min_exp,
+        FP8_NAN=fp8_nan,
+        MIN_SCALE=_MIN_DYNAMIC_SCALE,
+        NATIVE_FP8=native,
+    )
+
+
 def _fp8_options(fp8, fp8_scale, fp8_dtype) -> int:
     """The FP8 mode of a public call's fp8= (0: none, 1: per tensor, 2: per token), refusing the options
     that the mode does not use."""
@@ -834,10 +848,9 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
     device = gate.device
     if fp8_mode:
         out_dtype = _check_fp8(device, fp8_dtype, fp8_mode, fp8_scale)
-        fp8_max, fp8_min_exp, fp8_nan = _FP8_FORMATS[out_dtype]
-        native_fp8 = _native_fp8(device, out_dtype)
+        fp8_format, native_fp8 = _FP8_FORMATS[out_dtype], _native_fp8(device, out_dtype)
     else:
-        out_dtype, fp8_max, fp8_min_exp, fp8_nan, native_fp8 = gate.dtype, 0.0, 0, 0, False
+        out_dtype, fp8_format, native_fp8 = gate.dtype, (0.0, 0, 0), False
     shape_t = tuple(gate.shape)
     rows_t = shape_t[:-1]
     n_out = gate.numel()
@@ -866,12 +879,7 @@ def _gated_plan(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype,
         (None, g_o, g_i, None, u_o, u_i, None, None, m, h, inner, n_col_blocks),
         dict(
             ACT=act,
-            FP8_MODE=fp8_mode,
-            FP8_MAX=fp8_max,
-            FP8_MIN_EXP=fp8_min_exp,
-            FP8_NAN=fp8_nan,
-            MIN_SCALE=_MIN_DYNAMIC_SCALE,
-            NATIVE_FP8=native_fp8,
+            **_fp8_constexprs(fp8_mode, fp8_format, native_fp8),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             SINGLE_PASS=single,

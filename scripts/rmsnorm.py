@@ -601,6 +601,20 @@ def _fp8_mode(fp8) -> int:
     return _FP8_MODES[fp8]
 
 
+def _fp8_constexprs(fp8_mode: int, fp8_format, native: bool) -> dict:
+    """The kernels' FP8 constexprs: the mode, the format's (largest value, fp32 exponent of its smallest
+    normal, NaN code), the floor of the per-row scales and whether Triton's own cast is used."""
+    fp8_max, fp8_min_exp, fp8_nan = fp8_format
+    return dict(
+        FP8_MODE=fp8_mode,
+        FP8_MAX=fp8_max,
+        FP8_MIN_EXP=fp8_min_exp,
+        FP8_NAN=fp8_nan,
+        MIN_SCALE=_MIN_DYNAMIC_SCALE,
+        NATIVE_FP8=native,
+    )
+
+
 def _fp8_options(fp8, fp8_scale, fp8_dtype) -> int:
     """The FP8 mode of a public call's fp8= (0: none, 1: per tensor, 2: per token), refusing the options
     that the mode does not use."""
@@ -688,7 +702,7 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
     g_strides, s_strides, t_strides = _check_operands(x, y, gate, weight, scale, shift, eps, names)
     device, shape, n = x.device, x.shape, x.shape[-1]
     has_residual, has_mod = y is not None, scale is not None
-    out_dtype, (fp8_max, fp8_min_exp, fp8_nan), native_fp8 = _check_output(x, out_dtype, fp8_mode, fp8_scale)
+    out_dtype, fp8_format, native_fp8 = _check_output(x, out_dtype, fp8_mode, fp8_scale)
     x_dtype, dense_fp8 = x.dtype, fp8_mode and not native_fp8
     if x.numel() == 0:
 
@@ -737,12 +751,7 @@ def _plan(x, y, gate, weight, scale, shift, eps, cast_before_weight, out_dtype, 
     )
     config = dict(
         CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-        FP8_MODE=fp8_mode,
-        FP8_MAX=fp8_max,
-        FP8_MIN_EXP=fp8_min_exp,
-        FP8_NAN=fp8_nan,
-        MIN_SCALE=_MIN_DYNAMIC_SCALE,
-        NATIVE_FP8=native_fp8,
+        **_fp8_constexprs(fp8_mode, fp8_format, native_fp8),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SINGLE_PASS=single,
