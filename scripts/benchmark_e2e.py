@@ -166,6 +166,8 @@ def _check_common_args(p, args):
         p.error(f"unknown mode(s) {bad}; choose from {list(MODES + FP8_MODES)} or all")
     if any(m in FP8_MODES for m in modes) and args.model != "ltx":
         p.error(f"the FP8 modes {list(FP8_MODES)} are implemented for --model ltx only")
+    if any(m in FP8_MODES for m in modes) and args.dtype not in (None, "bf16"):
+        p.error(f"the FP8 modes replace bf16 linear layers: run them with --dtype bf16, not {args.dtype}")
     if any(m.startswith("torchao") for m in modes):
         try:
             import torchao.quantization  # noqa: F401
@@ -780,6 +782,8 @@ def _fill_defaults(args, gpu: bool) -> None:
     elif args.model != "ltx":
         cpu_defaults.update(num_frames=1, height=64, width=64)
         gpu_defaults.update(num_frames=1, height=1024, width=1024)
+    if any(m in FP8_MODES for m in args.modes):
+        cpu_defaults.update(dtype="bf16")  # the FP8 modes replace bf16 linear layers
     for k, v in (cpu_defaults if not gpu else gpu_defaults).items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -277,9 +277,7 @@ def _link_blocks(model) -> None:
 def _fp8_layers(*layers) -> bool:
     """Whether each layer is an Fp8Linear that runs its own forward only (no hooks), all in one format."""
     fmt = {getattr(getattr(m, "weight", None), "dtype", None) for m in layers}
-    return len(fmt) == 1 and all(
-        type(m) is fp8_linear.Fp8Linear and "forward" not in m.__dict__ and ic.hook_free(m) for m in layers
-    )
+    return len(fmt) == 1 and all(type(m) is fp8_linear.Fp8Linear and ic.unwrapped(m) for m in layers)
 
 
 def _project_qkv(attn, hidden_states, encoder_hidden_states):
@@ -303,20 +301,21 @@ def _fp8_feed_forward(ff):
     down(gelu_tanh(up(x))): the class's forward, no hooks, its modules the GELU-tanh (its own forward or
     this file's patch) holding up, an identity Dropout and down, both FP8 in one format. Then the norm
     before it and the GELU write FP8 for the projections. Else None (the modules run as they are)."""
-    if type(ff) is not FeedForward or "forward" in ff.__dict__ or not ic.hook_free(ff):
+    if type(ff) is not FeedForward or not ic.unwrapped(ff):
         return None
     net = ff.net
     if type(net) is not torch.nn.ModuleList or len(net) != 3:
         return None
     gelu, drop, down = net
-    own = "forward" not in gelu.__dict__ or (gelu.__dict__.get(_STATE) or {}).get("kind") == "gelu_tanh"
-    if not (_is_gelu_tanh(gelu) and own and ic.hook_free(gelu)):
+    # every module the fused path does not call must be one that would run only its own forward (or this
+    # file's patch): no torch, accelerate or diffusers hook, no forward put in its place
+    if not (_is_gelu_tanh(gelu) and ic.unwrapped(gelu, _STATE)):
         return None
-    if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.hook_free(drop):
+    if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.unwrapped(drop):
         return None
     up = gelu.proj
     for lin in (up, down):
-        if type(lin) is not fp8_linear.Fp8Linear or "forward" in lin.__dict__ or not ic.hook_free(lin):
+        if type(lin) is not fp8_linear.Fp8Linear or not ic.unwrapped(lin):
             return None
     return (up, down) if up.weight.dtype == down.weight.dtype else None
 
@@ -708,6 +707,13 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
         if fp8:
             parents = [m for blk in getattr(model, "transformer_blocks", ()) for m in blk.modules()]
             swapped, left = fp8_linear.swap_in_fp8(model, parents)
+            if left and not swapped and not fp8_linear.fp8_linear_count(model):
+                raise ValueError(
+                    "fp8=True replaced no linear layer of the LTX-Video transformer: "
+                    + "; ".join(sorted(set(left)))
+                    + ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
+                    "(and inject before enable_model_cpu_offload())"
+                )
             new["fp8_linear"] += swapped
             skipped += [f"{why}: kept in bf16" for why in left]
     for vae in vaes:

@@ -151,7 +151,10 @@ class Fp8Linear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, fp8_dtype: Optional[torch.dtype] = None) -> "Fp8Linear":
         """The FP8 twin of linear (its weight quantised per output channel, its bias kept in its dtype; the
         output dtype is the weight's). ValueError where torch._scaled_mm cannot serve it (K or N not a
-        multiple of 16, a weight dtype other than fp16/bf16/fp32)."""
+        multiple of 16, a weight dtype other than fp16/bf16/fp32). On ROCm the row-wise FP8 GEMM returns
+        bf16 only: there an fp16 or fp32 layer's twin fails when called (swap_in_fp8 takes bf16 layers only)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
         w = linear.weight
         if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{type(linear).__name__} has a {w.dtype} weight; expected fp16, bf16 or fp32")
@@ -204,35 +207,46 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     in a record on root, so that restore_from_fp8(root) puts back the very same modules with their exact
     weights on their devices. Returns (layers swapped, the reasons of those left in bf16)."""
     record = root.__dict__.setdefault(_SWAPPED, [])
+    twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
     for parent in parents:
         for name, child in list(parent._modules.items()):
-            if child is None or isinstance(child, Fp8Linear):
-                continue
             if not isinstance(child, torch.nn.Linear):
                 continue
-            why = _eligible(child)
-            if why is not None:
-                left.append(why)
-                continue
-            with torch.no_grad():
-                twin = Fp8Linear.from_linear(child, fp8_dtype)
-            device = child.weight.device
-            if offload:
-                child.to("cpu")
+            twin = twins.get(id(child))
+            if twin is None:
+                why = _eligible(child)
+                if why is not None:
+                    left.append(why)
+                    continue
+                with torch.no_grad():
+                    twin = Fp8Linear.from_linear(child, fp8_dtype)
+                twins[id(child)] = twin
             parent._modules[name] = twin
-            record.append((parent, name, child, device))
+            record.append((parent, name, child, twin))
             done += 1
+    if offload:
+        for _, _, child, _ in record[len(record) - done :]:
+            child.to("cpu")
     return done, left
 
 
 def restore_from_fp8(root: torch.nn.Module) -> int:
-    """Undo swap_in_fp8 on root: the original modules back in place, on their devices. Returns how many."""
-    record = root.__dict__.pop(_SWAPPED, [])
-    for parent, name, original, device in reversed(record):
-        original.to(device)
-        parent._modules[name] = original
-    return len(record)
+    """Undo swap_in_fp8 on root: the original modules back in place, on the device of the twin each
+    replaces (where the model is now). A slot that no longer holds the twin (something else was put there
+    since) keeps what it holds. Each entry leaves the record only once handled, so a failure (out of memory,
+    say) leaves the rest to a second call. Returns how many were restored."""
+    record = root.__dict__.get(_SWAPPED, [])
+    n = 0
+    while record:
+        parent, name, original, twin = record[-1]
+        if parent._modules.get(name) is twin:
+            original.to(twin.weight.device)
+            parent._modules[name] = original
+            n += 1
+        record.pop()
+    root.__dict__.pop(_SWAPPED, None)
+    return n
 
 
 def fp8_linear_count(root: torch.nn.Module) -> int:

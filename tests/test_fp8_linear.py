@@ -80,6 +80,7 @@ def test_fp8_layer_against_bf16_layer(bias, gen):
 ERRORS = {
     "K not a multiple of 16": (lambda g: fl.Fp8Linear.from_linear(torch.nn.Linear(40, 32)), ValueError, "multiples"),
     "N not a multiple of 16": (lambda g: fl.Fp8Linear.from_linear(torch.nn.Linear(32, 40)), ValueError, "multiples"),
+    "not a linear layer": (lambda g: fl.Fp8Linear.from_linear(torch.nn.Conv1d(16, 16, 1)), TypeError, "nn.Linear"),
     "int8 weight": (
         lambda g: fl.quantize_weight(torch.ones((16, 16), dtype=torch.int8)),
         ValueError,

@@ -66,13 +66,35 @@ def test_injecting_fp8_twice_swaps_nothing_more():
     assert fp8_linear.fp8_linear_count(tr) == 0 and len(_block_linears(tr)) == LINEARS_PER_BLOCK
 
 
-def test_fp32_model_keeps_its_linears(caplog):
+def test_fp32_model_is_refused_with_the_reason():
+    """FP8 asked for and no layer it could replace (fp32 weights): an error naming why, not a bf16 run."""
     tr = di.build_tiny_ltx_pipeline(num_layers=1).transformer.to(DEVICE)  # fp32 weights
-    with caplog.at_level("INFO", logger="diffusers_injection"):
-        counts = di.inject_optimized_kernels(tr, verbose=True, fp8=True)
-    assert counts["fp8_linear"] == 0 and len(_block_linears(tr)) == LINEARS_PER_BLOCK
-    assert "float32 weight" in caplog.text
+    with pytest.raises(ValueError, match="replaced no linear layer.*float32 weight"):
+        di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    assert len(_block_linears(tr)) == LINEARS_PER_BLOCK
     di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_tied_linear_gets_one_twin_and_comes_back_tied():
+    _, tr, kw = _bf16_case(num_layers=1)
+    attn = tr.transformer_blocks[0].attn2
+    attn.to_v = attn.to_k  # one module in two places
+    stock = run_model(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    assert attn.to_k is attn.to_v and isinstance(attn.to_k, fp8_linear.Fp8Linear)
+    di.remove_optimized_kernels(tr, verbose=False)
+    assert attn.to_k is attn.to_v and type(attn.to_k) is torch.nn.Linear
+    assert torch.equal(run_model(tr, kw), stock)
+
+
+def test_a_layer_replaced_meanwhile_is_kept_on_removal():
+    _, tr, _ = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    mine = torch.nn.Linear(32, 32).to(DEVICE, torch.bfloat16)
+    tr.transformer_blocks[0].attn1.to_q = mine
+    restored = di.remove_optimized_kernels(tr, verbose=False)
+    assert restored["fp8_linear"] == LINEARS_PER_BLOCK - 1 and tr.transformer_blocks[0].attn1.to_q is mine
+    assert fp8_linear.fp8_linear_count(tr) == 0
 
 
 def test_hooked_linear_is_left_in_bf16():
@@ -227,3 +249,56 @@ def test_benchmark_summary_of_layer_errors():
     s = be.fp8_layer_errors(tr, kw)
     assert s["layers"] == LINEARS_PER_BLOCK and 0 < s["median"] <= s["max"] < 0.1
     assert len(s["worst"]) == 5 and s["worst"][0]["rel_l2"] == s["max"]
+
+
+@pytest.mark.parametrize("where", ["gelu", "dropout", "feed_forward"])
+def test_forward_put_in_place_of_a_feed_forward_module_runs(where):
+    """A forward assigned to the feed-forward's GELU, its dropout or the feed-forward itself (as accelerate
+    and diffusers hooks do) must run: the fused FP8 feed-forward, which calls none of them, steps aside."""
+    _, tr, kw = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    ff = tr.transformer_blocks[0].ff
+    target = {"gelu": ff.net[0], "dropout": ff.net[1], "feed_forward": ff}[where]
+    original, calls = target.forward, []
+
+    def forward(x):
+        calls.append(where)
+        return original(x)
+
+    target.forward = forward
+    try:
+        run_model(tr, kw)
+        assert calls == [where]
+    finally:
+        del target.forward
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_fused_feed_forward_wiring(monkeypatch):
+    """The fused path runs the tanh GELU with per-token FP8 output, and the up projection's bias counts: a
+    large bias moves the fused and the separately quantised outputs alike."""
+    import activations
+
+    _, tr, kw = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        up = tr.transformer_blocks[0].ff.net[0].proj
+        up.bias.fill_(3.0)
+        seen = []
+        original = activations.gelu
+
+        def spy(x, approximate="tanh", **kw):
+            seen.append((approximate, kw.get("fp8")))
+            return original(x, approximate, **kw)
+
+        monkeypatch.setattr(activations, "gelu", spy)
+        fused = run_model(tr, kw)
+        assert seen == [("tanh", "per_token")]
+        monkeypatch.setattr(di, "_fp8_feed_forward", lambda ff: None)
+        separate = run_model(tr, kw)
+        rel = float((fused.double() - separate.double()).norm() / separate.double().norm())
+        assert rel < 0.02, f"fused FP8 feed-forward off the separately quantised one by rel. L2 {rel:.4f}"
+        up.bias.zero_()
+        assert float((run_model(tr, kw).double() - separate.double()).norm() / separate.double().norm()) > 0.05
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
