@@ -302,3 +302,15 @@ def test_fused_feed_forward_wiring(monkeypatch):
         assert float((run_model(tr, kw).double() - separate.double()).norm() / separate.double().norm()) > 0.05
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_grad_mode_with_an_input_requiring_grad_raises():
+    """FP8 layers have no backward: in training they raise instead of letting gradients stop silently."""
+    _, tr, kw = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        kw["hidden_states"].requires_grad_(True)
+        with pytest.raises(RuntimeError, match="no backward"):
+            tr(**kw)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
