@@ -313,11 +313,7 @@ def _fp8_feed_forward(ff):
         return None
     if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.unwrapped(drop):
         return None
-    up = gelu.proj
-    for lin in (up, down):
-        if type(lin) is not fp8_linear.Fp8Linear or not ic.unwrapped(lin):
-            return None
-    return (up, down) if up.weight.dtype == down.weight.dtype else None
+    return (gelu.proj, down) if _fp8_layers(gelu.proj, down) else None
 
 
 def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
@@ -381,25 +377,20 @@ def _ltx_block_forward(
         self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask, None
     )
     # h + attn2, then norm2 + modulation, one kernel returning both the new residual and the norm.
+    # With an FP8 feed-forward the norm writes the up-projection's FP8 input and per-token scales and the
+    # GELU the down-projection's (no separate quantisation pass for either).
     fp8_ff = _fp8_feed_forward(self.ff)
+    fp8 = dict(fp8="per_token", fp8_dtype=fp8_ff[0].weight.dtype) if fp8_ff is not None else {}
+    hidden_states, *norm = rmsnorm.gated_residual_rms_norm_modulate(
+        hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, args2[0], self.norm2.eps,
+        cast_before_weight=args2[1], **fp8,
+    )  # fmt: skip
     if fp8_ff is not None:
-        # FP8 feed-forward: the norm writes the up-projection's FP8 input and per-token scales, the GELU
-        # the down-projection's (no separate quantisation pass for either)
         up, down = fp8_ff
-        hidden_states, x8, x_scale = rmsnorm.gated_residual_rms_norm_modulate(
-            hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, args2[0], self.norm2.eps,
-            cast_before_weight=args2[1], fp8="per_token", fp8_dtype=up.weight.dtype,
-        )  # fmt: skip
-        g8, g_scale = activations.gelu(
-            up.forward_fp8(x8, x_scale), "tanh", fp8="per_token", fp8_dtype=down.weight.dtype
-        )
+        g8, g_scale = activations.gelu(up.forward_fp8(*norm), "tanh", fp8="per_token", fp8_dtype=down.weight.dtype)
         ff_output = down.forward_fp8(g8, g_scale)
     else:
-        hidden_states, norm_hidden_states = rmsnorm.gated_residual_rms_norm_modulate(
-            hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, args2[0], self.norm2.eps,
-            cast_before_weight=args2[1],
-        )  # fmt: skip
-        ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
+        ff_output = ic.feed_forward(self.ff, norm[0], FeedForward)
     fused = _residual_into_next_norm1(self, hidden_states, ff_output, gate_mlp, temb)
     return fused if fused is not None else rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 

@@ -24,7 +24,7 @@ FP8 format is the device's (``activations._fp8_dtype_for``). K and N must be mul
 ``torch._scaled_mm`` requirement on every GPU): ``from_linear`` refuses other shapes, which stay in bf16.
 Not measured on AMD hardware. Inference only: no backward.
 
-This file imports activations.py (the quantisation kernel); copy both. Run ``python fp8_linear.py --help``.
+This file imports activations.py (the quantisation kernel) and injection_common.py; copy them with it. Run ``python fp8_linear.py --help``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 import activations
+import injection_common as ic
 
 __all__ = [
     "quantize_weight",
@@ -46,8 +47,9 @@ __all__ = [
     "layer_errors",
 ]
 
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
-_MIN_SCALE = 1e-12  # as the kernels' per-token scales: a zero row quantises to zeros, never to NaN
+# the formats and the floor of the scales the kernels use (a zero row quantises to zeros, never to NaN)
+_FP8_MAX = {dtype: fmt[0] for dtype, fmt in activations._FP8_FORMATS.items()}
+_MIN_SCALE = activations._MIN_DYNAMIC_SCALE
 
 
 def _fp8_dtype(device: torch.device, fp8_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -188,7 +190,7 @@ def _eligible(lin: torch.nn.Module) -> Optional[str]:
     """Why lin stays in bf16 (None: it can become an Fp8Linear)."""
     if type(lin) is not torch.nn.Linear:
         return f"{type(lin).__name__} (not a plain nn.Linear)"
-    if lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks or "forward" in lin.__dict__:
+    if not ic.unwrapped(lin):  # a torch, accelerate or diffusers hook, or a forward of its own, would be lost
         return "nn.Linear with hooks or a forward of its own"
     w = lin.weight
     if type(w) is not torch.nn.Parameter or w.dtype != torch.bfloat16:

@@ -125,3 +125,15 @@ def test_errors(case, gen):
 def test_self_check_runs(capsys):
     assert fl._main(["--tokens", "16", "--in-features", "64", "--out-features", "32"]) == 0
     assert '"ok": true' in capsys.readouterr().out
+
+
+def test_swap_keeps_a_layer_an_accelerate_or_diffusers_hook_wraps(gen):
+    """Such a hook lives in the module's instance (not in torch's hook lists): replacing the module would
+    drop it, so the layer stays in bf16."""
+    root = torch.nn.Sequential(_layer(32, 32, gen), _layer(32, 32, gen), _layer(32, 32, gen))
+    root[0]._hf_hook = object()  # what accelerate's add_hook_to_module leaves on a module
+    root[1]._diffusers_hook = object()  # likewise diffusers' HookRegistry
+    swapped, left = fl.swap_in_fp8(root, [root])
+    assert swapped == 1 and isinstance(root[2], fl.Fp8Linear)
+    assert type(root[0]) is torch.nn.Linear and type(root[1]) is torch.nn.Linear and len(left) == 2
+    assert fl.restore_from_fp8(root) == 1 and type(root[2]) is torch.nn.Linear

@@ -8,7 +8,8 @@ import torch
 
 import diffusers_injection as di
 import fp8_linear
-from kernel_testing import DEVICE, ltx_inputs, make_generator, run_model
+import injection_common as ic
+from kernel_testing import DEVICE, count_calls, ltx_inputs, make_generator, run_model
 
 # per block: attn1 to_q, to_k, to_v, to_out.0; attn2 the same four; the feed-forward's two projections
 LINEARS_PER_BLOCK = 10
@@ -148,16 +149,6 @@ def test_copies_of_an_fp8_model_compute_and_restore_alike(how):
     di.remove_optimized_kernels(tr, verbose=False)
 
 
-def _count(monkeypatch, module, name, calls):
-    original = getattr(module, name)
-
-    def spy(*a, **k):
-        calls[name] = calls.get(name, 0) + 1
-        return original(*a, **k)
-
-    monkeypatch.setattr(module, name, spy)
-
-
 def test_feed_forward_takes_fp8_from_the_norm_and_the_gelu(monkeypatch):
     """With both feed-forward projections FP8, the norm before them writes the up-projection's FP8 input and
     the GELU the down-projection's: two quantisation passes fewer per block than quantising each layer's
@@ -167,8 +158,7 @@ def test_feed_forward_takes_fp8_from_the_norm_and_the_gelu(monkeypatch):
     _, tr, kw = _bf16_case()
     di.inject_optimized_kernels(tr, verbose=False, fp8=True)
     try:
-        calls = {}
-        _count(monkeypatch, activations, "fp8_quantize", calls)
+        calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
         fused = run_model(tr, kw)
         assert calls["fp8_quantize"] == 2 * ATTN_QUANT_PASSES
         monkeypatch.setattr(di, "_fp8_feed_forward", lambda ff: None)
@@ -190,8 +180,7 @@ def test_hook_on_a_feed_forward_projection_turns_the_fusion_off(monkeypatch):
     down = tr.transformer_blocks[0].ff.net[2]
     handle = down.register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
     try:
-        calls = {}
-        _count(monkeypatch, activations, "fp8_quantize", calls)
+        calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
         run_model(tr, kw)
         assert calls["fp8_quantize"] == ATTN_QUANT_PASSES + 2 and len(seen) == 1, "each layer ran as a module"
     finally:
@@ -207,12 +196,13 @@ def test_attention_inputs_quantised_once_and_output_close(monkeypatch):
     _, tr, kw = _bf16_case(num_layers=1)
     di.inject_optimized_kernels(tr, verbose=False, fp8=True)
     try:
-        calls = {}
-        _count(monkeypatch, activations, "fp8_quantize", calls)
+        calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
         shared = run_model(tr, kw)
         assert calls["fp8_quantize"] == ATTN_QUANT_PASSES
         calls.clear()
-        monkeypatch.setattr(di, "_fp8_layers", lambda *layers: False)
+        # each of q, k, v through its own layer (which quantises its input), as without shared quantisation
+        per_layer = lambda attn, h, e: (ic.call(attn.to_q, h), ic.call(attn.to_k, e), ic.call(attn.to_v, e))  # noqa: E731
+        monkeypatch.setattr(di, "_project_qkv", per_layer)
         separate = run_model(tr, kw)
         # q, k, v of both attentions each quantising its own input, and both to_out layers
         assert calls["fp8_quantize"] == 6 + 2
