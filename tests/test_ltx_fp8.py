@@ -304,3 +304,33 @@ def test_grad_mode_with_an_input_requiring_grad_raises():
             tr(**kw)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_torch_compile_fullgraph_traces_the_fp8_mode():
+    """fullgraph=True on the FP8 model: no graph break; the captured graph calls the quantisation op and the
+    FP8 outputs of the norm and the GELU; its output is the eager FP8 output up to bf16 rounding order."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    _, tr, kw = _bf16_case(num_layers=1)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        def fw(g, _):
+            seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            return g
+
+        return aot_autograd(fw_compiler=fw)(gm, example_inputs)
+
+    try:
+        eager = run_model(tr, kw)
+        torch._dynamo.reset()
+        out = run_model(torch.compile(tr, backend=backend, fullgraph=True), kw)
+        torch._dynamo.reset()
+        ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rocm_triton_kernels.")}
+        assert {"act_fp8", "rms_norm_fused"} <= ops, sorted(seen)
+        assert any("_scaled_mm" in s for s in seen), sorted(seen)
+        rel = float((out.double() - eager.double()).norm() / eager.double().norm())
+        assert rel < 2.0**-5, f"compiled FP8 model off the eager one by rel. L2 {rel:.4f}"
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
