@@ -878,6 +878,7 @@ def _run_rounds(args, gpu, clock, pipe, base_model, inputs, di, progress):
                 )
                 results[mode] = res if mode not in results else merge_rounds(results[mode], res, args.transformer_only)
                 outputs[mode] = outs
+                progress.write(_mode_line(mode, res), file=sys.stderr)  # a run cut short still tells what it measured
     finally:
         progress.close()
         while _UNDO:
@@ -886,6 +887,18 @@ def _run_rounds(args, gpu, clock, pipe, base_model, inputs, di, progress):
         if pipe is not None:
             object.__setattr__(pipe, "transformer", base_model)
     return results, outputs
+
+
+def _mode_line(mode, res) -> str:
+    """One line of a finished mode for stderr: median time, warm-up overhead and peak memory."""
+    key = "forward_ms" if "forward_ms" in res else "step_ms"
+    peak = f", peak {res['peak_memory_gb']:.2f} GB" if "peak_memory_gb" in res else ""
+    warm = res.get("warmup_overhead_s")
+    return (
+        f"  {mode}: {key.removesuffix('_ms')} median {res[key]['median']:.2f} ms"
+        + (f", warm-up overhead {warm:.1f} s" if warm is not None else "")
+        + peak
+    )
 
 
 def _token_count(base_model, inputs):
@@ -979,6 +992,9 @@ def _report(args, summary, results, ok) -> None:
 class _NoBar:
     def update(self, n):
         pass
+
+    def write(self, s, file=None):
+        log(s)
 
     def set_description(self, s):
         pass

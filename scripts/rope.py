@@ -897,7 +897,8 @@ class _Launch:
 
     Built once per call signature; each call passes that call's tensors for the positions ``slots``
     of ``args``, in order (a slot of None: an argument this plan leaves as it is in ``args``, None for
-    a tensor the kernel does not read; the call may pass anything there). The first call goes through Triton's JIT, which compiles or finds the
+    a tensor the kernel does not read; the call may pass anything there, or nothing where no slot after it is
+    set). The first call goes through Triton's JIT, which compiles or finds the
     kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
     runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
     binding and specialisation of every argument. That call is a small function generated for the
@@ -917,6 +918,9 @@ class _Launch:
     __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "device", "direct")
 
     def __init__(self, kernel, grid, args, kwargs, slots, device):
+        slots = list(slots)
+        while slots and slots[-1] is None:  # trailing positions left as they are: a call need not pass them
+            slots.pop()
         self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
         self.grid = tuple(grid)
         self.device = device.index if device.type == "cuda" else None
@@ -930,6 +934,8 @@ class _Launch:
 
     def _slow(self, tensors):
         """Through Triton's JIT; the first such call also sets up the direct launch."""
+        if len(tensors) < len(self.slots):
+            raise TypeError(f"this launch takes {len(self.slots)} tensors, got {len(tensors)}")
         args = self.args[:]
         for i, t in zip(self.slots, tensors):
             if i is not None:
@@ -985,7 +991,7 @@ class _Launch:
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
             [
-                f"def direct({', '.join(f't{j}' for j in range(n))}):",
+                f"def direct({''.join(f't{j}, ' for j in range(n))}*_):",
                 f"    if _current_device() != {self.device!r} or not _hooks_idle():",
                 "        return False",
             ]

@@ -550,3 +550,54 @@ def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
     launch(Ptr(4096), Ptr(8192))
     launch(Ptr(4096), Ptr(8192))
     assert len(jitted) == 5 and len(ran) == 1
+
+
+def test_direct_launch_of_a_plan_whose_last_slots_are_unset(monkeypatch):
+    """A plan may leave its last slots unset (None) and pass fewer tensors (GEGLU without FP8 passes
+    three tensors for four slots): the direct launch is adopted, takes the tensors passed and hands the
+    runner the fixed arguments elsewhere; a call passing fewer tensors than the set slots is refused.
+    Fake tensors and kernels: any machine."""
+    from types import SimpleNamespace
+
+    import activations as A
+
+    class Ptr:
+        def __init__(self, p):
+            self.p = p
+
+        def data_ptr(self):
+            return self.p
+
+    ran, jitted = [], []
+
+    class Compiled:
+        function, packed_metadata = "f", "m"
+
+        def run(self, *a):
+            ran.append(a)
+
+    class Kernel:
+        params = [SimpleNamespace(name=n, default=None) for n in ("x", "n", "out", "scale")]
+        arg_names = ["x", "n", "out", "scale"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                jitted.append(args)
+                return Compiled()
+
+            return launch
+
+    monkeypatch.setitem(A._DIRECT, "ok", True)
+    monkeypatch.setattr(A, "_current_device", lambda: 0)
+    monkeypatch.setattr(A, "_current_stream", lambda d: 7)
+    monkeypatch.setattr(A, "_as_launched", lambda k: k)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
+    launch = A._Launch(Kernel(), (3,), (None, 5, None, None), {}, (0, 2, None), torch.device("cuda", 0))
+    launch(Ptr(4096), Ptr(8192))  # the JIT, then the direct launch is generated
+    assert len(jitted) == 1 and launch.direct is not None
+    assert [getattr(a, "p", a) for a in jitted[0]] == [4096, 5, 8192, None]
+    launch(Ptr(4112), Ptr(12288))
+    assert len(jitted) == 1 and ran == [(3, 1, 1, 7, "f", "m", None, None, None, 4112, 5, 12288, None)]
+    fresh = A._Launch(Kernel(), (3,), (None, 5, None, None), {}, (0, 2, None), torch.device("cuda", 0))
+    with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
+        fresh(Ptr(4096))
