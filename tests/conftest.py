@@ -87,3 +87,33 @@ def _fresh_launch_plans():
     clear_launch_plans()
     yield
     clear_launch_plans()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _direct_launches_checked():
+    """Under the interpreter every plan still checks, at its first call, the direct launch a GPU would make
+    after it (kernel_testing.direct_launch_mismatch): a wrong argument or a crash there fails the test that
+    made the plan, on any machine."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        yield  # on a GPU the direct launches run for real
+        return
+    import importlib
+
+    from kernel_testing import direct_launch_mismatch
+
+    seen, originals = set(), {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(name)
+        slow = originals[name] = module._Launch._slow
+
+        def checked(self, tensors, _slow=slow, _module=module):
+            _slow(self, tensors)
+            if id(self) not in seen and type(self.kernel).__module__.startswith("triton."):  # not a test's fake
+                seen.add(id(self))
+                problem = direct_launch_mismatch(_module, self, tensors)
+                assert problem is None, f"{_module.__name__}: direct launch of {self.kernel}: {problem}"
+
+        module._Launch._slow = checked
+    yield
+    for name, slow in originals.items():
+        sys.modules[name]._Launch._slow = slow
