@@ -7,7 +7,10 @@ download), else the real-size transformer (LTXVideoTransformer3DModel() defaults
 weights, a small random T5 and a small VAE with the released compression. Defaults: 25 frames
 480x704, 8 steps, bf16. Step times are measured with CUDA events. At that size an eager step
 waits on the CPU issuing kernels (Python), so one transformer call is also timed replayed from a
-CUDA graph: the GPU time of the kernels themselves.
+CUDA graph: the GPU time of the kernels themselves. The host's speed drifts (on a shared machine
+the same eager step can take 55 ms in one minute and 80 in the next), so the timed runs alternate,
+--rounds times: unpatched, patched; then patched, unpatched; ...; the speed-up is the ratio of the
+pooled medians, with each round's own ratio listed beside it.
 Without a GPU (or with --device-free): a tiny random pipeline on the CPU through Triton's
 interpreter, 9 frames 32x32, 2 steps, fp32 (a correctness run; its times mean nothing).
 
@@ -38,8 +41,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 SPEEDUP_MEANS = (
     "median denoising-step time of the unpatched pipeline over the patched one, both eager, as a user runs "
-    "them: the step's time on the GPU's clock, including any time the GPU waits for the host to issue "
-    "kernels. The CUDA-graph figures below are GPU time alone (no host time), the most the kernels can give."
+    "them, pooled over the alternating rounds: the step's time on the GPU's clock, including any time the GPU "
+    "waits for the host to issue kernels. The CUDA-graph figures below are GPU time alone (no host time), the "
+    "most the kernels can give."
 )
 
 
@@ -56,6 +60,11 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="GPU default bf16, CPU fp32")
     p.add_argument(
+        "--rounds",
+        type=int,
+        help="timed runs of each pipeline, alternating which goes first (GPU default 3, CPU 1)",
+    )
+    p.add_argument(
         "--device-free",
         action="store_true",
         help="run the tiny CPU pipeline through Triton's interpreter even if a GPU is present",
@@ -67,6 +76,8 @@ def parse_args():
         v = getattr(args, name)
         if v is not None and (v < 32 or v % 32):
             p.error(f"--{name} must be a positive multiple of 32 (LTX-Video's spatial compression), got {v}")
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.steps is not None and args.steps < 2:
         p.error(f"--steps must be at least 2 (diffusers' LTX scheduler fails with fewer), got {args.steps}")
     return args
@@ -194,8 +205,18 @@ def main() -> int:
     counts = di.inject_optimized_kernels(pipe)
     # warm-up: Triton compiles each kernel once; the CUDA graph takes the unpatched run's first-call inputs
     patched, patched_ms, _, patched_graph_ms = _timed_run(pipe, args, device, gpu, call)
+    rounds = [(stock_ms, patched_ms)]
+    for r in range(1, args.rounds):  # patched first in odd rounds: the kernels stay in across a round's turn
+        times = {}
+        for side in ("patched", "unpatched") if r % 2 else ("unpatched", "patched"):
+            if side == "patched":
+                di.inject_optimized_kernels(pipe, verbose=False)
+            else:
+                di.remove_optimized_kernels(pipe, verbose=False)
+            times[side] = generate(pipe, args, device, timed=True)[1]
+        rounds.append((times["unpatched"], times["patched"]))
 
-    di.remove_optimized_kernels(pipe)
+    di.remove_optimized_kernels(pipe, verbose=False)
     restored = generate(pipe, args, device)[0]
 
     summary = {
@@ -208,7 +229,8 @@ def main() -> int:
         "seed": args.seed,
         "latent_shape": list(stock.shape),
         "replaced": counts,
-        "step_ms": _step_ms(gpu, stock_ms, patched_ms),
+        "rounds": args.rounds,
+        "step_ms": _step_ms(gpu, rounds),
         "transformer_call_cuda_graph_ms": _graph_ms(stock_graph_ms, patched_graph_ms),
         **_verdict(stock, patched, restored, ref32),
     }
@@ -223,6 +245,7 @@ def _fill_defaults(args, gpu: bool) -> None:
         ("height", 480, 32),
         ("width", 704, 32),
         ("steps", 8, 2),
+        ("rounds", 3, 1),
         ("dtype", "bf16", "fp32"),
     ):
         if getattr(args, name) is None:
@@ -242,9 +265,12 @@ def _timed_run(pipe, args, device, gpu: bool, call=None):
     return latents, step_ms, call, graph_ms
 
 
-def _step_ms(gpu: bool, stock_ms, patched_ms) -> dict:
-    """The summary's "step_ms": median denoising-step times and the eager speed-up."""
+def _step_ms(gpu: bool, rounds) -> dict:
+    """The summary's "step_ms": median denoising-step times pooled over the rounds ([(unpatched step times,
+    patched step times)] per round) and the eager speed-up, overall and per round."""
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    stock_ms = [t for s, _ in rounds for t in s]
+    patched_ms = [t for _, p in rounds for t in p]
     return {
         "clock": "CUDA events, transformer call + guidance + scheduler step"
         if gpu
@@ -252,6 +278,7 @@ def _step_ms(gpu: bool, stock_ms, patched_ms) -> dict:
         "unpatched_median": med(stock_ms),
         "patched_median": med(patched_ms),
         "speedup": (med(stock_ms) / med(patched_ms)) if gpu and stock_ms and patched_ms else None,
+        "speedup_per_round": [med(s) / med(p) for s, p in rounds] if gpu and all(s and p for s, p in rounds) else None,
         "what_speedup_means": SPEEDUP_MEANS if gpu else "nothing: the interpreter's times are not speed",
         "unpatched": stock_ms,
         "patched": patched_ms,
@@ -292,7 +319,8 @@ def _report(summary: dict, gpu: bool) -> None:
         f"step ms (median): unpatched {summary['step_ms']['unpatched_median']}, patched {summary['step_ms']['patched_median']}"
     )
     if gpu:
-        log(f"speedup {summary['step_ms']['speedup']:.2f}x: {SPEEDUP_MEANS}")
+        per_round = ", ".join(f"{x:.2f}x" for x in summary["step_ms"]["speedup_per_round"] or [])
+        log(f"speedup {summary['step_ms']['speedup']:.2f}x (rounds: {per_round}): {SPEEDUP_MEANS}")
         log(f"transformer call from a CUDA graph, ms: unpatched {graph['unpatched']}, patched {graph['patched']}")
     log(
         f"parity vs unpatched: {summary['parity']['patched_vs_unpatched']}; threshold {summary['parity_threshold']}; "

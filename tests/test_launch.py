@@ -24,6 +24,28 @@ def _block(name: str) -> str:
     return text[text.index(BEGIN) : text.index(END) + len(END)]
 
 
+class _Ptr:
+    """A stand-in tensor: _Launch reads only data_ptr."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def data_ptr(self):
+        return self.p
+
+
+def _direct_stand_ins(monkeypatch, module, current_device, current_stream):
+    """What a direct launch needs of a GPU, faked: the runner interface taken as present, the current device
+    and stream, the JIT called as is, torch.cuda.device a no-op."""
+    import contextlib
+
+    monkeypatch.setitem(module._DIRECT, "ok", True)
+    monkeypatch.setattr(module, "_current_device", current_device)
+    monkeypatch.setattr(module, "_current_stream", current_stream)
+    monkeypatch.setattr(module, "_as_launched", lambda k: k)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
+
+
 def test_launch_block_copies_are_identical():
     blocks = {name: _block(name) for name in KERNEL_MODULES}
     first = blocks["rmsnorm"]
@@ -390,13 +412,6 @@ def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeyp
 
     import rmsnorm as R
 
-    class Ptr:  # only data_ptr is read by _Launch
-        def __init__(self, p):
-            self.p = p
-
-        def data_ptr(self):
-            return self.p
-
     class Compiled:
         def __init__(self, name, slow):
             self.name, self.slow, self.packed_metadata = name, slow, None
@@ -428,8 +443,8 @@ def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeyp
     monkeypatch.setattr(R, "_as_launched", lambda k: k)
     monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
     launch = R._Launch(Kernel(), (1,), [None] * len(sig.parameters), {}, [0], torch.device("cuda", 0))
-    ta = threading.Thread(target=launch, args=(Ptr(4096),))
-    tb = threading.Thread(target=launch, args=(Ptr(4098),))
+    ta = threading.Thread(target=launch, args=(_Ptr(4096),))
+    tb = threading.Thread(target=launch, args=(_Ptr(4098),))
     ta.start()
     time.sleep(0.05)
     tb.start()
@@ -480,13 +495,6 @@ def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
 
     import rmsnorm as R
 
-    class Ptr:
-        def __init__(self, p):
-            self.p = p
-
-        def data_ptr(self):
-            return self.p
-
     ran, jitted = [], []
 
     class Compiled:
@@ -510,20 +518,16 @@ def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
             return launch
 
     device = {"index": 0}
-    monkeypatch.setitem(R._DIRECT, "ok", True)
-    monkeypatch.setattr(R, "_current_device", lambda: device["index"])
-    monkeypatch.setattr(R, "_current_stream", lambda d: 1000 + d)
-    monkeypatch.setattr(R, "_as_launched", lambda k: k)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
+    _direct_stand_ins(monkeypatch, R, lambda: device["index"], lambda d: 1000 + d)
     odd = object()  # a constant that has no literal form
     n_pos = 12
     fixed = [None, 7, -3, None, 2.5, float("inf"), True, odd, torch.float16, 1e-300, 0, False][:n_pos]
     kwargs = {names[-1]: 64, names[-2]: odd}
     slots = (0, 3)
     launch = R._Launch(Kernel(), (5, 2), fixed, kwargs, slots, torch.device("cuda", 0))
-    launch(Ptr(4096), Ptr(8192))  # first call: the JIT
+    launch(_Ptr(4096), _Ptr(8192))  # first call: the JIT
     assert len(jitted) == 1 and not ran and launch.direct is not None
-    launch(Ptr(4112), Ptr(12288))
+    launch(_Ptr(4112), _Ptr(12288))
     assert len(jitted) == 1 and len(ran) == 1
     expected_params = []
     for i, name in enumerate(names):
@@ -539,16 +543,16 @@ def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
     for name, g, e in zip(names, got[9:], expected_params):
         assert g is e or (type(g) is type(e) and g == e), (name, g, e)
     # back to the JIT: a misaligned pointer compiled as aligned; another current device; a launch hook
-    launch(Ptr(4098), Ptr(8192))
+    launch(_Ptr(4098), _Ptr(8192))
     assert len(jitted) == 2 and len(ran) == 1
     device["index"] = 1
-    launch(Ptr(4096), Ptr(8192))
+    launch(_Ptr(4096), _Ptr(8192))
     assert len(jitted) == 3 and len(ran) == 1
     device["index"] = 0
     monkeypatch.setattr(R, "_hooks_idle", lambda: False)
     launch.direct = None  # regenerated with the patched hook check on the next JIT call
-    launch(Ptr(4096), Ptr(8192))
-    launch(Ptr(4096), Ptr(8192))
+    launch(_Ptr(4096), _Ptr(8192))
+    launch(_Ptr(4096), _Ptr(8192))
     assert len(jitted) == 5 and len(ran) == 1
 
 
@@ -560,13 +564,6 @@ def test_direct_launch_of_a_plan_whose_last_slots_are_unset(monkeypatch):
     from types import SimpleNamespace
 
     import activations as A
-
-    class Ptr:
-        def __init__(self, p):
-            self.p = p
-
-        def data_ptr(self):
-            return self.p
 
     ran, jitted = [], []
 
@@ -587,17 +584,13 @@ def test_direct_launch_of_a_plan_whose_last_slots_are_unset(monkeypatch):
 
             return launch
 
-    monkeypatch.setitem(A._DIRECT, "ok", True)
-    monkeypatch.setattr(A, "_current_device", lambda: 0)
-    monkeypatch.setattr(A, "_current_stream", lambda d: 7)
-    monkeypatch.setattr(A, "_as_launched", lambda k: k)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: __import__("contextlib").nullcontext())
+    _direct_stand_ins(monkeypatch, A, lambda: 0, lambda d: 7)
     launch = A._Launch(Kernel(), (3,), (None, 5, None, None), {}, (0, 2, None), torch.device("cuda", 0))
-    launch(Ptr(4096), Ptr(8192))  # the JIT, then the direct launch is generated
+    launch(_Ptr(4096), _Ptr(8192))  # the JIT, then the direct launch is generated
     assert len(jitted) == 1 and launch.direct is not None
     assert [getattr(a, "p", a) for a in jitted[0]] == [4096, 5, 8192, None]
-    launch(Ptr(4112), Ptr(12288))
+    launch(_Ptr(4112), _Ptr(12288))
     assert len(jitted) == 1 and ran == [(3, 1, 1, 7, "f", "m", None, None, None, 4112, 5, 12288, None)]
     fresh = A._Launch(Kernel(), (3,), (None, 5, None, None), {}, (0, 2, None), torch.device("cuda", 0))
     with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
-        fresh(Ptr(4096))
+        fresh(_Ptr(4096))

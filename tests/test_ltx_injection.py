@@ -523,13 +523,18 @@ def test_torch_compile_inductor():
 # --------------------------------------------------------------------------------------------
 def test_example_runs_without_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must set it
-    cmd = [sys.executable, str(ROOT / "scripts" / "ltx_kernel_injection_example.py")]
+    cmd = [sys.executable, str(ROOT / "scripts" / "ltx_kernel_injection_example.py"), "--rounds", "2"]
     if HAS_GPU:
         cmd.append("--device-free")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["ok"] and summary["restored_bit_identical"]
+    steps = summary["steps"]  # two alternating rounds: each pipeline timed twice
+    assert (
+        summary["rounds"] == 2
+        and len(summary["step_ms"]["unpatched"]) == len(summary["step_ms"]["patched"]) == 2 * steps
+    )
     assert summary["replaced"]["adaln_fused_blocks"] == 2 and summary["replaced"]["qk_norm_rope_fused"] == 2
     assert "injected kernels: rmsnorm_weightless=4" in proc.stderr
 
