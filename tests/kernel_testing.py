@@ -451,8 +451,8 @@ def direct_launch_mismatch(module, launch, tensors) -> str | None:
     """Where the interpreter runs the kernels, a plan's direct launch (generated for compiled kernels only)
     never runs. This builds it for `launch` (a module._Launch) as a GPU's first call would, with a stand-in
     compiled kernel, calls it with `tensors` and compares what it hands the runner with the kernel's
-    parameters bound from the same call the JIT got (inspect.signature, defaults applied; a tensor as its
-    data pointer). Returns None when they agree, else what differs."""
+    parameters bound from the same call the JIT got (inspect.signature, defaults applied). Returns None
+    when they agree, else what differs."""
     import inspect
     from types import SimpleNamespace
 
@@ -463,7 +463,7 @@ def direct_launch_mismatch(module, launch, tensors) -> str | None:
             args[i] = t
     bound = sig.bind(*args, **{k: v for k, v in launch.kwargs.items() if k in sig.parameters})
     bound.apply_defaults()
-    expected = [v.data_ptr() if torch.is_tensor(v) else v for v in bound.arguments.values()]
+    expected = list(bound.arguments.values())
     ran = []
     function, metadata = object(), object()
 
@@ -500,6 +500,9 @@ def direct_launch_mismatch(module, launch, tensors) -> str | None:
     if len(got) - 9 != len(expected):
         return f"runner got {len(got) - 9} kernel arguments, the kernel has {len(expected)} parameters"
     for name, g, e in zip(sig.parameters, got[9:], expected):
-        if not (g is e or (type(g) is type(e) and g == e)):
+        # a call's tensor goes as its data pointer; a plan's fixed tensor, as itself (the runner takes either)
+        if not (
+            g is e or (torch.is_tensor(e) and type(g) is int and g == e.data_ptr()) or (type(g) is type(e) and g == e)
+        ):
             return f"parameter {name}: direct launch passes {g!r}, the JIT got {e!r}"
     return None

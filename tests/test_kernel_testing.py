@@ -86,3 +86,30 @@ def test_interpreter_bf16_rounding_matches_torch():
     if INTERPRET:  # without the helper the interpreter truncates: the ties and the values above them differ
         to_bf16[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
         assert ((y.view(torch.int16) != want.view(torch.int16)) & ~nan).any()
+
+
+def test_direct_launch_check_reports_a_wrong_argument(monkeypatch, gen):
+    """kernel_testing.direct_launch_mismatch (run on every plan under the interpreter by conftest) passes a
+    real plan's direct launch and names the parameter when that launch hands the runner a wrong value."""
+    import rmsnorm as R
+    from kernel_testing import direct_launch_mismatch, randn
+
+    captured = []
+    slow = R._Launch._slow
+    monkeypatch.setattr(R._Launch, "_slow", lambda self, t: (captured.append((self, t)), slow(self, t))[1])
+    R.rms_norm(randn((5, 64), torch.float32, gen), randn((64,), torch.float32, gen))
+    launch, tensors = captured[0]
+    assert direct_launch_mismatch(R, launch, tensors) is None
+    adopt = R._Launch._adopt
+
+    def off_by_one(self, compiled, tensors):  # the generated launch gets the first fixed integer + 1
+        i = next(i for i, v in enumerate(self.args) if type(v) is int)
+        self.args[i] += 1
+        try:
+            adopt(self, compiled, tensors)
+        finally:
+            self.args[i] -= 1
+
+    monkeypatch.setattr(R._Launch, "_adopt", off_by_one)
+    problem = direct_launch_mismatch(R, launch, tensors)
+    assert problem is not None and problem.startswith("parameter "), problem
