@@ -679,8 +679,9 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     fp8=True (LTX-Video transformers only, inference only): the bf16 linear layers of the transformer
     blocks become fp8_linear.Fp8Linear (FP8 weight, one scale per output channel; inputs quantised per
     token; torch._scaled_mm); their bf16 weights move to the CPU until remove_optimized_kernels puts the
-    same modules back. FP8 changes the output by more than the kernels alone do: check it on your
-    weights (references/diffusers-integration.md).
+    same modules back. Layers under a LoRA or other adapter stay bf16. FP8 changes the output by more
+    than the kernels alone do: check it on your weights (references/diffusers-integration.md). A later
+    call with fp8=False adds the bf16 kernels only; it does not take FP8 out (remove_optimized_kernels does).
     """
     if type(fp8) is not bool:
         raise ValueError(f"fp8 must be True or False, got {fp8!r}")
@@ -694,19 +695,24 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     if fp8 and not transformers:
         raise ValueError("fp8=True is implemented for LTX-Video transformers; none was found in the argument")
     for model in transformers:
-        _inject_ltx_transformer(model, new, skipped, gelu_notes)
-        if fp8:
+        if fp8:  # first: a transformer with nothing to replace raises before anything is injected
             parents = [m for blk in getattr(model, "transformer_blocks", ()) for m in blk.modules()]
             swapped, left = fp8_linear.swap_in_fp8(model, parents)
             if left and not swapped and not fp8_linear.fp8_linear_count(model):
+                hint = ""
+                if any(why != fp8_linear._ADAPTED for why in left):
+                    hint = (
+                        ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
+                        "(and inject before enable_model_cpu_offload())"
+                    )
                 raise ValueError(
                     "fp8=True replaced no linear layer of the LTX-Video transformer: "
                     + "; ".join(sorted(set(left)))
-                    + ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
-                    "(and inject before enable_model_cpu_offload())"
+                    + hint
                 )
             new["fp8_linear"] += swapped
             skipped += [f"{why}: kept in bf16" for why in left]
+        _inject_ltx_transformer(model, new, skipped, gelu_notes)
     for vae in vaes:
         for m in vae.modules():
             if _class_forward(m, DiffusersRMSNorm) and m.bias is None:

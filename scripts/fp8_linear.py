@@ -137,17 +137,112 @@ def fp8_linear_ref(x_fp8, x_scale, w_fp8, w_scale, bias=None) -> torch.Tensor:
     return y if bias is None else y + bias.double()
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal has no FP8 kernel on every device)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+_NO_NEW_WEIGHTS = (
+    "an FP8 layer cannot take new weights (its FP8 values and scales come from the weight it was made "
+    "from): remove_optimized_kernels(model) first (the bf16 layers come back), change the weights, then "
+    "inject again"
+)
+
+
 class Fp8Linear(torch.nn.Module):
     """nn.Linear with an FP8 weight (one scale per output channel) and per-token FP8 inputs; see the
-    module docstring. Build with ``Fp8Linear.from_linear(linear)``; inference only."""
+    module docstring. Build with ``Fp8Linear.from_linear(linear)``; inference only.
+
+    Its state: ``weight_fp8`` (FP8 [N, K]), ``weight_scale`` (float32 [N]) and ``bias`` (kept as given).
+    ``weight`` reads ``weight_fp8`` (for code that inspects a layer's dtype or device) and cannot be set.
+    What would make the layer compute something other than the weight it was made from fails loudly: a
+    state dict with a ``weight`` (a bf16 checkpoint) is refused; FP8 values or scales written in place
+    after quantisation (``copy_``, ``load_state_dict`` of one without the other) make the next call raise.
+    Casting the model keeps the FP8 values and scales as they are (a cast would destroy them); a model cast
+    to anything but the layer's output dtype makes the call raise until it is cast back."""
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], out_dtype):
         super().__init__()
         self.out_features, self.in_features = w_fp8.shape
-        self.register_buffer("weight", w_fp8)
+        self.register_buffer("weight_fp8", w_fp8)
         self.register_buffer("weight_scale", w_scale)
         self.register_buffer("bias", bias)
         self.out_dtype = out_dtype
+        self.model_dtype = out_dtype  # the dtype the model was last cast to (see _apply)
+        self._written = False  # FP8 values or scales changed in place since quantisation
+        self._seal()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_fp8
+
+    @weight.setter
+    def weight(self, value):
+        raise AttributeError(f"Fp8Linear.weight cannot be set: {_NO_NEW_WEIGHTS}")
+
+    def _versions(self):
+        try:
+            return (self.weight_fp8._version, self.weight_scale._version)
+        except RuntimeError:  # inference tensors have no version counter (nor can they change outside it)
+            return None
+
+    def _seal(self) -> None:
+        """Take the current FP8 values and scales as the layer's (after quantisation, a move, or a load of both)."""
+        self._sealed = self._versions()
+
+    def _check_state(self) -> None:
+        if self._written or self._versions() != self._sealed:
+            self._written = True
+            raise RuntimeError(
+                f"the FP8 weight or scales of this layer were written after quantisation: {_NO_NEW_WEIGHTS}"
+            )
+        if self.model_dtype != self.out_dtype:
+            raise RuntimeError(
+                f"the model was cast to {self.model_dtype} after its linear layers became FP8; these compute in "
+                f"{self.out_dtype}: cast the model back to {self.out_dtype}, or remove_optimized_kernels(model) first"
+            )
+
+    def __getstate__(self):  # copies (deepcopy, pickle, torch.save) carry whether the weights were written
+        state = self.__dict__.copy()
+        state["_written"] = self._written or self._versions() != self._sealed
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._seal()  # the copy's tensors have version counters of their own
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module casts treat FP8 as floating point: a model.to(dtype) would turn the FP8 values and the
+        # scales into that dtype. They follow device moves only; the cast asked for is remembered.
+        self._written = self._written or self._versions() != self._sealed
+        self.model_dtype = fn(torch.empty(0, dtype=self.out_dtype, device=self.weight_fp8.device)).dtype
+        for name in ("weight_fp8", "weight_scale"):
+            t = self._buffers[name]
+            moved = fn(t)
+            self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        if self.bias is not None:
+            self._buffers["bias"] = fn(self.bias)
+        self._seal()
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # A state dict may hold this layer's own FP8 values and scales (a round trip); anything else would make
+        # it compute what no weight of the model says, and remove_optimized_kernels would drop it.
+        if prefix + "weight" in state_dict:
+            errors.append(f"{prefix}weight: {_NO_NEW_WEIGHTS}")
+            return
+        for name in ("weight_fp8", "weight_scale"):
+            given = state_dict.get(prefix + name)
+            mine = self._buffers[name]
+            if given is not None and not (
+                given.shape == mine.shape and given.dtype == mine.dtype and _same_bits(given.to(mine.device), mine)
+            ):
+                errors.append(f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}")
+                return
+        stale = self._written or self._versions() != self._sealed
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        if not stale:  # the same values copied in place
+            self._seal()
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fp8_dtype: Optional[torch.dtype] = None) -> "Fp8Linear":
@@ -171,13 +266,17 @@ class Fp8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.weight.dtype}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            self._check_state()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.in_features}")
-        x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=self.weight.dtype)
-        return self.forward_fp8(x_fp8, x_scale)
+        x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=self.weight_fp8.dtype)
+        return fp8_linear(x_fp8, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
 
     def forward_fp8(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        if not torch.compiler.is_compiling():
+            self._check_state()
+        return fp8_linear(x_fp8, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,8 +301,25 @@ def _eligible(lin: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def _is_adapter(m: torch.nn.Module) -> bool:
+    """A LoRA (or other peft) layer wrapping a base layer: peft's tuner layers, diffusers' LoRA included."""
+    return hasattr(type(m), "adapter_layer_names") or isinstance(getattr(m, "base_layer", None), torch.nn.Module)
+
+
+_ADAPTED = (
+    "a layer under a LoRA or other adapter (its base layer is read and unloaded by peft; fuse and unload the "
+    "adapter first to quantise it)"
+)
+
+
+def _inside_adapters(modules) -> set:
+    """ids of the modules inside adapter layers among modules (and of those layers' own modules)."""
+    return {id(x) for m in modules if _is_adapter(m) for x in m.modules()}
+
+
 def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True):
     """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
+    Layers under a LoRA or other peft adapter stay as they are (peft reads, merges and unloads base layers).
 
     The originals are kept, on the CPU when offload (their GPU memory freed: the point of FP8 weights),
     in a record on root, so that restore_from_fp8(root) puts back the very same modules with their exact
@@ -211,8 +327,15 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     record = root.__dict__.setdefault(_SWAPPED, [])
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
+    parents = list(parents)
+    adapted = _inside_adapters(parents)
     for parent in parents:
+        if id(parent) in adapted:
+            continue
         for name, child in list(parent._modules.items()):
+            if _is_adapter(child):
+                left.append(_ADAPTED)
+                continue
             if not isinstance(child, torch.nn.Linear):
                 continue
             twin = twins.get(id(child))
@@ -235,7 +358,7 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
 
 def restore_from_fp8(root: torch.nn.Module) -> int:
     """Undo swap_in_fp8 on root: the original modules back in place, on the device of the twin each
-    replaces (where the model is now). A slot that no longer holds the twin (something else was put there
+    replaces (where the model is now) and in the dtype the model was cast to since, if it was. A slot that no longer holds the twin (something else was put there
     since) keeps what it holds. Each entry leaves the record only once handled, so a failure (out of memory,
     say) leaves the rest to a second call. Returns how many were restored."""
     record = root.__dict__.get(_SWAPPED, [])
@@ -243,7 +366,7 @@ def restore_from_fp8(root: torch.nn.Module) -> int:
     while record:
         parent, name, original, twin = record[-1]
         if parent._modules.get(name) is twin:
-            original.to(twin.weight.device)
+            original.to(twin.weight.device, twin.model_dtype)
             parent._modules[name] = original
             n += 1
         record.pop()
@@ -275,8 +398,9 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None) -> dict:
         return fn
 
     try:
+        adapted = _inside_adapters(root.modules())
         for name, m in root.named_modules():
-            if isinstance(m, torch.nn.Linear) and _eligible(m) is None:
+            if isinstance(m, torch.nn.Linear) and id(m) not in adapted and _eligible(m) is None:
                 handles.append(m.register_forward_hook(hook(name)))
         with torch.no_grad():
             forward()

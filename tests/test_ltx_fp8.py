@@ -331,3 +331,154 @@ def test_torch_compile_fullgraph_traces_the_fp8_mode():
         assert rel < 2.0**-5, f"compiled FP8 model off the eager one by rel. L2 {rel:.4f}"
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
+
+
+# --------------------------------------------------------------------------------------------
+# States a user puts an FP8 model in: new weights, casts, adapters
+# --------------------------------------------------------------------------------------------
+def _fp8_injected(num_layers=1):
+    gen, tr, kw = _bf16_case(num_layers=num_layers)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    return gen, tr, kw
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_loading_bf16_weights_into_an_fp8_model_raises_and_changes_no_fp8_layer(strict):
+    """A bf16 state dict (a fine-tuned checkpoint, say) cannot go into FP8 layers: load_state_dict raises,
+    even with strict=False, instead of casting the values into the FP8 buffers without their scales."""
+    gen, tr, kw = _fp8_injected()
+    fp8_out = run_model(tr, kw)
+    other = di.build_tiny_ltx_pipeline(num_layers=1, seed=7).transformer.to(DEVICE, torch.bfloat16)
+    try:
+        with pytest.raises(RuntimeError, match="cannot take new weights"):
+            tr.load_state_dict(other.state_dict(), strict=strict)
+        layer = tr.transformer_blocks[0].attn1.to_q
+        assert isinstance(layer, fp8_linear.Fp8Linear)
+        with pytest.raises(RuntimeError, match="cannot take new weights"):
+            layer.load_state_dict({"weight": other.transformer_blocks[0].attn1.to_q.weight}, strict=False)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    del fp8_out
+
+
+def test_fp8_state_dict_round_trip_loads_and_computes_the_same():
+    """The FP8 model's own state dict (FP8 values, scales, biases) loads back into it; the output is the same."""
+    gen, tr, kw = _fp8_injected()
+    try:
+        out = run_model(tr, kw)
+        sd = tr.state_dict()
+        assert any(k.endswith("to_q.weight_fp8") for k in sd) and not any(k.endswith("to_q.weight") for k in sd)
+        tr.load_state_dict(sd)
+        assert torch.equal(run_model(tr, kw), out)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+@pytest.mark.parametrize("write", ["weight.copy_", "weight_scale.mul_", "foreign fp8 state"])
+def test_fp8_weights_written_in_place_make_the_next_call_raise(write):
+    """FP8 values or scales changed after quantisation (in place, or a state dict of other FP8 values) would
+    compute what no weight says, and removal would drop them: refused, or the next call raises."""
+    gen, tr, kw = _fp8_injected()
+    layer = tr.transformer_blocks[0].attn1.to_k
+    try:
+        with torch.no_grad():
+            if write == "weight.copy_":
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen).to(DEVICE, torch.bfloat16))
+            elif write == "weight_scale.mul_":
+                layer.weight_scale.mul_(2)
+            else:
+                sd = {k: v.clone() for k, v in layer.state_dict().items()}
+                sd["weight_scale"].mul_(2)
+                with pytest.raises(RuntimeError, match="differs from this layer's"):
+                    layer.load_state_dict(sd)
+                return
+        with pytest.raises(RuntimeError, match="written after quantisation"):
+            run_model(tr, kw)
+        tr.to(DEVICE)  # a move does not make the layer take the written values as its own
+        with pytest.raises(RuntimeError, match="written after quantisation"):
+            run_model(tr, kw)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_casting_an_fp8_model_keeps_its_fp8_weights():
+    """model.to(torch.bfloat16) (a pipeline's usual .to(device, dtype)) leaves the FP8 values and scales as
+    they are and the output the same; a cast to fp16 makes the FP8 layers raise until the model is cast back;
+    removal after such a cast brings the bf16 layers back in the model's dtype."""
+    gen, tr, kw = _bf16_case(num_layers=1)
+    stock = run_model(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    layer = tr.transformer_blocks[0].ff.net[2]
+    try:
+        out = run_model(tr, kw)
+        fp8_dtype, w = layer.weight.dtype, layer.weight.view(torch.uint8).clone()
+        tr.to(DEVICE, torch.bfloat16)
+        assert layer.weight.dtype == fp8_dtype and layer.weight_scale.dtype == torch.float32
+        assert torch.equal(layer.weight.view(torch.uint8), w) and torch.equal(run_model(tr, kw), out)
+        tr.half()
+        assert layer.weight.dtype == fp8_dtype
+        kw16 = {k: (v.half() if torch.is_tensor(v) and v.dtype == torch.bfloat16 else v) for k, v in kw.items()}
+        with pytest.raises(RuntimeError, match="cast to torch.float16"):
+            run_model(tr, kw16)
+        tr.bfloat16()
+        assert torch.equal(run_model(tr, kw), out)
+        tr.half()
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert all(m.weight.dtype == torch.float16 for m in tr.transformer_blocks.modules() if type(m) is torch.nn.Linear)
+    tr.bfloat16()
+    assert torch.equal(run_model(tr, kw), stock)
+
+
+def test_weight_of_an_fp8_layer_cannot_be_set():
+    gen, tr, kw = _fp8_injected()
+    layer = tr.transformer_blocks[0].attn2.to_v
+    try:
+        with pytest.raises(AttributeError, match="cannot be set"):
+            layer.weight = torch.zeros_like(layer.weight)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def _lora(tr, targets, rank):
+    peft = pytest.importorskip("peft")
+    tr.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False))
+
+
+def test_layers_under_a_lora_stay_bf16_and_unloading_it_then_removing_fp8_restores_exactly():
+    """A LoRA loaded before fp8=True: the layers it wraps (their base layers and the adapter's own, rank 16
+    included) stay bf16, the others become FP8, the output stays near the LoRA model's; unloading the LoRA
+    and removing the kernels gives back exactly the model without the LoRA."""
+    gen, tr, kw = _bf16_case(num_layers=1)
+    stock = run_model(tr, kw)
+    _lora(tr, ["attn1.to_q", "ff.net.2"], rank=16)
+    with_lora = run_model(tr, kw)
+    assert _rel(with_lora, stock) > 0.02  # the adapter changes the output
+    counts = di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        blk = tr.transformer_blocks[0]
+        assert counts["fp8_linear"] == LINEARS_PER_BLOCK - 2
+        assert type(blk.attn1.to_q.base_layer) is torch.nn.Linear and type(blk.ff.net[2].base_layer) is torch.nn.Linear
+        assert all(type(m) is torch.nn.Linear for m in blk.attn1.to_q.modules() if isinstance(m, torch.nn.Linear))
+        assert isinstance(blk.attn1.to_k, fp8_linear.Fp8Linear)
+        assert _rel(run_model(tr, kw), with_lora) < 0.05
+        tr.unload_lora()
+        assert type(blk.attn1.to_q) is torch.nn.Linear
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    assert not any(isinstance(m, fp8_linear.Fp8Linear) for m in tr.modules())
+    assert torch.equal(run_model(tr, kw), stock)
+
+
+def test_lora_over_every_layer_leaves_nothing_for_fp8_and_says_why():
+    gen, tr, kw = _bf16_case(num_layers=1)
+    _lora(tr, ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"], rank=4)
+    before = run_model(tr, kw)
+    with pytest.raises(ValueError, match="under a LoRA or other adapter") as err:
+        di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    assert "on the GPU" not in str(err.value)  # no advice that does not apply
+    assert not di.injected_counts(tr)["fp8_linear"] and torch.equal(run_model(tr, kw), before)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
