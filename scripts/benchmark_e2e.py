@@ -878,7 +878,8 @@ def _run_rounds(args, gpu, clock, pipe, base_model, inputs, di, progress):
                 )
                 results[mode] = res if mode not in results else merge_rounds(results[mode], res, args.transformer_only)
                 outputs[mode] = outs
-                progress.write(_mode_line(mode, res), file=sys.stderr)  # a run cut short still tells what it measured
+                label = mode if args.rounds == 1 else f"{mode} (round {r + 1})"
+                progress.write(_mode_line(label, res), file=sys.stderr)  # a run cut short still tells what it measured
     finally:
         progress.close()
         while _UNDO:

@@ -155,11 +155,15 @@ class Fp8Linear(torch.nn.Module):
 
     Its state: ``weight_fp8`` (FP8 [N, K]), ``weight_scale`` (float32 [N]) and ``bias`` (kept as given).
     ``weight`` reads ``weight_fp8`` (for code that inspects a layer's dtype or device) and cannot be set.
-    What would make the layer compute something other than the weight it was made from fails loudly: a
-    state dict with a ``weight`` (a bf16 checkpoint) is refused; FP8 values or scales written in place
-    after quantisation (``copy_``, ``load_state_dict`` of one without the other) make the next call raise.
+    What would make the layer compute something other than the layer it replaces fails loudly: a state
+    dict with a ``weight`` (a bf16 checkpoint) or with other values than the layer's is refused; values
+    written in place after quantisation (``copy_``, ``mul_``) make the next eager call raise (not checked
+    inside torch.compile, nor for tensors made under torch.inference_mode, which have no version counter).
     Casting the model keeps the FP8 values and scales as they are (a cast would destroy them); a model cast
-    to anything but the layer's output dtype makes the call raise until it is cast back."""
+    to anything but the layer's output dtype makes the call raise until it is cast back. Moved out of the
+    meta device with ``to_empty``, the layer raises until its own state dict is loaded."""
+
+    _GUARDED = ("weight_fp8", "weight_scale", "bias")  # the state that must stay what it was made from
 
     def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], out_dtype):
         super().__init__()
@@ -169,7 +173,8 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
         self.out_dtype = out_dtype
         self.model_dtype = out_dtype  # the dtype the model was last cast to (see _apply)
-        self._written = False  # FP8 values or scales changed in place since quantisation
+        self._written = False  # the guarded state changed in place since quantisation
+        self._undefined = False  # moved out of the meta device: values not set yet
         self._seal()
 
     @property
@@ -180,68 +185,114 @@ class Fp8Linear(torch.nn.Module):
     def weight(self, value):
         raise AttributeError(f"Fp8Linear.weight cannot be set: {_NO_NEW_WEIGHTS}")
 
+    def __setattr__(self, name, value):
+        if name == "weight":  # nn.Module.__setattr__ would register a Parameter before the property is asked
+            raise AttributeError(f"Fp8Linear.weight cannot be set: {_NO_NEW_WEIGHTS}")
+        super().__setattr__(name, value)
+
     def _versions(self):
-        try:
-            return (self.weight_fp8._version, self.weight_scale._version)
-        except RuntimeError:  # inference tensors have no version counter (nor can they change outside it)
+        """The guarded tensors' version counters (bumped by every in-place write), or None for inference
+        tensors (made under torch.inference_mode: they have none, and cannot be written outside it)."""
+        ts = [self._buffers[n] for n in self._GUARDED if self._buffers[n] is not None]
+        if any(t.is_inference() for t in ts):
             return None
+        return tuple(t._version for t in ts)
 
     def _seal(self) -> None:
-        """Take the current FP8 values and scales as the layer's (after quantisation, a move, or a load of both)."""
+        """Take the current guarded state as the layer's (after quantisation, a move, or a load of itself)."""
         self._sealed = self._versions()
 
+    def _stale(self) -> bool:
+        return self._written or self._undefined or self._versions() != self._sealed
+
     def _check_state(self) -> None:
-        if self._written or self._versions() != self._sealed:
-            self._written = True
-            raise RuntimeError(
-                f"the FP8 weight or scales of this layer were written after quantisation: {_NO_NEW_WEIGHTS}"
+        b, sealed = self._buffers, self._sealed
+        if (
+            self._written
+            or self._undefined
+            or (
+                sealed is not None
+                and (
+                    b["weight_fp8"]._version,
+                    b["weight_scale"]._version,
+                    *(() if b["bias"] is None else (b["bias"]._version,)),
+                )
+                != sealed
             )
-        if self.model_dtype != self.out_dtype:
+        ):
+            self._written = not self._undefined
+            raise RuntimeError(
+                "the FP8 values of this layer were never set (it was moved out of the meta device): load its "
+                "state dict or remove_optimized_kernels(model) and inject again"
+                if self._undefined
+                else f"the FP8 weight, scales or bias of this layer were written after quantisation: {_NO_NEW_WEIGHTS}"
+            )
+        if self.model_dtype is not self.out_dtype:
             raise RuntimeError(
                 f"the model was cast to {self.model_dtype} after its linear layers became FP8; these compute in "
                 f"{self.out_dtype}: cast the model back to {self.out_dtype}, or remove_optimized_kernels(model) first"
             )
 
-    def __getstate__(self):  # copies (deepcopy, pickle, torch.save) carry whether the weights were written
+    def __getstate__(self):  # copies (deepcopy, pickle, torch.save) carry whether the state was written
         state = self.__dict__.copy()
         state["_written"] = self._written or self._versions() != self._sealed
         return state
 
     def __setstate__(self, state):
+        buffers = state.get("_buffers", {})
+        if "weight" in buffers and "weight_fp8" not in buffers:  # saved by a version that named it weight
+            state["_buffers"] = {("weight_fp8" if k == "weight" else k): v for k, v in buffers.items()}
+        for k, v in (("model_dtype", state.get("out_dtype")), ("_written", False), ("_undefined", False)):
+            state.setdefault(k, v)
         super().__setstate__(state)
         self._seal()  # the copy's tensors have version counters of their own
 
     def _apply(self, fn, recurse=True):
         # nn.Module casts treat FP8 as floating point: a model.to(dtype) would turn the FP8 values and the
-        # scales into that dtype. They follow device moves only; the cast asked for is remembered.
+        # scales into that dtype. They follow device moves only; the cast asked for is remembered (the bias
+        # follows it, as in the layer replaced).
         self._written = self._written or self._versions() != self._sealed
         self.model_dtype = fn(torch.empty(0, dtype=self.out_dtype, device=self.weight_fp8.device)).dtype
         for name in ("weight_fp8", "weight_scale"):
             t = self._buffers[name]
-            moved = fn(t)
-            self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
+            target = fn(t.new_empty(0))  # where fn sends a tensor of this dtype, and as what (no copy made)
+            moved = fn(t) if target.dtype == t.dtype else t.to(target.device)  # a cast: the device only
+            if t.is_meta and not moved.is_meta:  # to_empty(): memory, no values
+                self._undefined = True
+            self._buffers[name] = moved
         if self.bias is not None:
             self._buffers["bias"] = fn(self.bias)
         self._seal()
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # A state dict may hold this layer's own FP8 values and scales (a round trip); anything else would make
-        # it compute what no weight of the model says, and remove_optimized_kernels would drop it.
+        # A state dict may hold this layer's own state (a round trip); anything else would make it compute what
+        # no weight of the model says, and remove_optimized_kernels would drop it. A layer whose values are
+        # undefined (meta device, then to_empty) takes a whole FP8 state.
         if prefix + "weight" in state_dict:
             errors.append(f"{prefix}weight: {_NO_NEW_WEIGHTS}")
             return
-        for name in ("weight_fp8", "weight_scale"):
-            given = state_dict.get(prefix + name)
-            mine = self._buffers[name]
-            if given is not None and not (
-                given.shape == mine.shape and given.dtype == mine.dtype and _same_bits(given.to(mine.device), mine)
-            ):
-                errors.append(f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}")
+        given = {n: state_dict.get(prefix + n) for n in self._GUARDED}
+        if self._undefined:
+            if given["weight_fp8"] is None or given["weight_scale"] is None:
+                errors.append(f"{prefix}weight_fp8, weight_scale: this layer's values are undefined; load both")
                 return
+        else:
+            for name, t in given.items():
+                mine = self._buffers[name]
+                if t is not None and not (
+                    mine is not None
+                    and t.shape == mine.shape
+                    and t.dtype == mine.dtype
+                    and _same_bits(t.to(mine.device), mine)
+                ):
+                    errors.append(f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}")
+                    return
         stale = self._written or self._versions() != self._sealed
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
-        if not stale:  # the same values copied in place
+        if self._undefined:
+            self._undefined = stale = False
+        if not stale:  # the same values copied in place, or an undefined layer's values set
             self._seal()
 
     @classmethod
@@ -302,8 +353,9 @@ def _eligible(lin: torch.nn.Module) -> Optional[str]:
 
 
 def _is_adapter(m: torch.nn.Module) -> bool:
-    """A LoRA (or other peft) layer wrapping a base layer: peft's tuner layers, diffusers' LoRA included."""
-    return hasattr(type(m), "adapter_layer_names") or isinstance(getattr(m, "base_layer", None), torch.nn.Module)
+    """A peft layer wrapping a base layer (LoRA and the other tuners, diffusers' LoRA loading included): peft
+    marks them with the class attribute adapter_layer_names."""
+    return hasattr(type(m), "adapter_layer_names")
 
 
 _ADAPTED = (
@@ -358,7 +410,7 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
 
 def restore_from_fp8(root: torch.nn.Module) -> int:
     """Undo swap_in_fp8 on root: the original modules back in place, on the device of the twin each
-    replaces (where the model is now) and in the dtype the model was cast to since, if it was. A slot that no longer holds the twin (something else was put there
+    replaces (where the model is now), and in the dtype the model was cast to since if it was. A slot that no longer holds the twin (something else was put there
     since) keeps what it holds. Each entry leaves the record only once handled, so a failure (out of memory,
     say) leaves the rest to a second call. Returns how many were restored."""
     record = root.__dict__.get(_SWAPPED, [])
@@ -366,7 +418,10 @@ def restore_from_fp8(root: torch.nn.Module) -> int:
     while record:
         parent, name, original, twin = record[-1]
         if parent._modules.get(name) is twin:
-            original.to(twin.weight.device, twin.model_dtype)
+            if twin.model_dtype is twin.out_dtype:
+                original.to(twin.weight.device)
+            else:  # the model was cast meanwhile
+                original.to(twin.weight.device, twin.model_dtype)
             parent._modules[name] = original
             n += 1
         record.pop()

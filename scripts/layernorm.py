@@ -927,12 +927,14 @@ class _Launch:
     says so, once).
     """
 
-    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "device", "direct")
+    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "unset", "device", "direct")
 
     def __init__(self, kernel, grid, args, kwargs, slots, device):
         slots = list(slots)
+        self.unset = 0
         while slots and slots[-1] is None:  # trailing positions left as they are: a call need not pass them
             slots.pop()
+            self.unset += 1
         self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
         self.grid = tuple(grid)
         self.device = device.index if device.type == "cuda" else None
@@ -1003,7 +1005,7 @@ class _Launch:
         aligned = [f"p{j}" for j in range(n) if masks[j]]
         src = "\n".join(
             [
-                f"def direct({''.join(f't{j}, ' for j in range(n))}*_):",
+                f"def direct({', '.join([f't{j}' for j in range(n)] + [f'_u{j}=None' for j in range(self.unset)])}):",
                 f"    if _current_device() != {self.device!r} or not _hooks_idle():",
                 "        return False",
             ]

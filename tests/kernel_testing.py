@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 
 import pytest
@@ -447,6 +448,9 @@ class TargetOnlyDriver:
         return True
 
 
+_STAND_INS_LOCK = threading.Lock()
+
+
 def direct_launch_mismatch(module, launch, tensors) -> str | None:
     """Where the interpreter runs the kernels, a plan's direct launch (generated for compiled kernels only)
     never runs. This builds it for `launch` (a module._Launch) as a GPU's first call would, with a stand-in
@@ -479,20 +483,22 @@ def direct_launch_mismatch(module, launch, tensors) -> str | None:
         arg_names = list(sig.parameters)
 
     stand_ins = {"_current_device": lambda: 0, "_current_stream": lambda d: 7, "_hooks_idle": lambda: True}
-    saved = {n: getattr(module, n) for n in stand_ins}
-    saved_ok = module._DIRECT["ok"]
-    try:
-        for n, f in stand_ins.items():
-            setattr(module, n, f)
-        module._DIRECT["ok"] = True
-        twin = module._Launch(Kernel(), launch.grid, launch.args, launch.kwargs, launch.slots, torch.device("cuda", 0))
-        twin._adopt(Compiled(), tensors)
-        if twin.direct is None or twin.direct(*tensors) is not True or len(ran) != 1:
-            return "no direct launch was made, or it declined an aligned call on the current device"
-    finally:
-        for n, f in saved.items():
-            setattr(module, n, f)
-        module._DIRECT["ok"] = saved_ok
+    with _STAND_INS_LOCK:  # plans made by several threads at once (tests/test_injection_threads.py)
+        saved = {n: getattr(module, n) for n in stand_ins}
+        saved_ok = module._DIRECT["ok"]
+        try:
+            for n, f in stand_ins.items():
+                setattr(module, n, f)
+            module._DIRECT["ok"] = True
+            slots = tuple(launch.slots) + (None,) * getattr(launch, "unset", 0)  # as the plan gave them
+            twin = module._Launch(Kernel(), launch.grid, launch.args, launch.kwargs, slots, torch.device("cuda", 0))
+            twin._adopt(Compiled(), tensors)
+            if twin.direct is None or twin.direct(*tensors) is not True or len(ran) != 1:
+                return "no direct launch was made, or it declined an aligned call on the current device"
+        finally:
+            for n, f in saved.items():
+                setattr(module, n, f)
+            module._DIRECT["ok"] = saved_ok
     got = ran[0]
     grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
     if got[:9] != (*grid, 7, function, metadata, None, None, None):

@@ -137,3 +137,47 @@ def test_swap_keeps_a_layer_an_accelerate_or_diffusers_hook_wraps(gen):
     assert swapped == 1 and isinstance(root[2], fl.Fp8Linear)
     assert type(root[0]) is torch.nn.Linear and type(root[1]) is torch.nn.Linear and len(left) == 2
     assert fl.restore_from_fp8(root) == 1 and type(root[2]) is torch.nn.Linear
+
+
+def test_layer_moved_out_of_the_meta_device_raises_until_its_state_is_loaded(gen):
+    """meta -> to_empty gives memory without values: the layer raises instead of computing with them, refuses
+    half a state, and computes as before once its own state dict is loaded."""
+    f8 = fl.Fp8Linear.from_linear(_layer(64, 32, gen), None)
+    x = randn((5, 64), torch.bfloat16, gen)
+    before, sd = f8(x), {k: v.clone() for k, v in f8.state_dict().items()}
+    f8.to("meta")
+    f8.to_empty(device=DEVICE)
+    with pytest.raises(RuntimeError, match="never set"):
+        f8(x)
+    with pytest.raises(RuntimeError, match="load both"):
+        f8.load_state_dict({"weight_fp8": sd["weight_fp8"]}, strict=False)
+    f8.load_state_dict(sd)
+    assert torch.equal(f8(x), before)
+
+
+def test_restore_keeps_each_original_as_it_was(gen):
+    """A bf16 layer with a float32 bias comes back with it (only a model cast since changes the dtype)."""
+    root = torch.nn.Sequential(_layer(64, 32, gen))
+    with torch.no_grad():
+        root[0].bias.data = root[0].bias.float()
+    original = root[0]
+    assert fl.swap_in_fp8(root, [root], offload=False)[0] == 1
+    assert fl.restore_from_fp8(root) == 1
+    assert root[0] is original and original.bias.dtype == torch.float32 and original.weight.dtype == torch.bfloat16
+
+
+def test_a_module_named_base_layer_is_not_taken_for_an_adapter(gen):
+    """Only peft's tuner layers (class attribute adapter_layer_names) keep their linear layers in bf16."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base_layer = _layer(64, 32, gen)
+
+    class Tuner(Holder):
+        adapter_layer_names = ("lora_A", "lora_B")
+
+    plain, tuned = torch.nn.Sequential(Holder()), torch.nn.Sequential(Tuner())
+    assert fl.swap_in_fp8(plain, list(plain.modules()), offload=False) == (1, [])
+    done, left = fl.swap_in_fp8(tuned, list(tuned.modules()), offload=False)
+    assert done == 0 and left == [fl._ADAPTED] and type(tuned[0].base_layer) is torch.nn.Linear

@@ -266,14 +266,16 @@ def test_forward_put_in_place_of_a_feed_forward_module_runs(where):
 
 def test_fused_feed_forward_wiring(monkeypatch):
     """The fused path runs the tanh GELU with per-token FP8 output, and the up projection's bias counts: a
-    large bias moves the fused and the separately quantised outputs alike."""
+    large bias moves the fused and the separately quantised outputs alike (and away from a zero bias)."""
     import activations
 
     _, tr, kw = _bf16_case(num_layers=1)
+    up = tr.transformer_blocks[0].ff.net[0].proj
+    with torch.no_grad():
+        up.bias.fill_(3.0)  # before injection: FP8 layers take no new values
     di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    fused_path = di._fp8_feed_forward
     try:
-        up = tr.transformer_blocks[0].ff.net[0].proj
-        up.bias.fill_(3.0)
         seen = []
         original = activations.gelu
 
@@ -288,8 +290,14 @@ def test_fused_feed_forward_wiring(monkeypatch):
         separate = run_model(tr, kw)
         rel = float((fused.double() - separate.double()).norm() / separate.double().norm())
         assert rel < 0.02, f"fused FP8 feed-forward off the separately quantised one by rel. L2 {rel:.4f}"
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    monkeypatch.setattr(di, "_fp8_feed_forward", fused_path)
+    with torch.no_grad():
         up.bias.zero_()
-        assert float((run_model(tr, kw).double() - separate.double()).norm() / separate.double().norm()) > 0.05
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        assert float((run_model(tr, kw).double() - fused.double()).norm() / fused.double().norm()) > 0.05
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
 
@@ -374,7 +382,7 @@ def test_fp8_state_dict_round_trip_loads_and_computes_the_same():
         di.remove_optimized_kernels(tr, verbose=False)
 
 
-@pytest.mark.parametrize("write", ["weight.copy_", "weight_scale.mul_", "foreign fp8 state"])
+@pytest.mark.parametrize("write", ["weight.copy_", "weight_scale.mul_", "bias.add_", "foreign fp8 state"])
 def test_fp8_weights_written_in_place_make_the_next_call_raise(write):
     """FP8 values or scales changed after quantisation (in place, or a state dict of other FP8 values) would
     compute what no weight says, and removal would drop them: refused, or the next call raises."""
@@ -386,17 +394,19 @@ def test_fp8_weights_written_in_place_make_the_next_call_raise(write):
                 layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen).to(DEVICE, torch.bfloat16))
             elif write == "weight_scale.mul_":
                 layer.weight_scale.mul_(2)
+            elif write == "bias.add_":
+                layer.bias.add_(1)
             else:
                 sd = {k: v.clone() for k, v in layer.state_dict().items()}
                 sd["weight_scale"].mul_(2)
                 with pytest.raises(RuntimeError, match="differs from this layer's"):
                     layer.load_state_dict(sd)
                 return
+        tr.to(DEVICE)  # a move (here to where it is) does not make the layer take the written values as its own
         with pytest.raises(RuntimeError, match="written after quantisation"):
             run_model(tr, kw)
-        tr.to(DEVICE)  # a move does not make the layer take the written values as its own
         with pytest.raises(RuntimeError, match="written after quantisation"):
-            run_model(tr, kw)
+            run_model(tr, kw)  # and it stays refused
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
 
