@@ -213,6 +213,8 @@ def main() -> int:
                 di.inject_optimized_kernels(pipe, verbose=False)
             else:
                 di.remove_optimized_kernels(pipe, verbose=False)
+            if gpu:  # after each switch, as before the first round's timed runs
+                _warm_up(pipe, args, device)
             times[side] = generate(pipe, args, device, timed=True)[1]
         rounds.append((times["unpatched"], times["patched"]))
 
@@ -252,13 +254,17 @@ def _fill_defaults(args, gpu: bool) -> None:
             setattr(args, name, g if gpu else c)
 
 
+def _warm_up(pipe, args, device) -> None:
+    """A 2-step run: compiles what the next run would, and warms cuBLAS and the allocator."""
+    generate(pipe, argparse.Namespace(**{**vars(args), "steps": 2}), device)
+
+
 def _timed_run(pipe, args, device, gpu: bool, call=None):
     """On a GPU a 2-step warm-up run first; then a timed run. Returns (final latents, step times in ms,
     the keyword arguments of one transformer call: `call` if given, else the run's first, and that call's
     time replayed from a CUDA graph in ms or None on the CPU)."""
-    warmup = argparse.Namespace(**{**vars(args), "steps": 2})
     if gpu:
-        generate(pipe, warmup, device)
+        _warm_up(pipe, args, device)
     latents, step_ms, first_call = generate(pipe, args, device, timed=True)
     call = first_call if call is None else call
     graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
