@@ -735,7 +735,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     counts = injected_counts(pipe_or_model)
     found = bool(transformers or vaes) or mmdit is not None or wan is not None
     none_found = "" if found else "no LTX-Video, SD3, FLUX or Wan model found"
-    msg = ic.counts_message("injected kernels", counts, new, none_found=none_found, skipped=skipped, notes=gelu_notes)
+    notes = [*gelu_notes, ic.cpu_fallback_note(pipe_or_model, new)]
+    msg = ic.counts_message("injected kernels", counts, new, none_found=none_found, skipped=skipped, notes=notes)
     ic.report(logger, msg, verbose)
     return counts
 

@@ -478,6 +478,9 @@ def _main(argv=None) -> int:
     p.add_argument("--out-features", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("tokens", "in_features", "out_features"):  # sizes: at least 1
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     device = torch.device("cuda" if torch.cuda.is_available() and not activations._interpreting() else "cpu")
     if device.type == "cpu" and not activations._interpreting():
         print(json.dumps({"ok": False, "error": "no GPU: set TRITON_INTERPRET=1 to run on the CPU"}))

@@ -989,6 +989,9 @@ def _main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("tokens", "heads", "head_dim"):  # sizes: at least 1
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
     if device == "cpu" and not _interpreting():

@@ -15,6 +15,7 @@ import functools
 import os
 import sys
 import types
+import warnings
 import weakref
 from typing import Optional
 
@@ -647,6 +648,27 @@ def counts_message(title: str, counts: dict, new=None, *, none_found: str = "", 
     for note in dict.fromkeys(n for n in notes if n):
         msg += "; " + note
     return msg
+
+
+def cpu_fallback_note(pipe_or_model, counts: dict) -> str:
+    """A warning (also returned, for the injection's log line) when kernels were injected into a model with
+    weights on the CPU without Triton's interpreter: every injected forward then steps aside to the
+    original code, so a CPU run says nothing about the kernels. "" otherwise."""
+    if interpreting() or not any(counts.values()):
+        return ""
+    if isinstance(pipe_or_model, torch.nn.Module):
+        modules = [pipe_or_model]
+    else:
+        modules = [m for m in getattr(pipe_or_model, "components", {}).values() if isinstance(m, torch.nn.Module)]
+    if not any(p.device.type == "cpu" for m in modules for p in m.parameters()):
+        return ""
+    note = (
+        "weights on the CPU and TRITON_INTERPRET is not set: the injected forwards step aside and run the "
+        "original code (move the model to the GPU, or start Python with TRITON_INTERPRET=1 to run the kernels "
+        "through Triton's interpreter)"
+    )
+    warnings.warn(note, stacklevel=3)
+    return note
 
 
 def report(logger, msg: str, verbose: bool) -> None:

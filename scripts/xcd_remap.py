@@ -181,6 +181,9 @@ def _main(argv=None) -> int:
     p.add_argument("--num-xcds", type=int, default=8, help="XCDs (default 8: MI300X, MI355X)")
     p.add_argument("--show", type=int, default=0, metavar="K", help="also print the first K (pid, xcd, tile)")
     args = p.parse_args(argv)
+    for name in ("num_pids",):  # sizes: at least 1
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     n, x = args.num_pids, args.num_xcds
     try:
         _check_int("--num-pids", n, 0, 2**31 - 1)

@@ -123,3 +123,27 @@ def test_script_help(script):
     r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, f"{script.name} --help exited {r.returncode}:\n{r.stderr[-2000:]}"
     assert "usage" in r.stdout.lower()
+
+
+@pytest.mark.parametrize(
+    "script, option",
+    [
+        ("rmsnorm.py", "--width"),
+        ("layernorm.py", "--rows"),
+        ("activations.py", "--rows"),
+        ("head_norm_rope.py", "--head-dim"),
+        ("fp8_linear.py", "--in-features"),
+        ("xcd_remap.py", "--num-pids"),
+    ],
+)
+def test_self_check_refuses_a_size_below_one(script, option):
+    """A size of 0 is a usage error (exit 2, the option named), not a traceback from inside the check."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / script), option, "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 2 and f"{option} must be at least 1, got 0" in r.stderr, (r.returncode, r.stderr[-1500:])

@@ -847,3 +847,24 @@ def test_diffusers_hook_changing_a_block_output_in_place(mode):
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
     assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+
+
+@pytest.mark.parametrize("interpret", ["1", None])
+def test_injecting_into_a_cpu_model_without_the_interpreter_says_the_kernels_step_aside(monkeypatch, interpret):
+    """On the CPU without TRITON_INTERPRET every injected forward runs the original code: the injection warns
+    and says so in its log line, instead of reporting kernels that will never run."""
+    import warnings
+
+    pipe = di.build_tiny_ltx_pipeline()
+    if interpret is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            di.inject_optimized_kernels(pipe, verbose=False)
+        said = [str(w.message) for w in caught if "step aside" in str(w.message)]
+        assert len(said) == (1 if interpret is None else 0), said
+    finally:
+        di.remove_optimized_kernels(pipe, verbose=False)
