@@ -424,7 +424,8 @@ def _report_context_parallel(bench, runs, results, single, ref32, profiles, worl
         failed |= not ok
         log(
             f"CP x{world} {mode:>8}: {cp['forward_ms']['median']:.2f} ms (slowest rank; rounds "
-            f"{', '.join(f'{t:.1f}' for t in run['round_medians'])}), efficiency {cp['efficiency']:.2f}, "
+            f"{', '.join(f'{t:.1f}' for t in run['round_medians'])}), efficiency "
+            f"{'-' if cp['efficiency'] is None else format(cp['efficiency'], '.2f')}, "
             f"rel-L2 vs 1 GPU {cp['parity']['vs_one_gpu_same_mode']['rel_l2']:.2e}, "
             f"parity {'ok' if ok else 'FAILED'}",
             all_ranks=not ok,
@@ -455,7 +456,10 @@ def _context_parallel_result(bench, mode, run, results, single, ref32, profiles,
         "rule": "finite and rel_l2(cp output, fp32 one-GPU output) <= 1.5 * rel_l2(one-GPU baseline, fp32) + 1e-6",
         "ok": bool(ok),
     }
-    cp.update(scaling(results[mode]["one_gpu"]["forward_ms"]["median"], cp["forward_ms"]["median"], world))
+    if bench.gpu:
+        cp.update(scaling(results[mode]["one_gpu"]["forward_ms"]["median"], cp["forward_ms"]["median"], world))
+    else:  # the interpreter's times are not speed
+        cp.update(speedup_vs_1gpu=None, efficiency=None)
     if mode in profiles:
         cp["profile_rank0"] = profiles[mode]
     return cp
@@ -511,7 +515,7 @@ def _summary(args, torch, be, gpu, world, what, config, results, ok) -> dict:
         if "forward_ms" in r.get("context_parallel", {})
     }
     if "baseline" in cp_ms and "triton" in cp_ms:
-        summary["triton_speedup_vs_baseline_context_parallel"] = cp_ms["baseline"] / cp_ms["triton"]
+        summary["triton_speedup_vs_baseline_context_parallel"] = cp_ms["baseline"] / cp_ms["triton"] if gpu else None
     return summary
 
 
