@@ -320,7 +320,6 @@ def _verdict(stock, patched, restored, ref32) -> dict:
 def _report(summary: dict, gpu: bool) -> None:
     """The results on stderr, the JSON summary on stdout."""
     graph = summary["transformer_call_cuda_graph_ms"]
-    log(f"replaced: {summary['replaced']}")
     log(
         f"step ms (median): unpatched {summary['step_ms']['unpatched_median']}, patched {summary['step_ms']['patched_median']}"
     )
