@@ -716,7 +716,14 @@ def inject_llama_kernels(
     none_found = "" if llama_like else "no Llama-style RMSNorm, MLP, decoder layer or attention found"
     ic.report(
         logger,
-        ic.counts_message("injected Llama kernels", counts, new, none_found=none_found, skipped=skipped),
+        ic.counts_message(
+            "injected Llama kernels",
+            counts,
+            new,
+            none_found=none_found,
+            skipped=skipped,
+            notes=[ic.cpu_fallback_note(model, new)],
+        ),
         verbose,
     )
     return counts

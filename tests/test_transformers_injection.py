@@ -475,3 +475,18 @@ def test_injection_main_reports_meta_counts(capsys):
     assert ti._main(["--num-layers", "4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["injected"] == {"rmsnorm": 9, "fused_add_rmsnorm": 4, "swiglu": 4, "rope": 4, "skinny_gemm": 29}
+
+
+def test_injecting_into_a_cpu_model_without_the_interpreter_warns(monkeypatch, gen):
+    """On the CPU without TRITON_INTERPRET the patched forwards run the original code: the injection says so."""
+    import warnings
+
+    model = ti.build_llama(ti.tiny_llama_config(), device="cpu", dtype=torch.float32, seed=0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ti.inject_llama_kernels(model, verbose=False)
+        assert [w for w in caught if "step aside" in str(w.message)]
+    finally:
+        ti.remove_llama_kernels(model, verbose=False)
