@@ -181,12 +181,8 @@ class Fp8Linear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.weight_fp8
 
-    @weight.setter
-    def weight(self, value):
-        raise AttributeError(f"Fp8Linear.weight cannot be set: {_NO_NEW_WEIGHTS}")
-
     def __setattr__(self, name, value):
-        if name == "weight":  # nn.Module.__setattr__ would register a Parameter before the property is asked
+        if name == "weight":  # read-only; nn.Module.__setattr__ would register a Parameter before a property setter
             raise AttributeError(f"Fp8Linear.weight cannot be set: {_NO_NEW_WEIGHTS}")
         super().__setattr__(name, value)
 
@@ -202,8 +198,9 @@ class Fp8Linear(torch.nn.Module):
         """Take the current guarded state as the layer's (after quantisation, a move, or a load of itself)."""
         self._sealed = self._versions()
 
-    def _stale(self) -> bool:
-        return self._written or self._undefined or self._versions() != self._sealed
+    def _was_written(self) -> bool:
+        """Whether the guarded state changed in place since it was sealed (now or earlier)."""
+        return self._written or self._versions() != self._sealed
 
     def _check_state(self) -> None:
         b, sealed = self._buffers, self._sealed
@@ -235,7 +232,7 @@ class Fp8Linear(torch.nn.Module):
 
     def __getstate__(self):  # copies (deepcopy, pickle, torch.save) carry whether the state was written
         state = self.__dict__.copy()
-        state["_written"] = self._written or self._versions() != self._sealed
+        state["_written"] = self._was_written()
         return state
 
     def __setstate__(self, state):
@@ -251,7 +248,7 @@ class Fp8Linear(torch.nn.Module):
         # nn.Module casts treat FP8 as floating point: a model.to(dtype) would turn the FP8 values and the
         # scales into that dtype. They follow device moves only; the cast asked for is remembered (the bias
         # follows it, as in the layer replaced).
-        self._written = self._written or self._versions() != self._sealed
+        self._written = self._was_written()
         self.model_dtype = fn(torch.empty(0, dtype=self.out_dtype, device=self.weight_fp8.device)).dtype
         for name in ("weight_fp8", "weight_scale"):
             t = self._buffers[name]
@@ -288,7 +285,7 @@ class Fp8Linear(torch.nn.Module):
                 ):
                     errors.append(f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}")
                     return
-        stale = self._written or self._versions() != self._sealed
+        stale = self._was_written()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
         if self._undefined:
             self._undefined = stale = False

@@ -8,7 +8,7 @@ weights, a small random T5 and a small VAE with the released compression. Defaul
 480x704, 8 steps, bf16. Step times are measured with CUDA events. At that size an eager step
 waits on the CPU issuing kernels (Python), so one transformer call is also timed replayed from a
 CUDA graph: the GPU time of the kernels themselves. The host's speed drifts (on a shared machine
-the same eager step can take 55 ms in one minute and 80 in the next), so the timed runs alternate,
+by tens of percent between runs minutes apart), so the timed runs alternate,
 --rounds times: unpatched, patched; then patched, unpatched; ...; the speed-up is the ratio of the
 pooled medians, with each round's own ratio listed beside it.
 Without a GPU (or with --device-free): a tiny random pipeline on the CPU through Triton's
