@@ -76,6 +76,13 @@ def quantize_weight(weight: torch.Tensor, fp8_dtype: Optional[torch.dtype] = Non
 def _check_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     if x_fp8.dtype not in _FP8_MAX or w_fp8.dtype != x_fp8.dtype:
         raise TypeError(f"x_fp8 and w_fp8 must share one FP8 dtype, got {x_fp8.dtype} and {w_fp8.dtype}")
+    if x_fp8.device.type != "cpu" and x_fp8.dtype != activations._fp8_dtype_for(x_fp8.device):
+        # the GPU's BLAS takes only its matrix cores' format (cuBLASLt has no e4m3fnuz and fails with an
+        # internal assert; gfx942's hipBLASLt takes e4m3fnuz only)
+        raise TypeError(
+            f"{x_fp8.dtype} is not this GPU's FP8 format ({activations._fp8_dtype_for(x_fp8.device)}): quantise "
+            "with fp8_dtype=None (the device's format)"
+        )
     n, k = w_fp8.shape
     if x_fp8.shape[-1] != k:
         raise ValueError(f"x_fp8 has K = {x_fp8.shape[-1]} but w_fp8 [N, K] has K = {k}")

@@ -11,8 +11,10 @@ Each integration passes its own state key, so two injectors never undo each othe
 from __future__ import annotations
 
 import copy
+import datetime
 import functools
 import os
+import shlex
 import sys
 import types
 import warnings
@@ -679,10 +681,12 @@ def report(logger, msg: str, verbose: bool) -> None:
 
 
 def summary_header(gpu: bool, weights: str, library: str) -> dict:
-    """The first entries of an example's JSON summary: the device (the GPU's name, or the CPU under
-    Triton's interpreter), what the weights are, and the versions of torch, triton and library (the
-    package the injected model comes from)."""
+    """The first entries of an example's JSON summary: the date (UTC), the command as run, the device (the
+    GPU's name, or the CPU under Triton's interpreter), what the weights are, and the versions of torch,
+    triton and library (the package the injected model comes from)."""
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", os.path.relpath(sys.argv[0]) if sys.argv[0] else "-", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "weights": weights,
         "versions": {

@@ -46,6 +46,10 @@ def test_fp8_linear_matches_float64(shape, per_token, fp8_dtype, gen):
         xq = activations.fp8_quantize(x, "per_tensor", fp8_scale=xs, fp8_dtype=fp8_dtype)
     wq, ws = fl.quantize_weight(randn((n, k), torch.float32, gen, scale=k**-0.5), fp8_dtype)
     bias = randn((n,), torch.bfloat16, gen, scale=0.1)
+    if DEVICE.type != "cpu" and fp8_dtype != activations._fp8_dtype_for(DEVICE):
+        with pytest.raises(TypeError, match="not this GPU's FP8 format"):  # the BLAS would assert or fail
+            fl.fp8_linear(xq, xs, wq, ws, bias)
+        return
     y = fl.fp8_linear(xq, xs, wq, ws, bias)
     assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], n)
     # one bf16 rounding of an fp32 accumulation of exact products
@@ -53,12 +57,15 @@ def test_fp8_linear_matches_float64(shape, per_token, fp8_dtype, gen):
 
 
 def test_fp8_linear_float32_output_with_bias(gen):
-    """torch._scaled_mm takes no bias with float32 output: the bias is added after it, in fp32."""
+    """torch._scaled_mm takes no bias with float32 output: the bias is added after it, in fp32. A GPU's FP8
+    matrix units may accumulate with fewer bits than fp32 (about 1e-4 relative on an H200), far below a
+    misplaced bias (about 1 here)."""
     xq, xs = activations.fp8_quantize(randn((4, 32), torch.float32, gen))
     wq, ws = fl.quantize_weight(randn((16, 32), torch.float32, gen))
     bias = randn((16,), torch.float32, gen)
     y = fl.fp8_linear(xq, xs, wq, ws, bias, out_dtype=torch.float32)
-    assert_close(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias), torch.float32, rtol=1e-5, atol=1e-5, seed=gen.seed_value)
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
+    assert_close(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias), torch.float32, rtol=tol, atol=tol, seed=gen.seed_value)
 
 
 @pytest.mark.parametrize("bias", [True, False])
