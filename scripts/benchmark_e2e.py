@@ -8,8 +8,8 @@ Modes (same prompt, seed, size, frames and steps for each):
   compile         torch.compile(transformer)
   triton+compile  the kernels injected, then torch.compile (Inductor launches them: torch.library.triton_op)
   triton-fp8      the kernels injected with fp8=True: the transformer blocks' linear layers in FP8
-                  (fp8_linear.Fp8Linear: per-channel weight scales, per-token input scales, torch._scaled_mm);
-                  LTX-Video only, not part of "all": ask for it with --mode
+                  (fp8_linear.Fp8Linear: per-channel weight scales, per-token input scales, torch._scaled_mm;
+                  diffusers_injection.fp8_parents says which); not part of "all": ask for it with --mode
   triton-fp8+compile  the same, then torch.compile
   torchao-fp8     what a diffusers user picks today: torchao's Float8DynamicActivationFloat8WeightConfig
                   (per-row scales) on the same linear layers, no kernels of this bundle; needs torchao
@@ -66,7 +66,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # --model wan --variant: diffusers' WanTransformer3DModel configs of released checkpoints (wan_injection.WAN_CONFIGS)
 WAN_VARIANTS = ("2.1-t2v-1.3b", "2.1-t2v-14b", "2.2-ti2v-5b")
 MODES = ("baseline", "triton", "compile", "triton+compile")
-FP8_MODES = ("triton-fp8", "triton-fp8+compile", "torchao-fp8", "torchao-fp8+compile")  # LTX-Video; not in "all"
+FP8_MODES = ("triton-fp8", "triton-fp8+compile", "torchao-fp8", "torchao-fp8+compile")  # not in "all"
 # What FP8 may cost: an FP8 mode passes when its outputs are no further from the float32 run than this
 # times the (bf16) baseline's distance; the kernels' bf16 modes keep 1.5x.
 FP8_PARITY_FACTOR = 1.25
@@ -164,8 +164,6 @@ def _check_common_args(p, args):
     bad = [m for m in modes if m not in MODES + FP8_MODES]
     if bad:
         p.error(f"unknown mode(s) {bad}; choose from {list(MODES + FP8_MODES)} or all")
-    if any(m in FP8_MODES for m in modes) and args.model != "ltx":
-        p.error(f"the FP8 modes {list(FP8_MODES)} are implemented for --model ltx only")
     if any(m in FP8_MODES for m in modes) and args.dtype not in (None, "bf16"):
         p.error(f"the FP8 modes replace bf16 linear layers: run them with --dtype bf16, not {args.dtype}")
     if any(m.startswith("torchao") for m in modes):
@@ -471,19 +469,22 @@ def judge(outputs: dict, ref32: dict | None, min_psnr: float) -> dict:
 # --------------------------------------------------------------------------------------------
 # Modes
 # --------------------------------------------------------------------------------------------
-def torchao_fp8(model):
+def torchao_fp8(model, di):
     """torchao's FP8 recipe (dynamic per-row activation scales, per-row weight scales) on the bf16 linear
     layers of model's transformer blocks, the layers the bundle's FP8 mode replaces. The original weights
     wait on the CPU meanwhile; returns the function that puts them back (the very same parameters)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     targets = [
-        m for m in model.transformer_blocks.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
+        m
+        for parent in di.fp8_parents(model)
+        for m in parent.children()
+        if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
     ]
     saved = [(m, m.weight, m.weight.device) for m in targets]
     ids = {id(m) for m in targets}
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
-    quantize_(model.transformer_blocks, config, filter_fn=lambda mod, fqn: id(mod) in ids)
+    quantize_(model, config, filter_fn=lambda mod, fqn: id(mod) in ids)
     for m, p, _ in saved:
         if m.weight is p:
             raise RuntimeError("torchao's quantize_ left a linear layer's weight as it was")
@@ -510,7 +511,7 @@ def set_mode(mode, holder, base_model, args, di):
     torch._dynamo.reset()
     counts = None
     if mode.startswith("torchao"):
-        _UNDO.append(torchao_fp8(base_model))
+        _UNDO.append(torchao_fp8(base_model, di))
     if "triton" in mode:
         counts = di.inject_optimized_kernels(base_model, verbose=False, fp8="fp8" in mode)
     model = base_model
@@ -739,17 +740,17 @@ def main(argv=None) -> int:
 
     summary = _summary(args, argv, gpu, weights, _config(args, base_model, inputs), results, ok)
     if any("fp8" in m for m in args.modes) and args.transformer_only:
-        summary["fp8_layer_errors"] = fp8_layer_errors(base_model, inputs)
+        summary["fp8_layer_errors"] = fp8_layer_errors(base_model, inputs, di)
     _report(args, summary, results, ok)
     return 0 if ok else 1
 
 
-def fp8_layer_errors(base_model, inputs) -> dict:
+def fp8_layer_errors(base_model, inputs, di) -> dict:
     """What FP8 costs each linear layer the FP8 modes replace: on one bf16 forward of these inputs, each
     layer's output against its FP8 twin's on the same input (fp8_linear.layer_errors), summarised."""
     import fp8_linear
 
-    errs = fp8_linear.layer_errors(base_model.transformer_blocks, lambda: base_model(**inputs))
+    errs = fp8_linear.layer_errors(base_model, lambda: base_model(**inputs), parents=di.fp8_parents(base_model))
     if not errs:
         return {"layers": 0}
     vals = sorted(errs.values())

@@ -640,7 +640,7 @@ def _empty_counts() -> dict:
 def injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is currently injected in pipe_or_model."""
     counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
-    counts["fp8_linear"] = sum(fp8_linear.fp8_linear_count(m) for m in _ltx_models(pipe_or_model)[0])
+    counts["fp8_linear"] = sum(fp8_linear.fp8_linear_count(m) for m in _fp8_models(pipe_or_model))
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
         counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
@@ -676,8 +676,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     counts and wraps nothing twice). Call it before enable_model_cpu_offload() or after, and
     before torch.compile (the kernels are torch.library ops, so compile traces them).
 
-    fp8=True (LTX-Video transformers only, inference only): the bf16 linear layers of the transformer
-    blocks become fp8_linear.Fp8Linear (FP8 weight, one scale per output channel; inputs quantised per
+    fp8=True (LTX-Video, SD3, FLUX and Wan transformers; inference only): the bf16 linear layers of the
+    transformer blocks (fp8_parents: not the AdaLN norms' layers) become fp8_linear.Fp8Linear (FP8 weight, one scale per output channel; inputs quantised per
     token; torch._scaled_mm); their bf16 weights move to the CPU until remove_optimized_kernels puts the
     same modules back. Layers under a LoRA or other adapter stay bf16. FP8 changes the output by more
     than the kernels alone do: check it on your weights (references/diffusers-integration.md). A later
@@ -692,26 +692,9 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     new = _empty_counts()
     skipped = []
     gelu_notes = []
-    if fp8 and not transformers:
-        raise ValueError("fp8=True is implemented for LTX-Video transformers; none was found in the argument")
+    if fp8:  # first: a transformer with nothing to replace raises before anything is injected
+        new["fp8_linear"] += _swap_in_fp8(pipe_or_model, skipped)
     for model in transformers:
-        if fp8:  # first: a transformer with nothing to replace raises before anything is injected
-            parents = [m for blk in getattr(model, "transformer_blocks", ()) for m in blk.modules()]
-            swapped, left = fp8_linear.swap_in_fp8(model, parents)
-            if left and not swapped and not fp8_linear.fp8_linear_count(model):
-                hint = ""
-                if any(why != fp8_linear._ADAPTED for why in left):
-                    hint = (
-                        ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
-                        "(and inject before enable_model_cpu_offload())"
-                    )
-                raise ValueError(
-                    "fp8=True replaced no linear layer of the LTX-Video transformer: "
-                    + "; ".join(sorted(set(left)))
-                    + hint
-                )
-            new["fp8_linear"] += swapped
-            skipped += [f"{why}: kept in bf16" for why in left]
         _inject_ltx_transformer(model, new, skipped, gelu_notes)
     for vae in vaes:
         for m in vae.modules():
@@ -739,6 +722,68 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     msg = ic.counts_message("injected kernels", counts, new, none_found=none_found, skipped=skipped, notes=notes)
     ic.report(logger, msg, verbose)
     return counts
+
+
+def _fp8_models(pipe_or_model) -> list:
+    """The transformers fp8=True applies to (LTX-Video, SD3, FLUX, Wan), each once."""
+    import mmdit_injection
+    import wan_injection
+
+    return [
+        *_ltx_models(pipe_or_model)[0],
+        *mmdit_injection.find_mmdit_models(pipe_or_model),
+        *wan_injection.find_wan_models(pipe_or_model),
+    ]
+
+
+def fp8_parents(model: torch.nn.Module) -> list:
+    """The modules whose nn.Linear children fp8=True turns into FP8: everything inside the transformer blocks
+    (attention projections, feed-forward, FLUX's single-block MLP) except the AdaLN norms and what they hold.
+    Those norms' linear layers (SD3, FLUX) take the timestep embedding, one row per sample, so FP8 would
+    speed nothing up, and their outputs scale and shift every token, so their error would reach all of them."""
+    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks", "blocks") for b in getattr(model, name, None) or ()]  # fmt: skip
+    parents, inside_norm = [], set()
+    for blk in blocks:
+        for m in blk.modules():  # pre-order: a norm comes before its children
+            if id(m) in inside_norm:
+                continue
+            if "Norm" in type(m).__name__:
+                inside_norm.update(id(x) for x in m.modules())
+                continue
+            parents.append(m)
+    return parents
+
+
+def _swap_in_fp8(pipe_or_model, skipped: list) -> int:
+    """fp8=True: swap the block linear layers of every supported transformer (fp8_parents) for Fp8Linear.
+    Raises ValueError, having changed nothing it cannot undo, where there is no such transformer or a
+    transformer has no layer it can swap. Adds the layers left in bf16 to skipped; returns the count."""
+    models = _fp8_models(pipe_or_model)
+    if not models:
+        raise ValueError(
+            "fp8=True is implemented for LTX-Video, SD3, FLUX and Wan transformers; none was found in the argument"
+        )
+    total = 0
+    before = [fp8_linear.fp8_linear_count(m) for m in models]
+    for i, model in enumerate(models):
+        swapped, left = fp8_linear.swap_in_fp8(model, fp8_parents(model))
+        if left and not swapped and not fp8_linear.fp8_linear_count(model):
+            hint = ""
+            if any(why != fp8_linear._ADAPTED for why in left):
+                hint = (
+                    ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
+                    "(and inject before enable_model_cpu_offload())"
+                )
+            for done, keep in zip(models[:i], before):  # nothing half done: this call's swaps undone
+                fp8_linear.restore_from_fp8(done, keep=keep)
+            raise ValueError(
+                f"fp8=True replaced no linear layer of the {type(model).__name__}: "
+                + "; ".join(sorted(set(left)))
+                + hint
+            )
+        total += swapped
+        skipped += [f"{why}: kept in bf16" for why in left]
+    return total
 
 
 def _inject_ltx_transformer(model, new: dict, skipped: list, gelu_notes: list) -> None:
@@ -799,7 +844,7 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     Returns the counts per kind of what was restored.
     """
     restored = _empty_counts()
-    for model in _ltx_models(pipe_or_model)[0]:
+    for model in _fp8_models(pipe_or_model):
         restored["fp8_linear"] += fp8_linear.restore_from_fp8(model)
     for m in ic.unique_modules(pipe_or_model):
         ic.link_next(m, None)

@@ -412,14 +412,15 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     return done, left
 
 
-def restore_from_fp8(root: torch.nn.Module) -> int:
+def restore_from_fp8(root: torch.nn.Module, *, keep: int = 0) -> int:
     """Undo swap_in_fp8 on root: the original modules back in place, on the device of the twin each
-    replaces (where the model is now), and in the dtype the model was cast to since if it was. A slot that no longer holds the twin (something else was put there
-    since) keeps what it holds. Each entry leaves the record only once handled, so a failure (out of memory,
-    say) leaves the rest to a second call. Returns how many were restored."""
+    replaces (where the model is now), and in the dtype the model was cast to since if it was. A slot that
+    no longer holds the twin (something else was put there since) keeps what it holds. Each entry leaves
+    the record only once handled, so a failure (out of memory, say) leaves the rest to a second call.
+    keep: leave the first keep swaps in place (undo only the later ones). Returns how many were restored."""
     record = root.__dict__.get(_SWAPPED, [])
     n = 0
-    while record:
+    while len(record) > keep:
         parent, name, original, twin = record[-1]
         if parent._modules.get(name) is twin:
             if twin.model_dtype is twin.out_dtype:
@@ -429,7 +430,8 @@ def restore_from_fp8(root: torch.nn.Module) -> int:
             parent._modules[name] = original
             n += 1
         record.pop()
-    root.__dict__.pop(_SWAPPED, None)
+    if not record:
+        root.__dict__.pop(_SWAPPED, None)
     return n
 
 
@@ -438,11 +440,13 @@ def fp8_linear_count(root: torch.nn.Module) -> int:
     return len(root.__dict__.get(_SWAPPED, ()))
 
 
-def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None) -> dict:
+def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -> dict:
     """Per layer, what FP8 costs it: runs forward() once with a hook on every plain bf16 nn.Linear under
-    root that swap_in_fp8 would replace, and compares, on the very input each layer receives, its output
-    with its Fp8Linear twin's (relative L2, float64). Returns {qualified name: rel. L2}; nothing is kept
-    and root is left as it was (hooks removed, also on failure). Run it on the bf16 model, not an FP8 one."""
+    root that swap_in_fp8 would replace (only the children of parents, if given), and compares, on the very
+    input each layer receives, its output with its Fp8Linear twin's (relative L2, float64). Returns
+    {qualified name: rel. L2}; nothing is kept and root is left as it was (hooks removed, also on
+    failure). Run it on the bf16 model, not an FP8 one."""
+    among = None if parents is None else {id(c) for p in parents for c in p.children()}
     errors, handles = {}, []
 
     def hook(name):
@@ -459,6 +463,8 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None) -> dict:
     try:
         adapted = _inside_adapters(root.modules())
         for name, m in root.named_modules():
+            if among is not None and id(m) not in among:
+                continue
             if isinstance(m, torch.nn.Linear) and id(m) not in adapted and _eligible(m) is None:
                 handles.append(m.register_forward_hook(hook(name)))
         with torch.no_grad():

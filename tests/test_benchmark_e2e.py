@@ -168,14 +168,21 @@ def test_torchao_mode_puts_the_very_same_weights_back(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.quantization", fake)
 
+    import diffusers_injection as di
+
+    class AdaLayerNormZero(torch.nn.Module):  # an AdaLN norm's linear layer stays bf16 in the FP8 modes
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 96)
+
     model = torch.nn.Module()
     model.transformer_blocks = torch.nn.ModuleList(
-        [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))]
+        [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16), AdaLayerNormZero())]
     ).to(torch.bfloat16)
     model.proj_out = torch.nn.Linear(16, 8).to(torch.bfloat16)
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
-    undo = be.torchao_fp8(model)
-    assert calls == ["0.0", "0.2"], "only the blocks' bf16 linear layers"
+    undo = be.torchao_fp8(model, di)
+    assert calls == ["transformer_blocks.0.0", "transformer_blocks.0.2"], "the blocks' bf16 linear layers, no norm's"
     assert float(model.transformer_blocks[0][0].weight.abs().sum()) == 0.0
     undo()
     for n, p in model.named_parameters():

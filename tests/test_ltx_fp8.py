@@ -120,8 +120,8 @@ def test_fp8_argument_checked(bad):
         di.inject_optimized_kernels(tr, verbose=False, fp8=bad)
 
 
-def test_fp8_without_an_ltx_transformer_is_refused():
-    with pytest.raises(ValueError, match="LTX-Video transformers"):
+def test_fp8_without_a_supported_transformer_is_refused():
+    with pytest.raises(ValueError, match="LTX-Video, SD3, FLUX and Wan transformers"):
         di.inject_optimized_kernels(torch.nn.Sequential(torch.nn.Linear(16, 16)), verbose=False, fp8=True)
 
 
@@ -236,7 +236,7 @@ def test_benchmark_summary_of_layer_errors():
     import benchmark_e2e as be
 
     _, tr, kw = _bf16_case(num_layers=1)
-    s = be.fp8_layer_errors(tr, kw)
+    s = be.fp8_layer_errors(tr, kw, di)
     assert s["layers"] == LINEARS_PER_BLOCK and 0 < s["median"] <= s["max"] < 0.1
     assert len(s["worst"]) == 5 and s["worst"][0]["rel_l2"] == s["max"]
 

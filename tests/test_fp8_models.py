@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""inject_optimized_kernels(fp8=True) on SD3, FLUX and Wan: which linear layers become FP8, that the model
+then computes the FP8 products (against a float64 PyTorch reference of them, hooked into the bf16 model),
+and that removal puts the very same modules back. Tiny random transformers, through Triton's interpreter
+on the CPU or natively on a GPU. LTX-Video's FP8 mode: test_ltx_fp8.py."""
+
+import pytest
+import torch
+
+import diffusers_injection as di
+import fp8_linear
+import mmdit_injection as mi
+import wan_injection as wi
+from kernel_testing import DEVICE, make_generator, run_model
+
+MODELS = ("sd3", "flux", "wan")
+
+
+def _case(kind, seed):
+    if kind == "wan":
+        model = wi.build_wan_transformer("tiny", dtype=torch.bfloat16, device=DEVICE, seed=seed)
+        return model, wi.make_wan_inputs(model, dtype=torch.bfloat16, device=DEVICE, seed=seed + 1)
+    build = mi.build_sd3_transformer if kind == "sd3" else mi.build_flux_transformer
+    model = build("tiny", dtype=torch.bfloat16, device=DEVICE, seed=seed)
+    kw = mi.make_mmdit_inputs(model, batch=2, height=64, width=64, text_len=7, device=DEVICE, seed=seed + 1)
+    return model, kw
+
+
+def _expected_fp8_names(model):
+    """By name: the nn.Linear layers inside the blocks with no norm module on their path (the AdaLN norms'
+    linear layers take the timestep embedding and stay bf16)."""
+    modules = dict(model.named_modules())
+    names = []
+    for name, m in modules.items():
+        parts = name.split(".")
+        if type(m) is not torch.nn.Linear or parts[0] not in (
+            "transformer_blocks",
+            "single_transformer_blocks",
+            "blocks",
+        ):
+            continue
+        path = [".".join(parts[:i]) for i in range(1, len(parts))]
+        if not any("Norm" in type(modules[p]).__name__ for p in path):
+            names.append(name)
+    return names
+
+
+def _fp8_product(x, layer, weight):
+    """float64 FP8 product of an Fp8Linear on input x, by PyTorch ops from the bf16 weight it was made from:
+    scale = max|row| / fp8 max per row of x and per output channel of the weight; x times 1 / scale in fp32
+    (what the quantising kernels compute: one multiply) and the weight divided by its scale
+    (fp8_linear.quantize_weight), each rounded to the nearest FP8; multiplied exactly, the bias added."""
+    fp8 = layer.weight_fp8.dtype
+    fmax = torch.finfo(fp8).max
+
+    def scale_of(t):
+        return (t.float().abs().amax(-1, keepdim=True) / fmax).clamp_min(1e-12)
+
+    def fp8_values(q, scale):
+        return q.clamp(-fmax, fmax).to(fp8).double() * scale.double()
+
+    sx, sw = scale_of(x), scale_of(weight)
+    y = fp8_values(x.float() * (1.0 / sx), sx) @ fp8_values(weight.float() / sw, sw).T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_fp8_layers_compute_the_fp8_products_and_removal_restores_exactly(kind):
+    seed = make_generator().seed_value
+    model, kw = _case(kind, seed)
+    expected = _expected_fp8_names(model)
+    originals = {n: m for n, m in model.named_modules() if n in expected}
+    stock = run_model(model, kw)
+    di.inject_optimized_kernels(model, verbose=False)
+    bf16_kernels = run_model(model, kw)
+    di.remove_optimized_kernels(model, verbose=False)
+
+    counts = di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    errors, handles = {}, []
+    try:
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, fp8_linear.Fp8Linear)}
+        assert list(layers) == expected and counts["fp8_linear"] == len(expected) > 0
+        kept = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and ".norm" in n]
+        assert kept or kind == "wan", "the AdaLN norms' linear layers stay bf16"
+        for name, layer in layers.items():  # each layer, on the input it gets in the model: its FP8 product
+            weight = originals[name].weight.to(DEVICE)  # (the swap moved the bf16 layer to the CPU)
+
+            def check(module, args, out, name=name, weight=weight):
+                errors[name] = _rel(out, _fp8_product(args[0], module, weight))
+
+            handles.append(layer.register_forward_hook(check))
+        out = run_model(model, kw)
+    finally:
+        for h in handles:
+            h.remove()
+        restored = di.remove_optimized_kernels(model, verbose=False)
+
+    assert sorted(errors) == sorted(expected), "every FP8 layer ran"
+    # the bf16 rounding of the output (about 2e-3); the bf16 product would be 1.5e-2 to 4e-2 away (FP8's
+    # error, test_layer_errors_cover_the_layers_fp8_replaces)
+    assert max(errors.values()) < 5e-3, f"{kind}: {errors} (seed {seed})"
+    assert torch.isfinite(out).all()
+    to_bf16 = _rel(out, bf16_kernels)
+    assert 1e-3 < to_bf16 < 0.15, f"{kind}: FP8 output off the bf16 model's by {to_bf16:.4f} (seed {seed})"
+    assert restored["fp8_linear"] == len(expected)
+    assert all(dict(model.named_modules())[n] is m for n, m in originals.items()), "the very same modules"
+    assert torch.equal(run_model(model, kw), stock)
+
+
+def test_a_model_with_nothing_to_swap_undoes_this_calls_swaps_in_the_others():
+    """SD3 in bf16 and Wan in float32 in one container: Wan has no layer FP8 can take, so the call raises,
+    and SD3 keeps only the FP8 layers of an earlier call (none, then all of its own)."""
+    seed = make_generator().seed_value
+    sd3, _ = _case("sd3", seed)
+    wan = wi.build_wan_transformer("tiny", dtype=torch.float32, device=DEVICE, seed=seed)
+    both = torch.nn.ModuleDict({"transformer": sd3, "transformer_2": wan})
+    with pytest.raises(ValueError, match="replaced no linear layer of the WanTransformer3DModel.*float32 weight"):
+        di.inject_optimized_kernels(both, verbose=False, fp8=True)
+    assert fp8_linear.fp8_linear_count(sd3) == 0
+    assert not any(isinstance(m, fp8_linear.Fp8Linear) for m in sd3.modules())
+    assert di.injected_counts(both) == {k: 0 for k in di.injected_counts(both)}, "nothing injected"
+
+    first = di.inject_optimized_kernels(sd3, verbose=False, fp8=True)["fp8_linear"]
+    with pytest.raises(ValueError, match="replaced no linear layer"):
+        di.inject_optimized_kernels(both, verbose=False, fp8=True)
+    assert fp8_linear.fp8_linear_count(sd3) == first > 0, "the earlier call's FP8 layers stay"
+    di.remove_optimized_kernels(both, verbose=False)
+    assert fp8_linear.fp8_linear_count(sd3) == 0 and not any(isinstance(m, fp8_linear.Fp8Linear) for m in sd3.modules())
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_layer_errors_cover_the_layers_fp8_replaces(kind):
+    model, kw = _case(kind, make_generator().seed_value)
+    errs = fp8_linear.layer_errors(model, lambda: run_model(model, kw), parents=di.fp8_parents(model))
+    assert sorted(errs) == sorted(_expected_fp8_names(model))
+    assert all(0 < e < 0.1 for e in errs.values()), errs
