@@ -475,12 +475,9 @@ def torchao_fp8(model, di):
     wait on the CPU meanwhile; returns the function that puts them back (the very same parameters)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
-    targets = [
-        m
-        for parent in di.fp8_parents(model)
-        for m in parent.children()
-        if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
-    ]
+    import fp8_linear
+
+    targets = fp8_linear.eligible_layers(di.fp8_parents(model))
     saved = [(m, m.weight, m.weight.device) for m in targets]
     ids = {id(m) for m in targets}
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())

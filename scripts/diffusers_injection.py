@@ -276,8 +276,9 @@ def _link_blocks(model) -> None:
 
 def _fp8_layers(*layers) -> bool:
     """Whether each layer is an Fp8Linear that runs its own forward only (no hooks), all in one format."""
-    fmt = {getattr(getattr(m, "weight", None), "dtype", None) for m in layers}
-    return len(fmt) == 1 and all(type(m) is fp8_linear.Fp8Linear and ic.unwrapped(m) for m in layers)
+    if not all(type(m) is fp8_linear.Fp8Linear and ic.unwrapped(m) for m in layers):
+        return False
+    return len({m.weight_fp8.dtype for m in layers}) == 1
 
 
 def _project_qkv(attn, hidden_states, encoder_hidden_states):
@@ -286,7 +287,7 @@ def _project_qkv(attn, hidden_states, encoder_hidden_states):
     if not _fp8_layers(attn.to_q, attn.to_k, attn.to_v):
         q = ic.call(attn.to_q, hidden_states)
         return q, ic.call(attn.to_k, encoder_hidden_states), ic.call(attn.to_v, encoder_hidden_states)
-    fmt = attn.to_q.weight.dtype
+    fmt = attn.to_q.weight_fp8.dtype
     x8, xs = activations.fp8_quantize(hidden_states, fp8_dtype=fmt)
     e8, es = (
         (x8, xs)
@@ -380,14 +381,14 @@ def _ltx_block_forward(
     # With an FP8 feed-forward the norm writes the up-projection's FP8 input and per-token scales and the
     # GELU the down-projection's (no separate quantisation pass for either).
     fp8_ff = _fp8_feed_forward(self.ff)
-    fp8 = dict(fp8="per_token", fp8_dtype=fp8_ff[0].weight.dtype) if fp8_ff is not None else {}
+    fp8 = dict(fp8="per_token", fp8_dtype=fp8_ff[0].weight_fp8.dtype) if fp8_ff is not None else {}
     hidden_states, *norm = rmsnorm.gated_residual_rms_norm_modulate(
         hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, args2[0], self.norm2.eps,
         cast_before_weight=args2[1], **fp8,
     )  # fmt: skip
     if fp8_ff is not None:
         up, down = fp8_ff
-        g8, g_scale = activations.gelu(up.forward_fp8(*norm), "tanh", fp8="per_token", fp8_dtype=down.weight.dtype)
+        g8, g_scale = activations.gelu(up.forward_fp8(*norm), "tanh", fp8="per_token", fp8_dtype=down.weight_fp8.dtype)
         ff_output = down.forward_fp8(g8, g_scale)
     else:
         ff_output = ic.feed_forward(self.ff, norm[0], FeedForward)

@@ -44,6 +44,7 @@ __all__ = [
     "swap_in_fp8",
     "restore_from_fp8",
     "fp8_linear_count",
+    "eligible_layers",
     "layer_errors",
 ]
 
@@ -149,6 +150,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+_NO_WEIGHT = (
+    "to fuse projections or read or change weights, remove_optimized_kernels(model) first (the bf16 layers come "
+    "back), then inject again"
+)
 _NO_NEW_WEIGHTS = (
     "an FP8 layer cannot take new weights (its FP8 values and scales come from the weight it was made "
     "from): remove_optimized_kernels(model) first (the bf16 layers come back), change the weights, then "
@@ -161,7 +166,9 @@ class Fp8Linear(torch.nn.Module):
     module docstring. Build with ``Fp8Linear.from_linear(linear)``; inference only.
 
     Its state: ``weight_fp8`` (FP8 [N, K]), ``weight_scale`` (float32 [N]) and ``bias`` (kept as given).
-    ``weight`` reads ``weight_fp8`` (for code that inspects a layer's dtype or device) and cannot be set.
+    It has no ``weight``: reading it raises AttributeError (code that builds layers from weights, such as
+    diffusers' ``fuse_qkv_projections``, would otherwise take FP8 values without their scales), and setting
+    it too.
     What would make the layer compute something other than the layer it replaces fails loudly: a state
     dict with a ``weight`` (a bf16 checkpoint) or with other values than the layer's is refused; values
     written in place after quantisation (``copy_``, ``mul_``) make the next eager call raise (not checked
@@ -184,9 +191,11 @@ class Fp8Linear(torch.nn.Module):
         self._undefined = False  # moved out of the meta device: values not set yet
         self._seal()
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_fp8
+    def __getattr__(self, name):
+        if name == "weight":  # no bf16 weight to read: code that builds layers from .weight (diffusers'
+            # fuse_projections, say) would take FP8 values without their scales
+            raise AttributeError(f"Fp8Linear has no weight (it holds weight_fp8 and weight_scale): {_NO_WEIGHT}")
+        return super().__getattr__(name)
 
     def __setattr__(self, name, value):
         if name == "weight":  # read-only; nn.Module.__setattr__ would register a Parameter before a property setter
@@ -318,7 +327,7 @@ class Fp8Linear(torch.nn.Module):
         return cls(q, s, bias, w.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.weight.dtype}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.weight_fp8.dtype}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
@@ -373,6 +382,21 @@ def _inside_adapters(modules) -> set:
     return {id(x) for m in modules if _is_adapter(m) for x in m.modules()}
 
 
+def eligible_layers(parents) -> list:
+    """The nn.Linear children of parents that swap_in_fp8 would replace, each once (for a comparison that
+    quantises the very same layers another way)."""
+    parents = list(parents)
+    adapted = _inside_adapters(parents)
+    found = {}
+    for parent in parents:
+        if id(parent) in adapted:
+            continue
+        for child in parent._modules.values():
+            if isinstance(child, torch.nn.Linear) and not _is_adapter(child) and _eligible(child) is None:
+                found.setdefault(id(child), child)
+    return list(found.values())
+
+
 def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True):
     """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
     Layers under a LoRA or other peft adapter stay as they are (peft reads, merges and unloads base layers).
@@ -424,9 +448,9 @@ def restore_from_fp8(root: torch.nn.Module, *, keep: int = 0) -> int:
         parent, name, original, twin = record[-1]
         if parent._modules.get(name) is twin:
             if twin.model_dtype is twin.out_dtype:
-                original.to(twin.weight.device)
+                original.to(twin.weight_fp8.device)
             else:  # the model was cast meanwhile
-                original.to(twin.weight.device, twin.model_dtype)
+                original.to(twin.weight_fp8.device, twin.model_dtype)
             parent._modules[name] = original
             n += 1
         record.pop()
@@ -446,7 +470,7 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -
     input each layer receives, its output with its Fp8Linear twin's (relative L2, float64). Returns
     {qualified name: rel. L2}; nothing is kept and root is left as it was (hooks removed, also on
     failure). Run it on the bf16 model, not an FP8 one."""
-    among = None if parents is None else {id(c) for p in parents for c in p.children()}
+    among = None if parents is None else {id(m) for m in eligible_layers(parents)}
     errors, handles = {}, []
 
     def hook(name):
@@ -503,12 +527,12 @@ def _main(argv=None) -> int:
         f8 = Fp8Linear.from_linear(lin)
         y8 = f8(x)
         y = lin(x)
-        xq, xs = activations.fp8_quantize(x, fp8_dtype=f8.weight.dtype)
-        ref = fp8_linear_ref(xq, xs, f8.weight, f8.weight_scale, f8.bias)
+        xq, xs = activations.fp8_quantize(x, fp8_dtype=f8.weight_fp8.dtype)
+        ref = fp8_linear_ref(xq, xs, f8.weight_fp8, f8.weight_scale, f8.bias)
     gemm_err = float(((y8.double() - ref).norm() / ref.norm()).item())
     fp8_cost = float(((y8.double() - y.double()).norm() / y.double().norm()).item())
     ok = gemm_err < 1e-2 and fp8_cost < 0.1
-    print(json.dumps({"device": str(device), "fp8_dtype": str(f8.weight.dtype), "gemm_rel_l2_vs_float64": gemm_err,
+    print(json.dumps({"device": str(device), "fp8_dtype": str(f8.weight_fp8.dtype), "gemm_rel_l2_vs_float64": gemm_err,
                       "rel_l2_vs_bf16_linear": fp8_cost, "ok": ok}))  # fmt: skip
     return 0 if ok else 1
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import benchmark_e2e as be
-from kernel_testing import run_python
+from kernel_testing import DEVICE, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CPU_RUN = pytest.mark.skipif(
@@ -178,11 +178,14 @@ def test_torchao_mode_puts_the_very_same_weights_back(monkeypatch):
     model = torch.nn.Module()
     model.transformer_blocks = torch.nn.ModuleList(
         [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16), AdaLayerNormZero())]
-    ).to(torch.bfloat16)
-    model.proj_out = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    ).to(DEVICE, torch.bfloat16)
+    model.proj_out = torch.nn.Linear(16, 8).to(DEVICE, torch.bfloat16)
+    hooked = torch.nn.Linear(16, 16).to(DEVICE, torch.bfloat16)  # the FP8 mode leaves hooked layers in bf16
+    hooked.register_forward_hook(lambda *a: None)
+    model.transformer_blocks[0].append(hooked)
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
     undo = be.torchao_fp8(model, di)
-    assert calls == ["transformer_blocks.0.0", "transformer_blocks.0.2"], "the blocks' bf16 linear layers, no norm's"
+    assert calls == ["transformer_blocks.0.0", "transformer_blocks.0.2"], "the layers the FP8 mode replaces"
     assert float(model.transformer_blocks[0][0].weight.abs().sum()) == 0.0
     undo()
     for n, p in model.named_parameters():

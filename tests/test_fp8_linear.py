@@ -73,13 +73,13 @@ def test_fp8_layer_against_bf16_layer(bias, gen):
     lin = _layer(256, 128, gen, bias)
     x = randn((3, 9, 256), torch.bfloat16, gen)
     f8 = fl.Fp8Linear.from_linear(lin)
-    assert f8.weight.dtype == activations._fp8_dtype_for(DEVICE) and f8.out_dtype == torch.bfloat16
+    assert f8.weight_fp8.dtype == activations._fp8_dtype_for(DEVICE) and f8.out_dtype == torch.bfloat16
     with torch.no_grad(), poisoned_outputs():
         y8, y = f8(x), lin(x)
-        xq, xs = activations.fp8_quantize(x, fp8_dtype=f8.weight.dtype)
+        xq, xs = activations.fp8_quantize(x, fp8_dtype=f8.weight_fp8.dtype)
         assert torch.equal(f8.forward_fp8(xq, xs), y8), "forward is fp8_quantize then forward_fp8"
     # the product itself is exact up to the output rounding: the error is FP8's, a few percent
-    assert_close(y8, fl.fp8_linear_ref(xq, xs, f8.weight, f8.weight_scale, f8.bias), torch.bfloat16)
+    assert_close(y8, fl.fp8_linear_ref(xq, xs, f8.weight_fp8, f8.weight_scale, f8.bias), torch.bfloat16)
     rel = float((y8.double() - y.double()).norm() / y.double().norm())
     assert 1e-4 < rel < 0.06, f"FP8 layer off the bf16 layer by rel. L2 {rel:.4f} (seed {gen.seed_value})"
 

@@ -13,13 +13,34 @@ import mmdit_injection as mi
 import wan_injection as wi
 from kernel_testing import DEVICE, make_generator, run_model
 
-MODELS = ("sd3", "flux", "wan")
+MODELS = ("sd3", "flux", "wan", "wan-i2v")
+# named independently of the rule in diffusers_injection.fp8_parents: layers that must become FP8, and the
+# AdaLN norms' layers inside the blocks that must stay bf16
+MUST_BE_FP8 = {
+    "sd3": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.add_k_proj", "transformer_blocks.0.attn2.to_v",
+            "transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.ff_context.net.2"],
+    "flux": ["transformer_blocks.0.attn.to_add_out", "transformer_blocks.0.ff.net.2",
+             "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out",
+             "single_transformer_blocks.0.attn.to_q"],
+    "wan": ["blocks.0.attn1.to_q", "blocks.0.attn2.to_out.0", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"],
+    "wan-i2v": ["blocks.0.attn2.add_k_proj", "blocks.0.attn2.add_v_proj", "blocks.0.attn2.to_k"],
+}  # fmt: skip
+MUST_STAY_BF16 = {
+    "sd3": ["transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+            "transformer_blocks.1.norm1.linear", "proj_out", "context_embedder"],
+    "flux": ["transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+             "single_transformer_blocks.0.norm.linear", "x_embedder", "proj_out"],
+    "wan": ["condition_embedder.time_proj", "proj_out"],
+    "wan-i2v": ["condition_embedder.time_proj", "proj_out"],
+}  # fmt: skip
 
 
 def _case(kind, seed):
-    if kind == "wan":
-        model = wi.build_wan_transformer("tiny", dtype=torch.bfloat16, device=DEVICE, seed=seed)
-        return model, wi.make_wan_inputs(model, dtype=torch.bfloat16, device=DEVICE, seed=seed + 1)
+    if kind.startswith("wan"):
+        i2v = kind == "wan-i2v"  # image cross-attention (add_k_proj, add_v_proj); text_len 512 as I2V takes it
+        model = wi.build_wan_transformer("tiny-i2v" if i2v else "tiny", dtype=torch.bfloat16, device=DEVICE, seed=seed)
+        extra = dict(text_len=512, image_len=5) if i2v else {}
+        return model, wi.make_wan_inputs(model, dtype=torch.bfloat16, device=DEVICE, seed=seed + 1, **extra)
     build = mi.build_sd3_transformer if kind == "sd3" else mi.build_flux_transformer
     model = build("tiny", dtype=torch.bfloat16, device=DEVICE, seed=seed)
     kw = mi.make_mmdit_inputs(model, batch=2, height=64, width=64, text_len=7, device=DEVICE, seed=seed + 1)
@@ -85,8 +106,9 @@ def test_fp8_layers_compute_the_fp8_products_and_removal_restores_exactly(kind):
     try:
         layers = {n: m for n, m in model.named_modules() if isinstance(m, fp8_linear.Fp8Linear)}
         assert list(layers) == expected and counts["fp8_linear"] == len(expected) > 0
-        kept = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and ".norm" in n]
-        assert kept or kind == "wan", "the AdaLN norms' linear layers stay bf16"
+        modules = dict(model.named_modules())
+        assert all(isinstance(modules[n], fp8_linear.Fp8Linear) for n in MUST_BE_FP8[kind])
+        assert all(type(modules[n]) is torch.nn.Linear for n in MUST_STAY_BF16[kind])
         for name, layer in layers.items():  # each layer, on the input it gets in the model: its FP8 product
             weight = originals[name].weight.to(DEVICE)  # (the swap moved the bf16 layer to the CPU)
 
@@ -139,3 +161,20 @@ def test_layer_errors_cover_the_layers_fp8_replaces(kind):
     errs = fp8_linear.layer_errors(model, lambda: run_model(model, kw), parents=di.fp8_parents(model))
     assert sorted(errs) == sorted(_expected_fp8_names(model))
     assert all(0 < e < 0.1 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_fusing_projections_after_fp8_raises_and_changes_nothing(kind):
+    """diffusers' fuse_qkv_projections builds one layer from to_q/to_k/to_v's .weight. From FP8 layers that
+    would be FP8 values without their scales (used as weights under autocast: 1.3 rel. L2 off, silently, on
+    Wan, before FP8 layers refused .weight). Now the fusion raises, and the model computes as before."""
+    model, kw = _case(kind, make_generator().seed_value)
+    di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    try:
+        out = run_model(model, kw)
+        with pytest.raises(AttributeError, match="has no weight.*remove_optimized_kernels"):
+            model.fuse_qkv_projections()
+        assert not any(getattr(m, "fused_projections", False) for m in model.modules())
+        assert torch.equal(run_model(model, kw), out)
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)

@@ -382,7 +382,7 @@ def test_fp8_state_dict_round_trip_loads_and_computes_the_same():
         di.remove_optimized_kernels(tr, verbose=False)
 
 
-@pytest.mark.parametrize("write", ["weight.copy_", "weight_scale.mul_", "bias.add_", "foreign fp8 state"])
+@pytest.mark.parametrize("write", ["weight_fp8.copy_", "weight_scale.mul_", "bias.add_", "foreign fp8 state"])
 def test_fp8_weights_written_in_place_make_the_next_call_raise(write):
     """FP8 values or scales changed after quantisation (in place, or a state dict of other FP8 values) would
     compute what no weight says, and removal would drop them: refused, or the next call raises."""
@@ -390,8 +390,8 @@ def test_fp8_weights_written_in_place_make_the_next_call_raise(write):
     layer = tr.transformer_blocks[0].attn1.to_k
     try:
         with torch.no_grad():
-            if write == "weight.copy_":
-                layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen).to(DEVICE, torch.bfloat16))
+            if write == "weight_fp8.copy_":
+                layer.weight_fp8.copy_(torch.randn(layer.weight_fp8.shape, generator=gen).to(DEVICE, torch.bfloat16))
             elif write == "weight_scale.mul_":
                 layer.weight_scale.mul_(2)
             elif write == "bias.add_":
@@ -421,12 +421,12 @@ def test_casting_an_fp8_model_keeps_its_fp8_weights():
     layer = tr.transformer_blocks[0].ff.net[2]
     try:
         out = run_model(tr, kw)
-        fp8_dtype, w = layer.weight.dtype, layer.weight.view(torch.uint8).clone()
+        fp8_dtype, w = layer.weight_fp8.dtype, layer.weight_fp8.view(torch.uint8).clone()
         tr.to(DEVICE, torch.bfloat16)
-        assert layer.weight.dtype == fp8_dtype and layer.weight_scale.dtype == torch.float32
-        assert torch.equal(layer.weight.view(torch.uint8), w) and torch.equal(run_model(tr, kw), out)
+        assert layer.weight_fp8.dtype == fp8_dtype and layer.weight_scale.dtype == torch.float32
+        assert torch.equal(layer.weight_fp8.view(torch.uint8), w) and torch.equal(run_model(tr, kw), out)
         tr.half()
-        assert layer.weight.dtype == fp8_dtype
+        assert layer.weight_fp8.dtype == fp8_dtype
         kw16 = {k: (v.half() if torch.is_tensor(v) and v.dtype == torch.bfloat16 else v) for k, v in kw.items()}
         with pytest.raises(RuntimeError, match="cast to torch.float16"):
             run_model(tr, kw16)
@@ -440,12 +440,17 @@ def test_casting_an_fp8_model_keeps_its_fp8_weights():
     assert torch.equal(run_model(tr, kw), stock)
 
 
-def test_weight_of_an_fp8_layer_cannot_be_set():
+def test_weight_of_an_fp8_layer_can_be_neither_read_nor_set():
+    """An FP8 layer has no bf16 weight: reading .weight raises (code that builds layers from it would take FP8
+    values without their scales), and so does setting it."""
     gen, tr, kw = _fp8_injected()
     layer = tr.transformer_blocks[0].attn2.to_v
     try:
+        with pytest.raises(AttributeError, match="has no weight.*remove_optimized_kernels"):
+            layer.weight
+        assert not hasattr(layer, "weight") and hasattr(layer, "weight_fp8")
         with pytest.raises(AttributeError, match="cannot be set"):
-            layer.weight = torch.zeros_like(layer.weight)
+            layer.weight = torch.zeros_like(layer.weight_fp8)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
 
