@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """FP8 linear layers for diffusion transformers: an FP8 weight with one scale per output channel, inputs
-quantised per token, the product by the platform's scaled FP8 GEMM (``torch._scaled_mm``: cuBLASLt on
-NVIDIA, hipBLASLt on ROCm) with both scales applied in its epilogue.
+quantised per token, the product by the platform's scaled FP8 GEMM (``torch._scaled_mm``: hipBLASLt on
+ROCm; on NVIDIA cuBLASLt for sm_90 with cuBLAS 12.9 or later, else PyTorch's CUTLASS kernel) with both
+scales applied in its epilogue.
 
     y = (x_fp8 * x_scale[:, None]) @ (w_fp8 * w_scale[:, None])^T + bias       (fp32 accumulation, bf16 out)
 
@@ -19,7 +20,8 @@ NVIDIA, hipBLASLt on ROCm) with both scales applied in its epilogue.
 
 The scale layout is the row-wise recipe of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], both
 float32), which PyTorch's source accepts on gfx942 (weight float8_e4m3fnuz), gfx950 and gfx1201 (weight
-float8_e4m3fn) with bf16 output, and on NVIDIA sm_89+ (references/kernel-patterns.md, "FP8 GEMMs"); the
+float8_e4m3fn, from PyTorch builds against ROCm 6.5) with bf16 output, and on NVIDIA sm_89+
+(references/kernel-patterns.md, "FP8 GEMMs"); the
 FP8 format is the device's (``activations._fp8_dtype_for``). K and N must be multiples of 16 (a
 ``torch._scaled_mm`` requirement on every GPU): ``from_linear`` refuses other shapes, which stay in bf16.
 Not measured on AMD hardware. Inference only: no backward.
