@@ -283,18 +283,11 @@ def _fp8_layers(*layers) -> bool:
 
 def _project_qkv(attn, hidden_states, encoder_hidden_states):
     """(to_q(hidden_states), to_k(encoder_hidden_states), to_v(encoder_hidden_states)). With FP8 layers
-    each input is quantised once, not once per layer that reads it."""
-    if not _fp8_layers(attn.to_q, attn.to_k, attn.to_v):
-        q = ic.call(attn.to_q, hidden_states)
-        return q, ic.call(attn.to_k, encoder_hidden_states), ic.call(attn.to_v, encoder_hidden_states)
-    fmt = attn.to_q.weight_fp8.dtype
-    x8, xs = activations.fp8_quantize(hidden_states, fp8_dtype=fmt)
-    e8, es = (
-        (x8, xs)
-        if encoder_hidden_states is hidden_states
-        else activations.fp8_quantize(encoder_hidden_states, fp8_dtype=fmt)
-    )
-    return attn.to_q.forward_fp8(x8, xs), attn.to_k.forward_fp8(e8, es), attn.to_v.forward_fp8(e8, es)
+    each input is quantised once, not once per layer that reads it (fp8_linear.project)."""
+    if encoder_hidden_states is hidden_states:
+        return tuple(fp8_linear.project(hidden_states, attn.to_q, attn.to_k, attn.to_v))
+    q = ic.call(attn.to_q, hidden_states)
+    return (q, *fp8_linear.project(encoder_hidden_states, attn.to_k, attn.to_v))
 
 
 def _fp8_feed_forward(ff):

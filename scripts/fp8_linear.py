@@ -13,6 +13,7 @@ scales applied in its epilogue.
 * ``Fp8Linear``: an ``nn.Linear`` replacement holding the FP8 weight; ``forward(x)`` quantises x per token
   (``activations.fp8_quantize``, one pass) and calls ``fp8_linear``; ``forward_fp8(x_fp8, x_scale)`` skips
   the quantisation. ``Fp8Linear.from_linear(linear)`` quantises a linear layer's weight.
+* ``project(x, *layers)``: several layers on one input (q, k, v), the input quantised once for them all.
 * ``swap_in_fp8(root, parents)`` / ``restore_from_fp8(root)``: replace a model's bf16 linear layers with
   Fp8Linear twins, the originals kept on the CPU, and put the very same originals back.
 * ``layer_errors(root, forward)``: per layer, the relative error FP8 adds to its output on the inputs a
@@ -43,6 +44,7 @@ __all__ = [
     "fp8_linear",
     "Fp8Linear",
     "fp8_linear_ref",
+    "project",
     "swap_in_fp8",
     "restore_from_fp8",
     "fp8_linear_count",
@@ -343,6 +345,19 @@ class Fp8Linear(torch.nn.Module):
         if not torch.compiler.is_compiling():
             self._check_state()
         return fp8_linear(x_fp8, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+
+
+def project(x: torch.Tensor, *layers) -> list:
+    """[layer(x) for layer in layers], with x quantised once for all of them where each is an Fp8Linear
+    running its own forward (no hooks) and all take one FP8 format (an attention's q, k and v
+    projections); otherwise each layer is called as usual. The same values either way:
+    Fp8Linear.forward is fp8_quantize, then forward_fp8."""
+    if len(layers) > 1 and all(type(m) is Fp8Linear and ic.unwrapped(m) for m in layers):
+        fmt = layers[0].weight_fp8.dtype
+        if all(m.weight_fp8.dtype == fmt for m in layers):
+            x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=fmt)
+            return [m.forward_fp8(x_fp8, x_scale) for m in layers]
+    return [ic.call(m, x) for m in layers]
 
 
 # --------------------------------------------------------------------------------------------

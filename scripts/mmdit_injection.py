@@ -86,6 +86,7 @@ from torch import nn  # noqa: E402
 
 import activations  # noqa: E402
 import diffusers_injection as di  # noqa: E402
+import fp8_linear  # noqa: E402
 import head_norm_rope  # noqa: E402
 import injection_common as ic  # noqa: E402
 import layernorm  # noqa: E402
@@ -626,9 +627,8 @@ class SD3FusedJointAttnProcessor:
         residual = hidden_states
         batch_size = hidden_states.shape[0]
 
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
+        # (with FP8 layers each input is quantised once for its three projections: fp8_linear.project)
+        query, key, value = fp8_linear.project(hidden_states, attn.to_q, attn.to_k, attn.to_v)
         inner_dim = key.shape[-1]
         head_dim = inner_dim // attn.heads
         # [B, S, H, D] views of the projections (the original transposes them to [B, H, S, D])
@@ -639,15 +639,9 @@ class SD3FusedJointAttnProcessor:
         values = [value]
         if encoder_hidden_states is not None:
             shape = (batch_size, -1, attn.heads, head_dim)
-            parts.append(
-                (
-                    attn.add_q_proj(encoder_hidden_states).view(shape),
-                    attn.add_k_proj(encoder_hidden_states).view(shape),
-                    attn.norm_added_q,
-                    attn.norm_added_k,
-                )
-            )
-            values.append(attn.add_v_proj(encoder_hidden_states).view(shape))
+            eq, ek, ev = fp8_linear.project(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            parts.append((eq.view(shape), ek.view(shape), attn.norm_added_q, attn.norm_added_k))
+            values.append(ev.view(shape))
 
         fusable = _fusable_parts(parts, head_dim, query.dtype, DiffusersRMSNorm)
         if fusable is not None and _usable(*(t for p in parts for t in p[:2]), *(w for pw in fusable[0] for w in pw)):
@@ -692,12 +686,11 @@ def _flux_projections(attn, hidden_states, encoder_hidden_states):
         if encoder_hidden_states is not None and hasattr(attn, "to_added_qkv"):
             eq, ek, ev = attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1)
         return query, key, value, eq, ek, ev
-    query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    # (with FP8 layers each input is quantised once for its three projections: fp8_linear.project)
+    query, key, value = fp8_linear.project(hidden_states, attn.to_q, attn.to_k, attn.to_v)
     eq = ek = ev = None
     if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-        eq = attn.add_q_proj(encoder_hidden_states)
-        ek = attn.add_k_proj(encoder_hidden_states)
-        ev = attn.add_v_proj(encoder_hidden_states)
+        eq, ek, ev = fp8_linear.project(encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
     return query, key, value, eq, ek, ev
 
 

@@ -65,6 +65,7 @@ from diffusers.models.transformers.transformer_wan import (  # noqa: E402
 
 import activations  # noqa: E402
 import diffusers_injection as di  # noqa: E402
+import fp8_linear  # noqa: E402
 import injection_common as ic  # noqa: E402
 import layernorm  # noqa: E402
 import rmsnorm  # noqa: E402
@@ -188,9 +189,7 @@ def _self_attention(attn, x, rotary_emb):
     if fusable:
         heads = attn.heads
         b, s, _ = x.shape
-        q = ic.call(attn.to_q, x)
-        k = ic.call(attn.to_k, x)
-        v = ic.call(attn.to_v, x)
+        q, k, v = fp8_linear.project(x, attn.to_q, attn.to_k, attn.to_v)  # FP8: x quantised once
         c = q.shape[-1]
         tables = _rope_tables(rotary_emb, s, heads, c // heads) if c % heads == 0 else None
         if (

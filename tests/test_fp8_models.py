@@ -11,7 +11,7 @@ import diffusers_injection as di
 import fp8_linear
 import mmdit_injection as mi
 import wan_injection as wi
-from kernel_testing import DEVICE, make_generator, run_model
+from kernel_testing import DEVICE, count_calls, make_generator, run_model
 
 MODELS = ("sd3", "flux", "wan", "wan-i2v")
 # named independently of the rule in diffusers_injection.fp8_parents: layers that must become FP8, and the
@@ -176,5 +176,72 @@ def test_fusing_projections_after_fp8_raises_and_changes_nothing(kind):
             model.fuse_qkv_projections()
         assert not any(getattr(m, "fused_projections", False) for m in model.modules())
         assert torch.equal(run_model(model, kw), out)
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
+
+
+def _fp8_layers(gen, n, k=32, out=48):
+    layers = []
+    for _ in range(n):
+        lin = torch.nn.Linear(k, out).to(DEVICE, torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(out, k, generator=gen).to(DEVICE) * k**-0.5)
+            lin.bias.copy_(torch.randn(out, generator=gen).to(DEVICE) * 0.1)
+        layers.append(fp8_linear.Fp8Linear.from_linear(lin))
+    return layers
+
+
+def test_project_quantises_its_input_once_and_equals_calling_each_layer(monkeypatch):
+    import activations
+
+    gen = make_generator()
+    layers = _fp8_layers(gen, 3)
+    x = torch.randn(2, 7, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        each = [m(x) for m in layers]
+        calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
+        shared = fp8_linear.project(x, *layers)
+        assert calls["fp8_quantize"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(shared, each)), "the same values as each layer's own call"
+
+        fired = []
+        layers[1].register_forward_hook(lambda m, a, o: fired.append(m))
+        calls.clear()
+        hooked = fp8_linear.project(x, *layers)
+        assert calls["fp8_quantize"] == 3 and fired == [layers[1]], "a hooked layer: each layer called as usual"
+        assert all(torch.equal(a, b) for a, b in zip(hooked, each))
+
+        plain = torch.nn.Linear(32, 48).to(DEVICE, torch.bfloat16)
+        calls.clear()
+        mixed = fp8_linear.project(x, layers[0], plain, layers[2])
+        assert calls["fp8_quantize"] == 2 and torch.equal(mixed[1], plain(x))
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_attention_inputs_quantised_once_with_the_same_output(kind, monkeypatch):
+    """Each attention input is quantised once for its q, k and v (fp8_linear.project); the model's output
+    is bit for bit that of every layer quantising its own input."""
+    import activations
+
+    model, kw = _case(kind, make_generator().seed_value)
+    di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    try:
+        shared_projections = []
+        project = fp8_linear.project
+
+        def spy(x, *layers):
+            shared_projections.append(all(isinstance(m, fp8_linear.Fp8Linear) for m in layers) and len(layers) == 3)
+            return project(x, *layers)
+
+        monkeypatch.setattr(fp8_linear, "project", spy)
+        calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
+        shared = run_model(model, kw)
+        passes = calls["fp8_quantize"]
+        assert sum(shared_projections) >= 2, "the processors project q, k, v through fp8_linear.project"
+        monkeypatch.setattr(fp8_linear, "project", lambda x, *layers: [m(x) for m in layers])
+        calls.clear()
+        separate = run_model(model, kw)
+        assert calls["fp8_quantize"] - passes == 2 * sum(shared_projections)
+        assert torch.equal(shared, separate)
     finally:
         di.remove_optimized_kernels(model, verbose=False)
