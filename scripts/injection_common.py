@@ -114,8 +114,19 @@ def needs_autograd(module: torch.nn.Module, *inputs) -> bool:
 # F.linear(x, weight, bias) and an nn.Dropout's in eval mode (or with p = 0) returns its input, so
 # those two exact types are computed inline; subclasses, LoRA layers, hooked or offloaded modules
 # (accelerate and diffusers put their hooks into the instance's forward, so they are hooked too, as
-# far as this is concerned) go through module(x) as before.
+# far as this is concerned) go through module(x) as before, and so does every Linear or Dropout while
+# its class's forward is not PyTorch's own (patched on the class by a profiler or a library).
 _MM = torch.nn.modules.module
+
+
+def _torch_own(fn, qualname: str):
+    """fn if it is PyTorch's own method qualname (not a replacement already put on the class), else None."""
+    own = getattr(fn, "__qualname__", None) == qualname and getattr(fn, "__module__", "").startswith("torch.nn.")
+    return fn if own else None
+
+
+_LINEAR_FORWARD = _torch_own(torch.nn.Linear.forward, "Linear.forward")
+_DROPOUT_FORWARD = _torch_own(torch.nn.Dropout.forward, "Dropout.forward")
 
 
 def hook_free(module: torch.nn.Module) -> bool:
@@ -162,14 +173,14 @@ def call(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module(x)
     t = type(module)
     if "forward" not in module.__dict__:
-        if t is torch.nn.Linear:
+        if t is torch.nn.Linear and t.forward is _LINEAR_FORWARD:
             # the registered parameters, read without Module.__getattr__ (a weight deleted and set again
             # as a plain attribute is no longer among them: the module's own forward runs then)
             p = module._parameters
             w = p.get("weight")
             if w is not None and "bias" in p:
                 return F.linear(x, w, p["bias"])
-        elif t is torch.nn.Dropout and (not module.training or module.p == 0):
+        elif t is torch.nn.Dropout and t.forward is _DROPOUT_FORWARD and (not module.training or module.p == 0):
             return x
     return module.forward(x)
 

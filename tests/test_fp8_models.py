@@ -217,10 +217,54 @@ def test_project_quantises_its_input_once_and_equals_calling_each_layer(monkeypa
         assert calls["fp8_quantize"] == 2 and torch.equal(mixed[1], plain(x))
 
 
+class _Doubled(fp8_linear.Fp8Linear):  # a subclass with a forward of its own
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("state", ["global hook", "instance forward", "subclass", "other format"])
+def test_project_calls_each_layer_where_one_would_not_run_its_own_forward(state, monkeypatch):
+    """Where a layer would run more than Fp8Linear.forward (a global hook, a forward put on the instance, a
+    subclass's forward) or the layers differ in FP8 format, project calls each layer: same values as
+    calling them, and whatever they add runs."""
+    import activations
+
+    gen = make_generator()
+    layers = _fp8_layers(gen, 3)
+    x = torch.randn(2, 7, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    fired, handles = [], []
+    if state == "global hook":
+        handles.append(torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: fired.append(m)))
+    elif state == "instance forward":
+        own = layers[2].forward
+        layers[2].forward = lambda inp: own(inp) + 1
+    elif state == "subclass":
+        layers[1] = _Doubled(layers[1].weight_fp8, layers[1].weight_scale, layers[1].bias, torch.bfloat16)
+    else:
+        if DEVICE.type != "cpu":
+            pytest.skip("a GPU takes its own FP8 format only (fp8_linear raises for the other)")
+        other = {torch.float8_e4m3fn: torch.float8_e4m3fnuz, torch.float8_e4m3fnuz: torch.float8_e4m3fn}
+        lin = torch.nn.Linear(32, 48).to(DEVICE, torch.bfloat16)
+        layers[0] = fp8_linear.Fp8Linear.from_linear(lin, other[layers[1].weight_fp8.dtype])
+    try:
+        with torch.no_grad():
+            each = [m(x) for m in layers]
+            fired.clear()
+            calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
+            got = fp8_linear.project(x, *layers)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls["fp8_quantize"] == 3, "each layer quantised its own input"
+    assert all(torch.equal(a, b) for a, b in zip(got, each))
+    assert fired == (layers if state == "global hook" else [])
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_attention_inputs_quantised_once_with_the_same_output(kind, monkeypatch):
     """Each attention input is quantised once for its q, k and v (fp8_linear.project); the model's output
-    is bit for bit that of every layer quantising its own input."""
+    is bit for bit that of every layer quantising its own input (the same layers on the same inputs: that
+    the processors pass the right ones is for the parity tests of test_mmdit_injection / test_wan_injection)."""
     import activations
 
     model, kw = _case(kind, make_generator().seed_value)

@@ -595,6 +595,19 @@ def test_dropout_in_training_mode_is_applied(gen):
     assert ic.call(d, x) is x
 
 
+@pytest.mark.parametrize("cls", [torch.nn.Linear, torch.nn.Dropout])
+def test_call_runs_a_forward_patched_on_the_class(cls, gen, monkeypatch):
+    """A forward put on nn.Linear or nn.Dropout itself (a profiler, a library's shim) runs through ic.call,
+    as module(x) would run it: the inline paths are for PyTorch's own forwards only."""
+    import injection_common as ic
+
+    m = (torch.nn.Linear(8, 4) if cls is torch.nn.Linear else torch.nn.Dropout(0.5)).eval()
+    x = torch.randn(3, 8, generator=gen)
+    own = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, inp: own(self, inp) * 2 + 1)
+    assert torch.equal(ic.call(m, x), m(x)) and not torch.equal(ic.call(m, x), own(m, x))
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_call_computes_a_linear_as_its_forward_does(bias, gen):
     """ic.call reads a Linear's registered parameters directly; a weight or bias deleted and set again as a
