@@ -274,13 +274,6 @@ def _link_blocks(model) -> None:
         ic.link_next(blk, nxt if linked else None)
 
 
-def _fp8_layers(*layers) -> bool:
-    """Whether each layer is an Fp8Linear that runs its own forward only (no hooks), all in one format."""
-    if not all(type(m) is fp8_linear.Fp8Linear and ic.unwrapped(m) for m in layers):
-        return False
-    return len({m.weight_fp8.dtype for m in layers}) == 1
-
-
 def _project_qkv(attn, hidden_states, encoder_hidden_states):
     """(to_q(hidden_states), to_k(encoder_hidden_states), to_v(encoder_hidden_states)). With FP8 layers
     each input is quantised once, not once per layer that reads it (fp8_linear.project)."""
@@ -307,7 +300,7 @@ def _fp8_feed_forward(ff):
         return None
     if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.unwrapped(drop):
         return None
-    return (gelu.proj, down) if _fp8_layers(gelu.proj, down) else None
+    return (gelu.proj, down) if fp8_linear.direct_fp8_format((gelu.proj, down)) is not None else None
 
 
 def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):

@@ -45,6 +45,7 @@ __all__ = [
     "Fp8Linear",
     "fp8_linear_ref",
     "project",
+    "direct_fp8_format",
     "swap_in_fp8",
     "restore_from_fp8",
     "fp8_linear_count",
@@ -347,16 +348,24 @@ class Fp8Linear(torch.nn.Module):
         return fp8_linear(x_fp8, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
 
 
+def direct_fp8_format(layers) -> Optional[torch.dtype]:
+    """The FP8 format of layers where code may hand them inputs it quantised itself (forward_fp8) instead
+    of calling them: each an Fp8Linear running its own forward (no hooks, no forward of its own) and all
+    in one format. None otherwise (then each layer must be called)."""
+    if not all(type(m) is Fp8Linear and ic.unwrapped(m) for m in layers):
+        return None
+    formats = {m.weight_fp8.dtype for m in layers}
+    return formats.pop() if len(formats) == 1 else None
+
+
 def project(x: torch.Tensor, *layers) -> list:
-    """[layer(x) for layer in layers], with x quantised once for all of them where each is an Fp8Linear
-    running its own forward (no hooks) and all take one FP8 format (an attention's q, k and v
-    projections); otherwise each layer is called as usual. The same values either way:
-    Fp8Linear.forward is fp8_quantize, then forward_fp8."""
-    if len(layers) > 1 and all(type(m) is Fp8Linear and ic.unwrapped(m) for m in layers):
-        fmt = layers[0].weight_fp8.dtype
-        if all(m.weight_fp8.dtype == fmt for m in layers):
-            x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=fmt)
-            return [m.forward_fp8(x_fp8, x_scale) for m in layers]
+    """[layer(x) for layer in layers], with x quantised once for all of them where direct_fp8_format
+    allows (an attention's q, k and v projections); otherwise each layer is called as usual. The same
+    values either way: Fp8Linear.forward is fp8_quantize, then forward_fp8."""
+    fmt = direct_fp8_format(layers) if len(layers) > 1 else None
+    if fmt is not None:
+        x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=fmt)
+        return [m.forward_fp8(x_fp8, x_scale) for m in layers]
     return [ic.call(m, x) for m in layers]
 
 
@@ -399,19 +408,26 @@ def _inside_adapters(modules) -> set:
     return {id(x) for m in modules if _is_adapter(m) for x in m.modules()}
 
 
-def eligible_layers(parents) -> list:
-    """The nn.Linear children of parents that swap_in_fp8 would replace, each once (for a comparison that
-    quantises the very same layers another way)."""
+def _linear_children(parents):
+    """(parent, name, child, why) for each nn.Linear child of parents and each adapter layer among their
+    children (parents inside an adapter skipped): why is None where swap_in_fp8 replaces the child, else the
+    reason it stays bf16."""
     parents = list(parents)
     adapted = _inside_adapters(parents)
-    found = {}
     for parent in parents:
         if id(parent) in adapted:
             continue
-        for child in parent._modules.values():
-            if isinstance(child, torch.nn.Linear) and not _is_adapter(child) and _eligible(child) is None:
-                found.setdefault(id(child), child)
-    return list(found.values())
+        for name, child in list(parent._modules.items()):
+            if _is_adapter(child):
+                yield parent, name, child, _ADAPTED
+            elif isinstance(child, torch.nn.Linear):
+                yield parent, name, child, _eligible(child)
+
+
+def eligible_layers(parents) -> list:
+    """The nn.Linear children of parents that swap_in_fp8 would replace, each once (for a comparison that
+    quantises the very same layers another way)."""
+    return list({id(c): c for _, _, c, why in _linear_children(parents) if why is None}.values())
 
 
 def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True):
@@ -424,29 +440,18 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     record = root.__dict__.setdefault(_SWAPPED, [])
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
-    parents = list(parents)
-    adapted = _inside_adapters(parents)
-    for parent in parents:
-        if id(parent) in adapted:
+    for parent, name, child, why in _linear_children(parents):
+        if why is not None:
+            left.append(why)
             continue
-        for name, child in list(parent._modules.items()):
-            if _is_adapter(child):
-                left.append(_ADAPTED)
-                continue
-            if not isinstance(child, torch.nn.Linear):
-                continue
-            twin = twins.get(id(child))
-            if twin is None:
-                why = _eligible(child)
-                if why is not None:
-                    left.append(why)
-                    continue
-                with torch.no_grad():
-                    twin = Fp8Linear.from_linear(child, fp8_dtype)
-                twins[id(child)] = twin
-            parent._modules[name] = twin
-            record.append((parent, name, child, twin))
-            done += 1
+        twin = twins.get(id(child))
+        if twin is None:
+            with torch.no_grad():
+                twin = Fp8Linear.from_linear(child, fp8_dtype)
+            twins[id(child)] = twin
+        parent._modules[name] = twin
+        record.append((parent, name, child, twin))
+        done += 1
     if offload:
         for _, _, child, _ in record[len(record) - done :]:
             child.to("cpu")
@@ -487,7 +492,7 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -
     input each layer receives, its output with its Fp8Linear twin's (relative L2, float64). Returns
     {qualified name: rel. L2}; nothing is kept and root is left as it was (hooks removed, also on
     failure). Run it on the bf16 model, not an FP8 one."""
-    among = None if parents is None else {id(m) for m in eligible_layers(parents)}
+    among = {id(m) for m in eligible_layers(root.modules() if parents is None else parents)}
     errors, handles = {}, []
 
     def hook(name):
@@ -502,11 +507,8 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -
         return fn
 
     try:
-        adapted = _inside_adapters(root.modules())
         for name, m in root.named_modules():
-            if among is not None and id(m) not in among:
-                continue
-            if isinstance(m, torch.nn.Linear) and id(m) not in adapted and _eligible(m) is None:
+            if id(m) in among:
                 handles.append(m.register_forward_hook(hook(name)))
         with torch.no_grad():
             forward()

@@ -289,3 +289,26 @@ def test_attention_inputs_quantised_once_with_the_same_output(kind, monkeypatch)
         assert torch.equal(shared, separate)
     finally:
         di.remove_optimized_kernels(model, verbose=False)
+
+
+@pytest.mark.parametrize("state", ["input requires grad", "scale written in place", "model cast to fp16"])
+def test_project_refuses_what_each_layer_refuses(state):
+    """The shared path keeps every layer's own refusals: an input that requires grad (no backward), FP8
+    state written after quantisation (checked for each layer, not only the first), a model cast away from
+    the layers' output dtype."""
+    gen = make_generator()
+    layers = _fp8_layers(gen, 3)
+    x = torch.randn(2, 7, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    if state == "input requires grad":
+        x.requires_grad_(True)
+        match = "requires grad"
+    elif state == "scale written in place":
+        with torch.no_grad():
+            layers[2].weight_scale.mul_(2)
+        match = "written after quantisation"
+    else:
+        layers[1].half()
+        match = "cast to torch.float16"
+    for call in (lambda: [m(x) for m in layers], lambda: fp8_linear.project(x, *layers)):
+        with pytest.raises(RuntimeError, match=match):
+            call()
