@@ -82,7 +82,11 @@ def quantize_weight(weight: torch.Tensor, fp8_dtype: Optional[torch.dtype] = Non
 def _check_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     if x_fp8.dtype not in _FP8_MAX or w_fp8.dtype != x_fp8.dtype:
         raise TypeError(f"x_fp8 and w_fp8 must share one FP8 dtype, got {x_fp8.dtype} and {w_fp8.dtype}")
-    if x_fp8.device.type != "cpu" and x_fp8.dtype != activations._fp8_dtype_for(x_fp8.device):
+    if (
+        x_fp8.device.type != "cpu"
+        and not torch.compiler.is_compiling()  # the driver query cannot be traced; the eager call checks
+        and x_fp8.dtype != activations._fp8_dtype_for(x_fp8.device)
+    ):
         # the GPU's BLAS takes only its matrix cores' format (cuBLASLt has no e4m3fnuz and fails with an
         # internal assert; gfx942's hipBLASLt takes e4m3fnuz only)
         raise TypeError(
@@ -120,12 +124,18 @@ def fp8_linear(
     [..., N] in out_dtype. The bias is added in the GEMM's epilogue when it has out_dtype and out_dtype
     is 16-bit (what torch._scaled_mm takes), else after it in fp32."""
     _check_gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
-    lead = x_fp8.shape[:-1]
-    x2 = x_fp8.reshape(-1, x_fp8.shape[-1])
-    if x2.stride(-1) != 1 or x2.stride(0) != x2.shape[1]:
+    return _gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+
+def _gemm(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
+    """fp8_linear without its checks (Fp8Linear's calls: its own state was checked when it was made, and its
+    inputs come from its own quantisation). Each torch call costs host time on every layer of a model."""
+    k = x_fp8.shape[-1]
+    x2 = x_fp8.reshape(-1, k)
+    if x2.stride(-1) != 1 or x2.stride(0) != k:
         x2 = x2.contiguous()  # torch._scaled_mm takes a row-major A
     m = x2.shape[0]
-    sa = x_scale.reshape(-1, 1).float()
+    sa = x_scale.reshape(-1, 1)
     if sa.shape[0] != m:
         sa = sa.expand(m, 1).contiguous()  # one value: the row-wise recipe with equal rows
     fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
@@ -139,7 +149,7 @@ def fp8_linear(
     )
     if bias is not None and not fused_bias:
         y = (y.float() + bias.float()).to(out_dtype)
-    return y.reshape(*lead, w_fp8.shape[0])
+    return y if x_fp8.dim() == 2 else y.reshape(*x_fp8.shape[:-1], w_fp8.shape[0])
 
 
 def fp8_linear_ref(x_fp8, x_scale, w_fp8, w_scale, bias=None) -> torch.Tensor:
@@ -218,6 +228,11 @@ class Fp8Linear(torch.nn.Module):
     def _seal(self) -> None:
         """Take the current guarded state as the layer's (after quantisation, a move, or a load of itself)."""
         self._sealed = self._versions()
+        w = self._buffers["weight_fp8"]
+        # a GPU's BLAS takes only its matrix cores' FP8 format (cuBLASLt has no e4m3fnuz and fails with an
+        # internal assert; gfx942's hipBLASLt takes e4m3fnuz only): checked here, once per move
+        device_format = activations._fp8_dtype_for(w.device) if w.device.type == "cuda" else w.dtype
+        self._wrong_format = None if device_format == w.dtype else (w.dtype, device_format)
 
     def _was_written(self) -> bool:
         """Whether the guarded state changed in place since it was sealed (now or earlier)."""
@@ -244,6 +259,11 @@ class Fp8Linear(torch.nn.Module):
                 "state dict or remove_optimized_kernels(model) and inject again"
                 if self._undefined
                 else f"the FP8 weight, scales or bias of this layer were written after quantisation: {_NO_NEW_WEIGHTS}"
+            )
+        if self._wrong_format is not None:
+            raise TypeError(
+                f"this layer's FP8 values are {self._wrong_format[0]}, which this GPU's BLAS does not take (its "
+                f"format is {self._wrong_format[1]}): build the layer on this device, or with fp8_dtype=None"
             )
         if self.model_dtype is not self.out_dtype:
             raise RuntimeError(
@@ -334,18 +354,32 @@ class Fp8Linear(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.weight_fp8.dtype}"
 
+    # forward and forward_fp8 read the buffers from _buffers (attribute access would pass through two
+    # __getattr__ calls each) and call _gemm: the layer's own state is checked by _check_state, and its
+    # operands' shapes and dtypes were fixed when it was made (a load or a move keeps them).
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._buffers
+        w = b["weight_fp8"]
         if not torch.compiler.is_compiling():
             self._check_state()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x has {x.shape[-1]} features, this layer takes {self.in_features}")
-        x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=self.weight_fp8.dtype)
-        return fp8_linear(x_fp8, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+        x_fp8, x_scale = activations.fp8_quantize(x, fp8_dtype=w.dtype)
+        return _gemm(x_fp8, x_scale, w, b["weight_scale"], b["bias"], self.out_dtype)
 
     def forward_fp8(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The layer on an input quantised already (x_fp8 in the layer's format, x_scale float32 per token
+        or one value), e.g. by a norm kernel's FP8 output; the same values as forward on the input."""
+        b = self._buffers
+        w = b["weight_fp8"]
         if not torch.compiler.is_compiling():
             self._check_state()
-        return fp8_linear(x_fp8, x_scale, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+        if x_fp8.dtype != w.dtype or x_fp8.shape[-1] != self.in_features or x_scale.dtype != torch.float32:
+            raise TypeError(
+                f"forward_fp8 takes {w.dtype} inputs with {self.in_features} features and float32 scales, got "
+                f"{x_fp8.dtype} with {x_fp8.shape[-1]} and {x_scale.dtype} scales"
+            )
+        return _gemm(x_fp8, x_scale, w, b["weight_scale"], b["bias"], self.out_dtype)
 
 
 def direct_fp8_format(layers) -> Optional[torch.dtype]:

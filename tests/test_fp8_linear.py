@@ -56,6 +56,24 @@ def test_fp8_linear_matches_float64(shape, per_token, fp8_dtype, gen):
     assert_close(y, fl.fp8_linear_ref(xq, xs, wq, ws, bias), torch.bfloat16, seed=gen.seed_value)
 
 
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="the CPU computes either format; a GPU's BLAS takes one")
+@pytest.mark.parametrize("made_on", ["gpu", "cpu, then moved"])
+def test_fp8_layer_in_the_other_format_refused_on_a_gpu(made_on, gen):
+    """An Fp8Linear holding the format the GPU's BLAS does not take raises a TypeError on forward and
+    forward_fp8 (cuBLASLt would fail with an internal assert), also when it was made on the CPU and moved."""
+    other = {torch.float8_e4m3fn: torch.float8_e4m3fnuz, torch.float8_e4m3fnuz: torch.float8_e4m3fn}[
+        activations._fp8_dtype_for(DEVICE)
+    ]
+    lin = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    layer = fl.Fp8Linear.from_linear(lin.to(DEVICE) if made_on == "gpu" else lin, other).to(DEVICE)
+    x = randn((3, 64), torch.bfloat16, gen)
+    with torch.no_grad(), pytest.raises(TypeError, match="does not take"):
+        layer(x)
+    xq, xs = activations.fp8_quantize(x, fp8_dtype=other)
+    with torch.no_grad(), pytest.raises(TypeError, match="does not take"):
+        layer.forward_fp8(xq, xs)
+
+
 def test_fp8_linear_float32_output_with_bias(gen):
     """torch._scaled_mm takes no bias with float32 output: the bias is added after it, in fp32. A GPU's FP8
     matrix units may accumulate with fewer bits than fp32 (about 1e-4 relative on an H200), far below a
