@@ -454,6 +454,43 @@ def case_geglu(B, S, dtype):
     return case
 
 
+def case_fp8_quantize(B, S, dtype):
+    """Per-token FP8 quantisation of a [B, S, 2048] activation (an attention output before an FP8 to_out):
+    the pass an FP8 linear layer adds where no kernel before it writes FP8."""
+    import activations
+
+    x = _rand((B, S, HIDDEN), dtype, 2.0)
+    fp8_dtype = _fp8_dtype()
+    eager = lambda x: _quant_per_token(x, fp8_dtype)  # noqa: E731
+    fns = {
+        "triton": lambda x: activations.fp8_quantize(x, fp8_dtype=fp8_dtype),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    case = _case(fns, (x,), x.double(), _nbytes(x) + x.numel() + 4 * B * S)  # bf16 in, FP8 + scales out
+    case.update(post=lambda out: out[0].double() * out[1].double()[..., None], max_err=FP8_MAX_ERR)
+    return case
+
+
+def case_gelu_fp8(B, S, dtype):
+    """GELU-tanh of the feed-forward's [B, S, 8192] up projection with per-token FP8 output (the down
+    projection's input), against GELU then a separate quantisation."""
+    import activations
+
+    x = _rand((B, S, FF), dtype, 3.0)
+    fp8_dtype = _fp8_dtype()
+    eager = lambda x: _quant_per_token(torch.nn.functional.gelu(x, approximate="tanh"), fp8_dtype)  # noqa: E731
+    fns = {
+        "triton": lambda x: activations.gelu(x, "tanh", fp8="per_token", fp8_dtype=fp8_dtype),
+        "eager": eager,
+        "compile": torch.compile(eager, dynamic=False),
+    }
+    ref = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    case = _case(fns, (x,), ref, _nbytes(x) + x.numel() + 4 * B * S)
+    case.update(post=lambda out: out[0].double() * out[1].double()[..., None], max_err=FP8_MAX_ERR)
+    return case
+
+
 CASES = {
     "rmsnorm_weighted": lambda B, S, dt: case_rmsnorm(B, S, dt, True),
     "rmsnorm_weightless": lambda B, S, dt: case_rmsnorm(B, S, dt, False),
@@ -465,6 +502,8 @@ CASES = {
     "gated_residual_rmsnorm_modulate": case_gated_residual_adaln,
     "gelu_tanh": case_gelu,
     "geglu_tanh": case_geglu,
+    "fp8_quantize_per_token": case_fp8_quantize,
+    "gelu_tanh_fp8_per_token": case_gelu_fp8,
 }
 
 # ---------------------------------------------------------------------------------------------

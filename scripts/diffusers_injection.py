@@ -283,11 +283,12 @@ def _project_qkv(attn, hidden_states, encoder_hidden_states):
     return (q, *fp8_linear.project(encoder_hidden_states, attn.to_k, attn.to_v))
 
 
-def _fp8_feed_forward(ff):
+def _fp8_feed_forward(ff, state_key: str = _STATE):
     """(up, down): the two Fp8Linear projections of diffusers' FeedForward ff when it computes exactly
     down(gelu_tanh(up(x))): the class's forward, no hooks, its modules the GELU-tanh (its own forward or
-    this file's patch) holding up, an identity Dropout and down, both FP8 in one format. Then the norm
-    before it and the GELU write FP8 for the projections. Else None (the modules run as they are)."""
+    the patch an integration recorded under state_key) holding up, an identity Dropout and down, both FP8
+    in one format. Then the GELU writes the down projection's FP8 input (and in LTX-Video's blocks the
+    norm before it the up projection's). Else None (the modules run as they are)."""
     if type(ff) is not FeedForward or not ic.unwrapped(ff):
         return None
     net = ff.net
@@ -296,11 +297,29 @@ def _fp8_feed_forward(ff):
     gelu, drop, down = net
     # every module the fused path does not call must be one that would run only its own forward (or this
     # file's patch): no torch, accelerate or diffusers hook, no forward put in its place
-    if not (_is_gelu_tanh(gelu) and ic.unwrapped(gelu, _STATE)):
+    if not (_is_gelu_tanh(gelu) and ic.unwrapped(gelu, state_key)):
         return None
     if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.unwrapped(drop):
         return None
     return (gelu.proj, down) if fp8_linear.direct_fp8_format((gelu.proj, down)) is not None else None
+
+
+def _fp8_gelu_down(up_out, down):
+    """down(gelu_tanh(up_out)), the GELU kernel writing down's FP8 input and per-token scales: the GELU is
+    quantised from fp32, without the bf16 rounding a separate quantisation pass would read."""
+    g8, g_scale = activations.gelu(up_out, "tanh", fp8="per_token", fp8_dtype=down.weight_fp8.dtype)
+    return down.forward_fp8(g8, g_scale)
+
+
+def feed_forward(ff, x, state_key: str = _STATE):
+    """ff(x) for diffusers' FeedForward: with FP8 projections that _fp8_feed_forward(ff, state_key)
+    accepts, the up projection, then _fp8_gelu_down (one quantisation pass fewer than calling the
+    modules); else the modules in turn (injection_common.feed_forward)."""
+    layers = _fp8_feed_forward(ff, state_key)
+    if layers is None:
+        return ic.feed_forward(ff, x, FeedForward)
+    up, down = layers
+    return _fp8_gelu_down(up.forward(x), down)
 
 
 def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
@@ -374,8 +393,7 @@ def _ltx_block_forward(
     )  # fmt: skip
     if fp8_ff is not None:
         up, down = fp8_ff
-        g8, g_scale = activations.gelu(up.forward_fp8(*norm), "tanh", fp8="per_token", fp8_dtype=down.weight_fp8.dtype)
-        ff_output = down.forward_fp8(g8, g_scale)
+        ff_output = _fp8_gelu_down(up.forward_fp8(*norm), down)
     else:
         ff_output = ic.feed_forward(self.ff, norm[0], FeedForward)
     fused = _residual_into_next_norm1(self, hidden_states, ff_output, gate_mlp, temb)

@@ -32,6 +32,7 @@ This file imports activations.py (the quantisation kernel) and injection_common.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -228,18 +229,50 @@ class Fp8Linear(torch.nn.Module):
     def _seal(self) -> None:
         """Take the current guarded state as the layer's (after quantisation, a move, or a load of itself)."""
         self._sealed = self._versions()
+        # the tensors sealed, held weakly (a strong reference would keep an offloaded copy alive): a buffer
+        # put in their place (module._buffers[name] = t, as accelerate's offloading does) is checked anew
+        self._refs = tuple(None if t is None else weakref.ref(t) for t in map(self._buffers.get, self._GUARDED))
         w = self._buffers["weight_fp8"]
         # a GPU's BLAS takes only its matrix cores' FP8 format (cuBLASLt has no e4m3fnuz and fails with an
         # internal assert; gfx942's hipBLASLt takes e4m3fnuz only): checked here, once per move
         device_format = activations._fp8_dtype_for(w.device) if w.device.type == "cuda" else w.dtype
         self._wrong_format = None if device_format == w.dtype else (w.dtype, device_format)
 
+    def _replaced(self) -> bool:
+        """Whether a guarded buffer is another tensor than the one sealed."""
+        b = self._buffers
+        return any((b[n] is not None) if r is None else (r() is not b[n]) for n, r in zip(self._GUARDED, self._refs))
+
+    def _adopt_replaced(self) -> None:
+        """Check buffers put in place of the sealed ones as the layer's constructor would (shapes, dtypes,
+        the GPU's format), then seal them: replacing is a move (accelerate's offloading) or new state the
+        caller chose; writing in place after quantisation stays refused."""
+        b, n, k = self._buffers, self.out_features, self.in_features
+        w, s, bias = b["weight_fp8"], b["weight_scale"], b["bias"]
+        problems = []
+        if not isinstance(w, torch.Tensor) or w.dtype not in _FP8_MAX or tuple(w.shape) != (n, k):
+            problems.append(f"weight_fp8 must be FP8 of shape [{n}, {k}]")
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (n,):
+            problems.append(f"weight_scale must be float32 of shape [{n}]")
+        elif isinstance(w, torch.Tensor) and s.device != w.device:
+            problems.append("weight_scale must be on weight_fp8's device")
+        if bias is not None and (not bias.is_floating_point() or tuple(bias.shape) != (n,)):
+            problems.append(f"bias must be a floating-point tensor of shape [{n}] or None")
+        if problems:
+            raise ValueError(f"a buffer of this FP8 layer was replaced by one it cannot use: {'; '.join(problems)}")
+        self._seal()
+
     def _was_written(self) -> bool:
         """Whether the guarded state changed in place since it was sealed (now or earlier)."""
+        if self._replaced():
+            self._adopt_replaced()
         return self._written or self._versions() != self._sealed
 
     def _check_state(self) -> None:
-        b, sealed = self._buffers, self._sealed
+        b, (rw, rs, rb) = self._buffers, self._refs
+        if rw() is not b["weight_fp8"] or rs() is not b["weight_scale"] or b["bias"] is not (rb and rb()):
+            self._adopt_replaced()
+        sealed = self._sealed
         if (
             self._written
             or self._undefined
@@ -274,6 +307,7 @@ class Fp8Linear(torch.nn.Module):
     def __getstate__(self):  # copies (deepcopy, pickle, torch.save) carry whether the state was written
         state = self.__dict__.copy()
         state["_written"] = self._was_written()
+        state.pop("_refs", None)  # weak references do not pickle; __setstate__ seals anew
         return state
 
     def __setstate__(self, state):
@@ -374,10 +408,14 @@ class Fp8Linear(torch.nn.Module):
         w = b["weight_fp8"]
         if not torch.compiler.is_compiling():
             self._check_state()
-        if x_fp8.dtype != w.dtype or x_fp8.shape[-1] != self.in_features or x_scale.dtype != torch.float32:
+        if x_fp8.dtype != w.dtype or x_scale.dtype != torch.float32:
             raise TypeError(
-                f"forward_fp8 takes {w.dtype} inputs with {self.in_features} features and float32 scales, got "
-                f"{x_fp8.dtype} with {x_fp8.shape[-1]} and {x_scale.dtype} scales"
+                f"forward_fp8 takes {w.dtype} inputs and float32 scales, got {x_fp8.dtype} and {x_scale.dtype}"
+            )
+        if x_fp8.shape[-1] != self.in_features or x_scale.shape not in (x_fp8.shape[:-1], (1,), ()):
+            raise ValueError(
+                f"forward_fp8 takes [..., {self.in_features}] inputs with scales of shape [...] (per token) or one "
+                f"value, got {tuple(x_fp8.shape)} with {tuple(x_scale.shape)}"
             )
         return _gemm(x_fp8, x_scale, w, b["weight_scale"], b["bias"], self.out_dtype)
 

@@ -62,7 +62,7 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
-from diffusers.models.attention import FeedForward, JointTransformerBlock  # noqa: E402
+from diffusers.models.attention import JointTransformerBlock  # noqa: E402
 from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0  # noqa: E402
 from diffusers.models.embeddings import apply_rotary_emb  # noqa: E402
@@ -431,7 +431,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         hidden_states, norm_hidden_states = _residual_norm_modulate(
             hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
         )
-    ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
+    ff_output = di.feed_forward(self.ff, norm_hidden_states, _STATE)
     hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
 
     if self.context_pre_only:
@@ -440,7 +440,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
             encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
         )
-        context_ff_output = ic.feed_forward(self.ff_context, norm_encoder_hidden_states, FeedForward)
+        context_ff_output = di.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
         encoder_hidden_states = _gated_add_to_next(
             self, "c", encoder_hidden_states, c_gate_mlp, context_ff_output, temb
         )
@@ -498,7 +498,7 @@ def _flux_block_forward(
     hidden_states, norm_hidden_states = _residual_norm_modulate(
         hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
     )
-    ff_output = ic.feed_forward(self.ff, norm_hidden_states, FeedForward)
+    ff_output = di.feed_forward(self.ff, norm_hidden_states, _STATE)
     if ip_attn_output is not None:  # h changes after the gated residual: no fusion into the next norm
         hidden_states = _gated_add(hidden_states, gate_mlp, ff_output) + ip_attn_output
     else:
@@ -507,7 +507,7 @@ def _flux_block_forward(
     encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
-    context_ff_output = ic.feed_forward(self.ff_context, norm_encoder_hidden_states, FeedForward)
+    context_ff_output = di.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
     if encoder_hidden_states.dtype == torch.float16:  # clipped below: no fusion into the next norm
         encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
     else:

@@ -54,7 +54,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from diffusers.models.attention import FeedForward  # noqa: E402
 from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
 from diffusers.models.transformers.transformer_wan import (  # noqa: E402
     WanAttention,
@@ -317,7 +316,7 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
         h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, None, c_scale_msa, c_shift_msa, n3[2])
 
     # 3. Feed-forward, then h + ff * gate (with the next block's norm1 + modulation where it can)
-    ff_out = ic.feed_forward(self.ffn, norm_h, FeedForward)
+    ff_out = di.feed_forward(self.ffn, norm_h, _STATE)
     if ff_out.dtype != h.dtype or ff_out.shape != h.shape:
         return (h.float() + ff_out.float() * c_gate_msa).type_as(h)
     fused = _next_norm1(self, h, ff_out, c_gate_msa, temb)

@@ -140,6 +140,57 @@ ERRORS = {
 }
 
 
+@pytest.mark.parametrize(
+    "bad",
+    ["scales transposed", "input transposed, scales not", "one scale per batch", "other format", "float16 scales"],
+)
+def test_forward_fp8_refuses_inputs_its_scales_do_not_match(bad, gen):
+    """forward_fp8 takes scales shaped like the input's rows (or one value): scales with the right number of
+    elements in another layout would be applied to the wrong rows (no error from the GEMM)."""
+    layer = fl.Fp8Linear.from_linear(_layer(64, 32, gen))
+    x = randn((2, 3, 64), torch.bfloat16, gen)
+    xq, xs = activations.fp8_quantize(x, fp8_dtype=layer.weight_fp8.dtype)
+    other = {torch.float8_e4m3fn: torch.float8_e4m3fnuz, torch.float8_e4m3fnuz: torch.float8_e4m3fn}
+    args, exc = {
+        "scales transposed": ((xq, xs.t().contiguous()), ValueError),
+        "input transposed, scales not": ((xq.transpose(0, 1), xs), ValueError),
+        "one scale per batch": ((xq, xs[:, :1]), ValueError),
+        "other format": ((xq.view(torch.uint8).view(other[xq.dtype]), xs), TypeError),
+        "float16 scales": ((xq, xs.half()), TypeError),
+    }[bad]
+    with torch.no_grad(), pytest.raises(exc, match="forward_fp8 takes"):
+        layer.forward_fp8(*args)
+
+
+@pytest.mark.parametrize("replaced", ["same values", "bias of one element", "bf16 scales", "other shape"])
+def test_a_buffer_put_in_place_is_checked_like_a_new_layer(replaced, gen):
+    """A buffer replaced in module._buffers (as accelerate's offloading moves tensors) is checked as the
+    constructor would check it: one the layer can use computes (and in-place writes to it are refused
+    again), others raise ValueError instead of broadcasting or reaching the BLAS."""
+    layer = fl.Fp8Linear.from_linear(_layer(64, 32, gen))
+    x = randn((5, 64), torch.bfloat16, gen)
+    with torch.no_grad():
+        before = layer(x)
+    b = layer._buffers
+    b.update(
+        {
+            "same values": {"weight_fp8": b["weight_fp8"].clone(), "bias": b["bias"].clone()},
+            "bias of one element": {"bias": b["bias"][:1].float()},
+            "bf16 scales": {"weight_scale": b["weight_scale"].bfloat16()},
+            "other shape": {"weight_fp8": b["weight_fp8"].reshape(64, 32)},
+        }[replaced]
+    )
+    with torch.no_grad():
+        if replaced != "same values":
+            with pytest.raises(ValueError, match="replaced by one it cannot use"):
+                layer(x)
+            return
+        assert torch.equal(layer(x), before)
+        layer.bias.add_(1.0)
+        with pytest.raises(RuntimeError, match="written after quantisation"):
+            layer(x)
+
+
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_errors(case, gen):
     fn, exc, match = ERRORS[case]

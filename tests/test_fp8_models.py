@@ -312,3 +312,64 @@ def test_project_refuses_what_each_layer_refuses(state):
     for call in (lambda: [m(x) for m in layers], lambda: fp8_linear.project(x, *layers)):
         with pytest.raises(RuntimeError, match=match):
             call()
+
+
+@pytest.mark.parametrize("kind", ("sd3", "flux", "wan"))
+def test_feed_forward_gelu_writes_the_down_projections_fp8_input(kind, monkeypatch):
+    """In the blocks' feed-forwards (up -> GELU-tanh -> down, both FP8) the GELU kernel writes the down
+    projection's FP8 input: one quantisation pass fewer per feed-forward. Each feed-forward's output is the
+    float64 FP8 product chain on the input it received: up's FP8 product rounded to bf16, the GELU, its
+    per-token FP8 values, down's FP8 product (the bias of each counted). A hook on a projection turns it off."""
+    from diffusers.models.attention import FeedForward
+
+    import activations
+
+    seed = make_generator().seed_value
+    model, kw = _case(kind, seed)
+    with torch.no_grad():  # biases large enough that dropping one would show
+        for m in model.modules():
+            if type(m) is FeedForward:
+                m.net[0].proj.bias.normal_(0.0, 0.5)
+                m.net[2].bias.normal_(0.0, 0.5)
+    ffs = [m for m in model.modules() if type(m) is FeedForward]
+    weights = {id(m): (m.net[0].proj.weight.detach().clone(), m.net[2].weight.detach().clone()) for m in ffs}
+    di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    seen, original = [], di.feed_forward
+
+    def spy(ff, x, state_key):
+        out = original(ff, x, state_key)
+        seen.append((ff, x, out))
+        return out
+
+    gelus, gelu = [], activations.gelu
+
+    def gelu_spy(x, approximate="tanh", **options):
+        gelus.append((approximate, options.get("fp8")))
+        return gelu(x, approximate, **options)
+
+    try:
+        monkeypatch.setattr(di, "feed_forward", spy)
+        monkeypatch.setattr(activations, "gelu", gelu_spy)
+        calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
+        fused = run_model(model, kw)
+        n_fused = calls["fp8_quantize"]
+        assert len(seen) == len(ffs) > 0 and gelus == [("tanh", "per_token")] * len(ffs)
+        errors = []
+        for ff, x, out in seen:
+            up, down = ff.net[0].proj, ff.net[2]
+            w_up, w_down = weights[id(ff)]
+            with torch.no_grad():
+                up_out = _fp8_product(x, up, w_up).to(torch.bfloat16)  # the bf16 output of the up projection
+                g = torch.nn.functional.gelu(up_out.double(), approximate="tanh")
+                errors.append(_rel(out, _fp8_product(g, down, w_down)))
+        # the bf16 rounding of the outputs (about 2e-3); a dropped bias or a skipped GELU is far off
+        assert max(errors) < 5e-3, f"{kind}: {errors} (seed {seed})"
+
+        hook = ffs[0].net[2].register_forward_hook(lambda m, a, o: None)
+        calls.clear()
+        hooked = run_model(model, kw)
+        hook.remove()
+        assert calls["fp8_quantize"] == n_fused + 1, "the hooked feed-forward quantises the GELU's output itself"
+        assert _rel(hooked, fused) < 0.02
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
