@@ -192,6 +192,8 @@ def _gelu_tanh_forward(self, hidden_states):
     """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where
     the device's BLAS verifiably computes the tanh form (see injection_common.linear_gelu_tanh),
     else the projection, then the activation kernel."""
+    if "gelu" in self.__dict__:  # a gelu method put on the instance: the module's own forward calls it
+        return _original_forward(self)(hidden_states)
     fused = ic.linear_gelu_tanh(hidden_states, self.proj)
     if fused is not None:
         return fused
@@ -297,8 +299,8 @@ def _fp8_feed_forward(ff, state_key: str = _STATE):
     gelu, drop, down = net
     # every module the fused path does not call must be one that would run only its own forward (or this
     # file's patch): no torch, accelerate or diffusers hook, no forward put in its place
-    if not (_is_gelu_tanh(gelu) and ic.unwrapped(gelu, state_key)):
-        return None
+    if not (_is_gelu_tanh(gelu) and "gelu" not in gelu.__dict__ and ic.unwrapped(gelu, state_key)):
+        return None  # ("gelu" in __dict__: a gelu method put on the instance)
     if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.unwrapped(drop):
         return None
     return (gelu.proj, down) if fp8_linear.direct_fp8_format((gelu.proj, down)) is not None else None
@@ -620,7 +622,13 @@ def _ltx_models(pipe_or_model):
 
 
 def _is_gelu_tanh(m) -> bool:
-    return _class_forward(m, DiffusersGELU) and getattr(m, "approximate", None) == "tanh"
+    """m is diffusers' GELU(approximate="tanh") computing what that class computes: neither its forward nor
+    its gelu method overridden by a subclass (the patch and the fused FP8 feed-forward call neither)."""
+    return (
+        _class_forward(m, DiffusersGELU)
+        and type(m).gelu is DiffusersGELU.gelu
+        and getattr(m, "approximate", None) == "tanh"
+    )
 
 
 _class_forward = ic.class_forward

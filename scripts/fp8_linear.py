@@ -231,7 +231,9 @@ class Fp8Linear(torch.nn.Module):
         self._sealed = self._versions()
         # the tensors sealed, held weakly (a strong reference would keep an offloaded copy alive): a buffer
         # put in their place (module._buffers[name] = t, as accelerate's offloading does) is checked anew
-        self._refs = tuple(None if t is None else weakref.ref(t) for t in map(self._buffers.get, self._GUARDED))
+        guarded = [self._buffers.get(n) for n in self._GUARDED]
+        self._refs = tuple(None if t is None else weakref.ref(t) for t in guarded)
+        self._sealed_each = tuple(None if t is None or t.is_inference() else t._version for t in guarded)
         w = self._buffers["weight_fp8"]
         # a GPU's BLAS takes only its matrix cores' FP8 format (cuBLASLt has no e4m3fnuz and fails with an
         # internal assert; gfx942's hipBLASLt takes e4m3fnuz only): checked here, once per move
@@ -239,9 +241,12 @@ class Fp8Linear(torch.nn.Module):
         self._wrong_format = None if device_format == w.dtype else (w.dtype, device_format)
 
     def _replaced(self) -> bool:
-        """Whether a guarded buffer is another tensor than the one sealed."""
+        """Whether a guarded buffer is another tensor than the one sealed (or None where one was sealed)."""
         b = self._buffers
-        return any((b[n] is not None) if r is None else (r() is not b[n]) for n, r in zip(self._GUARDED, self._refs))
+        return any(
+            (b[n] is not None) if r is None else (b[n] is None or r() is not b[n])
+            for n, r in zip(self._GUARDED, self._refs)
+        )
 
     def _adopt_replaced(self) -> None:
         """Check buffers put in place of the sealed ones as the layer's constructor would (shapes, dtypes,
@@ -260,6 +265,11 @@ class Fp8Linear(torch.nn.Module):
             problems.append(f"bias must be a floating-point tensor of shape [{n}] or None")
         if problems:
             raise ValueError(f"a buffer of this FP8 layer was replaced by one it cannot use: {'; '.join(problems)}")
+        # a buffer kept in place keeps its record: written since the seal, it stays refused
+        for name, r, version in zip(self._GUARDED, self._refs, self._sealed_each):
+            t = b[name]
+            if t is not None and r is not None and r() is t and version is not None and t._version != version:
+                self._written = True
         self._seal()
 
     def _was_written(self) -> bool:
@@ -270,7 +280,12 @@ class Fp8Linear(torch.nn.Module):
 
     def _check_state(self) -> None:
         b, (rw, rs, rb) = self._buffers, self._refs
-        if rw() is not b["weight_fp8"] or rs() is not b["weight_scale"] or b["bias"] is not (rb and rb()):
+        bias = b["bias"]
+        if (
+            rw() is not b["weight_fp8"]
+            or rs() is not b["weight_scale"]
+            or (bias is not None if rb is None else (bias is None or rb() is not bias))
+        ):
             self._adopt_replaced()
         sealed = self._sealed
         if (

@@ -257,3 +257,28 @@ def test_a_module_named_base_layer_is_not_taken_for_an_adapter(gen):
     assert fl.swap_in_fp8(plain, list(plain.modules()), offload=False) == (1, [])
     done, left = fl.swap_in_fp8(tuned, list(tuned.modules()), offload=False)
     assert done == 0 and left == [fl._ADAPTED] and type(tuned[0].base_layer) is torch.nn.Linear
+
+
+def test_replacing_one_buffer_keeps_an_in_place_write_to_another_refused(gen):
+    layer = fl.Fp8Linear.from_linear(_layer(64, 32, gen))
+    x = randn((5, 64), torch.bfloat16, gen)
+    with torch.no_grad():
+        layer(x)
+        layer.weight_scale.mul_(2.0)
+        layer._buffers["bias"] = layer.bias.clone()  # as offloading moves a buffer
+        with pytest.raises(RuntimeError, match="written after quantisation"):
+            layer(x)
+
+
+def test_a_bias_replaced_by_none_is_taken_as_no_bias(gen):
+    """Also once the sealed bias tensor is freed (its weak reference then answers None, as no bias does)."""
+    import gc
+
+    layer = fl.Fp8Linear.from_linear(_layer(64, 32, gen))
+    x = randn((5, 64), torch.bfloat16, gen)
+    layer._buffers["bias"] = None
+    gc.collect()
+    with torch.no_grad():
+        y = layer(x)
+        xq, xs = activations.fp8_quantize(x, fp8_dtype=layer.weight_fp8.dtype)
+    assert_close(y, fl.fp8_linear_ref(xq, xs, layer.weight_fp8, layer.weight_scale, None), torch.bfloat16)

@@ -373,3 +373,43 @@ def test_feed_forward_gelu_writes_the_down_projections_fp8_input(kind, monkeypat
         assert _rel(hooked, fused) < 0.02
     finally:
         di.remove_optimized_kernels(model, verbose=False)
+
+
+def _half_gelu(self, gate):
+    return 0.5 * torch.nn.functional.gelu(gate, approximate=self.approximate)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("how", ["subclass", "instance"])
+@pytest.mark.parametrize("kind", ("sd3", "wan"))
+def test_a_gelu_method_of_its_own_is_called(kind, how, fp8, monkeypatch):
+    """A feed-forward GELU whose gelu method is its own (a subclass overriding it, or one put on the instance)
+    computes with it: neither the GELU patch nor the fused FP8 feed-forward, which call neither, takes it."""
+    from diffusers.models.activations import GELU
+
+    model, kw = _case(kind, make_generator().seed_value)
+    ff = next(m for m in model.modules() if type(m).__name__ == "FeedForward")
+    gelu = ff.net[0]
+    if how == "subclass":
+        gelu.__class__ = type("HalfGELU", (GELU,), {"gelu": _half_gelu})
+    else:
+        gelu.gelu = _half_gelu.__get__(gelu)
+    di.inject_optimized_kernels(model, verbose=False, fp8=fp8)
+    seen, original = [], di.feed_forward
+
+    def spy(f, x, state_key):
+        out = original(f, x, state_key)
+        if f is ff:
+            seen.append((x, out))
+        return out
+
+    try:
+        monkeypatch.setattr(di, "feed_forward", spy)
+        run_model(model, kw)
+        assert len(seen) == 1
+        x, out = seen[0]
+        with torch.no_grad():
+            expected = ff.net[2](_half_gelu(gelu, gelu.proj(x)))
+        assert torch.equal(out, expected)
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
