@@ -31,15 +31,17 @@ from 1,980 to 1,770-1,815 MHz between the first mode and the later ones), so a m
 another pays for it; alternating the order spreads that over all modes.
 --profile: one transformer forward per mode under torch.profiler (in the last round); device time split into GEMM,
 attention and everything else, with the largest "everything else" kernels listed. With a timed
-forward (--transformer-only, --model sd3|flux) also gpu_busy_share: that device time over the median
-forward time; well below 1 means the GPU waited on the host for launches.
+forward (LTX-Video with --transformer-only; SD3, FLUX and Wan always time a forward) also gpu_busy_share: that
+device time over the median forward time; well below 1 means the GPU waited on the host for launches.
 
 Parity: a float32 run of the same model (--no-fp32-reference to skip) is the yardstick. A mode
 passes when its final latents (and decoded frames) are no further from the float32 result than
 1.5x the baseline's distance (relative L2), i.e. not measurably less accurate than stock half
-precision; PSNR against the baseline is reported too. A mode that fails, or produces non-finite
-values, is flagged and the exit status is 1. Without the float32 reference the rule is PSNR
-against the baseline >= --min-psnr dB.
+precision; an FP8 mode within 1.25x (what FP8 may cost). Each mode's line on stderr gives its ratio
+and limit; PSNR against the baseline is reported too. A mode that fails, or produces non-finite values,
+is flagged and the exit status is 1. Tiny random models (--tiny) miss the FP8 limit (ratios of 1.3-2.1x
+seen on the CPU), so there a run with an FP8 mode exits 1: it checks that FP8 runs, not its accuracy.
+Without the float32 reference the rule is PSNR against the baseline >= --min-psnr dB.
 
 Peak device memory per mode is torch.cuda.max_memory_allocated over the timed calls.
 JSON on stdout (and --output-json), progress and diagnostics on stderr, --png for a chart.
@@ -108,7 +110,10 @@ def _add_workload_arguments(p):
         + f" (default {WAN_VARIANTS[0]})",
     )
     p.add_argument(
-        "--mode", default="all", help="one of %s, a comma-separated list, or all (default)" % ", ".join(MODES)
+        "--mode",
+        default="all",
+        help="one of %s, or of the FP8 modes %s (not in all); a comma-separated list; or all (default)"
+        % (", ".join(MODES), ", ".join(FP8_MODES)),
     )
     p.add_argument("--num-frames", type=int, help="video frames, 8k+1 (default 121; CPU 9)")
     p.add_argument("--height", type=int, help="multiple of 32 (default 512; CPU 32)")
@@ -129,7 +134,7 @@ def _add_timing_arguments(p):
         help="run the modes this many times in alternating order and pool the timings (default 1)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (CPU fp32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (CPU fp32, or bf16 with an FP8 mode)")
     p.add_argument(
         "--transformer-only", action="store_true", help="time one transformer forward instead of the pipeline"
     )
@@ -441,6 +446,22 @@ def distance(a, b):
     }
 
 
+def _parity_factor(mode: str) -> float:
+    """How much further from the float32 run than the baseline a mode's outputs may be."""
+    return FP8_PARITY_FACTOR if "fp8" in mode else 1.5
+
+
+def _parity_text(mode: str, r: dict, results: dict) -> str:
+    """ok / FAILED, with the mode's distance from the float32 run as a multiple of the baseline's."""
+    p = r["parity"]
+    text = "ok" if p["ok"] else "FAILED"
+    base = results.get("baseline", {}).get("parity", {}).get("vs_fp32")
+    if mode != "baseline" and base and "vs_fp32" in p:
+        ratio = max(p["vs_fp32"][k]["rel_l2"] / max(base[k]["rel_l2"], 1e-30) for k in p["vs_fp32"])
+        text += f" ({ratio:.2f}x the baseline's distance from float32; limit {_parity_factor(mode)}x)"
+    return text
+
+
 def judge(outputs: dict, ref32: dict | None, min_psnr: float) -> dict:
     """Per mode: distances to baseline (and fp32), and whether the mode passes."""
     base = outputs.get("baseline")
@@ -455,7 +476,7 @@ def judge(outputs: dict, ref32: dict | None, min_psnr: float) -> dict:
     for mode, v in verdicts.items():
         ok = v["finite"]
         if ref32 is not None and base is not None:
-            factor = FP8_PARITY_FACTOR if "fp8" in mode else 1.5
+            factor = _parity_factor(mode)
             limits = {k: factor * verdicts["baseline"]["vs_fp32"][k]["rel_l2"] + 1e-6 for k in v["vs_fp32"]}
             v["rule"] = f"rel_l2(mode, fp32) <= {factor} * rel_l2(baseline, fp32) + 1e-6, per output"
             ok = ok and all(v["vs_fp32"][k]["rel_l2"] <= limits[k] for k in limits)
@@ -975,7 +996,7 @@ def _report(args, summary, results, ok) -> None:
             f"{mode:>15}: {key} median {r[key]['median']:.2f} (p20 {r[key]['p20']:.2f}, p80 {r[key]['p80']:.2f})"
             + (f", peak {r['peak_memory_gb']:.2f} GB" if "peak_memory_gb" in r else "")
             + (f", GPU busy {100 * r['gpu_busy_share']:.0f} %" if "gpu_busy_share" in r else "")
-            + f", parity {'ok' if r['parity']['ok'] else 'FAILED'}"
+            + f", parity {_parity_text(mode, r, results)}"
         )
     text = json.dumps(summary, indent=2, default=str)
     print(text)

@@ -779,7 +779,8 @@ def _swap_in_fp8(pipe_or_model, skipped: list) -> int:
     total = 0
     before = [fp8_linear.fp8_linear_count(m) for m in models]
     for i, model in enumerate(models):
-        swapped, left = fp8_linear.swap_in_fp8(model, fp8_parents(model))
+        layers_left = []
+        swapped, left = fp8_linear.swap_in_fp8(model, fp8_parents(model), left_layers=layers_left)
         if left and not swapped and not fp8_linear.fp8_linear_count(model):
             hint = ""
             if any(why != fp8_linear._ADAPTED for why in left):
@@ -795,7 +796,12 @@ def _swap_in_fp8(pipe_or_model, skipped: list) -> int:
                 + hint
             )
         total += swapped
-        skipped += [f"{why}: kept in bf16" for why in left]
+        names, by_reason = {id(m): n for n, m in model.named_modules()}, {}
+        for layer, why in layers_left:
+            by_reason.setdefault(why, []).append(names.get(id(layer), type(layer).__name__))
+        for why, where in by_reason.items():
+            shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+            skipped.append(f"{why}: not made FP8, left as they are ({shown})")
     return total
 
 

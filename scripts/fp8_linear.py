@@ -472,7 +472,7 @@ def _eligible(lin: torch.nn.Module) -> Optional[str]:
     if type(w) is not torch.nn.Parameter or w.dtype != torch.bfloat16:
         return f"nn.Linear with a {w.dtype} weight (FP8 GEMMs here give bf16, the output ROCm's row-wise takes)"
     if not (w.device.type == "cuda" or (w.device.type == "cpu" and activations._interpreting())):
-        return f"nn.Linear on {w.device}"
+        return f"nn.Linear on {w.device} (FP8 layers run on a GPU; on the CPU only through Triton's interpreter, TRITON_INTERPRET=1)"
     if w.shape[0] % 16 or w.shape[1] % 16:
         return f"nn.Linear {w.shape[1]} -> {w.shape[0]} (not multiples of 16)"
     return None
@@ -517,19 +517,22 @@ def eligible_layers(parents) -> list:
     return list({id(c): c for _, _, c, why in _linear_children(parents) if why is None}.values())
 
 
-def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True):
+def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True, left_layers=None):
     """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
     Layers under a LoRA or other peft adapter stay as they are (peft reads, merges and unloads base layers).
 
     The originals are kept, on the CPU when offload (their GPU memory freed: the point of FP8 weights),
     in a record on root, so that restore_from_fp8(root) puts back the very same modules with their exact
-    weights on their devices. Returns (layers swapped, the reasons of those left in bf16)."""
+    weights on their devices. Returns (layers swapped, the reasons of those left as they are); left_layers,
+    a list, receives (layer, reason) for each of those."""
     record = root.__dict__.setdefault(_SWAPPED, [])
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
     for parent, name, child, why in _linear_children(parents):
         if why is not None:
             left.append(why)
+            if left_layers is not None:
+                left_layers.append((child, why))
             continue
         twin = twins.get(id(child))
         if twin is None:
@@ -577,9 +580,18 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -
     """Per layer, what FP8 costs it: runs forward() once with a hook on every plain bf16 nn.Linear under
     root that swap_in_fp8 would replace (only the children of parents, if given), and compares, on the very
     input each layer receives, its output with its Fp8Linear twin's (relative L2, float64). Returns
-    {qualified name: rel. L2}; nothing is kept and root is left as it was (hooks removed, also on
-    failure). Run it on the bf16 model, not an FP8 one."""
-    among = {id(m) for m in eligible_layers(root.modules() if parents is None else parents)}
+    {qualified name: rel. L2}, worst first; nothing is kept and root is left as it was (hooks removed,
+    also on failure). Run it on the bf16 model, not an FP8 one: ValueError, with the reasons, where no
+    layer qualifies (an FP8 model, an fp32 one, one on the CPU), and where forward() reached none."""
+    children = list(_linear_children(root.modules() if parents is None else parents))
+    among = {id(c) for _, _, c, why in children if why is None}
+    if not among:
+        fp8 = fp8_linear_count(root)
+        raise ValueError(
+            "layer_errors found no layer FP8 would replace: "
+            + ("the model holds FP8 layers already (remove_optimized_kernels(model) first); " if fp8 else "")
+            + ("; ".join(sorted({why for *_, why in children})) or "no nn.Linear among the parents")
+        )
     errors, handles = {}, []
 
     def hook(name):
@@ -602,7 +614,9 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -
     finally:
         for h in handles:
             h.remove()
-    return errors
+    if not errors:
+        raise ValueError(f"forward() ran none of the {len(among)} layers FP8 would replace under this root")
+    return dict(sorted(errors.items(), key=lambda kv: -kv[1]))
 
 
 def _main(argv=None) -> int:

@@ -161,6 +161,25 @@ def test_layer_errors_cover_the_layers_fp8_replaces(kind):
     errs = fp8_linear.layer_errors(model, lambda: run_model(model, kw), parents=di.fp8_parents(model))
     assert sorted(errs) == sorted(_expected_fp8_names(model))
     assert all(0 < e < 0.1 for e in errs.values()), errs
+    assert list(errs.values()) == sorted(errs.values(), reverse=True), "worst first"
+
+
+@pytest.mark.parametrize("model_state", ["fp8", "fp32", "no forward"])
+def test_layer_errors_refuses_a_model_it_cannot_measure(model_state):
+    """On an FP8 model, an fp32 one, or a forward that runs none of the layers, layer_errors raises with
+    the reason instead of returning an empty result (which would read as "no error")."""
+    model, kw = _case("sd3", make_generator().seed_value)
+    if model_state == "fp8":
+        di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    elif model_state == "fp32":
+        model.float()
+    forward = (lambda: None) if model_state == "no forward" else (lambda: run_model(model, kw))
+    match = {"fp8": "remove_optimized_kernels", "fp32": "float32", "no forward": "ran none"}[model_state]
+    try:
+        with pytest.raises(ValueError, match=match):
+            fp8_linear.layer_errors(model, forward, parents=di.fp8_parents(model))
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
 
 
 @pytest.mark.parametrize("kind", MODELS)
