@@ -545,7 +545,20 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     if offload:
         for _, _, child, _ in record[len(record) - done :]:
             child.to("cpu")
+    if record and callable(getattr(root, "save_pretrained", None)) and "save_pretrained" not in root.__dict__:
+        root.__dict__["save_pretrained"] = ic.BoundForward(_refuse_save_pretrained, root)
     return done, left
+
+
+def _refuse_save_pretrained(root, *args, **kwargs):
+    """A model's save_pretrained while FP8 layers are in: the checkpoint would hold FP8 values and scales
+    under names a bf16 model does not have, and from_pretrained would initialise those layers at random
+    (with only a warning)."""
+    raise RuntimeError(
+        "save_pretrained with FP8 layers in place would write a checkpoint whose block linear layers "
+        "from_pretrained cannot load (they would come back randomly initialised): remove_optimized_kernels(model) "
+        "first (the bf16 layers come back), save, then inject again"
+    )
 
 
 def restore_from_fp8(root: torch.nn.Module, *, keep: int = 0) -> int:
@@ -568,6 +581,9 @@ def restore_from_fp8(root: torch.nn.Module, *, keep: int = 0) -> int:
         record.pop()
     if not record:
         root.__dict__.pop(_SWAPPED, None)
+        own = root.__dict__.get("save_pretrained")
+        if isinstance(own, ic.BoundForward) and own.func is _refuse_save_pretrained:
+            del root.__dict__["save_pretrained"]
     return n
 
 

@@ -432,3 +432,25 @@ def test_a_gelu_method_of_its_own_is_called(kind, how, fp8, monkeypatch):
         assert torch.equal(out, expected)
     finally:
         di.remove_optimized_kernels(model, verbose=False)
+
+
+def test_save_pretrained_is_refused_while_fp8_layers_are_in(tmp_path):
+    """A checkpoint saved with FP8 layers in place would load into a bf16 model with those layers randomly
+    initialised (diffusers only warns): save_pretrained raises until the FP8 layers are removed, then saves
+    a checkpoint that loads back to the same output. copies and pickles of the model keep the refusal."""
+    import copy
+
+    model, kw = _case("sd3", make_generator().seed_value)
+    stock = run_model(model, kw)
+    di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    try:
+        for m in (model, copy.deepcopy(model)):
+            with pytest.raises(RuntimeError, match="remove_optimized_kernels"):
+                m.save_pretrained(tmp_path / "fp8")
+        assert not (tmp_path / "fp8").exists()
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
+    assert "save_pretrained" not in model.__dict__
+    model.save_pretrained(tmp_path / "bf16")
+    loaded = type(model).from_pretrained(tmp_path / "bf16", torch_dtype=torch.bfloat16).to(DEVICE)
+    assert torch.equal(run_model(loaded, kw), stock)
