@@ -680,7 +680,7 @@ def _mmdit_module(pipe_or_model):
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool = False) -> dict:
+def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool = False, fp8_skip=()) -> dict:
     """Replace LTX-Video's norms, AdaLN modulation, q/k norm + RoPE and GELU with the kernels.
 
     pipe_or_model: an LTXPipeline (or any diffusers pipeline: only its LTX components are touched),
@@ -695,9 +695,15 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     weights move to the CPU until remove_optimized_kernels puts the same modules back. Layers under a LoRA or other adapter stay bf16. FP8 changes the output by more
     than the kernels alone do: check it on your weights (references/diffusers-integration.md). A later
     call with fp8=False adds the bf16 kernels only; it does not take FP8 out (remove_optimized_kernels does).
+    fp8_skip: names of linear layers to leave in bf16, as the transformer's named_modules() gives them (e.g.
+    "transformer_blocks.3.attn.to_out.0", from fp8_linear.layer_errors); a name no transformer has raises.
     """
     if type(fp8) is not bool:
         raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+    if isinstance(fp8_skip, str) or not all(isinstance(n, str) for n in fp8_skip):
+        raise TypeError(f"fp8_skip takes a collection of layer names, got {fp8_skip!r}")
+    if fp8_skip and not fp8:
+        raise ValueError("fp8_skip names layers to leave out of fp8=True; pass fp8=True with it")
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
 
@@ -706,7 +712,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     skipped = []
     gelu_notes = []
     if fp8:  # first: a transformer with nothing to replace raises before anything is injected
-        new["fp8_linear"] += _swap_in_fp8(pipe_or_model, skipped)
+        new["fp8_linear"] += _swap_in_fp8(pipe_or_model, skipped, fp8_skip)
     for model in transformers:
         _inject_ltx_transformer(model, new, skipped, gelu_notes)
     for vae in vaes:
@@ -767,23 +773,29 @@ def fp8_parents(model: torch.nn.Module) -> list:
     return parents
 
 
-def _swap_in_fp8(pipe_or_model, skipped: list) -> int:
-    """fp8=True: swap the block linear layers of every supported transformer (fp8_parents) for Fp8Linear.
-    Raises ValueError, having changed nothing it cannot undo, where there is no such transformer or a
+def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
+    """fp8=True: swap the block linear layers of every supported transformer (fp8_parents) for Fp8Linear,
+    except those named in skip_names (in any of the transformers). Raises ValueError, having changed nothing
+    it cannot undo, where there is no such transformer, a name matches no linear layer of any, or a
     transformer has no layer it can swap. Adds the layers left in bf16 to skipped; returns the count."""
     models = _fp8_models(pipe_or_model)
     if not models:
         raise ValueError(
             "fp8=True is implemented for LTX-Video, SD3, FLUX and Wan transformers; none was found in the argument"
         )
+    named = [dict(m.named_modules()) for m in models]
+    unknown = [n for n in skip_names if not any(isinstance(d.get(n), torch.nn.Linear) for d in named)]
+    if unknown:
+        raise ValueError(f"fp8_skip: no linear layer of the transformer is named {', '.join(map(repr, unknown))}")
+    skip = {id(d[n]) for d in named for n in skip_names if n in d}
     total = 0
     before = [fp8_linear.fp8_linear_count(m) for m in models]
     for i, model in enumerate(models):
         layers_left = []
-        swapped, left = fp8_linear.swap_in_fp8(model, fp8_parents(model), left_layers=layers_left)
+        swapped, left = fp8_linear.swap_in_fp8(model, fp8_parents(model), left_layers=layers_left, skip=skip)
         if left and not swapped and not fp8_linear.fp8_linear_count(model):
             hint = ""
-            if any(why != fp8_linear._ADAPTED for why in left):
+            if any(why not in (fp8_linear._ADAPTED, fp8_linear._SKIPPED) for why in left):
                 hint = (
                     ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
                     "(and inject before enable_model_cpu_offload())"

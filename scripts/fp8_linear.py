@@ -459,6 +459,7 @@ def project(x: torch.Tensor, *layers) -> list:
 # --------------------------------------------------------------------------------------------
 # Swapping a model's linear layers in and out, reversibly
 # --------------------------------------------------------------------------------------------
+_SKIPPED = "named in fp8_skip"  # a layer the caller asked to leave as it is
 _SWAPPED = "_rtk_fp8_linears"  # on the root module: the swaps made, to undo them exactly
 
 
@@ -517,18 +518,20 @@ def eligible_layers(parents) -> list:
     return list({id(c): c for _, _, c, why in _linear_children(parents) if why is None}.values())
 
 
-def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True, left_layers=None):
+def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True, left_layers=None, skip=()):
     """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
     Layers under a LoRA or other peft adapter stay as they are (peft reads, merges and unloads base layers).
 
     The originals are kept, on the CPU when offload (their GPU memory freed: the point of FP8 weights),
     in a record on root, so that restore_from_fp8(root) puts back the very same modules with their exact
     weights on their devices. Returns (layers swapped, the reasons of those left as they are); left_layers,
-    a list, receives (layer, reason) for each of those."""
+    a list, receives (layer, reason) for each of those. skip: ids of layers to leave as they are."""
     record = root.__dict__.setdefault(_SWAPPED, [])
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
     for parent, name, child, why in _linear_children(parents):
+        if why is None and id(child) in skip:
+            why = _SKIPPED
         if why is not None:
             left.append(why)
             if left_layers is not None:

@@ -454,3 +454,47 @@ def test_save_pretrained_is_refused_while_fp8_layers_are_in(tmp_path):
     model.save_pretrained(tmp_path / "bf16")
     loaded = type(model).from_pretrained(tmp_path / "bf16", torch_dtype=torch.bfloat16).to(DEVICE)
     assert torch.equal(run_model(loaded, kw), stock)
+
+
+@pytest.mark.parametrize("kind", ("sd3", "wan"))
+def test_fp8_skip_leaves_the_named_layers_in_bf16(kind, capsys):
+    model, kw = _case(kind, make_generator().seed_value)
+    stock = run_model(model, kw)
+    expected = _expected_fp8_names(model)
+    skip = [expected[0], expected[-1]]
+    originals = {n: dict(model.named_modules())[n] for n in skip}
+    counts = di.inject_optimized_kernels(model, fp8=True, fp8_skip=skip)
+    try:
+        modules = dict(model.named_modules())
+        assert all(modules[n] is originals[n] and type(modules[n]) is torch.nn.Linear for n in skip)
+        assert counts["fp8_linear"] == len(expected) - 2
+        assert all(isinstance(modules[n], fp8_linear.Fp8Linear) for n in expected[1:-1])
+        captured = capsys.readouterr()
+        log = captured.out + captured.err
+        assert "named in fp8_skip" in log and skip[0] in log
+        assert torch.isfinite(run_model(model, kw)).all()
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
+    assert torch.equal(run_model(model, kw), stock)
+
+
+@pytest.mark.parametrize(
+    "skip, exc, match",
+    [
+        (["transformer_blocks.0.attn.no_such_layer"], ValueError, "no linear layer"),
+        (["transformer_blocks.0.attn"], ValueError, "no linear layer"),
+        ("transformer_blocks.0.attn.to_q", TypeError, "collection of layer names"),
+    ],
+)
+def test_fp8_skip_refuses_what_names_no_linear_layer(skip, exc, match):
+    model, kw = _case("sd3", make_generator().seed_value)
+    stock = run_model(model, kw)
+    with pytest.raises(exc, match=match):
+        di.inject_optimized_kernels(model, verbose=False, fp8=True, fp8_skip=skip)
+    assert fp8_linear.fp8_linear_count(model) == 0 and not any(_STATE_KEYS & set(m.__dict__) for m in model.modules())
+    assert torch.equal(run_model(model, kw), stock)
+    with pytest.raises(ValueError, match="pass fp8=True"):
+        di.inject_optimized_kernels(model, verbose=False, fp8_skip=["transformer_blocks.0.attn.to_q"])
+
+
+_STATE_KEYS = {"_rtk_mmdit_injection", "_rtk_injection", "_rtk_wan_injection"}
