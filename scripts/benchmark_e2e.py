@@ -442,7 +442,9 @@ def distance(a, b):
     peak = b.double().abs().max().item()
     return {
         "rel_l2": (d.norm() / b.double().norm().clamp_min(1e-30)).item(),
-        "psnr_db": float("inf") if mse == 0 else 10 * math.log10(max(peak, 1e-30) ** 2 / mse),
+        "psnr_db": float("inf")
+        if mse == 0
+        else (10 * math.log10(max(peak, 1e-30) ** 2 / mse) if math.isfinite(mse) else float("-inf")),
     }
 
 
@@ -456,8 +458,10 @@ def _parity_text(mode: str, r: dict, results: dict) -> str:
     p = r["parity"]
     text = "ok" if p["ok"] else "FAILED"
     base = results.get("baseline", {}).get("parity", {}).get("vs_fp32")
-    if mode != "baseline" and base and "vs_fp32" in p:
-        ratio = max(p["vs_fp32"][k]["rel_l2"] / max(base[k]["rel_l2"], 1e-30) for k in p["vs_fp32"])
+    if not p.get("finite", True):
+        return text + " (non-finite output)"
+    if mode != "baseline" and base and "vs_fp32" in p and all(base[k]["rel_l2"] > 0 for k in p["vs_fp32"]):
+        ratio = max(p["vs_fp32"][k]["rel_l2"] / base[k]["rel_l2"] for k in p["vs_fp32"])
         text += f" ({ratio:.2f}x the baseline's distance from float32; limit {_parity_factor(mode)}x)"
     return text
 

@@ -700,7 +700,10 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     """
     if type(fp8) is not bool:
         raise ValueError(f"fp8 must be True or False, got {fp8!r}")
-    if isinstance(fp8_skip, str) or not all(isinstance(n, str) for n in fp8_skip):
+    if isinstance(fp8_skip, (str, bytes)) or not hasattr(fp8_skip, "__iter__"):
+        raise TypeError(f"fp8_skip takes a collection of layer names, got {fp8_skip!r}")
+    fp8_skip = tuple(fp8_skip)  # (a generator would be used up by the check below)
+    if not all(isinstance(n, str) for n in fp8_skip):
         raise TypeError(f"fp8_skip takes a collection of layer names, got {fp8_skip!r}")
     if fp8_skip and not fp8:
         raise ValueError("fp8_skip names layers to leave out of fp8=True; pass fp8=True with it")
@@ -773,6 +776,9 @@ def fp8_parents(model: torch.nn.Module) -> list:
     return parents
 
 
+_FP8_SKIP = "_rtk_fp8_skip"  # on a transformer: the layer names fp8_skip left in bf16 (later calls keep them so)
+
+
 def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
     """fp8=True: swap the block linear layers of every supported transformer (fp8_parents) for Fp8Linear,
     except those named in skip_names (in any of the transformers). Raises ValueError, having changed nothing
@@ -784,12 +790,25 @@ def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
             "fp8=True is implemented for LTX-Video, SD3, FLUX and Wan transformers; none was found in the argument"
         )
     named = [dict(m.named_modules()) for m in models]
-    unknown = [n for n in skip_names if not any(isinstance(d.get(n), torch.nn.Linear) for d in named)]
-    if unknown:
-        raise ValueError(f"fp8_skip: no linear layer of the transformer is named {', '.join(map(repr, unknown))}")
+    for n in skip_names:
+        found = [d[n] for d in named if n in d]
+        if any(isinstance(m, fp8_linear.Fp8Linear) for m in found):
+            raise ValueError(
+                f"fp8_skip: {n!r} is FP8 already (an earlier call made it so): remove_optimized_kernels(model), "
+                "then inject with fp8_skip"
+            )
+        if not any(isinstance(m, torch.nn.Linear) for m in found):
+            what = f"it is a {type(found[0]).__name__}" if found else "no module has that name"
+            raise ValueError(
+                f"fp8_skip: {n!r} names no nn.Linear of the transformer ({what}); use the names named_modules() "
+                "gives from the transformer itself, as layer_errors(transformer, ...) does"
+            )
+    # names skipped by an earlier call stay skipped: a second call changes nothing it left as it was
+    skip_names = set(skip_names).union(*(m.__dict__.get(_FP8_SKIP, ()) for m in models))
     skip = {id(d[n]) for d in named for n in skip_names if n in d}
     total = 0
     before = [fp8_linear.fp8_linear_count(m) for m in models]
+    skip_before = [m.__dict__.get(_FP8_SKIP) for m in models]
     for i, model in enumerate(models):
         layers_left = []
         swapped, left = fp8_linear.swap_in_fp8(model, fp8_parents(model), left_layers=layers_left, skip=skip)
@@ -800,20 +819,30 @@ def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
                     ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
                     "(and inject before enable_model_cpu_offload())"
                 )
-            for done, keep in zip(models[:i], before):  # nothing half done: this call's swaps undone
-                fp8_linear.restore_from_fp8(done, keep=keep)
+            for done, keep, kept_skip in zip(models[:i], before, skip_before):  # nothing half done
+                fp8_linear.restore_from_fp8(done, keep=keep)  # (this call's swaps undone)
+                if kept_skip is None:
+                    done.__dict__.pop(_FP8_SKIP, None)
+                else:
+                    done.__dict__[_FP8_SKIP] = kept_skip
             raise ValueError(
                 f"fp8=True replaced no linear layer of the {type(model).__name__}: "
                 + "; ".join(sorted(set(left)))
                 + hint
             )
         total += swapped
+        if skip_names:
+            model.__dict__[_FP8_SKIP] = frozenset(skip_names)
         names, by_reason = {id(m): n for n, m in model.named_modules()}, {}
         for layer, why in layers_left:
             by_reason.setdefault(why, []).append(names.get(id(layer), type(layer).__name__))
         for why, where in by_reason.items():
             shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
             skipped.append(f"{why}: not made FP8, left as they are ({shown})")
+        reported = {names.get(id(layer)) for layer, _ in layers_left}
+        for n in sorted(set(skip_names) - reported):
+            if isinstance(named[i].get(n), torch.nn.Linear):
+                skipped.append(f"fp8_skip names {n}, which fp8=True leaves as it is anyway (outside fp8_parents)")
     return total
 
 
@@ -877,6 +906,7 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     restored = _empty_counts()
     for model in _fp8_models(pipe_or_model):
         restored["fp8_linear"] += fp8_linear.restore_from_fp8(model)
+        model.__dict__.pop(_FP8_SKIP, None)
     for m in ic.unique_modules(pipe_or_model):
         ic.link_next(m, None)
         m.__dict__.pop(_CARRY, None)

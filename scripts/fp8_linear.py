@@ -602,13 +602,16 @@ def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -
     {qualified name: rel. L2}, worst first; nothing is kept and root is left as it was (hooks removed,
     also on failure). Run it on the bf16 model, not an FP8 one: ValueError, with the reasons, where no
     layer qualifies (an FP8 model, an fp32 one, one on the CPU), and where forward() reached none."""
+    if any(isinstance(m, Fp8Linear) for m in root.modules()):
+        raise ValueError(
+            "layer_errors measures a bf16 model: this one holds FP8 layers already (remove_optimized_kernels(model) "
+            "first); its other linear layers are ones FP8 leaves as they are"
+        )
     children = list(_linear_children(root.modules() if parents is None else parents))
     among = {id(c) for _, _, c, why in children if why is None}
     if not among:
-        fp8 = fp8_linear_count(root)
         raise ValueError(
             "layer_errors found no layer FP8 would replace: "
-            + ("the model holds FP8 layers already (remove_optimized_kernels(model) first); " if fp8 else "")
             + ("; ".join(sorted({why for *_, why in children})) or "no nn.Linear among the parents")
         )
     errors, handles = {}, []

@@ -190,3 +190,23 @@ def test_torchao_mode_puts_the_very_same_weights_back(monkeypatch):
     undo()
     for n, p in model.named_parameters():
         assert p is before[n][0] and torch.equal(p, before[n][1]), n
+
+
+def test_parity_line_with_non_finite_output_or_an_exact_baseline():
+    """An infinite output is judged (not a crash in the PSNR) and its line says non-finite; a baseline at
+    distance 0 from the float32 run gives no ratio (it would be a division by zero)."""
+    g = torch.Generator().manual_seed(1)
+    ref32 = {"out": torch.randn(64, generator=g)}
+    base = {"out": ref32["out"] + 1e-3 * torch.randn(64, generator=g)}
+    inf = {"out": base["out"].clone()}
+    inf["out"][3] = float("inf")
+    v = be.judge({"baseline": base, "triton-fp8": inf}, ref32, 30.0)
+    assert not v["triton-fp8"]["ok"] and not v["triton-fp8"]["finite"]
+    results = {m: {"parity": p} for m, p in v.items()}
+    assert be._parity_text("triton-fp8", results["triton-fp8"], results) == "FAILED (non-finite output)"
+    v = be.judge({"baseline": ref32, "triton": base}, ref32, 30.0)
+    results = {m: {"parity": p} for m, p in v.items()}
+    assert be._parity_text("triton", results["triton"], results) == "FAILED"
+    v = be.judge({"baseline": base, "triton": base}, ref32, 30.0)
+    results = {m: {"parity": p} for m, p in v.items()}
+    assert be._parity_text("triton", results["triton"], results).startswith("ok (1.00x")

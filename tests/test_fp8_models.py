@@ -481,8 +481,8 @@ def test_fp8_skip_leaves_the_named_layers_in_bf16(kind, capsys):
 @pytest.mark.parametrize(
     "skip, exc, match",
     [
-        (["transformer_blocks.0.attn.no_such_layer"], ValueError, "no linear layer"),
-        (["transformer_blocks.0.attn"], ValueError, "no linear layer"),
+        (["transformer_blocks.0.attn.no_such_layer"], ValueError, "no module has that name"),
+        (["transformer_blocks.0.attn"], ValueError, "it is a Attention|it is a JointAttention|names no nn.Linear"),
         ("transformer_blocks.0.attn.to_q", TypeError, "collection of layer names"),
     ],
 )
@@ -498,3 +498,36 @@ def test_fp8_skip_refuses_what_names_no_linear_layer(skip, exc, match):
 
 
 _STATE_KEYS = {"_rtk_mmdit_injection", "_rtk_injection", "_rtk_wan_injection"}
+
+
+def test_fp8_skip_taken_from_a_generator_and_kept_by_a_later_call(capsys):
+    """A generator of names (as filtered from layer_errors) is read once; a later fp8=True call keeps the
+    skipped layers in bf16 (it changes nothing), and naming a layer that is FP8 already says so. A name
+    outside the layers fp8=True replaces is reported as having no effect."""
+    model, kw = _case("sd3", make_generator().seed_value)
+    expected = _expected_fp8_names(model)
+    errs = {expected[0]: 0.2, expected[1]: 0.01}
+    counts = di.inject_optimized_kernels(
+        model, verbose=False, fp8=True, fp8_skip=(n for n, e in errs.items() if e > 0.1)
+    )
+    try:
+        modules = dict(model.named_modules())
+        assert type(modules[expected[0]]) is torch.nn.Linear and counts["fp8_linear"] == len(expected) - 1
+        out = run_model(model, kw)
+        assert di.inject_optimized_kernels(model, verbose=False, fp8=True)["fp8_linear"] == len(expected) - 1
+        assert type(dict(model.named_modules())[expected[0]]) is torch.nn.Linear
+        assert torch.equal(run_model(model, kw), out)
+        with pytest.raises(ValueError, match="FP8 already"):
+            di.inject_optimized_kernels(model, verbose=False, fp8=True, fp8_skip=[expected[1]])
+        with pytest.raises(ValueError, match="layer_errors measures a bf16 model"):
+            fp8_linear.layer_errors(model, lambda: run_model(model, kw))  # parents=None: the whole model
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
+    capsys.readouterr()
+    di.inject_optimized_kernels(model, fp8=True, fp8_skip=["proj_out"])
+    try:
+        captured = capsys.readouterr()
+        assert "fp8_skip names proj_out, which fp8=True leaves as it is anyway" in captured.out + captured.err
+        assert fp8_linear.fp8_linear_count(model) == len(expected)
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
