@@ -773,8 +773,6 @@ def fp8_layer_errors(base_model, inputs, di) -> dict:
     import fp8_linear
 
     errs = fp8_linear.layer_errors(base_model, lambda: base_model(**inputs), parents=di.fp8_parents(base_model))
-    if not errs:
-        return {"layers": 0}
     vals = sorted(errs.values())
     worst = sorted(errs.items(), key=lambda kv: -kv[1])[:5]
     return {

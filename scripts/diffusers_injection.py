@@ -191,14 +191,16 @@ def _torch_rmsnorm_forward(self, x):
 def _gelu_tanh_forward(self, hidden_states):
     """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where
     the device's BLAS verifiably computes the tanh form (see injection_common.linear_gelu_tanh),
-    else the projection, then the activation kernel."""
-    if "gelu" in self.__dict__:  # a gelu method put on the instance: the module's own forward calls it
-        return _original_forward(self)(hidden_states)
-    fused = ic.linear_gelu_tanh(hidden_states, self.proj)
-    if fused is not None:
-        return fused
-    hidden_states = self.proj(hidden_states)
-    if not _usable(hidden_states):
+    else the projection, then the activation kernel. A gelu method put on the instance runs as the class's
+    forward would run it. The patch of every integration (LTX-Video, SD3/FLUX, Wan): it reads no state of
+    its own."""
+    own_gelu = "gelu" in self.__dict__
+    if not own_gelu:
+        fused = ic.linear_gelu_tanh(hidden_states, self.proj)
+        if fused is not None:
+            return fused
+    hidden_states = ic.call(self.proj, hidden_states)
+    if own_gelu or not _usable(hidden_states):
         return self.gelu(hidden_states)
     return activations.gelu_tanh(hidden_states)
 

@@ -380,11 +380,7 @@ def _adaln_continuous_forward(self, x, conditioning_embedding):
 # --------------------------------------------------------------------------------------------
 # diffusers GELU(approximate="tanh"): LTX-Video's replacement (the projection with the activation in its
 # epilogue where the device's BLAS verifiably computes the tanh form, else the projection, then the kernel)
-def _diffusers_gelu_tanh_forward(self, hidden_states):
-    """diffusers GELU(approximate="tanh"): see diffusers_injection._gelu_tanh_forward."""
-    if "gelu" in self.__dict__:  # a gelu method put on the instance: the module's own forward calls it
-        return _original_forward(self)(hidden_states)
-    return di._gelu_tanh_forward(self, hidden_states)
+_diffusers_gelu_tanh_forward = di._gelu_tanh_forward
 
 
 def _torch_gelu_tanh_forward(self, x):

@@ -62,7 +62,6 @@ from diffusers.models.transformers.transformer_wan import (  # noqa: E402
     WanTransformerBlock,
 )
 
-import activations  # noqa: E402
 import diffusers_injection as di  # noqa: E402
 import fp8_linear  # noqa: E402
 import injection_common as ic  # noqa: E402
@@ -119,17 +118,8 @@ def _rmsnorm_forward(self, x):
     return rmsnorm.rms_norm(x, w, ic.torch_rmsnorm_eps(self), cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
 
 
-def _gelu_tanh_forward(self, hidden_states):
-    """diffusers GELU(approximate="tanh"): see diffusers_injection._gelu_tanh_forward."""
-    if "gelu" in self.__dict__:  # a gelu method put on the instance: the module's own forward calls it
-        return _original_forward(self)(hidden_states)
-    fused = ic.linear_gelu_tanh(hidden_states, self.proj)
-    if fused is not None:
-        return fused
-    hidden_states = ic.call(self.proj, hidden_states)
-    if not ic.usable(hidden_states):
-        return self.gelu(hidden_states)
-    return activations.gelu_tanh(hidden_states)
+# diffusers GELU(approximate="tanh"): LTX-Video's replacement (the same module class in Wan's feed-forward)
+_gelu_tanh_forward = di._gelu_tanh_forward
 
 
 # --------------------------------------------------------------------------------------------

@@ -531,3 +531,29 @@ def test_fp8_skip_taken_from_a_generator_and_kept_by_a_later_call(capsys):
         assert fp8_linear.fp8_linear_count(model) == len(expected)
     finally:
         di.remove_optimized_kernels(model, verbose=False)
+
+
+@pytest.mark.parametrize("kind", ("sd3", "wan"))
+def test_torch_compile_fullgraph_traces_the_fp8_mode(kind):
+    """fullgraph=True on an FP8 SD3 or Wan model: no graph break (the fused feed-forward, project and the
+    layers' checks all trace); the graph calls the quantisation op and torch._scaled_mm, and its output is
+    the eager FP8 output up to bf16 rounding order (Dynamo's graph, run as captured)."""
+    model, kw = _case(kind, make_generator().seed_value)
+    di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    try:
+        eager = run_model(model, kw)
+        torch._dynamo.reset()
+        out = run_model(torch.compile(model, backend=backend, fullgraph=True), kw)
+        torch._dynamo.reset()
+        ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rocm_triton_kernels.")}
+        assert "act_fp8" in ops, sorted(seen)
+        assert any("_scaled_mm" in s for s in seen), sorted(seen)
+        assert _rel(out, eager) < 2.0**-5
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
