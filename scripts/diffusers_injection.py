@@ -718,6 +718,7 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     gelu_notes = []
     if fp8:  # first: a transformer with nothing to replace raises before anything is injected
         new["fp8_linear"] += _swap_in_fp8(pipe_or_model, skipped, fp8_skip)
+        _guard_pipeline_save(pipe_or_model)
     for model in transformers:
         _inject_ltx_transformer(model, new, skipped, gelu_notes)
     for vae in vaes:
@@ -848,6 +849,30 @@ def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
     return total
 
 
+def _guard_pipeline_save(pipe) -> None:
+    """A pipeline (not an nn.Module) given to fp8=True: its save_pretrained checks, before it writes anything,
+    that none of its transformers holds FP8 layers. The pipeline's own would write model_index.json and the
+    components before the transformer, whose save_pretrained refuses (fp8_linear), so a half-written folder
+    would be left."""
+    if isinstance(pipe, torch.nn.Module) or "save_pretrained" in getattr(pipe, "__dict__", {"save_pretrained": None}):
+        return
+    if callable(getattr(pipe, "save_pretrained", None)):
+        pipe.__dict__["save_pretrained"] = ic.BoundForward(_save_pipeline_unless_fp8, pipe)
+
+
+def _save_pipeline_unless_fp8(pipe, *args, **kwargs):
+    """save_pretrained of a pipeline given to fp8=True: refused while a transformer holds FP8 layers (checked
+    at each call, so the refusal ends with the layers however they are removed), else the class's own."""
+    held = [type(m).__name__ for m in _fp8_models(pipe) if fp8_linear.fp8_linear_count(m)]
+    if held:
+        raise RuntimeError(
+            f"save_pretrained: the pipeline's {', '.join(held)} holds FP8 layers, which a checkpoint cannot "
+            "carry (from_pretrained would initialise them at random); nothing was written. "
+            "remove_optimized_kernels(pipe) first, save, then inject again"
+        )
+    return type(pipe).save_pretrained(pipe, *args, **kwargs)
+
+
 def _inject_ltx_transformer(model, new: dict, skipped: list, gelu_notes: list) -> None:
     """Inject the kernels into one LTX-Video transformer: its norms, GELUs and blocks, then its attention
     processors and RoPE. Adds to new (counts per kind), skipped (what was left untouched and why) and
@@ -909,6 +934,9 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     for model in _fp8_models(pipe_or_model):
         restored["fp8_linear"] += fp8_linear.restore_from_fp8(model)
         model.__dict__.pop(_FP8_SKIP, None)
+    own = getattr(pipe_or_model, "__dict__", {}).get("save_pretrained")
+    if isinstance(own, ic.BoundForward) and own.func is _save_pipeline_unless_fp8:
+        del pipe_or_model.__dict__["save_pretrained"]
     for m in ic.unique_modules(pipe_or_model):
         ic.link_next(m, None)
         m.__dict__.pop(_CARRY, None)

@@ -497,3 +497,25 @@ def test_lora_over_every_layer_leaves_nothing_for_fp8_and_says_why():
 
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_pipeline_save_pretrained_refused_before_writing_anything(tmp_path):
+    """fp8=True on a pipeline: the pipeline's save_pretrained raises while its transformer holds FP8 layers,
+    before it writes model_index.json or any other component (the transformer's own refusal came after
+    those); once the FP8 layers are out, by either removal, it saves a pipeline that loads back."""
+    pipe = di.build_tiny_ltx_pipeline(num_layers=1)
+    pipe.transformer.to(DEVICE, torch.bfloat16)
+    for undo in (lambda: di.remove_optimized_kernels(pipe.transformer, verbose=False),
+                 lambda: di.remove_optimized_kernels(pipe, verbose=False)):  # fmt: skip
+        di.inject_optimized_kernels(pipe, verbose=False, fp8=True)
+        with pytest.raises(RuntimeError, match="nothing was written"):
+            pipe.save_pretrained(tmp_path / "fp8")
+        assert not (tmp_path / "fp8").exists()
+        undo()
+        out = tmp_path / f"bf16_{len(list(tmp_path.iterdir()))}"
+        pipe.save_pretrained(out)
+        assert (out / "model_index.json").exists() and (out / "transformer").is_dir()
+    assert "save_pretrained" not in vars(pipe)  # removal from the pipeline takes the check away
+    loaded = type(pipe).from_pretrained(out)
+    for name, p in pipe.transformer.state_dict().items():
+        assert torch.equal(loaded.transformer.state_dict()[name].to(p), p), name
