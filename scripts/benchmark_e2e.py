@@ -143,6 +143,13 @@ def _add_timing_arguments(p):
     )
     p.add_argument("--compile-mode", default="default", help="torch.compile mode (default 'default')")
     p.add_argument(
+        "--fp8-accumulation",
+        choices=["fast", "default"],
+        default="fast",
+        help="the FP8 modes' GEMM accumulation (fp8_linear.FAST_ACCUMULATION): fast (the bundle's default) or the "
+        "BLAS's default, to compare the two (default fast)",
+    )
+    p.add_argument(
         "--heat-seconds",
         type=float,
         help="untimed baseline calls for this long before the first mode, so every mode runs on a GPU "
@@ -736,7 +743,9 @@ def main(argv=None) -> int:
     from diffusers.utils import logging as diffusers_logging
 
     import diffusers_injection as di
+    import fp8_linear
 
+    fp8_linear.FAST_ACCUMULATION = args.fp8_accumulation == "fast"
     diffusers_logging.set_verbosity_error()
     try:
         from tqdm.auto import tqdm
@@ -950,6 +959,7 @@ def _config(args, base_model, inputs) -> dict:
         "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2,
         "tokens": _token_count(base_model, inputs),
         "compile_mode": args.compile_mode,
+        "fp8_accumulation": args.fp8_accumulation,
         "heat_seconds": args.heat_seconds,
         "rounds": args.rounds,
     }

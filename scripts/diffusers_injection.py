@@ -850,27 +850,27 @@ def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
 
 
 def _guard_pipeline_save(pipe) -> None:
-    """A pipeline (not an nn.Module) given to fp8=True: its save_pretrained checks, before it writes anything,
-    that none of its transformers holds FP8 layers. The pipeline's own would write model_index.json and the
-    components before the transformer, whose save_pretrained refuses (fp8_linear), so a half-written folder
-    would be left."""
+    """A pipeline (not an nn.Module) given to fp8=True: its save_pretrained refuses, before it writes anything,
+    until remove_optimized_kernels(pipe). The pipeline's own would write model_index.json and the components
+    before the transformer, whose save_pretrained refuses (fp8_linear), so a half-written folder would be
+    left."""
     if isinstance(pipe, torch.nn.Module) or "save_pretrained" in getattr(pipe, "__dict__", {"save_pretrained": None}):
         return
     if callable(getattr(pipe, "save_pretrained", None)):
-        pipe.__dict__["save_pretrained"] = ic.BoundForward(_save_pipeline_unless_fp8, pipe)
+        pipe.__dict__["save_pretrained"] = ic.BoundForward(_refuse_pipeline_save, pipe)
 
 
-def _save_pipeline_unless_fp8(pipe, *args, **kwargs):
-    """save_pretrained of a pipeline given to fp8=True: refused while a transformer holds FP8 layers (checked
-    at each call, so the refusal ends with the layers however they are removed), else the class's own."""
-    held = [type(m).__name__ for m in _fp8_models(pipe) if fp8_linear.fp8_linear_count(m)]
-    if held:
-        raise RuntimeError(
-            f"save_pretrained: the pipeline's {', '.join(held)} holds FP8 layers, which a checkpoint cannot "
-            "carry (from_pretrained would initialise them at random); nothing was written. "
-            "remove_optimized_kernels(pipe) first, save, then inject again"
-        )
-    return type(pipe).save_pretrained(pipe, *args, **kwargs)
+def _refuse_pipeline_save(pipe, *args, **kwargs):
+    """save_pretrained of a pipeline given to fp8=True, until remove_optimized_kernels(pipe) takes this away. It
+    never saves, even with the FP8 layers gone (removed through the transformer): a shallow copy of the
+    pipeline shares this function, bound to the original, and would save the original's components."""
+    held = sorted({type(m).__name__ for m in _fp8_models(pipe) if fp8_linear.fp8_linear_count(m)})
+    now = f"its {' and '.join(held)} holds FP8 layers" if held else "it was given to fp8=True"
+    raise RuntimeError(
+        f"save_pretrained of this pipeline: {now}, which a checkpoint cannot carry (from_pretrained would "
+        "initialise those layers at random); nothing was written. Call remove_optimized_kernels(pipe) first "
+        "(on this pipeline object), save, then inject again"
+    )
 
 
 def _inject_ltx_transformer(model, new: dict, skipped: list, gelu_notes: list) -> None:
@@ -935,7 +935,7 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         restored["fp8_linear"] += fp8_linear.restore_from_fp8(model)
         model.__dict__.pop(_FP8_SKIP, None)
     own = getattr(pipe_or_model, "__dict__", {}).get("save_pretrained")
-    if isinstance(own, ic.BoundForward) and own.func is _save_pipeline_unless_fp8:
+    if isinstance(own, ic.BoundForward) and own.func is _refuse_pipeline_save:
         del pipe_or_model.__dict__["save_pretrained"]
     for m in ic.unique_modules(pipe_or_model):
         ic.link_next(m, None)

@@ -500,22 +500,31 @@ def _rel(a, b):
 
 
 def test_pipeline_save_pretrained_refused_before_writing_anything(tmp_path):
-    """fp8=True on a pipeline: the pipeline's save_pretrained raises while its transformer holds FP8 layers,
-    before it writes model_index.json or any other component (the transformer's own refusal came after
-    those); once the FP8 layers are out, by either removal, it saves a pipeline that loads back."""
+    """fp8=True on a pipeline: the pipeline's save_pretrained raises before it writes model_index.json or any
+    other component (the transformer's own refusal came after those), also once the FP8 layers were removed
+    through the transformer alone, and on a shallow copy (whose inherited check is bound to the original: it
+    must never save the original's components for it). remove_optimized_kernels(pipe) ends it; the saved
+    pipeline loads back."""
+    import copy
+
     pipe = di.build_tiny_ltx_pipeline(num_layers=1)
     pipe.transformer.to(DEVICE, torch.bfloat16)
-    for undo in (lambda: di.remove_optimized_kernels(pipe.transformer, verbose=False),
-                 lambda: di.remove_optimized_kernels(pipe, verbose=False)):  # fmt: skip
-        di.inject_optimized_kernels(pipe, verbose=False, fp8=True)
-        with pytest.raises(RuntimeError, match="nothing was written"):
-            pipe.save_pretrained(tmp_path / "fp8")
-        assert not (tmp_path / "fp8").exists()
-        undo()
-        out = tmp_path / f"bf16_{len(list(tmp_path.iterdir()))}"
-        pipe.save_pretrained(out)
-        assert (out / "model_index.json").exists() and (out / "transformer").is_dir()
-    assert "save_pretrained" not in vars(pipe)  # removal from the pipeline takes the check away
-    loaded = type(pipe).from_pretrained(out)
+    di.inject_optimized_kernels(pipe, verbose=False, fp8=True)
+    shallow = copy.copy(pipe)
+    for undo in (None, lambda: di.remove_optimized_kernels(pipe.transformer, verbose=False)):
+        if undo is not None:
+            undo()
+        for p in (pipe, shallow):
+            with pytest.raises(RuntimeError, match="nothing was written"):
+                p.save_pretrained(tmp_path / "fp8")
+            assert not (tmp_path / "fp8").exists()
+    di.remove_optimized_kernels(pipe, verbose=False)
+    assert "save_pretrained" not in vars(pipe)
+    pipe.save_pretrained(tmp_path / "bf16")
+    with pytest.raises(RuntimeError, match="nothing was written"):
+        shallow.save_pretrained(tmp_path / "copy")  # until removal on the copy itself
+    di.remove_optimized_kernels(shallow, verbose=False)
+    assert "save_pretrained" not in vars(shallow)
+    loaded = type(pipe).from_pretrained(tmp_path / "bf16")
     for name, p in pipe.transformer.state_dict().items():
         assert torch.equal(loaded.transformer.state_dict()[name].to(p), p), name
