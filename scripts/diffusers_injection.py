@@ -326,18 +326,22 @@ def feed_forward(ff, x, state_key: str = _STATE):
     return _fp8_gelu_down(up.forward(x), down)
 
 
-def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, cross: bool):
     """attn(hidden_states, ...): for a plain LTXAttention without hooks, its processor called directly.
     LTXAttention.forward (diffusers 0.42) only drops keyword arguments its processor does not take
     (there are none here) before calling the processor, and finds them with inspect.signature on every
     call, which costs more host time than the rest of a small attention's Python."""
     if type(attn) is LTXAttention and "forward" not in attn.__dict__ and ic.hook_free(attn):
         return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    # otherwise the call diffusers' block makes, argument for argument (a hook taking keyword arguments
+    # sees what it would see in the stock model): attn1 by keywords, without a mask; attn2 (cross) as below
+    if not cross:
+        return attn(hidden_states=hidden_states, encoder_hidden_states=None, image_rotary_emb=image_rotary_emb)
     return attn(
         hidden_states,
         encoder_hidden_states=encoder_hidden_states,
-        attention_mask=attention_mask,
         image_rotary_emb=image_rotary_emb,
+        attention_mask=attention_mask,
     )
 
 
@@ -380,11 +384,11 @@ def _ltx_block_forward(
         norm_hidden_states = rmsnorm.rms_norm_modulate(
             hidden_states, scale_msa, shift_msa, args1[0], self.norm1.eps, cast_before_weight=args1[1]
         )
-    attn_hidden_states = _attention_module(self.attn1, norm_hidden_states, None, None, image_rotary_emb)
+    attn_hidden_states = _attention_module(self.attn1, norm_hidden_states, None, None, image_rotary_emb, cross=False)
     hidden_states = rmsnorm.gated_residual_add(hidden_states, attn_hidden_states, gate_msa)
 
     attn_hidden_states = _attention_module(
-        self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask, None
+        self.attn2, hidden_states, encoder_hidden_states, encoder_attention_mask, None, cross=True
     )
     # h + attn2, then norm2 + modulation, one kernel returning both the new residual and the norm.
     # With an FP8 feed-forward the norm writes the up-projection's FP8 input and per-token scales and the
@@ -423,11 +427,12 @@ def _ltx_rope_forward(
     Both outputs are per-token along dim 1, so the context-parallel plan of the model
     (`_cp_plan["rope"]` splits outputs 0 and 1 along dim 1) still slices them consistently; the
     processor only reads freqs[0, 0], which every slice contains. If any self-attention of the model
-    no longer runs the fused processor (someone set another one), the original (cos, sin) is
-    returned, so other processors keep working.
+    no longer runs the fused processor (someone set another one), or a hook is registered on this module,
+    the original (cos, sin) is returned, so other processors and the hook see what they expect.
     """
     attns = self._rtk_attn1_modules
-    if not all(type(a.processor) is LTXFusedSelfAttnProcessor for a in attns):
+    # a hook on this module would see (or change) coords where it expects (cos, sin): hand it those
+    if not ic.hook_free(self) or not all(type(a.processor) is LTXFusedSelfAttnProcessor for a in attns):
         return _original_forward(self)(hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords)
     batch_size = hidden_states.size(0)
     if video_coords is None:
@@ -579,9 +584,9 @@ class LTXFusedSelfAttnProcessor:
         nq, nk = attn.norm_q, attn.norm_k
         coords_form = _is_coords_form(image_rotary_emb, query.shape[-1])
         a, b = image_rotary_emb
-        fusable = (
-            isinstance(nq, torch.nn.RMSNorm)
-            and isinstance(nk, torch.nn.RMSNorm)
+        fusable = (  # the norms as their class computes them, with nothing hooked on them (the kernel calls neither)
+            _runs_class_forward(nq, torch.nn.RMSNorm)
+            and _runs_class_forward(nk, torch.nn.RMSNorm)
             and len(nq.normalized_shape) == 1
             and len(nk.normalized_shape) == 1
             and nq.weight is not None

@@ -581,6 +581,8 @@ def _fusable_parts(parts, head_dim, dtype, norm_cls):
     for q, k, nq, nk in parts:
         if type(nq) is not norm_cls or type(nk) is not norm_cls or q.shape != k.shape or q.dtype != dtype:
             return None
+        if not (ic.unwrapped(nq) and ic.unwrapped(nk)):  # a hook (or forward) the fused path would not run
+            return None
         if norm_cls is nn.RMSNorm:
             if tuple(nq.normalized_shape) != (head_dim,) or tuple(nk.normalized_shape) != (head_dim,):
                 return None

@@ -542,11 +542,15 @@ def test_example_runs_without_gpu():
 # --------------------------------------------------------------------------------------------
 # Submodules called without Module.__call__ where nothing hooks them
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["attn1", "attn2", "to_q", "to_out", "ff", "ff_proj", "global"])
+@pytest.mark.parametrize(
+    "where", ["attn1", "attn2", "to_q", "to_out", "ff", "ff_proj", "attn1.norm_q", "attn1.norm_k", "global"]
+)
 def test_hooks_on_submodules_still_run(where):
     """The patched block calls attention processors, Linear / Dropout layers and the feed-forward
     without Module.__call__ only where no hook would run: a forward hook registered on any of them
-    (or globally) must run and may change the output, exactly as in the unpatched model."""
+    (or globally) must run and may change the output, exactly as in the unpatched model. The
+    self-attention's q/k norms too (the fused q/k norm + RoPE kernel calls neither; their hooks ran 0
+    times before)."""
     gen, tr, kw = _tiny_case()
     blk = tr.transformer_blocks[1]
     target = {
@@ -556,6 +560,8 @@ def test_hooks_on_submodules_still_run(where):
         "to_out": blk.attn2.to_out[0],
         "ff": blk.ff,
         "ff_proj": blk.ff.net[2],
+        "attn1.norm_q": blk.attn1.norm_q,
+        "attn1.norm_k": blk.attn1.norm_k,
     }.get(where)
     fired = Counter()
 
@@ -577,6 +583,84 @@ def test_hooks_on_submodules_still_run(where):
         out = run_model(tr, kw)
         assert sum(fired.values()) == n_ref > 0, f"hook on {where} ran {sum(fired.values())} times, expected {n_ref}"
         assert _rel_max(out, ref) <= FP32_REL, f"{where}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+@pytest.mark.parametrize("which", ["attn1", "attn2"])
+def test_a_keyword_pre_hook_on_an_attention_sees_the_stock_call(which):
+    """A pre-hook registered with_kwargs=True on a block's attention sees the call diffusers' block makes
+    (attn1 by keywords, attn2 with hidden_states positional), and what it changes there counts: an
+    injected block that passed attn1's hidden_states positionally made such a hook change nothing."""
+    gen, tr, kw = _tiny_case()
+    attn = getattr(tr.transformer_blocks[1], which)
+    seen = []
+
+    def pre(module, args, kwargs):
+        seen.append((len(args), tuple(sorted(kwargs))))
+        if "hidden_states" in kwargs:
+            return args, dict(kwargs, hidden_states=kwargs["hidden_states"] * 0.5)
+        return (args[0] * 0.5, *args[1:]), kwargs
+
+    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        ref = run_model(tr, kw)
+        stock_calls = list(seen)
+        di.inject_optimized_kernels(tr, verbose=False)
+        seen.clear()
+        out = run_model(tr, kw)
+        assert seen == stock_calls and stock_calls, f"{which}: the hook saw {seen}, in the stock model {stock_calls}"
+        assert _rel_max(out, ref) <= FP32_REL, f"{which}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    finally:
+        handle.remove()
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_a_norm_subclass_with_its_own_forward_in_the_self_attention_is_run():
+    """A q norm replaced by a subclass of torch.nn.RMSNorm with a forward of its own: the fused q/k norm +
+    RoPE kernel would compute plain RMSNorm in its place (it did, ignoring the subclass); the attention
+    takes the unfused path, which calls it."""
+
+    class ScaledRMSNorm(torch.nn.RMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    gen, tr, kw = _tiny_case()
+    old = tr.transformer_blocks[0].attn1.norm_q
+    new = ScaledRMSNorm(old.normalized_shape, eps=old.eps).to(DEVICE)
+    with torch.no_grad():
+        new.weight.copy_(old.weight)
+    tr.transformer_blocks[0].attn1.norm_q = new
+    ref = run_model(tr, kw)
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        out = run_model(tr, kw)
+        assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
+def test_a_hook_on_the_rope_module_sees_cos_and_sin():
+    """The injection's rope forward hands the fused processors token coordinates instead of (cos, sin);
+    with a hook on the rope module it returns (cos, sin), as the stock module does, so the hook sees and
+    may change those (it saw the coordinates, and its change scaled them)."""
+    gen, tr, kw = _tiny_case()
+    seen = []
+
+    def hook(module, args, output):
+        seen.append(tuple(tuple(t.shape) for t in output))
+        return tuple(t * 0.9 for t in output)
+
+    handle = tr.rope.register_forward_hook(hook)
+    try:
+        ref = run_model(tr, kw)
+        stock_shapes = list(seen)
+        di.inject_optimized_kernels(tr, verbose=False)
+        seen.clear()
+        out = run_model(tr, kw)
+        assert seen == stock_shapes and stock_shapes, f"the hook saw {seen}, in the stock model {stock_shapes}"
+        assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
     finally:
         handle.remove()
         di.remove_optimized_kernels(tr, verbose=False)

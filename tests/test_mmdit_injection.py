@@ -624,10 +624,14 @@ def test_hook_on_a_block_layernorm_still_runs(kind, gen):
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
-@pytest.mark.parametrize("where", ["attn", "ff", "ff_proj", "single_attn", "global"])
+@pytest.mark.parametrize(
+    "where", ["attn", "ff", "ff_proj", "single_attn", "norm_q", "norm_added_k", "single_norm_k", "global"]
+)
 def test_hooks_on_submodules_still_run(kind, where, gen):
     """The patched blocks call attention processors and feed-forward layers without Module.__call__
-    only where nothing hooks them: a forward hook on any of them (or a global one) must still run."""
+    only where nothing hooks them: a forward hook on any of them (or a global one) must still run. The
+    q/k norms too: the fused q/k norm (+ RoPE) kernel calls no norm module, so a hooked norm sends its
+    attention down the unfused path (the hook ran 0 times before)."""
     model = _model_with_blocks(kind, gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     blk = model.transformer_blocks[0]
@@ -637,6 +641,9 @@ def test_hooks_on_submodules_still_run(kind, where, gen):
         "ff": blk.ff,
         "ff_proj": blk.ff.net[2],
         "single_attn": single[0].attn if single else blk.attn,
+        "norm_q": blk.attn.norm_q,
+        "norm_added_k": blk.attn.norm_added_k,
+        "single_norm_k": single[0].attn.norm_k if single else blk.attn.norm_k,
     }.get(where)
     fired = []
 
