@@ -146,6 +146,7 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
         return None
     if state["kind"] not in _PROCESSOR_KINDS:
         module.__dict__.pop("_rtk_attn1_modules", None)
+        module.__dict__.pop("_rtk_rope_readers", None)
     return state["kind"]
 
 
@@ -408,6 +409,26 @@ def _ltx_block_forward(
     return fused if fused is not None else rmsnorm.gated_residual_add(hidden_states, ff_output, gate_mlp)
 
 
+_CP_HOOK_PREFIXES = ("cp_input---", "cp_output---")  # diffusers' context-parallel split/gather hooks
+
+
+def _rope_hands_coords(rope_mod) -> bool:
+    """Whether the patched rope may return coordinates: every self-attention runs the fused processor, and no
+    hook could see or change rope's output where it expects (cos, sin): none on the rope module (PyTorch's,
+    accelerate's, or a diffusers hook other than context parallelism's split, which slices coordinates
+    consistently), and no PyTorch hook on the blocks or self-attentions that receive it as an argument."""
+    d = rope_mod.__dict__
+    if not ic.hook_free(rope_mod) or "_hf_hook" in d:
+        return False
+    registry = d.get("_diffusers_hook")
+    if registry is not None and not all(name.startswith(_CP_HOOK_PREFIXES) for name in registry.hooks):
+        return False
+    for a in d.get("_rtk_attn1_modules", ()):
+        if type(a.processor) is not LTXFusedSelfAttnProcessor or not ic.hook_free(a):
+            return False
+    return all(ic.hook_free(b) for b in d.get("_rtk_rope_readers", ()))
+
+
 def _ltx_rope_forward(
     self,
     hidden_states: torch.Tensor,
@@ -427,12 +448,11 @@ def _ltx_rope_forward(
     Both outputs are per-token along dim 1, so the context-parallel plan of the model
     (`_cp_plan["rope"]` splits outputs 0 and 1 along dim 1) still slices them consistently; the
     processor only reads freqs[0, 0], which every slice contains. If any self-attention of the model
-    no longer runs the fused processor (someone set another one), or a hook is registered on this module,
-    the original (cos, sin) is returned, so other processors and the hook see what they expect.
+    no longer runs the fused processor (someone set another one), or a hook could see this module's
+    output (_rope_hands_coords), the original (cos, sin) is returned, so other processors and hooks see
+    what they expect.
     """
-    attns = self._rtk_attn1_modules
-    # a hook on this module would see (or change) coords where it expects (cos, sin): hand it those
-    if not ic.hook_free(self) or not all(type(a.processor) is LTXFusedSelfAttnProcessor for a in attns):
+    if not _rope_hands_coords(self):
         return _original_forward(self)(hidden_states, num_frames, height, width, rope_interpolation_scale, video_coords)
     batch_size = hidden_states.size(0)
     if video_coords is None:
@@ -905,6 +925,7 @@ def _inject_ltx_transformer(model, new: dict, skipped: list, gelu_notes: list) -
             new["rope_coords"] += 1
         # a plain tuple attribute: not registered as submodules (no second parent in the tree)
         rope_mod.__dict__["_rtk_attn1_modules"] = tuple(attn1s)
+        rope_mod.__dict__["_rtk_rope_readers"] = tuple(getattr(model, "transformer_blocks", ()))
 
 
 def _install_ltx_processors(model, new: dict, skipped: list) -> list:

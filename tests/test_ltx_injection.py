@@ -666,6 +666,44 @@ def test_a_hook_on_the_rope_module_sees_cos_and_sin():
         di.remove_optimized_kernels(tr, verbose=False)
 
 
+@pytest.mark.parametrize("where", ["attn1 pre-hook", "block pre-hook", "diffusers hook on rope"])
+def test_hooks_that_read_the_rotary_embedding_see_cos_and_sin(where):
+    """The injection's rope hands the fused processors token coordinates in place of (cos, sin). A hook that
+    reads or changes the rotary embedding on its way (a keyword pre-hook on a self-attention or a block, a
+    diffusers hook on the rope module) gets (cos, sin), as in the stock model: it scaled the coordinates."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class ScaleOutputs(ModelHook):
+        def post_forward(self, module, output):
+            return tuple(t * 0.9 for t in output)
+
+    def pre(module, args, kwargs):
+        cos, sin = kwargs["image_rotary_emb"]
+        return args, dict(kwargs, image_rotary_emb=(cos * 0.9, sin * 0.9))
+
+    gen, tr, kw = _tiny_case()
+    blk = tr.transformer_blocks[1]
+
+    def add_hook():
+        if where == "diffusers hook on rope":
+            HookRegistry.check_if_exists_or_initialize(tr.rope).register_hook(ScaleOutputs(), "scale")
+            return lambda: tr.rope._diffusers_hook.remove_hook("scale", recurse=False)
+        target = blk.attn1 if where == "attn1 pre-hook" else blk
+        return target.register_forward_pre_hook(pre, with_kwargs=True).remove
+
+    remove = add_hook()
+    ref = run_model(tr, kw)
+    remove()
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        remove = add_hook()  # after the injection: it wraps the patched rope forward
+        out = run_model(tr, kw)
+        remove()
+        assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
 def test_dropout_in_training_mode_is_applied(gen):
     """A Dropout with p > 0 in training mode is not skipped (it runs as the module would)."""
     import injection_common as ic
