@@ -21,7 +21,6 @@ from kernel_testing import (
     assert_bf16_parity,
     assert_injecting_twice_is_harmless,
     assert_unpatched_again,
-    compile_aot_eager,
     count_calls,
     hooked_norm_outputs,
     make_generator,
@@ -409,16 +408,28 @@ def test_other_processor_and_ff_chunking_left_to_the_original(gen):
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
 def test_torch_compile_fullgraph_traces_the_kernels(kind):
-    """The patched model compiles without graph breaks (the kernels are torch.library custom ops)."""
+    """The patched model compiles without graph breaks (the kernels are torch.library custom ops), and the
+    captured graph calls the fused q/k norm + RoPE and LayerNorm kernels: the checks that send a hooked
+    q/k norm down the unfused path trace, and take the fused path where nothing is hooked."""
     gen = make_generator()
     model = _model(kind, seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
     ref = run_model(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
-    compiled = compile_aot_eager(model)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad():
         out = compiled(**kw)[0]
     torch._dynamo.reset()
+    mi.remove_mmdit_kernels(model, verbose=False)
+    ops = {t.split(".")[1].removesuffix("_triton") for t in seen if t.startswith("rocm_triton_kernels.")}
+    assert {"head_rms_norm_rope", "layer_norm_fused"} <= ops, sorted(seen)
     assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
 
 
