@@ -283,6 +283,26 @@ def assert_cpu_tensor_refused_without_interpreter(monkeypatch, call, match="CPU 
         call()
 
 
+def run_compiled_fullgraph(model, kw):
+    """model(**kw)[0] through torch.compile(fullgraph=True) with a backend that runs Dynamo's graph as captured
+    and records its calls. Returns (output, ops, targets): ops the bundle's torch.library ops the graph calls
+    (rocm_triton_kernels::name, a GPU's "_triton" twin under its plain name), targets every call's target. The
+    graph is before AOT autograd, where the ops keep their names on every device."""
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        out = run_model(torch.compile(model, backend=backend, fullgraph=True), kw)
+    finally:
+        torch._dynamo.reset()
+    ops = {t.split(".")[1].removesuffix("_triton") for t in targets if t.startswith("rocm_triton_kernels.")}
+    return out, ops, targets
+
+
 def compile_aot_eager(fn):
     """torch.compile(fn) with the aot_eager backend (cheap on the CPU) and fullgraph, after a dynamo reset."""
     torch._dynamo.reset()

@@ -11,7 +11,7 @@ import diffusers_injection as di
 import fp8_linear
 import mmdit_injection as mi
 import wan_injection as wi
-from kernel_testing import DEVICE, count_calls, make_generator, run_model
+from kernel_testing import DEVICE, count_calls, make_generator, run_compiled_fullgraph, run_model
 
 MODELS = ("sd3", "flux", "wan", "wan-i2v")
 # named independently of the rule in diffusers_injection.fp8_parents: layers that must become FP8, and the
@@ -540,18 +540,9 @@ def test_torch_compile_fullgraph_traces_the_fp8_mode(kind):
     the eager FP8 output up to bf16 rounding order (Dynamo's graph, run as captured)."""
     model, kw = _case(kind, make_generator().seed_value)
     di.inject_optimized_kernels(model, verbose=False, fp8=True)
-    seen = set()
-
-    def backend(gm, example_inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     try:
         eager = run_model(model, kw)
-        torch._dynamo.reset()
-        out = run_model(torch.compile(model, backend=backend, fullgraph=True), kw)
-        torch._dynamo.reset()
-        ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rocm_triton_kernels.")}
+        out, ops, seen = run_compiled_fullgraph(model, kw)
         assert "act_fp8" in ops, sorted(seen)
         assert any("_scaled_mm" in s for s in seen), sorted(seen)
         assert _rel(out, eager) < 2.0**-5

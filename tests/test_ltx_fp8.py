@@ -9,7 +9,7 @@ import torch
 import diffusers_injection as di
 import fp8_linear
 import injection_common as ic
-from kernel_testing import DEVICE, count_calls, ltx_inputs, make_generator, run_model
+from kernel_testing import DEVICE, count_calls, ltx_inputs, make_generator, run_compiled_fullgraph, run_model
 
 # per block: attn1 to_q, to_k, to_v, to_out.0; attn2 the same four; the feed-forward's two projections
 LINEARS_PER_BLOCK = 10
@@ -321,18 +321,9 @@ def test_torch_compile_fullgraph_traces_the_fp8_mode():
     a GPU's triton_op twins become kernel-wrapper nodes)."""
     _, tr, kw = _bf16_case(num_layers=1)
     di.inject_optimized_kernels(tr, verbose=False, fp8=True)
-    seen = set()
-
-    def backend(gm, example_inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     try:
         eager = run_model(tr, kw)
-        torch._dynamo.reset()
-        out = run_model(torch.compile(tr, backend=backend, fullgraph=True), kw)
-        torch._dynamo.reset()
-        ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rocm_triton_kernels.")}
+        out, ops, seen = run_compiled_fullgraph(tr, kw)
         assert {"act_fp8", "rms_norm_fused"} <= ops, sorted(seen)
         assert any("_scaled_mm" in s for s in seen), sorted(seen)
         rel = float((out.double() - eager.double()).norm() / eager.double().norm())

@@ -588,6 +588,30 @@ def test_hooks_on_submodules_still_run(where):
         di.remove_optimized_kernels(tr, verbose=False)
 
 
+def _stock_then_injected(tr, kw, add_hook, seen=None):
+    """tr run with the hook add_hook() registers (add_hook returns its remover), then injected and run with
+    it registered anew (after the injection: a diffusers hook wraps the patched forward); the injection is
+    removed after. Returns (stock output, injected output, what the hook recorded in seen in each run)."""
+    seen = [] if seen is None else seen
+    remove = add_hook()
+    try:
+        ref = run_model(tr, kw)
+    finally:
+        remove()
+    stock_seen = list(seen)
+    seen.clear()
+    di.inject_optimized_kernels(tr, verbose=False)
+    try:
+        remove = add_hook()
+        try:
+            out = run_model(tr, kw)
+        finally:
+            remove()
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+    return ref, out, stock_seen, list(seen)
+
+
 @pytest.mark.parametrize("which", ["attn1", "attn2"])
 def test_a_keyword_pre_hook_on_an_attention_sees_the_stock_call(which):
     """A pre-hook registered with_kwargs=True on a block's attention sees the call diffusers' block makes
@@ -603,18 +627,10 @@ def test_a_keyword_pre_hook_on_an_attention_sees_the_stock_call(which):
             return args, dict(kwargs, hidden_states=kwargs["hidden_states"] * 0.5)
         return (args[0] * 0.5, *args[1:]), kwargs
 
-    handle = attn.register_forward_pre_hook(pre, with_kwargs=True)
-    try:
-        ref = run_model(tr, kw)
-        stock_calls = list(seen)
-        di.inject_optimized_kernels(tr, verbose=False)
-        seen.clear()
-        out = run_model(tr, kw)
-        assert seen == stock_calls and stock_calls, f"{which}: the hook saw {seen}, in the stock model {stock_calls}"
-        assert _rel_max(out, ref) <= FP32_REL, f"{which}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
-    finally:
-        handle.remove()
-        di.remove_optimized_kernels(tr, verbose=False)
+    add = lambda: attn.register_forward_pre_hook(pre, with_kwargs=True).remove  # noqa: E731
+    ref, out, stock_calls, calls = _stock_then_injected(tr, kw, add, seen)
+    assert calls == stock_calls and stock_calls, f"{which}: the hook saw {calls}, in the stock model {stock_calls}"
+    assert _rel_max(out, ref) <= FP32_REL, f"{which}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
 
 def test_a_norm_subclass_with_its_own_forward_in_the_self_attention_is_run():
@@ -652,18 +668,11 @@ def test_a_hook_on_the_rope_module_sees_cos_and_sin():
         seen.append(tuple(tuple(t.shape) for t in output))
         return tuple(t * 0.9 for t in output)
 
-    handle = tr.rope.register_forward_hook(hook)
-    try:
-        ref = run_model(tr, kw)
-        stock_shapes = list(seen)
-        di.inject_optimized_kernels(tr, verbose=False)
-        seen.clear()
-        out = run_model(tr, kw)
-        assert seen == stock_shapes and stock_shapes, f"the hook saw {seen}, in the stock model {stock_shapes}"
-        assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
-    finally:
-        handle.remove()
-        di.remove_optimized_kernels(tr, verbose=False)
+    ref, out, stock_shapes, shapes = _stock_then_injected(
+        tr, kw, lambda: tr.rope.register_forward_hook(hook).remove, seen
+    )
+    assert shapes == stock_shapes and stock_shapes, f"the hook saw {shapes}, in the stock model {stock_shapes}"
+    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
 
 @pytest.mark.parametrize("where", ["attn1 pre-hook", "block pre-hook", "diffusers hook on rope"])
@@ -691,17 +700,8 @@ def test_hooks_that_read_the_rotary_embedding_see_cos_and_sin(where):
         target = blk.attn1 if where == "attn1 pre-hook" else blk
         return target.register_forward_pre_hook(pre, with_kwargs=True).remove
 
-    remove = add_hook()
-    ref = run_model(tr, kw)
-    remove()
-    di.inject_optimized_kernels(tr, verbose=False)
-    try:
-        remove = add_hook()  # after the injection: it wraps the patched rope forward
-        out = run_model(tr, kw)
-        remove()
-        assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
-    finally:
-        di.remove_optimized_kernels(tr, verbose=False)
+    ref, out, _, _ = _stock_then_injected(tr, kw, add_hook)
+    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
 
 def test_dropout_in_training_mode_is_applied(gen):

@@ -25,6 +25,7 @@ from kernel_testing import (
     hooked_norm_outputs,
     make_generator,
     rel_l2,
+    run_compiled_fullgraph,
     run_model,
     without_and_with_kernels,
 )
@@ -416,19 +417,8 @@ def test_torch_compile_fullgraph_traces_the_kernels(kind):
     kw = _inputs(model, seed=gen.seed_value)
     ref = run_model(model, kw)
     mi.inject_mmdit_kernels(model, verbose=False)
-    seen = set()
-
-    def backend(gm, example_inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        out = compiled(**kw)[0]
-    torch._dynamo.reset()
+    out, ops, seen = run_compiled_fullgraph(model, kw)
     mi.remove_mmdit_kernels(model, verbose=False)
-    ops = {t.split(".")[1].removesuffix("_triton") for t in seen if t.startswith("rocm_triton_kernels.")}
     assert {"head_rms_norm_rope", "layer_norm_fused"} <= ops, sorted(seen)
     assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
 
