@@ -236,7 +236,8 @@ def test_gated_residuals_are_bit_identical_to_wan(per_token):
 def test_norm_sites_round_like_wan():
     """Wan's norm1 + modulation and norm2 (weight, bias): with the rounding of a GPU, the kernels differ
     from Wan's expression only where their fp32 sums (another order) cross a bf16 rounding boundary: at
-    most one bf16 ulp, in few elements."""
+    most one bf16 ulp, in few elements. Where the result nearly cancels (norm * (1 + scale) + shift near 0)
+    its bf16 ulp is below the fp32 rounding of its terms, which bounds the difference there instead."""
     import torch.nn.functional as F
 
     gen = make_generator()
@@ -252,8 +253,13 @@ def test_norm_sites_round_like_wan():
     want_h2 = (x.float() + y * gate).type_as(x)
     want_n2 = F.layer_norm(want_h2.float(), (d,), w, bias, 1e-6).type_as(x)
     assert torch.equal(h2, want_h2), f"seed {gen.seed_value}"
-    for got, want in ((n1, want_n1), (n2, want_n2)):
+    normed1 = F.layer_norm(x.double(), (d,), eps=1e-6)
+    normed2 = F.layer_norm(want_h2.double(), (d,), eps=1e-6)
+    terms1 = normed1.abs() * (1 + scale.double()).abs() + shift.double().abs()  # magnitudes summed
+    terms2 = normed2.abs() * w.double().abs() + bias.double().abs()
+    for got, want, terms in ((n1, want_n1, terms1), (n2, want_n2, terms2)):
         ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0**-120))) - 7)
+        ulp = torch.maximum(ulp, (terms * 2.0**-22).float())  # four fp32 roundings of the terms
         assert ((got.float() - want.float()).abs() <= ulp).all(), f"seed {gen.seed_value}"
         assert (got == want).float().mean() >= 0.99, f"seed {gen.seed_value}"
 
