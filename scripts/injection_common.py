@@ -684,9 +684,9 @@ def cpu_fallback_note(pipe_or_model, counts: dict) -> str:
     return note
 
 
-def report(logger, msg: str, verbose: bool) -> None:
-    """Log msg (INFO) and, if verbose, print it to stderr."""
-    logger.info(msg)
+def report(logger, msg: str, verbose: bool, *, warning: bool = False) -> None:
+    """Log msg (INFO, or WARNING where warning) and, if verbose, print it to stderr."""
+    (logger.warning if warning else logger.info)(msg)
     if verbose:
         print(msg, file=sys.stderr)
 

@@ -24,18 +24,25 @@ to each other through ``LlamaModel.forward`` (which also records it for ``output
 sends the last one to the final norm), so that fusion would mean rewriting the model's forward or passing
 state between layers behind its back; one elementwise add per layer is not worth that.
 
-Modules are recognised by what their code does, not by their class name: a norm, MLP or decoder layer
-is patched when its ``forward`` is statement for statement the one of transformers' Llama classes
-(copies such as Mistral's or Qwen2's match too), and an attention layer when it calls a module-level
-``apply_rotary_pos_emb`` identical to Llama's. Anything else is left untouched, so a non-Llama model
-gets all-zero counts. Before the first injection, Llama's RMSNorm and RoPE functions are run once on
-small CPU tensors against the kernels' reference math, so a transformers release that changed their
-numerics is refused instead of silently approximated.
+Modules are recognised by what they compute, not by their class name or source text: each candidate
+class's forward is run once on small CPU tensors in a stand-in instance (probe parameters and submodules,
+the real module's settings) and compared with the kernels' math: an RMSNorm bit for bit in bf16 (which also
+tells whether it rounds before the weight multiply), the MLP and the pre-norm decoder layer in float64, the
+decoder layer also for handing every argument on to self_attn unchanged; the model file's
+``apply_rotary_pos_emb`` is run on float64 tensors against the rotate-half formula. Copies and rewrites
+(Mistral, Qwen2, Qwen3's extra q/k norms, code reformatted by a release) match; anything that computes
+another function is left untouched and named in the log line, so a non-Llama model gets all-zero counts.
+A kind the architecture has sites of (an RMSNorm class, a gate/up/down MLP, a pre-norm layer, an attention
+calling ``apply_rotary_pos_emb``) but none of which is replaced makes the log line a warning, and
+``missing_kinds(model)`` returns it (the examples' ``ok`` is false then).
 
 Patching is per instance (``module.forward`` set on the instance; the classes and other models are
-untouched). RoPE is a module-level function in transformers, so a dispatcher takes its place in the
-model file while any attention layer is patched: it runs the kernel only inside a patched attention
-layer and calls the original function everywhere else. Every patched forward reads its parameters when
+untouched). RoPE is a module-level function in transformers. With the kernels package (a dependency from
+transformers 5.25) that function routes each attention layer's calls to the layer's own copy of it, and the
+kernel goes into the copies of the patched layers: nothing global changes. Without it, a dispatcher takes
+the function's place in the model file while any attention layer is patched: it runs the kernel only inside
+a patched attention layer and calls the original function everywhere else. A layer to which
+``kernels.kernelize`` gave a hub kernel keeps it. Every patched forward reads its parameters when
 it runs and falls back to the original code for inputs the kernels do not cover: autograd (the kernels
 have no backward), gradient checkpointing, tensors on a device the kernels cannot use (CPU without
 TRITON_INTERPRET=1, meta), dtype mixes where transformers would promote (an fp32 weight on bf16
@@ -43,7 +50,7 @@ activations), unusual layouts, and modules that carry hooks the fused path would
 changes nothing; removal restores the original forwards and function. An injected model survives
 ``copy.deepcopy`` and ``torch.save`` / ``torch.load(..., weights_only=False)`` (where this file is
 importable under the same name): the copy is injected too, bound to its own modules, and holds the RoPE
-dispatcher itself, so removing the kernels from one model leaves the other's in place.
+kernel (or dispatcher) itself, so removing the kernels from one model leaves the other's in place.
 
 ``count_kernel_calls()`` counts the kernel calls made inside a ``with`` block (a patched model whose
 inputs all fell back to torch shows zeros). Also here: ``tiny_llama_config``, ``llama3_8b_config``,
@@ -54,7 +61,6 @@ the counts for the Llama-3-8B architecture built on the meta device (no memory, 
 
 from __future__ import annotations
 
-import ast
 import collections
 import contextlib
 import importlib
@@ -62,8 +68,8 @@ import inspect
 import logging
 import os
 import sys
-import textwrap
 import threading
+import types
 import weakref
 from typing import Optional
 
@@ -86,6 +92,7 @@ __all__ = [
     "remove_llama_kernels",
     "injected_counts",
     "count_kernel_calls",
+    "missing_kinds",
     "KINDS",
     "tiny_llama_config",
     "llama3_8b_config",
@@ -122,95 +129,233 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Recognising Llama code
+# Recognising Llama code: by what it computes
 # --------------------------------------------------------------------------------------------
-# The caches below may be filled from several threads at once (separate models injected concurrently):
-# each entry is computed in full, then stored in one assignment, and read with one lookup; the numerics
-# probe, filled once for the process, is computed under a lock and published whole.
+# A module is recognised by running its class's forward once on small CPU tensors, in a stand-in
+# instance of that class (made without its __init__) that holds the real module's plain settings
+# (eps, sizes, flags) beside probe parameters and submodules, and comparing the result with the math
+# the kernels compute. The source text is never compared: transformers rewrites it from release to
+# release (decorators, renamed arguments, hub-kernel wrappers) while what it computes stays. A class
+# that computes something else, or whose forward does not run on the stand-in, is left alone, and the
+# injection's log says which and why. Each probe runs once per class and settings and is cached; the
+# cache may be filled from several threads (models injected concurrently): a probe runs under a lock
+# and its result is stored whole, in one assignment.
 _MISSING = object()
-_AST_CACHE: dict = {}
+_PLAIN = (bool, int, float, str, type(None))
+_PROBES: dict = {}  # (probe name, class, settings) -> result: a dict when recognised, else the reason (str)
+_PROBE_LOCK = threading.RLock()
 
 
-def _function_node(fn) -> Optional[ast.FunctionDef]:
-    """The parsed definition of fn (decorators unwrapped), or None when its source is unavailable."""
-    fn = inspect.unwrap(fn)
-    node = _AST_CACHE.get(fn, _MISSING)
-    if node is not _MISSING:
-        return node
-    node = None
+def _settings(m) -> tuple:
+    """The module's plain settings (numbers, strings, flags): what its forward may read besides tensors."""
+    return tuple(sorted((k, v) for k, v in m.__dict__.items() if type(v) in _PLAIN and not k.startswith("_")))
+
+
+def _stand_in(m, **members):
+    """An instance of type(m) built without its __init__: m's plain settings, then members (parameters,
+    submodules, values). Nothing of m's tensors, hooks or instance forward."""
+    obj = type(m).__new__(type(m))
+    torch.nn.Module.__init__(obj)
+    for k, v in m.__dict__.items():
+        if type(v) in _PLAIN and not k.startswith("_"):
+            object.__setattr__(obj, k, v)
+    for k, v in members.items():
+        setattr(obj, k, v)
+    return obj
+
+
+def _probe(name: str, m, run):
+    """run(m) once per (name, class of m, plain settings of m); its result is cached. A forward that
+    raises on the stand-in is not recognised (the reason names the exception)."""
+    key = (name, type(m), _settings(m))
+    result = _PROBES.get(key, _MISSING)
+    if result is not _MISSING:
+        return result
+    with _PROBE_LOCK:
+        result = _PROBES.get(key, _MISSING)
+        if result is _MISSING:
+            try:
+                with torch.no_grad(), torch.device("cpu"):  # whatever device context the caller is in
+                    result = run(m)
+            except Exception as e:  # the forward does not run on the stand-in: not what the kernel replaces
+                result = f"{type(m).__name__}.forward did not run on probe inputs ({type(e).__name__}: {e})"
+            _PROBES[key] = result
+    return result
+
+
+def _eps_name(m) -> Optional[str]:
+    for name in ("variance_epsilon", "eps"):
+        if type(m.__dict__.get(name)) is float:
+            return name
+    return None
+
+
+def _rmsnorm_probe(m):
+    """{'eps': attribute name, 'cast_before_weight': bool} if type(m).forward is an RMSNorm over the last
+    dim that the kernel computes bit for bit in bf16 (which tells the two rounding conventions apart:
+    Llama's rounds the normalised value to the input dtype before the weight multiply)."""
+    eps_name = _eps_name(m)
+    w = getattr(m, "weight", None)
+    if eps_name is None or not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return f"{type(m).__name__} has no 1-d weight and float eps (variance_epsilon or eps)"
+    eps = m.__dict__[eps_name]
+    g = torch.Generator().manual_seed(0)
+    weight = (1 + torch.randn(48, generator=g)).to(torch.bfloat16)
+    probe = _stand_in(m, weight=torch.nn.Parameter(weight, requires_grad=False))
+    # inputs of the size of sqrt(eps), so that a forward using another eps (or none) differs too
+    x = (torch.randn(6, 48, generator=g) * (3 * max(eps, 1e-12) ** 0.5)).to(torch.bfloat16)
+    got = type(m).forward(probe, x)
+    for cast_before_weight in (True, False):
+        want = rmsnorm.rms_norm_ref(x, weight, eps, cast_before_weight=cast_before_weight)
+        if isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want):
+            return {"eps": eps_name, "cast_before_weight": cast_before_weight}
+    return f"{type(m).__name__}.forward computes another function than the RMSNorm kernel (weight * normalised x)"
+
+
+def _mlp_probe(m):
+    """{} if type(m).forward computes down_proj(act_fn(gate_proj(x)) * up_proj(x)) (checked in float64 with
+    probe layers and SiLU as act_fn; the module's own act_fn is checked apart, per instance)."""
+    g = torch.Generator().manual_seed(1)
+
+    def linear(i, o):
+        lin = torch.nn.Linear(i, o, dtype=torch.float64)
+        lin.weight.copy_(torch.randn(o, i, generator=g, dtype=torch.float64))
+        lin.bias.copy_(torch.randn(o, generator=g, dtype=torch.float64))
+        return lin
+
+    gate, up, down = linear(8, 12), linear(8, 12), linear(12, 8)
+    probe = _stand_in(m, gate_proj=gate, up_proj=up, down_proj=down, act_fn=torch.nn.SiLU())
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    got = type(m).forward(probe, x)
+    want = down(torch.nn.functional.silu(gate(x)) * up(x))
+    if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+        return {}
+    return f"{type(m).__name__}.forward computes another function than down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+
+
+class _ProbeAttention(torch.nn.Module):
+    """Stands in for a decoder layer's self_attn: records how it is called, returns (3 h + 1/4, None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        h = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        return h * 3 + 0.25, None
+
+
+class _ProbeMap(torch.nn.Module):
+    """Stands in for a norm or an MLP: an elementwise function of its input."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _decoder_layer_probe(m):
+    """How type(m).forward calls its parts, if it is the pre-norm decoder layer
+        h = x + self_attn(input_layernorm(x))[0];  out = h + mlp(post_attention_layernorm(h))
+    handing every argument it takes on to self_attn unchanged, by name (checked with probe parts and
+    sentinel arguments). Returns {'params': names of its positional parameters, hidden states first,
+    'hidden_key': the keyword self_attn gets the normalised input by, 'defaults': what self_attn gets for
+    the parameters a caller leaves out}."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-        if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
-            node = tree.body[0]
-    except (OSError, TypeError, SyntaxError):
-        pass
-    _AST_CACHE[fn] = node
-    return node
+        sig = inspect.signature(type(m).forward)
+    except (TypeError, ValueError):
+        return f"{type(m).__name__}.forward has no readable signature"
+    params = list(sig.parameters.values())[1:]
+    kinds = {p.kind for p in params}
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    if not positional or kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD}:
+        return f"{type(m).__name__}.forward takes positional-only, *args or keyword-only parameters"
 
-
-def _body(node: ast.FunctionDef) -> list:
-    """Statements of a function without its docstring."""
-    body = list(node.body)
-    if (
-        body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(getattr(body[0], "value", None), ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
-        body = body[1:]
-    return body
-
-
-def _signature_key(node: ast.FunctionDef) -> tuple:
-    a = node.args
-    return (
-        tuple(x.arg for x in a.posonlyargs + a.args),
-        a.vararg.arg if a.vararg else None,
-        tuple(x.arg for x in a.kwonlyargs),
-        a.kwarg.arg if a.kwarg else None,
-        len(a.defaults),
+    attn = _ProbeAttention()
+    probe = _stand_in(
+        m,
+        input_layernorm=_ProbeMap(lambda x: x * 2 + 1),
+        post_attention_layernorm=_ProbeMap(lambda x: x * 0.5 - 2),
+        mlp=_ProbeMap(torch.sin),
+        self_attn=attn,
     )
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    h = x + ((x * 2 + 1) * 3 + 0.25)
+    want = h + torch.sin(h * 0.5 - 2)
+    sentinels = {name: object() for name in positional[1:]}
+    extra = {"rtk_probe_extra": object()} if var_kw else {}
+    runs = []
+    for given in ({}, {**sentinels, **extra}):
+        attn.calls.clear()
+        out = type(m).forward(probe, x, **given)
+        if len(attn.calls) != 1 or not isinstance(out, torch.Tensor):
+            return f"{type(m).__name__}.forward does not call self_attn once and return one tensor"
+        if not torch.allclose(out, want, rtol=1e-12, atol=1e-12):
+            return f"{type(m).__name__}.forward computes another function than the pre-norm residual layer"
+        args, kwargs = attn.calls[0]
+        hidden = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        if args or len(hidden) != 1:
+            return f"{type(m).__name__}.forward does not call self_attn with its arguments by keyword"
+        runs.append((hidden[0], {k: v for k, v in kwargs.items() if k != hidden[0]}))
+    (hidden_key, defaults), (key2, passed) = runs
+    if key2 != hidden_key or passed != {**sentinels, **extra} or set(defaults) != set(sentinels):
+        return f"{type(m).__name__}.forward does not hand each of its arguments on to self_attn unchanged"
+    return {"params": tuple(positional), "hidden_key": hidden_key, "defaults": defaults}
 
 
-def _code_key(fn):
-    """Argument names and body (no docstring, annotations, decorators or comments) of fn."""
-    node = _function_node(fn)
-    if node is None:
-        return None
-    return _signature_key(node), tuple(ast.dump(s, annotate_fields=False) for s in _body(node))
-
-
-def _same_code(fn, ref) -> bool:
-    if fn is ref:
-        return True
-    a = _code_key(fn)
-    return a is not None and a == _code_key(ref)
-
-
-_CLASS_CACHE: dict = {}
-
-
-def _class_matches(cls, ref_fn) -> bool:
-    """cls.forward is ref_fn or a copy of it (cached per class)."""
-    key = (cls, ref_fn)
-    ok = _CLASS_CACHE.get(key)
-    if ok is None:
-        ok = _CLASS_CACHE[key] = _same_code(cls.forward, ref_fn)
+def _rope_probe(fn):
+    """Whether fn(q, k, cos, sin) is transformers' rotate-half RoPE of q and k (float64, q and k
+    [B, H, S, D], cos and sin [B, S, D]); cached per function."""
+    key = ("rope", id(fn))
+    hit = _PROBES.get(key)
+    if hit is not None and hit[0] is fn:
+        return hit[1]
+    g = torch.Generator().manual_seed(3)
+    with _PROBE_LOCK, torch.no_grad(), torch.device("cpu"):
+        q = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+        k = torch.randn(1, 1, 5, 8, generator=g, dtype=torch.float64)
+        cos = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
+        sin = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
+        try:
+            fq, fk = fn(q, k, cos, sin)
+            ok = all(
+                isinstance(got, torch.Tensor)
+                and torch.allclose(got, rope_kernels.rope_rotate_half_ref(t, cos, sin), rtol=1e-12, atol=1e-12)
+                for got, t in ((fq, q), (fk, k))
+            )
+        except Exception:  # another signature or layout: not the function the kernel replaces
+            ok = False
+        _PROBES[key] = (fn, ok)
     return ok
 
 
+def _recognised(result) -> bool:
+    return isinstance(result, dict)
+
+
+def _rmsnorm_plan(m):
+    return _probe("rmsnorm", m, _rmsnorm_probe) if isinstance(getattr(m, "weight", None), torch.Tensor) else None
+
+
+def _mlp_plan(m):
+    if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return None
+    return _probe("mlp", m, _mlp_probe)
+
+
+def _decoder_layer_plan(m):
+    if not all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
+        return None
+    return _probe("decoder_layer", m, _decoder_layer_probe)
+
+
 def _is_llama_rmsnorm(m) -> bool:
-    return (
-        isinstance(getattr(m, "weight", None), torch.Tensor)
-        and hasattr(m, "variance_epsilon")
-        and _class_matches(type(m), modeling_llama.LlamaRMSNorm.forward)
-    )
-
-
-def _is_llama_mlp(m) -> bool:
-    return all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) and _class_matches(
-        type(m), modeling_llama.LlamaMLP.forward
-    )
+    return _recognised(_rmsnorm_plan(m))
 
 
 def _is_plain_silu(act) -> bool:
@@ -218,164 +363,64 @@ def _is_plain_silu(act) -> bool:
     return type(act) in (SiLUActivation, torch.nn.SiLU) and "forward" not in act.__dict__ and not _has_hooks(act)
 
 
-_LAYER_PLAN_CACHE: dict = {}
-
-# The pre-norm decoder layer, statement by statement; None marks the attention call, checked apart.
-_LAYER_STATEMENTS = (
-    "residual = hidden_states",
-    "hidden_states = self.input_layernorm(hidden_states)",
-    None,
-    "hidden_states = residual + hidden_states",
-    "residual = hidden_states",
-    "hidden_states = self.post_attention_layernorm(hidden_states)",
-    "hidden_states = self.mlp(hidden_states)",
-    "hidden_states = residual + hidden_states",
-    "return hidden_states",
-)
-
-
-def _decoder_layer_plan(cls) -> Optional[tuple]:
-    """Names of cls.forward's positional parameters (after self) if its body is exactly Llama's pre-norm
-    decoder layer, with every parameter handed on unchanged to self.self_attn; else None.
-
-    Checked on the installed source, so a transformers release that changes the layer (a tuple return
-    value, another residual scheme) is left alone instead of being replaced by a wrong copy.
-    """
-    plan = _LAYER_PLAN_CACHE.get(cls, _MISSING)
-    if plan is not _MISSING:
-        return plan
-    plan = None
-    node = _function_node(cls.forward)
-    if node is not None:
-        plan = _match_layer(node)
-    _LAYER_PLAN_CACHE[cls] = plan
-    return plan
-
-
-def _match_layer(node: ast.FunctionDef) -> Optional[tuple]:
-    a = node.args
-    names = [x.arg for x in a.args]
-    if a.posonlyargs or a.vararg or a.kwonlyargs or len(names) < 2 or names[1] != "hidden_states":
-        return None
-    var_kw = a.kwarg.arg if a.kwarg else None
-    body = _body(node)
-    if len(body) != len(_LAYER_STATEMENTS):
-        return None
-    for stmt, want in zip(body, _LAYER_STATEMENTS):
-        if want is not None:
-            if ast.unparse(stmt) != want:
-                return None
-            continue
-        # hidden_states, _ = self.self_attn(hidden_states=hidden_states, p=p, ..., **kwargs)
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
-            return None
-        if ast.unparse(stmt.targets[0]).strip("()") != "hidden_states, _":
-            return None
-        call = stmt.value
-        if not isinstance(call, ast.Call) or ast.unparse(call.func) != "self.self_attn" or call.args:
-            return None
-        passed = set()
-        for kw in call.keywords:
-            if not isinstance(kw.value, ast.Name):
-                return None
-            if kw.arg is None:
-                if var_kw is None or kw.value.id != var_kw:
-                    return None
-            elif kw.arg != kw.value.id or kw.arg not in names[1:]:
-                return None
-            passed.add(kw.arg)
-        if "hidden_states" not in passed or not set(names[2:]) <= passed:
-            return None
-        if var_kw is not None and None not in passed:
-            return None
-    return tuple(names[1:])
-
-
-def _is_llama_decoder_layer(m) -> bool:
-    return all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")) and (
-        _decoder_layer_plan(type(m)) is not None
-    )
-
-
 def _original_rope_function(fn):
     """The function a rope dispatcher stands in for (fn itself when it is not a dispatcher)."""
     return getattr(fn, "_rtk_original", fn)
 
 
-_ROPE_SITE_CACHE: dict = {}
-
-
-def _rope_site(cls) -> Optional[dict]:
-    """The globals dict through which cls.forward calls apply_rotary_pos_emb, if that function (and the
-    rotate_half it calls) is Llama's or a copy of it; else None. Cached per class."""
-    site = _ROPE_SITE_CACHE.get(cls, _MISSING)
-    if site is _MISSING:
-        site = _ROPE_SITE_CACHE[cls] = _find_rope_site(cls)
-    return site
-
-
-def _find_rope_site(cls) -> Optional[dict]:
+def _rope_globals(cls) -> Optional[dict]:
+    """The globals through which cls.forward (its own code, under any wrappers) calls apply_rotary_pos_emb,
+    or None when it calls no such name. What the function computes is checked apart (_rope_probe)."""
     fwd = inspect.unwrap(cls.forward)
-    code = getattr(fwd, "__code__", None)
-    g = getattr(fwd, "__globals__", None)
-    if code is None or g is None or _ROPE_NAME not in code.co_names:
+    code, g = getattr(fwd, "__code__", None), getattr(fwd, "__globals__", None)
+    if code is None or g is None or _ROPE_NAME not in code.co_names or not callable(g.get(_ROPE_NAME)):
         return None
-    fn = _original_rope_function(g.get(_ROPE_NAME))
-    ref = _original_rope_function(modeling_llama.apply_rotary_pos_emb)
-    if not callable(fn) or not _same_code(fn, ref):
-        return None
-    fn_globals = getattr(inspect.unwrap(fn), "__globals__", {})
-    rot = fn_globals.get("rotate_half")
-    if rot is None or not _same_code(rot, modeling_llama.rotate_half):
-        return None
-    node = _function_node(ref)
-    if node is None or _signature_key(node)[0] != ("q", "k", "cos", "sin", "unsqueeze_dim"):
-        return None  # the dispatcher below has this signature
     return g
 
 
-_NUMERICS_OK: dict = {}  # the probe's result once it ran ({} before): replaced whole, never filled in place
-_NUMERICS_LOCK = threading.Lock()
+def _rope_slot(m, g: dict):
+    """The layer's private copy of apply_rotary_pos_emb, if transformers routes the layer's calls through one:
+    with the kernels package installed (a dependency from transformers 5.25), the model file's function is a
+    module whose calls, while a layer runs, go to that layer's own instance in m._kernel_funcs (where
+    kernels.kernelize puts a hub kernel). None where the function is a plain function (no kernels package)."""
+    fn = g.get(_ROPE_NAME)
+    own = m.__dict__.get("_kernel_funcs")
+    slot = own.get(_slot_key(fn)) if isinstance(own, dict) else None
+    if isinstance(fn, torch.nn.Module) and slot is not None and type(slot) is type(fn) and _slot_function(slot):
+        return slot
+    return None
 
 
-def _llama_numerics_ok() -> dict:
-    """Run transformers' (unpatched) Llama RMSNorm and RoPE once on small CPU tensors against the math
-    the kernels implement. {'rmsnorm': bool, 'rope': bool}; cached. Several threads: one probes, the
-    others wait for its result (a caller never sees it half-filled)."""
-    global _NUMERICS_OK
-    result = _NUMERICS_OK
-    if result:
-        return result
-    with _NUMERICS_LOCK:
-        if not _NUMERICS_OK:
-            _NUMERICS_OK = _probe_llama_numerics()
-        return _NUMERICS_OK
+def _slot_function(slot):
+    """The function a copy of apply_rotary_pos_emb (see _rope_slot) wraps, read from its class's forward
+    (which calls it); None if not found. The kernel's fallback calls it directly: under torch.compile the
+    copy's forward is called on the model file's instance, whose own forward would route back to it."""
+    cls = type(slot)
+    fn = _SLOT_FUNCTIONS.get(cls)
+    if fn is None:
+        cells = getattr(getattr(cls, "forward", None), "__closure__", None) or ()
+        found = [c.cell_contents for c in cells if isinstance(c.cell_contents, types.FunctionType)]
+        found = [f for f in found if f.__name__ == _ROPE_NAME]
+        fn = _SLOT_FUNCTIONS[cls] = found[0] if len(found) == 1 else False
+    return fn or None
 
 
-def _probe_llama_numerics() -> dict:
-    result = {}
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad(), torch.device("cpu"):  # whatever device context the caller is in
-        # RMSNorm: bit-identical in bf16, which tells the two rounding conventions apart.
-        norm = modeling_llama.LlamaRMSNorm(48, eps=1e-5).to(torch.bfloat16)
-        norm.weight.copy_(1 + torch.randn(48, generator=g))
-        x = torch.randn(6, 48, generator=g).to(torch.bfloat16)
-        got = modeling_llama.LlamaRMSNorm.forward(norm, x)
-        want = rmsnorm.rms_norm_ref(x, norm.weight, 1e-5, cast_before_weight=True)
-        result["rmsnorm"] = bool(got.dtype == want.dtype and torch.equal(got, want))
-        # RoPE: the rotate-half formula, in float64.
-        q = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
-        k = torch.randn(1, 1, 5, 8, generator=g, dtype=torch.float64)
-        cos = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
-        sin = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
-        try:
-            fq, fk = _original_rope_function(modeling_llama.apply_rotary_pos_emb)(q, k, cos, sin)
-            ok = torch.allclose(fq, rope_kernels.rope_rotate_half_ref(q, cos, sin), rtol=1e-12, atol=1e-12)
-            ok = ok and torch.allclose(fk, rope_kernels.rope_rotate_half_ref(k, cos, sin), rtol=1e-12, atol=1e-12)
-        except Exception:  # a different signature or layout: not the function the kernel replaces
-            ok = False
-        result["rope"] = bool(ok)
-    return result
+_SLOT_FUNCTIONS: dict = {}  # class of a copy of apply_rotary_pos_emb -> the function it wraps (False: none)
+
+
+def _slot_key(fn):
+    """The key of fn's copies in a layer's _kernel_funcs (as the kernels package names them)."""
+    return getattr(fn, "__name__", None) or getattr(fn, "kernel_layer_name", None)
+
+
+def _hub_kernel(m) -> bool:
+    """Whether the kernels hub (kernels.kernelize) gave this layer a RoPE kernel of its own: its private
+    copy of the function has a forward put on the instance, not this file's."""
+    g = _rope_globals(type(m))
+    own = m.__dict__.get("_kernel_funcs")
+    fn = own.get(_slot_key(g.get(_ROPE_NAME))) if isinstance(own, dict) and g is not None else None
+    fwd = getattr(fn, "__dict__", {}).get("forward")
+    return fwd is not None and getattr(fwd, "__func__", None) is not _rope_slot_forward
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,6 +443,12 @@ def _original_forward(module: torch.nn.Module):
 
 def _unpatch(module: torch.nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
+    slot = module.__dict__.get(_STATE, {}).get("rope_slot")
+    if slot is not None:  # the RoPE kernel put into the layer's private copy of the function
+        del module.__dict__[_STATE]
+        if getattr(slot.__dict__.get("forward"), "__func__", None) is _rope_slot_forward:
+            del slot.__dict__["forward"]
+        return "rope"
     state = ic.unpatch(module, _STATE)
     if state is None:
         return None
@@ -410,7 +461,9 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
 # Replacement forwards
 # --------------------------------------------------------------------------------------------
 def _rmsnorm_forward(self, hidden_states):
-    """LlamaRMSNorm: fp32 normalisation rounded to the input dtype, then times the weight."""
+    """An RMSNorm as its probe found it: fp32 normalisation, rounded to the input dtype before the weight
+    multiply (Llama's) or after it, in one kernel."""
+    st = self.__dict__[_STATE]
     w = self.weight
     if (
         w.dtype != hidden_states.dtype  # e.g. an fp32 weight on bf16 input: the original returns fp32
@@ -420,7 +473,7 @@ def _rmsnorm_forward(self, hidden_states):
         or not _usable(hidden_states, w)
     ):
         return _original_forward(self)(hidden_states)
-    return rmsnorm.rms_norm(hidden_states, w, self.variance_epsilon, cast_before_weight=True)
+    return rmsnorm.rms_norm(hidden_states, w, getattr(self, st["eps"]), cast_before_weight=st["cast_before_weight"])
 
 
 def _mlp_forward(self, x):
@@ -441,15 +494,18 @@ def _mlp_forward(self, x):
     return self.down_proj(activations.swiglu(gate, up))
 
 
-def _fusable_norm(norm, x, residual) -> bool:
-    """post_attention_layernorm(residual + x) may run as one fused kernel that skips the norm's call."""
-    w = getattr(norm, "weight", None)
-    if not _is_llama_rmsnorm(norm) or _has_hooks(norm):
-        return False
+def _fusable_norm(norm, x, residual) -> Optional[dict]:
+    """The record of post_attention_layernorm when norm(residual + x) may run as one fused kernel that skips
+    the norm's call: the norm runs this file's RMSNorm patch (its probe's eps and rounding are in the record)
+    and nothing else, and the tensors suit the kernel. Else None."""
+    st = norm.__dict__.get(_STATE)
+    if st is None or st["kind"] != "rmsnorm" or _has_hooks(norm):
+        return None
     fwd = norm.__dict__.get("forward")
-    if fwd is not None and ic.patched_function(fwd) is not _rmsnorm_forward:
-        return False  # someone else's forward on the norm: let it run
-    return (
+    if fwd is None or ic.patched_function(fwd) is not _rmsnorm_forward:
+        return None  # someone else's forward on the norm: let it run
+    w = norm.weight
+    ok = (
         x.shape == residual.shape
         and x.dtype == residual.dtype == w.dtype
         and w.shape == x.shape[-1:]
@@ -458,14 +514,15 @@ def _fusable_norm(norm, x, residual) -> bool:
         and (residual.stride(-1) == 1 or residual.shape[-1] == 1)
         and _usable(x, residual, w)
     )
+    return st if ok else None
 
 
 def _decoder_layer_forward(self, *args, **kwargs):
     """The Llama decoder layer with `residual + attention` and post_attention_layernorm in one kernel.
 
-    Same statements as transformers' layer (checked at injection by _decoder_layer_plan), same arguments
-    and the same return value: every argument the caller gives is handed to self_attn by name, as the
-    original does; arguments the caller leaves out keep self_attn's own defaults.
+    Computes what transformers' layer computes (its probe checked that at injection: _decoder_layer_probe),
+    with the same arguments and return value: self_attn gets what the original hands it, each argument the
+    caller gives by name and, for those left out, the layer's defaults.
     """
     st = self.__dict__[_STATE]
     names = st["params"]
@@ -484,17 +541,26 @@ def _decoder_layer_forward(self, *args, **kwargs):
         # keyword-only hidden_states, argument errors, autograd, gradient checkpointing: the original
         return _original_forward(self)(*args, **kwargs)
     hidden_states = args[0]
+    given = kwargs
+    kwargs = dict(st["defaults"])
+    kwargs.update(given)
     for name, value in zip(names[1:], args[1:]):
         kwargs[name] = value
 
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    kwargs[st["hidden_key"]] = hidden_states
+    hidden_states, _ = self.self_attn(**kwargs)
     norm = self.post_attention_layernorm
-    if _fusable_norm(norm, hidden_states, residual):
+    norm_st = _fusable_norm(norm, hidden_states, residual)
+    if norm_st is not None:
         # r = residual + attn (fp32 sum rounded once: the bits torch's add gives), y = norm(r)
         hidden_states, residual = rmsnorm.fused_add_rms_norm(
-            hidden_states, residual, norm.weight, norm.variance_epsilon, cast_before_weight=True
+            hidden_states,
+            residual,
+            norm.weight,
+            getattr(norm, norm_st["eps"]),
+            cast_before_weight=norm_st["cast_before_weight"],
         )
     else:
         hidden_states = residual + hidden_states
@@ -579,14 +645,29 @@ def _rope_usable(q, k, cos, sin) -> bool:
 
 
 def _make_rope_dispatcher(original):
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if getattr(_ROPE_ACTIVE, "depth", 0) and unsqueeze_dim == 1 and _rope_usable(q, k, cos, sin):
+    """The stand-in for a model file's apply_rotary_pos_emb: the kernel for the call form its probe checked,
+    (q, k, cos, sin) inside a patched attention layer, with tensors the kernel takes; else the function
+    it stands in for (a hub-kernel wrapper of transformers' function keeps its routing)."""
+
+    def apply_rotary_pos_emb(*args, **kwargs):
+        if getattr(_ROPE_ACTIVE, "depth", 0) and len(args) == 4 and not kwargs and _rope_usable(*args):
+            q, k, cos, sin = args
             return rope_kernels.rope_rotate_half(q, cos, sin), rope_kernels.rope_rotate_half(k, cos, sin)
-        return original(q, k, cos, sin, unsqueeze_dim)
+        return original(*args, **kwargs)
 
     apply_rotary_pos_emb._rtk_original = original
     apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
+
+
+def _rope_slot_forward(self, *args, **kwargs):
+    """The forward of a layer's private copy of apply_rotary_pos_emb (see _rope_slot): the kernel for the call
+    form the probe checked, (q, k, cos, sin) with tensors the kernel takes; else transformers' function.
+    Under torch.compile transformers calls it on the model file's instance, not on the layer's copy."""
+    if len(args) == 4 and not kwargs and _rope_usable(*args):
+        q, k, cos, sin = args
+        return rope_kernels.rope_rotate_half(q, cos, sin), rope_kernels.rope_rotate_half(k, cos, sin)
+    return _SLOT_FUNCTIONS[type(self)](*args, **kwargs)
 
 
 def _rope_acquire(module, g: dict) -> None:
@@ -693,15 +774,15 @@ def inject_llama_kernels(
     injected). Returns the counts per kind of what is injected after the call. A second call wraps
     nothing twice and only adds kinds that were not asked for before; to drop a kind, remove and inject
     again. Inject before torch.compile (the kernels are torch.library custom ops, so compile traces them).
+    A kind the model has sites of but none was replaced (missing_kinds) is a warning in the log line.
     """
-    numerics = _llama_numerics_ok()
     new = _empty_counts()
     skipped = []
     modules = list(_modules(model))
     llama_like = False
 
     for m in modules:
-        llama_like |= _inject_module(m, numerics, fuse_residual, rope, new, skipped)
+        llama_like |= _inject_module(m, fuse_residual, rope, new, skipped)
 
     if skinny_gemm and llama_like:
         for m in modules:
@@ -713,7 +794,9 @@ def inject_llama_kernels(
                     new["skinny_gemm"] += _patch_forward(m, _linear_forward, "skinny_gemm")
 
     counts = injected_counts(model)
-    none_found = "" if llama_like else "no Llama-style RMSNorm, MLP, decoder layer or attention found"
+    missing = missing_kinds(model, fuse_residual=fuse_residual, rope=rope)
+    none_found = "" if llama_like or missing else "no Llama-style RMSNorm, MLP, decoder layer or attention found"
+    warning = "; ".join(f"WARNING {kind}: {why}" for kind, why in missing.items())
     ic.report(
         logger,
         ic.counts_message(
@@ -722,59 +805,127 @@ def inject_llama_kernels(
             new,
             none_found=none_found,
             skipped=skipped,
-            notes=[ic.cpu_fallback_note(model, new)],
+            notes=[warning, ic.cpu_fallback_note(model, new)],
         ),
         verbose,
+        warning=bool(missing),
     )
     return counts
 
 
-def _inject_module(m, numerics: dict, fuse_residual: bool, rope: bool, new: dict, skipped: list) -> bool:
+def _site_kind(m) -> Optional[str]:
+    """The kind of site m is by its structure alone (class name, attributes, the function its forward calls),
+    whether or not the kernels can replace it: what missing_kinds counts."""
+    if type(m) is torch.nn.Linear:
+        return None
+    if "rmsnorm" in type(m).__name__.lower() and isinstance(getattr(m, "weight", None), torch.Tensor):
+        return "rmsnorm"
+    if all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return "swiglu"
+    if all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
+        return "fused_add_rmsnorm"
+    if _rope_globals(type(m)) is not None:
+        return "rope"
+    return None
+
+
+def _why_not(m, kind: str) -> Optional[str]:
+    """Why the kernel of kind cannot replace m (None if it can): what the probes found, or what is in the way."""
+    if kind == "rmsnorm":
+        plan = _rmsnorm_plan(m)
+    elif kind == "swiglu":
+        plan = _mlp_plan(m)
+        if _recognised(plan) and not _is_plain_silu(m.act_fn):
+            return f"{type(m).__name__} with activation {type(m.act_fn).__name__}"
+    elif kind == "fused_add_rmsnorm":
+        plan = _decoder_layer_plan(m)
+        if _recognised(plan) and not _is_llama_rmsnorm(m.post_attention_layernorm):
+            return f"{type(m).__name__} whose post-attention norm is not an RMSNorm the kernel computes"
+    else:
+        g = _rope_globals(type(m))
+        if g is None:
+            return f"{type(m).__name__} calls no {_ROPE_NAME}"
+        fn = _original_rope_function(g[_ROPE_NAME])
+        if not _rope_probe(fn):
+            return f"{_ROPE_NAME} of {g.get('__name__')} computes another function than rotate-half RoPE"
+        if _hub_kernel(m):
+            return f"{type(m).__name__} runs a RoPE kernel of the kernels hub (kernelize)"
+        plan = {}
+    if not _recognised(plan):
+        return plan or f"{type(m).__name__} is no {kind} site"
+    if _foreign_forward(m):
+        return f"{type(m).__name__} with its own instance forward"
+    return None
+
+
+def _inject_module(m, fuse_residual: bool, rope: bool, new: dict, skipped: list) -> bool:
     """Inject the kernel of m's kind into m, if it has one and may take it (adding to new, or to skipped with
     the reason it may not); returns whether m is a Llama-style module (patched already, or of a kind the
     injection knows, injected or not)."""
     if _STATE in m.__dict__:
         return True
-    if _is_llama_rmsnorm(m):
-        if not numerics["rmsnorm"]:
-            skipped.append("RMSNorm (this transformers' LlamaRMSNorm numerics differ from the kernel's)")
-        elif _foreign_forward(m):
-            skipped.append(f"{type(m).__name__} with its own instance forward")
-        else:
-            new["rmsnorm"] += _patch_forward(m, _rmsnorm_forward, "rmsnorm")
-    elif _is_llama_mlp(m):
-        if not _is_plain_silu(m.act_fn):
-            skipped.append(f"{type(m).__name__} with activation {type(m.act_fn).__name__}")
-        elif _foreign_forward(m):
-            skipped.append(f"{type(m).__name__} with its own instance forward")
-        else:
-            new["swiglu"] += _patch_forward(m, _mlp_forward, "swiglu")
-    elif _is_llama_decoder_layer(m):
-        if not fuse_residual:
-            return True
-        if not numerics["rmsnorm"] or not _is_llama_rmsnorm(m.post_attention_layernorm):
-            skipped.append(f"{type(m).__name__} whose post-attention norm is not Llama's RMSNorm")
-        elif _foreign_forward(m):
-            skipped.append(f"{type(m).__name__} with its own instance forward")
-        else:
-            new["fused_add_rmsnorm"] += _patch_forward(
-                m, _decoder_layer_forward, "fused_add_rmsnorm", params=_decoder_layer_plan(type(m))
-            )
-    elif rope and _rope_site(type(m)) is not None:
-        if not numerics["rope"]:
-            skipped.append("RoPE (this transformers' apply_rotary_pos_emb differs from the kernel's math)")
-        elif _foreign_forward(m):
-            skipped.append(f"{type(m).__name__} with its own instance forward")
-        else:
-            site = _rope_site(type(m))
-            if _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, site)):
-                _rope_acquire(m, site)
-                new["rope"] += 1
-    elif _rope_site(type(m)) is not None:
-        pass  # an attention layer, RoPE not requested
+    if _eps_name(m) is not None and isinstance(getattr(m, "weight", None), torch.Tensor):
+        kind = "rmsnorm"  # any class whose forward computes the RMSNorm, by any name
     else:
-        return False
+        kind = _site_kind(m)
+    if kind is None or (kind == "fused_add_rmsnorm" and not fuse_residual):
+        return kind is not None
+    if kind == "rope" and not rope:
+        return True
+    why = _why_not(m, kind)
+    if why is not None:
+        if kind != "rmsnorm" or _site_kind(m) == "rmsnorm":  # (a LayerNorm is no RMSNorm site: no note)
+            skipped.append(why)
+        return _recognised_structure(m, kind)
+    if kind == "rmsnorm":
+        plan = _rmsnorm_plan(m)
+        new["rmsnorm"] += _patch_forward(m, _rmsnorm_forward, "rmsnorm", **plan)
+    elif kind == "swiglu":
+        new["swiglu"] += _patch_forward(m, _mlp_forward, "swiglu")
+    elif kind == "fused_add_rmsnorm":
+        new["fused_add_rmsnorm"] += _patch_forward(
+            m, _decoder_layer_forward, "fused_add_rmsnorm", **_decoder_layer_plan(m)
+        )
+    else:
+        g = _rope_globals(type(m))
+        slot = _rope_slot(m, g)
+        if slot is not None:  # per layer, through transformers' own routing: nothing global changes
+            slot.forward = types.MethodType(_rope_slot_forward, slot)
+            m.__dict__[_STATE] = {"kind": "rope", "rope_slot": slot}
+            new["rope"] += 1
+        elif _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, g)):
+            _rope_acquire(m, g)
+            new["rope"] += 1
     return True
+
+
+def _recognised_structure(m, kind: str) -> bool:
+    """Whether m, left alone, still counts as a Llama-style module (a site of its kind by structure)."""
+    return _site_kind(m) == kind
+
+
+def missing_kinds(model: torch.nn.Module, *, fuse_residual: bool = True, rope: bool = True) -> dict:
+    """{kind: why} for each kind the model has sites of (by structure: an RMSNorm class, an MLP with
+    gate/up/down projections, a pre-norm decoder layer, an attention calling apply_rotary_pos_emb) but
+    none of which is injected, e.g. {"rope": "32 sites, none replaced: ..."}; {} when every kind the model
+    has runs its kernel somewhere. fuse_residual and rope as given to inject_llama_kernels (a kind not asked
+    for is not missing). The examples' ok is false while this is not empty."""
+    counts = injected_counts(model)
+    sites, reasons = collections.Counter(), {}
+    for m in _modules(model):
+        kind = _site_kind(m)
+        if kind is None or (kind == "fused_add_rmsnorm" and not fuse_residual) or (kind == "rope" and not rope):
+            continue
+        sites[kind] += 1
+        if not counts[kind]:
+            why = _why_not(m, kind)
+            if why is not None:
+                reasons.setdefault(kind, dict.fromkeys([]))[why] = None
+    return {
+        kind: f"{n} sites, none replaced: " + "; ".join(reasons.get(kind) or ["not injected"])
+        for kind, n in sites.items()
+        if not counts[kind]
+    }
 
 
 def remove_llama_kernels(model: torch.nn.Module, *, verbose: bool = True) -> dict:
@@ -888,11 +1039,12 @@ def _main(argv=None) -> int:
     model = build_meta_llama(llama3_8b_config(num_hidden_layers=args.num_layers))
     sg = not args.no_skinny_gemm
     counts = inject_llama_kernels(model, skinny_gemm=sg, verbose=False)
+    missing = missing_kinds(model)
     again = inject_llama_kernels(model, skinny_gemm=sg, verbose=False)
     restored = remove_llama_kernels(model, verbose=False)
     left = injected_counts(model)
     rope_restored = modeling_llama.apply_rotary_pos_emb is _original_rope_function(modeling_llama.apply_rotary_pos_emb)
-    ok = counts == again == restored and not any(left.values()) and rope_restored
+    ok = counts == again == restored and not any(left.values()) and rope_restored and not missing
     print(
         json.dumps(
             {
@@ -900,6 +1052,7 @@ def _main(argv=None) -> int:
                 "injected": counts,
                 "second_injection": again,
                 "restored": restored,
+                "missing_kinds": missing,
                 "ok": ok,
             }
         )

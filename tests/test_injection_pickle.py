@@ -15,6 +15,7 @@ from transformers.models.llama import modeling_llama
 import diffusers_injection as di
 import injection_common as ic
 import mmdit_injection as mi
+import plain_rope_llama as prl
 import transformers_injection as ti
 from kernel_testing import DEVICE, ltx_inputs, make_generator
 
@@ -27,6 +28,7 @@ def _clean_rope():
     yield
     # a failing test must not leave the RoPE dispatcher in place for the next one
     modeling_llama.apply_rotary_pos_emb = ORIGINAL_ROPE
+    prl.reset()
     ti._ROPE_SITES.clear()
 
 
@@ -34,7 +36,8 @@ class Case:
     """A tiny model of one family with its inputs and the injection API that applies to it."""
 
     def __init__(self, kind):
-        self.kind = kind
+        plain = kind == "llama_plain_rope"  # Llama without the kernels package: a dispatcher for its RoPE
+        kind = self.kind = "llama" if plain else kind
         gen = make_generator()
         if kind == "ltx":
             self.model = di.build_tiny_ltx_pipeline(num_layers=2).transformer.to(DEVICE)
@@ -54,6 +57,8 @@ class Case:
             )
         else:
             self.model = ti.build_llama(ti.tiny_llama_config(), device=DEVICE, seed=gen.seed_value % 1000)
+            if plain:
+                prl.use_plain_rope(self.model)
             self.kw = {"input_ids": torch.randint(3, 256, (2, 7), generator=gen).to(DEVICE)}
 
     def run(self, model):
@@ -94,6 +99,12 @@ def _assert_bound_to(model):
     n = 0
     for m in _patched_modules(model):
         for rec in _records(m):
+            if "rope_slot" in rec:  # the RoPE kernel in the layer's own copy of transformers' function
+                slot = rec["rope_slot"]
+                assert slot is m._kernel_funcs[ti._slot_key(slot)], f"{type(m).__name__}: another layer's copy"
+                assert slot.__dict__["forward"].__self__ is slot, "the copy's forward is bound to another copy"
+                n += 1
+                continue
             if "patched" not in rec:  # an attention-processor record
                 continue
             assert m.__dict__.get("forward") is rec["patched"], type(m).__name__
@@ -109,6 +120,7 @@ def _assert_nothing_left(model, rope_restored=True):
         assert "forward" not in m.__dict__, f"{type(m).__name__} keeps a patched forward"
     if rope_restored:
         assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+        assert prl.current() is prl.ORIGINAL
 
 
 def _save_load(model):
@@ -134,7 +146,7 @@ def _first_weight(model):
     raise AssertionError("no patched module with a parameter")
 
 
-KINDS = ["ltx", "sd3", "flux", "llama"]
+KINDS = ["ltx", "sd3", "flux", "llama", "llama_plain_rope"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -153,7 +165,7 @@ def test_torch_save_and_load(kind):
     assert case.remove(model) == counts
     _assert_nothing_left(model, rope_restored=False)
     assert torch.equal(case.run(model), ref)
-    if kind == "llama":
+    if kind.startswith("llama"):
         with ti.count_kernel_calls() as calls:
             again = case.run(loaded)
         assert calls["rope_rotate_half"] == 4, "the loaded model lost the RoPE kernel with the original's removal"
@@ -169,16 +181,16 @@ def test_torch_save_and_load(kind):
 def test_llama_loaded_where_nothing_is_injected():
     """A pickle loaded where no model is injected (as in a fresh process) puts the RoPE dispatcher in place
     itself, and takes it out again on removal."""
-    case = Case("llama")
+    case = Case("llama_plain_rope")
     ref, counts, out = case.run_and_inject()
     data = io.BytesIO()
     torch.save(case.model, data)
     case.remove(case.model)
-    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+    assert prl.current() is prl.ORIGINAL
 
     data.seek(0)
     loaded = torch.load(data, weights_only=False)
-    assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROPE
+    assert prl.current() is not prl.ORIGINAL
     with ti.count_kernel_calls() as calls:
         assert torch.equal(case.run(loaded), out)
     assert calls["rope_rotate_half"] == 4
@@ -210,7 +222,7 @@ def test_deepcopy(kind):
     assert case.remove(model) == counts
     _assert_nothing_left(model, rope_restored=False)  # the copy still holds the RoPE dispatcher
     assert torch.equal(case.run(model), ref)
-    if kind == "llama":
+    if kind.startswith("llama"):
         with ti.count_kernel_calls() as calls:
             assert torch.equal(case.run(cp), changed)
         assert calls["rope_rotate_half"] == 4, "the copy lost the RoPE kernel with the original's removal"

@@ -1,20 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """Injecting from several threads at once: the once-per-process caches of transformers_injection.py (the
-numerics probe, the RoPE dispatcher of a model file) are filled safely, every model gets all its kernels,
-and removal leaves transformers' apply_rotary_pos_emb as it was. The slow steps are made slower so that
-the threads meet inside them."""
+probes that recognise the modules, the RoPE dispatcher of a model file) are filled safely, every model gets
+all its kernels, and removal leaves the model file's apply_rotary_pos_emb as it was. The models' attention
+layers call a plain module-level function (tests/plain_rope_llama.py: transformers without the kernels
+package), the form in which a dispatcher stands in for it. The slow steps are made slower so that the
+threads meet inside them."""
 
 import threading
 import time
 
 import pytest
 import torch
-from transformers.models.llama import modeling_llama
 
+import plain_rope_llama as prl
 import transformers_injection as ti
 from kernel_testing import DEVICE
 
-ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
+ORIGINAL_ROPE = prl.ORIGINAL
 TINY_COUNTS = {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu": 2, "rope": 2, "skinny_gemm": 0}
 THREADS = 8
 
@@ -22,7 +24,7 @@ THREADS = 8
 @pytest.fixture(autouse=True)
 def _clean_rope():
     yield
-    modeling_llama.apply_rotary_pos_emb = ORIGINAL_ROPE
+    prl.reset()
     ti._ROPE_SITES.clear()
 
 
@@ -63,7 +65,7 @@ def _rope_calls(model, ids):
 
 
 def _models(n, **cfg):
-    return [ti.build_llama(ti.tiny_llama_config(**cfg), device=DEVICE, seed=i) for i in range(n)]
+    return [prl.use_plain_rope(ti.build_llama(ti.tiny_llama_config(**cfg), device=DEVICE, seed=i)) for i in range(n)]
 
 
 def _inject_all(models, stagger=0.0):
@@ -75,20 +77,21 @@ def _inject_all(models, stagger=0.0):
     return counts
 
 
-def test_numerics_probe_filled_from_many_threads(monkeypatch):
-    """The first injections of the process, from 8 threads: none may see the numerics probe's result
-    half-filled (which raised KeyError: 'rope')."""
+def test_probes_filled_from_many_threads(monkeypatch):
+    """The first injections of the process, from 8 threads: every thread gets every module recognised (none
+    may see a probe's result missing or half-made while another thread computes it)."""
     models = _models(THREADS, num_hidden_layers=1)
-    # nothing probed yet in this process, and the probe's RoPE step (between its two results) slow: the
-    # threads, started 20 ms apart, come while the first one is inside it
-    monkeypatch.setattr(ti, "_NUMERICS_OK", {})
+    # nothing probed yet in this process, and the RMSNorm and RoPE probes slow: the threads, started
+    # 20 ms apart, come while the first one is inside them
+    monkeypatch.setattr(ti, "_PROBES", {})
     monkeypatch.setattr(ti.rope_kernels, "rope_rotate_half_ref", _slowed(ti.rope_kernels.rope_rotate_half_ref, 0.2))
+    monkeypatch.setattr(ti.rmsnorm, "rms_norm_ref", _slowed(ti.rmsnorm.rms_norm_ref, 0.2))
     counts = _inject_all(models, stagger=0.02)
     assert counts == [{**TINY_COUNTS, "rmsnorm": 3, "fused_add_rmsnorm": 1, "swiglu": 1, "rope": 1}] * THREADS
-    assert ti._NUMERICS_OK == {"rmsnorm": True, "rope": True}
+    assert all(isinstance(v, dict) or v[1] is True for v in ti._PROBES.values())
     for m in models:
         ti.remove_llama_kernels(m, verbose=False)
-    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+    assert prl.current() is ORIGINAL_ROPE
 
 
 def test_rope_dispatcher_installed_from_many_threads(monkeypatch, gen):
@@ -98,12 +101,11 @@ def test_rope_dispatcher_installed_from_many_threads(monkeypatch, gen):
     ids = torch.randint(3, 256, (1, 5), generator=gen).to(DEVICE)
     with torch.no_grad():
         refs = [m(ids).logits for m in models]
-    ti._llama_numerics_ok()
     # a slow dispatcher build: the threads meet while the model file's RoPE function is being replaced
     monkeypatch.setattr(ti, "_make_rope_dispatcher", _slowed(ti._make_rope_dispatcher))
     assert _inject_all(models) == [TINY_COUNTS] * THREADS
 
-    dispatcher = modeling_llama.apply_rotary_pos_emb
+    dispatcher = prl.current()
     assert dispatcher is not ORIGINAL_ROPE and dispatcher._rtk_original is ORIGINAL_ROPE
     # removal, one model at a time: the others keep the RoPE kernel until the last one is gone
     for i, m in enumerate(models):
@@ -112,7 +114,7 @@ def test_rope_dispatcher_installed_from_many_threads(monkeypatch, gen):
             assert torch.equal(m(ids).logits, refs[i])
         if i + 1 < THREADS:
             assert _rope_calls(models[-1], ids) == 4, f"RoPE kernel lost after removing {i + 1} models"
-    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+    assert prl.current() is ORIGINAL_ROPE
     assert not ti._ROPE_SITES
 
 
@@ -126,12 +128,12 @@ def test_concurrent_injection_and_removal_keep_one_dispatcher(monkeypatch):
     def work(i):
         for _ in range(5):
             ti.inject_llama_kernels(models[i], verbose=False)
-            fn = modeling_llama.apply_rotary_pos_emb
+            fn = prl.current()
             seen.append(getattr(fn, "_rtk_original", fn))
             ti.remove_llama_kernels(models[i], verbose=False)
 
     errors = _in_threads(work, THREADS)
     assert not errors, f"{len(errors)} threads failed, first: {errors[0]!r}"
     assert all(f is ORIGINAL_ROPE for f in seen), "a dispatcher wrapped another dispatcher"
-    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROPE
+    assert prl.current() is ORIGINAL_ROPE
     assert not ti._ROPE_SITES

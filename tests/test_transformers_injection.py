@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.llama import modeling_llama
 
+import kernel_testing as kt
+import plain_rope_llama as prl
 import transformers_injection as ti
 from kernel_testing import DEVICE, make_generator, rel_l2, run_python
 
@@ -76,6 +79,10 @@ def _rope_fn():
 
 
 ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
+# With the kernels package (a dependency from transformers 5.25) the model file's function is a module that
+# routes each layer's calls to the layer's own copy, where the injection puts the kernel: nothing global
+# changes. Without it (tests/plain_rope_llama.py) a dispatcher stands in for the model file's function.
+HUB_FORM = isinstance(ORIGINAL_ROPE, torch.nn.Module)
 
 
 def _nothing_left(model):
@@ -87,6 +94,10 @@ def _nothing_left(model):
             f"{type(m).__name__} keeps a patched forward"
         )
     assert _rope_fn() is ORIGINAL_ROPE, "apply_rotary_pos_emb was not restored"
+    assert prl.current() is prl.ORIGINAL, "the plain model file's apply_rotary_pos_emb was not restored"
+    for m in model.modules():
+        for copy in (m.__dict__.get("_kernel_funcs") or {}).values():
+            assert "forward" not in copy.__dict__, f"{type(m).__name__}'s copy of the RoPE function keeps the kernel"
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +105,7 @@ def _clean_rope():
     yield
     # a failing test must not leave the dispatcher in place for the next one
     modeling_llama.apply_rotary_pos_emb = ORIGINAL_ROPE
+    prl.reset()
     ti._ROPE_SITES.clear()
 
 
@@ -109,7 +121,7 @@ def test_fp32_parity_greedy_and_exact_restore():
 
     counts = ti.inject_llama_kernels(model, verbose=False)
     assert counts == TINY_COUNTS
-    assert _rope_fn() is not ORIGINAL_ROPE
+    assert (_rope_fn() is ORIGINAL_ROPE) == HUB_FORM  # with the kernels package nothing global changes
     with ti.count_kernel_calls() as calls:
         out = _logits(model, ids)
     # per layer: input_layernorm, fused residual + post-attention norm, q and k RoPE, SwiGLU; + final norm
@@ -156,16 +168,31 @@ def test_bf16_parity_against_fp32_with_skinny_gemm():
     _nothing_left(model)
 
 
-def test_idempotent_and_incremental():
+def _patched_callables(model) -> dict:
+    """What each patched module runs now: its forward, or for the RoPE kind its copy of the function's."""
+    out = {}
+    for m in model.modules():
+        st = m.__dict__.get(ti._STATE)
+        if st is not None:
+            out[id(m)] = st["rope_slot"].__dict__["forward"] if "rope_slot" in st else m.__dict__["forward"]
+    return out
+
+
+@pytest.mark.parametrize("form", ["installed", "plain"])
+def test_idempotent_and_incremental(form):
     gen = make_generator()
     model = _model(gen)
+    if form == "plain":
+        prl.use_plain_rope(model)
+    current = prl.current if form == "plain" else _rope_fn
     first = ti.inject_llama_kernels(model, verbose=False)
-    patched = {id(m): m.__dict__["forward"] for m in model.modules() if ti._STATE in m.__dict__}
-    dispatcher = _rope_fn()
+    patched = _patched_callables(model)
+    dispatcher = current()
+    assert (dispatcher is ORIGINAL_ROPE) == (form == "installed" and HUB_FORM)
     again = ti.inject_llama_kernels(model, verbose=False)
     assert again == first
-    assert {id(m): m.__dict__["forward"] for m in model.modules() if ti._STATE in m.__dict__} == patched
-    assert _rope_fn() is dispatcher
+    assert _patched_callables(model) == patched
+    assert current() is dispatcher
     more = ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
     assert more == {**first, "skinny_gemm": 15}
     assert ti.remove_llama_kernels(model, verbose=False) == more
@@ -210,17 +237,34 @@ def test_non_llama_model_untouched():
     assert ti.remove_llama_kernels(model, verbose=False) == counts
 
 
-def test_llama_copy_is_recognised():
-    """Mistral's modules are copies of Llama's (same code): recognised by their code, same parity."""
+# Llama copies and near-copies in transformers: (model class, config class, RMSNorms beyond Llama's 5)
+COPIES = {
+    "mistral": ("MistralForCausalLM", "MistralConfig", 0),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", 0),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", 4),  # per-head q and k RMSNorms in each of 2 layers
+}
+
+
+@pytest.mark.parametrize("family", sorted(COPIES))
+def test_llama_copy_is_recognised(family):
+    """Models whose modules compute what Llama's compute (Mistral's and Qwen2's are copies; Qwen3 adds RMSNorms
+    on q and k): recognised by what they compute, every kind injected, same parity."""
+    model_cls, config_cls, extra_norms = COPIES[family]
     gen = make_generator()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    tiny = ti.tiny_llama_config()  # its sizes; Mistral's defaults otherwise
-    cfg = MistralConfig(**{k: getattr(tiny, k) for k in TINY_SIZES}, pad_token_id=0)
-    model = MistralForCausalLM(cfg).to(DEVICE).eval()
+    tiny = ti.tiny_llama_config()  # its sizes; the family's defaults otherwise
+    cfg = getattr(transformers, config_cls)(**{k: getattr(tiny, k) for k in TINY_SIZES}, pad_token_id=0)
+    model = getattr(transformers, model_cls)(cfg).to(DEVICE).eval()
     ids = _ids(gen)
     ref = _logits(model, ids)
-    assert ti.inject_llama_kernels(model, verbose=False) == TINY_COUNTS
-    out = _logits(model, ids)
+    counts = ti.inject_llama_kernels(model, verbose=False)
+    assert counts == {**TINY_COUNTS, "rmsnorm": TINY_COUNTS["rmsnorm"] + extra_norms}, (
+        f"transformers {transformers.__version__}: {ti.missing_kinds(model)}"
+    )
+    assert ti.missing_kinds(model) == {}
+    with ti.count_kernel_calls() as calls:
+        out = _logits(model, ids)
+    assert calls["rope_rotate_half"] == 4
     assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
     ti.remove_llama_kernels(model, verbose=False)
     assert torch.equal(_logits(model, ids), ref)
@@ -413,13 +457,15 @@ def test_accelerate_hook_keeps_running():
 
 
 def test_rope_is_per_instance():
-    """Two models of one file: only the patched one's attention layers use the kernel; an unsupported
-    unsqueeze_dim goes to the original; the function is restored when the last layer is unpatched."""
+    """Two models of one (plain) model file: only the patched one's attention layers use the kernel; an
+    unsupported unsqueeze_dim goes to the original; the function is restored when the last layer is
+    unpatched."""
     gen = make_generator()
-    a, b = _model(gen), _model(gen)
+    a, b = prl.use_plain_rope(_model(gen)), prl.use_plain_rope(_model(gen))
     ids = _ids(gen)
     ref_b = _logits(b, ids)
     ti.inject_llama_kernels(a, verbose=False)
+    assert prl.current() is not prl.ORIGINAL
     with ti.count_kernel_calls() as calls:
         out_b = _logits(b, ids)
     assert sum(calls.values()) == 0
@@ -429,16 +475,170 @@ def test_rope_is_per_instance():
     ti._ROPE_ACTIVE.depth = 1
     try:
         with ti.count_kernel_calls() as calls:
-            got = _rope_fn()(q, q, cos, sin, 2)
+            got = prl.current()(q, q, cos, sin, 2)
     finally:
         ti._ROPE_ACTIVE.depth = 0
     assert calls["rope_rotate_half"] == 0
-    assert torch.equal(got[0], ORIGINAL_ROPE(q, q, cos, sin, 2)[0])
+    assert torch.equal(got[0], prl.ORIGINAL(q, q, cos, sin, 2)[0])
     ti.inject_llama_kernels(b, verbose=False)
     ti.remove_llama_kernels(a, verbose=False)
-    assert _rope_fn() is not ORIGINAL_ROPE  # b still uses it
+    assert prl.current() is not prl.ORIGINAL  # b still uses it
     ti.remove_llama_kernels(b, verbose=False)
+    assert prl.current() is prl.ORIGINAL
+
+
+@pytest.mark.skipif(not HUB_FORM, reason="transformers without the kernels package: no per-layer copies")
+def test_rope_in_each_layers_copy():
+    """With the kernels package, the kernel goes into each patched layer's own copy of the function: another
+    model of the same file runs transformers' function, a call form the probe did not check (unsqueeze_dim
+    given) goes to transformers' function, and removal takes the kernel out of the copies."""
+    gen = make_generator()
+    a, b = _model(gen), _model(gen)
+    ids = _ids(gen)
+    ref_a, ref_b = _logits(a, ids), _logits(b, ids)
+    assert ti.inject_llama_kernels(a, verbose=False)["rope"] == 2
     assert _rope_fn() is ORIGINAL_ROPE
+    with ti.count_kernel_calls() as calls:
+        assert torch.equal(_logits(b, ids), ref_b)
+    assert sum(calls.values()) == 0
+    with ti.count_kernel_calls() as calls:
+        assert _rel_max(_logits(a, ids), ref_a) <= FP32_REL
+    assert calls["rope_rotate_half"] == 4
+    slot = a.model.layers[0].self_attn.__dict__[ti._STATE]["rope_slot"]
+    q = torch.randn(1, 5, 2, 8, generator=gen).to(DEVICE)  # [B, S, H, D]: unsqueeze_dim=2
+    cos, sin = torch.randn(1, 5, 8, generator=gen).to(DEVICE), torch.randn(1, 5, 8, generator=gen).to(DEVICE)
+    with ti.count_kernel_calls() as calls:
+        got = slot(q, q, cos, sin, unsqueeze_dim=2)
+    assert calls["rope_rotate_half"] == 0
+    assert torch.equal(got[0], ORIGINAL_ROPE(q, q, cos, sin, unsqueeze_dim=2)[0])
+    ti.remove_llama_kernels(a, verbose=False)
+    assert torch.equal(_logits(a, ids), ref_a)
+    _nothing_left(a)
+
+
+def test_installed_transformers_gets_every_kind():
+    """The Llama of the installed transformers (what a new user gets: CI installs the newest release the
+    requirements allow) gets every kind, and its kernels run. Fails naming the versions it ran with."""
+    import diffusers
+
+    versions = f"transformers {transformers.__version__}, diffusers {diffusers.__version__}, torch {torch.__version__}"
+    model = _model(make_generator())
+    counts = ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
+    assert ti.missing_kinds(model) == {}, f"{versions}: {ti.missing_kinds(model)}"
+    assert all(counts.values()), f"{versions}: a kind was not injected: {counts}"
+    model.to(torch.bfloat16)  # the skinny GEMM takes fp16 / bf16
+    with ti.count_kernel_calls() as calls:
+        _logits(model, _ids(make_generator(), batch=1, length=1))  # one row: the skinny GEMM's case
+    want = {"rms_norm", "fused_add_rms_norm", "swiglu", "rope_rotate_half", "skinny_gemm"}
+    assert want <= set(calls), f"{versions}: these kernels never ran: {sorted(want - set(calls))}"
+    ti.remove_llama_kernels(model, verbose=False)
+
+
+class _RewrittenRMSNorm(modeling_llama.LlamaRMSNorm):
+    """Llama's RMSNorm, written differently: same function."""
+
+    def forward(self, x):
+        dtype = x.dtype
+        xf = x.float()
+        inv = (xf * xf).mean(dim=-1, keepdim=True).add(self.variance_epsilon).rsqrt()
+        return (xf * inv).to(dtype) * self.weight
+
+
+class _OffsetRMSNorm(modeling_llama.LlamaRMSNorm):
+    """An RMSNorm multiplying by (1 + weight) (Gemma's form): not the function the kernel computes."""
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class _RewrittenLayer(modeling_llama.LlamaDecoderLayer):
+    """Llama's decoder layer, written differently (other names, order of the operands, a helper): same function."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):  # fmt: skip
+        skip = hidden_states
+        attn_out = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            cache=cache,
+            **kwargs,
+        )[0]
+        mid = attn_out + skip
+        return mid + self.mlp(self.post_attention_layernorm(mid))
+
+
+def test_recognised_by_what_it_computes(caplog):
+    """Rewritten code that computes the same function gets the kernels; code that computes another function
+    (an RMSNorm with (1 + weight)) is left alone, runs its own forward, and the log line says which and why."""
+    gen = make_generator()
+    model = _model(gen)
+    layers = model.model.layers
+    layers[0].input_layernorm.__class__ = _RewrittenRMSNorm
+    layers[1].input_layernorm.__class__ = _OffsetRMSNorm
+    layers[0].__class__ = _RewrittenLayer
+    ids = _ids(gen)
+    ref = _logits(model, ids)
+    with caplog.at_level("INFO", logger="transformers_injection"):
+        counts = ti.inject_llama_kernels(model, verbose=False)
+    assert counts == {**TINY_COUNTS, "rmsnorm": 4}
+    assert ti._STATE in layers[0].__dict__ and ti._STATE in layers[0].input_layernorm.__dict__
+    assert ti._STATE not in layers[1].input_layernorm.__dict__
+    assert "_OffsetRMSNorm.forward computes another function" in caplog.text
+    with ti.count_kernel_calls() as calls:
+        out = _logits(model, ids)
+    assert calls["fused_add_rms_norm"] == 2 and calls["rms_norm"] == 2
+    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert ti.missing_kinds(model) == {}  # 4 of the 5 RMSNorms run the kernel
+    ti.remove_llama_kernels(model, verbose=False)
+    assert torch.equal(_logits(model, ids), ref)
+
+
+def _rotated_the_other_way(q, k, cos, sin, unsqueeze_dim=1):
+    """Not transformers' RoPE: rotates by -angle."""
+    return prl.ORIGINAL(q, k, cos, -sin, unsqueeze_dim)
+
+
+def test_a_kind_with_sites_but_no_kernel_warns(caplog, monkeypatch):
+    """A model file whose apply_rotary_pos_emb computes something else: the RoPE is left alone, and since the
+    architecture has RoPE sites, the log line is a warning naming the kind, the function and why, and
+    missing_kinds reports it (the examples' ok is false then)."""
+    gen = make_generator()
+    model = prl.use_plain_rope(_model(gen))
+    monkeypatch.setitem(vars(prl), "apply_rotary_pos_emb", _rotated_the_other_way)
+    ids = _ids(gen)
+    ref = _logits(model, ids)
+    with caplog.at_level("INFO", logger="transformers_injection"):
+        counts = ti.inject_llama_kernels(model, verbose=False)
+    assert counts == {**TINY_COUNTS, "rope": 0}
+    missing = ti.missing_kinds(model)
+    assert list(missing) == ["rope"] and "2 sites, none replaced" in missing["rope"]
+    assert "computes another function than rotate-half RoPE" in missing["rope"]
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "WARNING rope: 2 sites, none replaced" in warnings[0].getMessage()
+    assert _rel_max(_logits(model, ids), ref) <= FP32_REL
+    assert ti.missing_kinds(model, rope=False) == {}  # not asked for: not missing
+    ti.remove_llama_kernels(model, verbose=False)
+
+
+def test_compiled_fullgraph_calls_the_kernels():
+    """torch.compile(fullgraph=True) of an injected model traces the kernels as ops, RoPE included (under
+    compile transformers calls a layer's copy of the function through the model file's instance), with the
+    eager output."""
+    gen = make_generator()
+    model = _model(gen)
+    ids = _ids(gen)
+    ti.inject_llama_kernels(model, verbose=False)
+    eager = _logits(model, ids)
+    with torch.no_grad():
+        out, ops, _ = kt.run_compiled_fullgraph(model, {"input_ids": ids})
+    assert {"rms_norm_fused", "swiglu", "rope_rotate_half"} <= ops, sorted(ops)
+    assert _rel_max(out, eager) <= FP32_REL
+    ti.remove_llama_kernels(model, verbose=False)
 
 
 def test_count_kernel_calls_restores_entry_points():
