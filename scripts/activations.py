@@ -37,6 +37,7 @@ torch and triton only; copy it into another project as is. Run ``python activati
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import threading
 from typing import Optional, Sequence
@@ -1176,11 +1177,45 @@ _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
 # torch.library ops: torch.compile traces through them instead of breaking the graph.
 # --------------------------------------------------------------------------------------------
 # ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
-_NS = "rocm_triton_kernels"
+# The ops' namespace comes from this file's module name (rtk_rmsnorm for rmsnorm.py), so a copy under another
+# name (my_rmsnorm.py: rtk_my_rmsnorm) registers ops of its own, and torch.compile calls what the copy computes.
+# A name is registered once per process: importing this very file again (importlib.reload) keeps the ops;
+# other code under the same module name (another file, or this one edited since it registered them) raises
+# (_claim) instead of leaving torch.compile to run the code registered first.
+_NS = "rtk_" + "".join(c if c.isalnum() else "_" for c in __name__)
 
 
 def _op_exists(name: str) -> bool:
     return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
+
+
+def _source_digest():
+    path = globals().get("__file__")
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+_SOURCE = _source_digest()
+
+
+def _claim(name: str) -> bool:
+    """Whether op NS::name is to be registered now: True if no op holds the name; False if this very file (the
+    same bytes) registered it earlier in the process. Raises if other code holds it. Which file registered an
+    op is kept beside the ops, on torch.ops.<namespace>."""
+    owners = vars(getattr(torch.ops, _NS)).setdefault("_rtk_sources", {})
+    if not _op_exists(name):
+        owners[name] = _SOURCE
+        return True
+    if _SOURCE is not None and owners.get(name) == _SOURCE:
+        return False
+    raise RuntimeError(
+        f"torch.library op {_NS}::{name} is registered already, by other code than {globals().get('__file__')} "
+        f"(another file imported as module {__name__!r}, or this file before an edit). The op namespace comes "
+        f"from the module's name: rename this file (e.g. my_{__name__.rsplit('.', 1)[-1]}.py) so that its ops get "
+        "a namespace of their own, or restart Python to load the edited file"
+    )
 
 
 # Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
@@ -1234,10 +1269,11 @@ def _triton_twin(impl, name: str):
 
 def _register(name: str, impl, fake):
     """Register impl as custom op NS::name (with its fake) and, where available, as triton op
-    NS::name_triton. Re-importing the module (as importlib.reload does) keeps the first registration."""
-    if not _op_exists(name):
+    NS::name_triton. Re-importing this very file (as importlib.reload does) keeps the first registration;
+    other code registering the same name raises (_claim)."""
+    if _claim(name):
         torch.library.custom_op(f"{_NS}::{name}", mutates_args=())(impl).register_fake(fake)
-    if _TRITON_OP and not _op_exists(name + "_triton"):
+    if _TRITON_OP and _claim(name + "_triton"):
         torch.library.triton_op(f"{_NS}::{name}_triton", mutates_args=())(_triton_twin(impl, name))
 
 

@@ -286,7 +286,7 @@ def assert_cpu_tensor_refused_without_interpreter(monkeypatch, call, match="CPU 
 def run_compiled_fullgraph(model, kw):
     """model(**kw)[0] through torch.compile(fullgraph=True) with a backend that runs Dynamo's graph as captured
     and records its calls. Returns (output, ops, targets): ops the bundle's torch.library ops the graph calls
-    (rocm_triton_kernels::name, a GPU's "_triton" twin under its plain name), targets every call's target. The
+    (rtk_<kernel file>::name, a GPU's "_triton" twin under its plain name), targets every call's target. The
     graph is before AOT autograd, where the ops keep their names on every device."""
     targets = set()
 
@@ -299,7 +299,7 @@ def run_compiled_fullgraph(model, kw):
         out = run_model(torch.compile(model, backend=backend, fullgraph=True), kw)
     finally:
         torch._dynamo.reset()
-    ops = {t.split(".")[1].removesuffix("_triton") for t in targets if t.startswith("rocm_triton_kernels.")}
+    ops = {t.split(".")[1].removesuffix("_triton") for t in targets if t.startswith("rtk_")}
     return out, ops, targets
 
 

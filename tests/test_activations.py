@@ -312,7 +312,7 @@ def test_cpu_tensor_without_interpreter():
 def test_custom_ops():
     g = make_generator()
     x = randn((3, 2 * 45), torch.bfloat16, g, scale=3.0)
-    ops = getattr(torch.ops, "rocm_triton_kernels")
+    ops = getattr(torch.ops, act._NS)
     with poisoned_outputs():
         y = ops.gelu(x, "tanh")
         z = ops.geglu(x, "none")

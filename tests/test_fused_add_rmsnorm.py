@@ -549,7 +549,7 @@ def test_custom_op_under_torch_compile(gen):
     compiled = kt.compile_aot_eager(f)
     assert torch.equal(compiled(x, res, w, sc), f(x, res, w, sc))
     torch._dynamo.reset()
-    op = torch.ops.rocm_triton_kernels.rms_norm_fused.default
+    op = getattr(torch.ops, rmsnorm._NS).rms_norm_fused.default
     for args in [
         (x, res, None, w, None, None, 1e-6, True, None, 2, None),
         (x, res, None, w, None, None, 1e-6, True, torch.float8_e4m3fnuz, 1, sc),

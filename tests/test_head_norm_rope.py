@@ -414,7 +414,7 @@ def test_custom_op_under_torch_compile(gen):
     compiled = kt.compile_aot_eager(f)
     assert_close(compiled(a, x, w, cos, sin), f(a, x, w, cos, sin).double(), torch.float32, seed=gen.seed_value)
     torch.library.opcheck(
-        torch.ops.rocm_triton_kernels.head_rms_norm_rope.default,
+        getattr(torch.ops, hnr._NS).head_rms_norm_rope.default,
         ([a, x], [a * 2, x * 3], [w, w], [w, w], [1e-6, 1e-6], cos, sin, False),
         test_utils=("test_schema", "test_faketensor"),
     )

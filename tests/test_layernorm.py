@@ -531,7 +531,7 @@ def test_custom_op_under_torch_compile(gen):
     got = compiled(x, sc, sh)
     assert_close(got, f(x, sc, sh).double(), torch.float32, seed=gen.seed_value)
     torch.library.opcheck(
-        torch.ops.rocm_triton_kernels.layer_norm_fused.default,
+        getattr(torch.ops, layernorm._NS).layer_norm_fused.default,
         (x, x * 2, sc, None, None, sc, sh, sh, sc, 1e-6),
         test_utils=("test_schema", "test_faketensor"),
     )

@@ -472,7 +472,7 @@ def test_autograd_runs_the_original_code(kernel_calls):
 # --------------------------------------------------------------------------------------------
 def test_torch_compile_fullgraph_traces_the_kernels():
     """fullgraph=True: no graph break anywhere in the patched transformer, and the captured graph
-    calls the kernels as ops (rocm_triton_kernels::..., the "_triton" twins on a GPU)."""
+    calls the kernels as ops (rtk_<kernel file>::..., the "_triton" twins on a GPU)."""
     gen, tr, kw = _tiny_case(num_layers=1)
     di.inject_optimized_kernels(tr, verbose=False)
     eager = run_model(tr, kw)
@@ -495,7 +495,7 @@ def test_torch_compile_fullgraph_traces_the_kernels():
     compiled = torch.compile(tr, backend=backend, fullgraph=True)
     out = run_model(compiled, kw)
     torch._dynamo.reset()
-    ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rocm_triton_kernels.")}
+    ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rtk_")}
     assert {"rms_norm_fused", "ltx_qk_rmsnorm_rope_coords", "gelu"} <= ops, sorted(seen)
     assert _rel_max(out, eager) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)

@@ -364,7 +364,7 @@ def test_custom_op_under_torch_compile(gen):
     got = compiled(x, sc, sh)
     assert_close(got, f(x, sc, sh).double(), torch.float32, seed=gen.seed_value)
     torch.library.opcheck(
-        torch.ops.rocm_triton_kernels.rms_norm_fused.default,
+        getattr(torch.ops, rmsnorm._NS).rms_norm_fused.default,
         (x, x * 2, None, None, sc, sh, 1e-6, True, None),
         test_utils=("test_schema", "test_faketensor"),
     )

@@ -672,13 +672,13 @@ def test_tensors_on_different_devices_raise():
 def test_custom_op_and_fake(gen):
     x = randn((3, 256), torch.bfloat16, gen)
     w8, s = _quantize(torch.randn((50, 256), generator=gen), torch.float8_e4m3fn, per_channel=True)
-    y = torch.ops.rocm_triton_kernels.skinny_gemm(x, w8, None, s, None, None, None)
+    y = getattr(torch.ops, sg._NS).skinny_gemm(x, w8, None, s, None, None, None)
     _check(y, x, w8, weight_scale=s, seed=gen.seed_value)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fx, fw = mode.from_tensor(x), mode.from_tensor(w8)
-        out = torch.ops.rocm_triton_kernels.skinny_gemm(fx, fw, None, mode.from_tensor(s), None, torch.float32, None)
+        out = getattr(torch.ops, sg._NS).skinny_gemm(fx, fw, None, mode.from_tensor(s), None, torch.float32, None)
         assert out.shape == (3, 50) and out.dtype == torch.float32
 
 

@@ -411,7 +411,7 @@ def test_custom_op_under_torch_compile(gen):
     compiled = kt.compile_aot_eager(f)
     assert torch.equal(compiled(x, sc), f(x, sc))
     torch._dynamo.reset()
-    op = torch.ops.rocm_triton_kernels.swiglu.default
+    op = getattr(torch.ops, act._NS).swiglu.default
     for args in [
         (x, None, True, 0, None, None),
         (x, None, False, 2, None, torch.float8_e4m3fnuz),
