@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+import amd_compile_tables as tables
 import check_amd_compile as cac
 from kernel_testing import TargetOnlyDriver, env_without_interpreter, run_python
 
@@ -180,6 +181,137 @@ def test_fp8_kernels_use_the_conversion_instruction_where_chosen(full_report):
             assert expect[r["target"]] in r["fp8_conversions"], (where, r["fp8_conversions"])
         checked += 1
     assert checked >= 40
+
+
+# --------------------------------------------------------------------------------------------
+# The per-GPU guides' tables (scripts/amd_compile_tables.py)
+# --------------------------------------------------------------------------------------------
+def _hand_edited(table: str, row_prefix: str, col: int, value: str) -> str:
+    """``table`` with cell ``col`` of the row starting with ``row_prefix`` set to ``value``."""
+    lines = table.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(row_prefix))
+    cells = lines[i].split("|")
+    assert cells[col].strip() != value
+    cells[col] = f" {value} "
+    lines[i] = "|".join(cells)
+    return "\n".join(lines)
+
+
+def _guide_copies(tmp_path, tables_by_target: dict) -> dict:
+    """Copies of the guides whose tables are replaced by ``tables_by_target``: {target: path}."""
+    out = {}
+    for t, guide in tables.GUIDES.items():
+        text = guide.read_text()
+        if t in tables_by_target:
+            text = tables.replace_table(text, t, tables_by_target[t])
+        out[t] = tmp_path / guide.name
+        out[t].write_text(text)
+    return out
+
+
+@pytest.mark.slow  # full_report (shared with the tests above); the comparison itself takes no time
+def test_guide_tables_match_a_fresh_check(full_report, tmp_path, monkeypatch):
+    """The compile tables in the per-GPU guides are what amd_compile_tables.py makes of a fresh check (figures
+    compared when the installed Triton is the one a table names; rows and compile count always), and a table
+    edited by hand is caught."""
+    _, report = full_report
+    targets = list(tables.GUIDES)
+    assert tables.compare(report, targets) == [], "rerun: python scripts/amd_compile_tables.py"
+    # hand edits of a table that agrees with this Triton: a figure, a row's compile count, the total
+    version = report["tools"]["triton"]
+    fresh = {t: tables.render_table(report["records"], t, version) for t in targets}
+    monkeypatch.setattr(tables, "GUIDES", _guide_copies(tmp_path, fresh))
+    assert tables.compare(report, targets) == []
+    edits = [
+        _hand_edited(fresh["gfx942"], "| `ltx_qk_rmsnorm_rope_coords`", 4, "77"),  # VGPRs
+        _hand_edited(fresh["gfx942"], "| `wan_14B_layer_norm_modulate`", 8, "7"),  # occupancy
+        fresh["gfx942"].replace("| `rms_norm` (4)", "| `rms_norm` (3)"),
+        fresh["gfx942"].replace(" compiles, 0 failed", "0 compiles, 0 failed"),
+    ]
+    for edited in edits:
+        assert edited != fresh["gfx942"]
+        monkeypatch.setattr(tables, "GUIDES", _guide_copies(tmp_path, {**fresh, "gfx942": edited}))
+        problems = tables.compare(report, targets)
+        assert len(problems) == 1 and "mi300x-optimization-guide.md" in problems[0], problems
+
+
+def _quick_table_check(tmp: str) -> dict:
+    """Run in a process without the interpreter: compile two case families for the three AMD targets and
+    compare the committed tables (those families' rows, every row's structure, the compile count), then copies
+    of the guides edited by hand. {name: problems}."""
+    targets, only = list(tables.GUIDES), ["ltx_rope", "xcd_remap_demo"]
+    report = tables.run_check(targets, only)
+    out = {"committed": tables.compare(report, targets, only)}
+    # a copy whose ltx_rope / xcd_remap_demo rows and Triton version are this Triton's, so figures are compared
+    version = report["tools"]["triton"]
+    fresh_rows = {
+        (t, tables._row_key(r)): r
+        for t in targets
+        for r in tables.render_rows([x for x in report["records"] if x["target"] == t])
+    }
+    base = {}
+    for t, guide in tables.GUIDES.items():
+        table = tables.read_table(guide.read_text(), t)
+        v = tables.table_triton_version(table)
+        lines = [fresh_rows.get((t, tables._row_key(x)), x) if x.startswith("| `") else x for x in table.splitlines()]
+        base[t] = "\n".join(lines).replace(f"(Triton {v};", f"(Triton {version};")
+    variants = {
+        "fresh": base,
+        "value": {**base, "gfx1201": _hand_edited(base["gfx1201"], "| `ltx_rope`", 4, "26")},
+        "count": {**base, "gfx950": base["gfx950"].replace(" compiles, 0 failed", "0 compiles, 0 failed")},
+        "row": {**base, "gfx942": "\n".join(x for x in base["gfx942"].splitlines() if "`wan_14B_gelu_tanh`" not in x)},
+        "warps": {
+            **base,
+            "gfx942": base["gfx942"].replace(
+                "| `gelu` (2) | `_gelu_flat_kernel` | 4 x 64", "| `gelu` (2) | `_gelu_flat_kernel` | 8 x 64"
+            ),
+        },
+    }
+    real = dict(tables.GUIDES)
+    for name, by_target in variants.items():
+        d = Path(tmp) / name
+        d.mkdir()
+        tables.GUIDES = {t: d / real[t].name for t in targets}
+        for t in targets:
+            tables.GUIDES[t].write_text(tables.replace_table(real[t].read_text(), t, by_target[t]))
+        out[name] = tables.compare(report, targets, only)
+    return out
+
+
+def test_guide_tables_quick_check(tmp_path):
+    """Without the full check (cheap enough for every run): the committed tables name this Triton or another,
+    their rows and compile counts match the case list, and the rows of two families match a fresh compile;
+    a hand edit of a figure, a count, a row or a warp count is caught."""
+    code = (
+        "import json, sys\n"
+        f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
+        "import test_amd_compile as t\n"
+        f"print(json.dumps(t._quick_table_check({str(tmp_path)!r})))\n"
+    )
+    res, secs = _run(["-c", code], env_without_interpreter())
+    print(f"quick table check: {secs:.1f} s")
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out.pop("committed") == [], "rerun: python scripts/amd_compile_tables.py"
+    assert out.pop("fresh") == []
+    for name, problems in out.items():
+        assert len(problems) == 1, (name, problems)
+    assert "r9700" in out["value"][0] and "mi355x" in out["count"][0] and "mi300x" in out["row"][0]
+    for t, guide in tables.GUIDES.items():
+        table = tables.read_table(guide.read_text(), t)
+        assert tables.table_triton_version(table), f"{guide.name}: the table must name the Triton that made it"
+
+
+def test_table_script_command_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        tables.main(["--only", "ltx_rope"])
+    assert exc.value.code == 2 and "--only needs --check" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        tables.main(["--check", "--only", "no_such_family"])
+    assert exc.value.code == 2 and "unknown families" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        tables.main(["--targets", "sm90"])
+    assert exc.value.code == 2
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 
 import pytest
 import torch
-from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step
 
 import activations
 import fp8_linear as fl
 from kernel_testing import DEVICE, assert_close, poisoned_outputs, randn
+from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step
 
 
 def _layer(k, n, gen, bias=True, dtype=torch.bfloat16):

@@ -5,11 +5,11 @@ float64 reference."""
 
 import pytest
 import torch
-from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, _norm_ref, check_fp8
 
 import activations as act
 import rmsnorm
 from kernel_testing import DEVICE, DTYPES, assert_close, poisoned_outputs, randn
+from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, _norm_ref, check_fp8
 
 SHAPES = [(1, 127), (3, 2049), (2, 5, 96), (32, 256)]
 

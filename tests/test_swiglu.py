@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
 
 import activations as act
 import kernel_testing as kt
 from kernel_testing import DEVICE, DTYPES, INTERPRET, assert_close, poisoned_outputs, randn
+from test_fused_add_rmsnorm import FP8_DTYPES, FP8_MAX, _fp8_step, check_fp8
 
 
 def _inputs(shape, dtype, gen):
