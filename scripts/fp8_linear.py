@@ -359,29 +359,34 @@ class Fp8Linear(torch.nn.Module):
         self._seal()
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # A state dict may hold this layer's own state (a round trip); anything else would make it compute what
-        # no weight of the model says, and remove_optimized_kernels would drop it. A layer whose values are
-        # undefined (meta device, then to_empty) takes a whole FP8 state.
+    def _refusal(self, state_dict, prefix) -> Optional[str]:
+        """Why this layer refuses its part of state_dict (None: it takes it). A state dict may hold this layer's
+        own state (a round trip); anything else would make it compute what no weight of the model says, and
+        remove_optimized_kernels would drop it. A layer whose values are undefined (meta device, then
+        to_empty) takes a whole FP8 state."""
         if prefix + "weight" in state_dict:
-            errors.append(f"{prefix}weight: {_NO_NEW_WEIGHTS}")
-            return
+            return f"{prefix}weight: {_NO_NEW_WEIGHTS}"
         given = {n: state_dict.get(prefix + n) for n in self._GUARDED}
         if self._undefined:
             if given["weight_fp8"] is None or given["weight_scale"] is None:
-                errors.append(f"{prefix}weight_fp8, weight_scale: this layer's values are undefined; load both")
-                return
-        else:
-            for name, t in given.items():
-                mine = self._buffers[name]
-                if t is not None and not (
-                    mine is not None
-                    and t.shape == mine.shape
-                    and t.dtype == mine.dtype
-                    and _same_bits(t.to(mine.device), mine)
-                ):
-                    errors.append(f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}")
-                    return
+                return f"{prefix}weight_fp8, weight_scale: this layer's values are undefined; load both"
+            return None
+        for name, t in given.items():
+            mine = self._buffers[name]
+            if t is not None and not (
+                mine is not None
+                and t.shape == mine.shape
+                and t.dtype == mine.dtype
+                and _same_bits(t.to(mine.device), mine)
+            ):
+                return f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}"
+        return None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        refused = self._refusal(state_dict, prefix)
+        if refused is not None:
+            errors.append(refused)
+            return
         stale = self._was_written()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
         if self._undefined:
@@ -469,6 +474,7 @@ def project(x: torch.Tensor, *layers) -> list:
 _SKIPPED = "named in fp8_skip"  # a layer the caller asked to leave as it is
 _ORIGINAL = "_rtk_bf16_layer"  # on each twin swap_in_fp8 put in place: the bf16 layer it replaced
 _SWAPPED = "_rtk_fp8_linears"  # the record an earlier version kept on the root (a model it pickled)
+_LOAD_CHECK = "_rtk_fp8_load_check"  # on the root: the handle of its load_state_dict pre-hook (_check_load)
 
 
 def _eligible(lin: torch.nn.Module) -> Optional[str]:
@@ -534,7 +540,8 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     weights), so that restore_from_fp8 puts back the very same modules with their exact weights on their
     devices. Returns (layers swapped, the reasons of those left as they are); left_layers, a list, receives
     (layer, reason) for each of those. skip: ids of layers to leave as they are. While root holds twins (made
-    by this call or by one on another model sharing its modules), its save_pretrained raises."""
+    by this call or by one on another model sharing its modules), its save_pretrained raises, and its
+    load_state_dict refuses what an FP8 layer would refuse before it writes anything (_check_load)."""
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
     for parent, name, child, why in _linear_children(parents):
@@ -556,13 +563,28 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     if offload:
         for twin in twins.values():
             twin.__dict__[_ORIGINAL].to("cpu")
-    if (
-        fp8_linear_count(root)
-        and callable(getattr(root, "save_pretrained", None))
-        and "save_pretrained" not in root.__dict__
-    ):
-        root.__dict__["save_pretrained"] = ic.BoundForward(_refuse_save_pretrained, root)
+    if fp8_linear_count(root):
+        if callable(getattr(root, "save_pretrained", None)) and "save_pretrained" not in root.__dict__:
+            root.__dict__["save_pretrained"] = ic.BoundForward(_refuse_save_pretrained, root)
+        if _LOAD_CHECK not in root.__dict__:
+            root.__dict__[_LOAD_CHECK] = root.register_load_state_dict_pre_hook(_check_load)
     return done, left
+
+
+def _check_load(root, state_dict, prefix, *args):
+    """A load_state_dict pre-hook on a model holding FP8 layers. torch copies module by module, root's own
+    tensors first, and raises the layers' refusals only at the end; this runs before anything is copied and
+    raises if an FP8 layer would refuse its part, so a refused state dict writes nothing."""
+    refused = []
+    for name, m in root.named_modules(remove_duplicate=False):  # a layer in several places: each place's keys
+        if isinstance(m, Fp8Linear):
+            why = m._refusal(state_dict, f"{prefix}{name}." if name else prefix)
+            if why is not None:
+                refused.append(why)
+    if refused:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(root).__name__} (nothing was loaded):\n\t" + "\n\t".join(refused)
+        )
 
 
 def _swapped_slots(*roots):
@@ -610,9 +632,13 @@ def restore_from_fp8(root: torch.nn.Module, *, keep=()) -> int:
             original.to(twin.weight_fp8.device, twin.model_dtype)
         parent._modules[name] = original
         n += 1
-    own = root.__dict__.get("save_pretrained")
-    if isinstance(own, ic.BoundForward) and own.func is _refuse_save_pretrained and not fp8_linear_count(root):
-        del root.__dict__["save_pretrained"]
+    if not fp8_linear_count(root):
+        own = root.__dict__.get("save_pretrained")
+        if isinstance(own, ic.BoundForward) and own.func is _refuse_save_pretrained:
+            del root.__dict__["save_pretrained"]
+        handle = root.__dict__.pop(_LOAD_CHECK, None)
+        if handle is not None:
+            handle.remove()
     return n
 
 
