@@ -723,7 +723,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     than the kernels alone do: check it on your weights (references/diffusers-integration.md). A later
     call with fp8=False adds the bf16 kernels only; it does not take FP8 out (remove_optimized_kernels does).
     injected_counts counts the FP8 layers a model holds, also in modules it shares with another (t2.blocks =
-    t1.blocks); the save_pretrained of each transformer found here refuses while it holds any.
+    t1.blocks); the save_pretrained of each transformer found here refuses while it holds any. Inside
+    torch.inference_mode(), fp8=True raises ValueError before changing anything: inject outside it.
     fp8_skip: names of linear layers to leave in bf16, as the transformer's named_modules() gives them (e.g.
     "transformer_blocks.3.attn.to_out.0", from fp8_linear.layer_errors); a name no transformer has raises.
     """
@@ -736,6 +737,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
         raise TypeError(f"fp8_skip takes a collection of layer names, got {fp8_skip!r}")
     if fp8_skip and not fp8:
         raise ValueError("fp8_skip names layers to leave out of fp8=True; pass fp8=True with it")
+    if fp8 and torch.is_inference_mode_enabled():
+        raise ValueError(fp8_linear._INFERENCE_MODE_REFUSAL)
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
 

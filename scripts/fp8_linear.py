@@ -532,6 +532,15 @@ def eligible_layers(parents) -> list:
     return list({id(c): c for _, _, c, why in _linear_children(parents) if why is None}.values())
 
 
+# FP8 layers made inside torch.inference_mode() would hold inference tensors, which have no version counter (an
+# in-place write would go unnoticed) and take no load_state_dict outside it
+_INFERENCE_MODE_REFUSAL = (
+    "fp8=True (swap_in_fp8) inside torch.inference_mode(): the FP8 layers would hold inference tensors, whose "
+    "in-place writes go unnoticed and which load_state_dict cannot write outside inference mode. Inject outside "
+    "torch.inference_mode() (torch.no_grad() is fine); running the model inside it afterwards is fine"
+)
+
+
 def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True, left_layers=None, skip=()):
     """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
     Layers under a LoRA or other peft adapter stay as they are (peft reads, merges and unloads base layers).
@@ -541,7 +550,10 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
     devices. Returns (layers swapped, the reasons of those left as they are); left_layers, a list, receives
     (layer, reason) for each of those. skip: ids of layers to leave as they are. While root holds twins (made
     by this call or by one on another model sharing its modules), its save_pretrained raises, and its
-    load_state_dict refuses what an FP8 layer would refuse before it writes anything (_check_load)."""
+    load_state_dict refuses what an FP8 layer would refuse before it writes anything (_check_load). Raises
+    ValueError inside torch.inference_mode(), before changing anything (_INFERENCE_MODE_REFUSAL)."""
+    if torch.is_inference_mode_enabled():
+        raise ValueError(_INFERENCE_MODE_REFUSAL)
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
     for parent, name, child, why in _linear_children(parents):

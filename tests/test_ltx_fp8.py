@@ -377,6 +377,37 @@ def test_loading_other_weights_into_an_fp8_model_raises_and_changes_nothing(stri
         di.remove_optimized_kernels(other, verbose=False)
 
 
+def test_fp8_inside_inference_mode_is_refused_and_changes_nothing():
+    """FP8 layers made inside torch.inference_mode() would hold inference tensors: no version counter (writes
+    in place would go unnoticed), and load_state_dict cannot write them outside it. fp8=True there (and
+    swap_in_fp8) raises before anything changes; injected outside, the model then runs inside it, its own
+    state dict loads, and a write in place is caught."""
+    gen, tr, kw = _bf16_case(num_layers=1)
+    modules, before = list(tr.named_modules()), tensor_copies(tr)
+    for inject in (
+        lambda: di.inject_optimized_kernels(tr, verbose=False, fp8=True),
+        lambda: fp8_linear.swap_in_fp8(tr, di.fp8_parents(tr)),
+    ):
+        with torch.inference_mode(), pytest.raises(ValueError, match=r"outside torch\.inference_mode\(\)"):
+            inject()
+        assert [(n, id(m)) for n, m in tr.named_modules()] == [(n, id(m)) for n, m in modules], "no module replaced"
+        assert changed_tensors(tr, before) == []
+        assert not any(di.injected_counts(tr).values()) and "save_pretrained" not in tr.__dict__
+
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        out = run_model(tr, kw)
+        with torch.inference_mode():
+            assert torch.equal(tr(**kw)[0], out)
+        tr.load_state_dict(tr.state_dict())
+        with torch.no_grad():
+            tr.transformer_blocks[0].attn1.to_k.weight_scale.mul_(2)
+        with pytest.raises(RuntimeError, match="written after quantisation"):
+            run_model(tr, kw)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
+
+
 def test_fp8_state_dict_round_trip_loads_and_computes_the_same():
     """The FP8 model's own state dict (FP8 values, scales, biases) loads back into it; the output is the same."""
     gen, tr, kw = _fp8_injected()
