@@ -680,7 +680,7 @@ def _empty_counts() -> dict:
 def injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is currently injected in pipe_or_model."""
     counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
-    counts["fp8_linear"] = sum(fp8_linear.fp8_linear_count(m) for m in _fp8_models(pipe_or_model))
+    counts["fp8_linear"] = fp8_linear.fp8_linear_count(*_fp8_models(pipe_or_model))  # a shared layer once
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
         counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
@@ -722,6 +722,9 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     weights move to the CPU until remove_optimized_kernels puts the same modules back. Layers under a LoRA or other adapter stay bf16. FP8 changes the output by more
     than the kernels alone do: check it on your weights (references/diffusers-integration.md). A later
     call with fp8=False adds the bf16 kernels only; it does not take FP8 out (remove_optimized_kernels does).
+    injected_counts counts the FP8 layers a model holds, also in modules it shares with another (t2.blocks =
+    t1.blocks); the save_pretrained of each transformer found here refuses while it holds any. Inside
+    torch.inference_mode(), fp8=True raises ValueError before changing anything: inject outside it.
     fp8_skip: names of linear layers to leave in bf16, as the transformer's named_modules() gives them (e.g.
     "transformer_blocks.3.attn.to_out.0", from fp8_linear.layer_errors); a name no transformer has raises.
     """
@@ -734,6 +737,8 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
         raise TypeError(f"fp8_skip takes a collection of layer names, got {fp8_skip!r}")
     if fp8_skip and not fp8:
         raise ValueError("fp8_skip names layers to leave out of fp8=True; pass fp8=True with it")
+    if fp8 and torch.is_inference_mode_enabled():
+        raise ValueError(fp8_linear._INFERENCE_MODE_REFUSAL)
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
 
@@ -835,7 +840,7 @@ def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
     skip_names = set(skip_names).union(*(m.__dict__.get(_FP8_SKIP, ()) for m in models))
     skip = {id(d[n]) for d in named for n in skip_names if n in d}
     total = 0
-    before = [fp8_linear.fp8_linear_count(m) for m in models]
+    before = [twin for *_, twin in fp8_linear._swapped_slots(*models)]  # an earlier call's (kept on a failure)
     skip_before = [m.__dict__.get(_FP8_SKIP) for m in models]
     for i, model in enumerate(models):
         layers_left = []
@@ -847,8 +852,8 @@ def _swap_in_fp8(pipe_or_model, skipped: list, skip_names=()) -> int:
                     ". The FP8 layers take bf16 weights on the GPU: move the transformer there in bf16 first "
                     "(and inject before enable_model_cpu_offload())"
                 )
-            for done, keep, kept_skip in zip(models[:i], before, skip_before):  # nothing half done
-                fp8_linear.restore_from_fp8(done, keep=keep)  # (this call's swaps undone)
+            for done, kept_skip in zip(models[:i], skip_before):  # nothing half done
+                fp8_linear.restore_from_fp8(done, keep=before)  # (this call's swaps undone)
                 if kept_skip is None:
                     done.__dict__.pop(_FP8_SKIP, None)
                 else:
@@ -954,7 +959,9 @@ def _install_ltx_processors(model, new: dict, skipped: list) -> list:
 def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_optimized_kernels: restore the original forwards and attention processors.
 
-    Returns the counts per kind of what was restored.
+    FP8 layers in modules the model shares with another (t2.blocks = t1.blocks) are the very same layers in
+    both: removed through either model, their bf16 layers are back in both (both then count none, and both
+    save_pretrained save). Returns the counts per kind of what was restored.
     """
     restored = _empty_counts()
     for model in _fp8_models(pipe_or_model):

@@ -359,29 +359,34 @@ class Fp8Linear(torch.nn.Module):
         self._seal()
         return self
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        # A state dict may hold this layer's own state (a round trip); anything else would make it compute what
-        # no weight of the model says, and remove_optimized_kernels would drop it. A layer whose values are
-        # undefined (meta device, then to_empty) takes a whole FP8 state.
+    def _refusal(self, state_dict, prefix) -> Optional[str]:
+        """Why this layer refuses its part of state_dict (None: it takes it). A state dict may hold this layer's
+        own state (a round trip); anything else would make it compute what no weight of the model says, and
+        remove_optimized_kernels would drop it. A layer whose values are undefined (meta device, then
+        to_empty) takes a whole FP8 state."""
         if prefix + "weight" in state_dict:
-            errors.append(f"{prefix}weight: {_NO_NEW_WEIGHTS}")
-            return
+            return f"{prefix}weight: {_NO_NEW_WEIGHTS}"
         given = {n: state_dict.get(prefix + n) for n in self._GUARDED}
         if self._undefined:
             if given["weight_fp8"] is None or given["weight_scale"] is None:
-                errors.append(f"{prefix}weight_fp8, weight_scale: this layer's values are undefined; load both")
-                return
-        else:
-            for name, t in given.items():
-                mine = self._buffers[name]
-                if t is not None and not (
-                    mine is not None
-                    and t.shape == mine.shape
-                    and t.dtype == mine.dtype
-                    and _same_bits(t.to(mine.device), mine)
-                ):
-                    errors.append(f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}")
-                    return
+                return f"{prefix}weight_fp8, weight_scale: this layer's values are undefined; load both"
+            return None
+        for name, t in given.items():
+            mine = self._buffers[name]
+            if t is not None and not (
+                mine is not None
+                and t.shape == mine.shape
+                and t.dtype == mine.dtype
+                and _same_bits(t.to(mine.device), mine)
+            ):
+                return f"{prefix}{name}: differs from this layer's; {_NO_NEW_WEIGHTS}"
+        return None
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        refused = self._refusal(state_dict, prefix)
+        if refused is not None:
+            errors.append(refused)
+            return
         stale = self._was_written()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
         if self._undefined:
@@ -467,7 +472,9 @@ def project(x: torch.Tensor, *layers) -> list:
 # Swapping a model's linear layers in and out, reversibly
 # --------------------------------------------------------------------------------------------
 _SKIPPED = "named in fp8_skip"  # a layer the caller asked to leave as it is
-_SWAPPED = "_rtk_fp8_linears"  # on the root module: the swaps made, to undo them exactly
+_ORIGINAL = "_rtk_bf16_layer"  # on each twin swap_in_fp8 put in place: the bf16 layer it replaced
+_SWAPPED = "_rtk_fp8_linears"  # the record an earlier version kept on the root (a model it pickled)
+_LOAD_CHECK = "_rtk_fp8_load_check"  # on the root: the handle of its load_state_dict pre-hook (_check_load)
 
 
 def _eligible(lin: torch.nn.Module) -> Optional[str]:
@@ -525,15 +532,28 @@ def eligible_layers(parents) -> list:
     return list({id(c): c for _, _, c, why in _linear_children(parents) if why is None}.values())
 
 
+# FP8 layers made inside torch.inference_mode() would hold inference tensors, which have no version counter (an
+# in-place write would go unnoticed) and take no load_state_dict outside it
+_INFERENCE_MODE_REFUSAL = (
+    "fp8=True (swap_in_fp8) inside torch.inference_mode(): the FP8 layers would hold inference tensors, whose "
+    "in-place writes go unnoticed and which load_state_dict cannot write outside inference mode. Inject outside "
+    "torch.inference_mode() (torch.no_grad() is fine); running the model inside it afterwards is fine"
+)
+
+
 def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool = True, left_layers=None, skip=()):
     """Replace the plain bf16 nn.Linear children of each module in parents with their Fp8Linear twins.
     Layers under a LoRA or other peft adapter stay as they are (peft reads, merges and unloads base layers).
 
-    The originals are kept, on the CPU when offload (their GPU memory freed: the point of FP8 weights),
-    in a record on root, so that restore_from_fp8(root) puts back the very same modules with their exact
-    weights on their devices. Returns (layers swapped, the reasons of those left as they are); left_layers,
-    a list, receives (layer, reason) for each of those. skip: ids of layers to leave as they are."""
-    record = root.__dict__.setdefault(_SWAPPED, [])
+    Each twin holds the original it replaces, on the CPU when offload (its GPU memory freed: the point of FP8
+    weights), so that restore_from_fp8 puts back the very same modules with their exact weights on their
+    devices. Returns (layers swapped, the reasons of those left as they are); left_layers, a list, receives
+    (layer, reason) for each of those. skip: ids of layers to leave as they are. While root holds twins (made
+    by this call or by one on another model sharing its modules), its save_pretrained raises, and its
+    load_state_dict refuses what an FP8 layer would refuse before it writes anything (_check_load). Raises
+    ValueError inside torch.inference_mode(), before changing anything (_INFERENCE_MODE_REFUSAL)."""
+    if torch.is_inference_mode_enabled():
+        raise ValueError(_INFERENCE_MODE_REFUSAL)
     twins = {}  # one twin for a layer reachable through several parents (tied modules)
     done, left = 0, []
     for parent, name, child, why in _linear_children(parents):
@@ -548,22 +568,56 @@ def swap_in_fp8(root: torch.nn.Module, parents, *, fp8_dtype=None, offload: bool
         if twin is None:
             with torch.no_grad():
                 twin = Fp8Linear.from_linear(child, fp8_dtype)
+            twin.__dict__[_ORIGINAL] = child  # not a submodule: outside the model's modules and state dict
             twins[id(child)] = twin
         parent._modules[name] = twin
-        record.append((parent, name, child, twin))
         done += 1
     if offload:
-        for _, _, child, _ in record[len(record) - done :]:
-            child.to("cpu")
-    if record and callable(getattr(root, "save_pretrained", None)) and "save_pretrained" not in root.__dict__:
-        root.__dict__["save_pretrained"] = ic.BoundForward(_refuse_save_pretrained, root)
+        for twin in twins.values():
+            twin.__dict__[_ORIGINAL].to("cpu")
+    if fp8_linear_count(root):
+        if callable(getattr(root, "save_pretrained", None)) and "save_pretrained" not in root.__dict__:
+            root.__dict__["save_pretrained"] = ic.BoundForward(_refuse_save_pretrained, root)
+        if _LOAD_CHECK not in root.__dict__:
+            root.__dict__[_LOAD_CHECK] = root.register_load_state_dict_pre_hook(_check_load)
     return done, left
+
+
+def _check_load(root, state_dict, prefix, *args):
+    """A load_state_dict pre-hook on a model holding FP8 layers. torch copies module by module, root's own
+    tensors first, and raises the layers' refusals only at the end; this runs before anything is copied and
+    raises if an FP8 layer would refuse its part, so a refused state dict writes nothing."""
+    refused = []
+    for name, m in root.named_modules(remove_duplicate=False):  # a layer in several places: each place's keys
+        if isinstance(m, Fp8Linear):
+            why = m._refusal(state_dict, f"{prefix}{name}." if name else prefix)
+            if why is not None:
+                refused.append(why)
+    if refused:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(root).__name__} (nothing was loaded):\n\t" + "\n\t".join(refused)
+        )
+
+
+def _swapped_slots(*roots):
+    """(parent, name, twin) for each child slot under roots that holds a twin swap_in_fp8 put in: each parent
+    once (blocks two roots share count once), a twin in several slots (tied layers) once per slot."""
+    for root in roots:  # a record an earlier version kept on the root: its twins hold their originals now
+        for _, _, original, twin in root.__dict__.pop(_SWAPPED, ()):
+            twin.__dict__.setdefault(_ORIGINAL, original)
+    for parent in ic.modules_once(roots):
+        for name, child in parent._modules.items():
+            if child is not None and _ORIGINAL in child.__dict__:
+                yield parent, name, child
 
 
 def _refuse_save_pretrained(root, *args, **kwargs):
     """A model's save_pretrained while FP8 layers are in: the checkpoint would hold FP8 values and scales
     under names a bf16 model does not have, and from_pretrained would initialise those layers at random
-    (with only a warning)."""
+    (with only a warning). Once root holds none (removed through another model sharing them), it saves."""
+    if not fp8_linear_count(root):
+        del root.__dict__["save_pretrained"]
+        return root.save_pretrained(*args, **kwargs)
     raise RuntimeError(
         "save_pretrained with FP8 layers in place would write a checkpoint whose block linear layers "
         "from_pretrained cannot load (they would come back randomly initialised): remove_optimized_kernels(model) "
@@ -571,35 +625,39 @@ def _refuse_save_pretrained(root, *args, **kwargs):
     )
 
 
-def restore_from_fp8(root: torch.nn.Module, *, keep: int = 0) -> int:
-    """Undo swap_in_fp8 on root: the original modules back in place, on the device of the twin each
-    replaces (where the model is now), and in the dtype the model was cast to since if it was. A slot that
-    no longer holds the twin (something else was put there since) keeps what it holds. Each entry leaves
-    the record only once handled, so a failure (out of memory, say) leaves the rest to a second call.
-    keep: leave the first keep swaps in place (undo only the later ones). Returns how many were restored."""
-    record = root.__dict__.get(_SWAPPED, [])
+def restore_from_fp8(root: torch.nn.Module, *, keep=()) -> int:
+    """Undo swap_in_fp8 under root: in each slot of root's modules that holds a twin, the original module
+    back, on the device of the twin (where the model is now), and in the dtype the model was cast to since if
+    it was. A slot that holds something else (put there since) keeps it. Modules root shares with another
+    model (blocks two transformers hold) are the very same modules: restored here, they are restored in both.
+    Slots are restored one at a time, so a failure (out of memory, say) leaves the rest to a second call.
+    keep: twins to leave in place (an earlier call's). Returns how many slots were restored."""
+    keep = {id(t) for t in keep}
     n = 0
-    while len(record) > keep:
-        parent, name, original, twin = record[-1]
-        if parent._modules.get(name) is twin:
-            if twin.model_dtype is twin.out_dtype:
-                original.to(twin.weight_fp8.device)
-            else:  # the model was cast meanwhile
-                original.to(twin.weight_fp8.device, twin.model_dtype)
-            parent._modules[name] = original
-            n += 1
-        record.pop()
-    if not record:
-        root.__dict__.pop(_SWAPPED, None)
+    for parent, name, twin in list(_swapped_slots(root)):
+        if id(twin) in keep:
+            continue
+        original = twin.__dict__[_ORIGINAL]
+        if twin.model_dtype is twin.out_dtype:
+            original.to(twin.weight_fp8.device)
+        else:  # the model was cast meanwhile
+            original.to(twin.weight_fp8.device, twin.model_dtype)
+        parent._modules[name] = original
+        n += 1
+    if not fp8_linear_count(root):
         own = root.__dict__.get("save_pretrained")
         if isinstance(own, ic.BoundForward) and own.func is _refuse_save_pretrained:
             del root.__dict__["save_pretrained"]
+        handle = root.__dict__.pop(_LOAD_CHECK, None)
+        if handle is not None:
+            handle.remove()
     return n
 
 
-def fp8_linear_count(root: torch.nn.Module) -> int:
-    """How many layers swap_in_fp8 has swapped in root (and not restored)."""
-    return len(root.__dict__.get(_SWAPPED, ()))
+def fp8_linear_count(*roots: torch.nn.Module) -> int:
+    """How many slots under roots hold a twin swap_in_fp8 put in (by whichever model's call: blocks shared by
+    two models count for both, and once where both are given)."""
+    return sum(1 for _ in _swapped_slots(*roots))
 
 
 def layer_errors(root: torch.nn.Module, forward, fp8_dtype=None, parents=None) -> dict:

@@ -137,8 +137,10 @@ def _modulation(block, temb):
 def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
     """Wan's (cos, sin), each [1, S, 1, head_dim] (one row per token, shared by every head), as the
     [1, S, head_dim] tables rope.ltx_qk_rmsnorm_rope reads per head, or None when they have another
-    form. Wan's tables repeat each value over a pair of channels, which is what the kernel's pairwise
-    rotation (one cos / sin per channel) computes the same way as diffusers' apply_rotary_emb."""
+    form. diffusers' apply_rotary_emb reads one cos and one sin per channel pair, cos[..., 0::2] and
+    sin[..., 1::2]; the kernel's pairwise rotation reads a cos and a sin per channel, so it gets those
+    values each repeated over its pair (one small copy per table). WanRotaryPosEmbed's tables are
+    repeated so already; a hook or another rope module may hand tables that are not."""
     if not isinstance(rotary_emb, (tuple, list)) or len(rotary_emb) != 2:
         return None
     cos, sin = rotary_emb
@@ -150,15 +152,30 @@ def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
         or head_dim % 2
     ):
         return None
-    return cos.view(1, seq, head_dim) if cos.is_contiguous() else cos.reshape(1, seq, head_dim), sin.view(
-        1, seq, head_dim
-    ) if sin.is_contiguous() else sin.reshape(1, seq, head_dim)
+    pairs = (1, seq, head_dim // 2, 2)
+    return tuple(
+        t.reshape(pairs)[..., i : i + 1].expand(pairs).reshape(1, seq, head_dim) for t, i in ((cos, 0), (sin, 1))
+    )
 
 
-def _self_attention(attn, x, rotary_emb):
-    """attn(x, None, None, rotary_emb) for a plain WanAttention running diffusers' WanAttnProcessor with
-    the native attention backend: the projections, ONE kernel for the q and k RMSNorms (across heads)
+def _block_rope_tables(block, rotary_emb, seq: int, heads: int, head_dim: int):
+    """_rope_tables, made once per forward where blocks are linked: a block hands them to the next, which
+    takes them only for the very same cos and sin, unchanged since (ic.take_carry)."""
+    pair = tuple(rotary_emb) if isinstance(rotary_emb, (tuple, list)) and len(rotary_emb) == 2 else (None, None)
+    tables = ic.take_carry(block, _CARRY, "rope", *pair)
+    if tables is None or tuple(tables[0].shape) != (1, seq, head_dim):
+        tables = _rope_tables(rotary_emb, seq, heads, head_dim)
+    nxt = ic.next_block(block)
+    if tables is not None and nxt is not None and ic.may_carry(block, nxt, pair[1], _STATE):
+        ic.put_carry(nxt, _CARRY, "rope", *pair, tables)
+    return tables
+
+
+def _self_attention(block, x, rotary_emb):
+    """block.attn1(x, None, None, rotary_emb) for a plain WanAttention running diffusers' WanAttnProcessor
+    with the native attention backend: the projections, ONE kernel for the q and k RMSNorms (across heads)
     with the rotary embedding, SDPA, the output projection. Anything else: the module itself."""
+    attn = block.attn1
     proc = attn.processor
     nq, nk = attn.norm_q, attn.norm_k
     fusable = (
@@ -182,7 +199,7 @@ def _self_attention(attn, x, rotary_emb):
         b, s, _ = x.shape
         q, k, v = fp8_linear.project(x, attn.to_q, attn.to_k, attn.to_v)  # FP8: x quantised once
         c = q.shape[-1]
-        tables = _rope_tables(rotary_emb, s, heads, c // heads) if c % heads == 0 else None
+        tables = _block_rope_tables(block, rotary_emb, s, heads, c // heads) if c % heads == 0 else None
         if (
             tables is not None
             and tuple(nq.normalized_shape) == (c,)
@@ -285,7 +302,7 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
 
     # 1. Self-attention
     norm_h = carried if carried is not None else layernorm.layer_norm_modulate(h, scale_msa, shift_msa, n1[2])
-    attn_out = _self_attention(self.attn1, norm_h, rotary_emb)
+    attn_out = _self_attention(self, norm_h, rotary_emb)
     if attn_out.dtype != h.dtype or attn_out.shape != h.shape:
         # (not what diffusers' modules return; computed as the original from here)
         h = (h.float() + attn_out * gate_msa).type_as(h)

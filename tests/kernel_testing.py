@@ -333,6 +333,30 @@ def run_model(model, kw):
         return model(**kw)[0]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)  # (torch.equal has no FP8 kernel everywhere)
+
+
+def tensor_copies(model) -> dict:
+    """Copies of every parameter and buffer of model (non-persistent buffers too), by name."""
+    return {n: t.detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())}
+
+
+def changed_tensors(model, copies) -> list:
+    """The names of model's parameters and buffers that are not bit-identical to their copies (tensor_copies),
+    or that were added or are gone since."""
+    now = dict((*model.named_parameters(), *model.named_buffers()))
+    return sorted(
+        n
+        for n in set(now) | set(copies)
+        if n not in now
+        or n not in copies
+        or now[n].dtype != copies[n].dtype
+        or now[n].shape != copies[n].shape
+        or not torch.equal(_bits(now[n]), _bits(copies[n]))
+    )
+
+
 def without_and_with_kernels(model, kw, inject, remove, hooks=(), fired=None):
     """A diffusers model's output (run_model) without, then with the kernels injected
     (inject(model, verbose=False)); after, also on a failure, the hooks (handles) and the kernels (remove)

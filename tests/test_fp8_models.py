@@ -11,7 +11,15 @@ import diffusers_injection as di
 import fp8_linear
 import mmdit_injection as mi
 import wan_injection as wi
-from kernel_testing import DEVICE, count_calls, make_generator, run_compiled_fullgraph, run_model
+from kernel_testing import (
+    DEVICE,
+    changed_tensors,
+    count_calls,
+    make_generator,
+    run_compiled_fullgraph,
+    run_model,
+    tensor_copies,
+)
 
 MODELS = ("sd3", "flux", "wan", "wan-i2v")
 # named independently of the rule in diffusers_injection.fp8_parents: layers that must become FP8, and the
@@ -454,6 +462,64 @@ def test_save_pretrained_is_refused_while_fp8_layers_are_in(tmp_path):
     model.save_pretrained(tmp_path / "bf16")
     loaded = type(model).from_pretrained(tmp_path / "bf16", torch_dtype=torch.bfloat16).to(DEVICE)
     assert torch.equal(run_model(loaded, kw), stock)
+
+
+@pytest.mark.parametrize("state", ["bf16 model", "other FP8 model"])
+@pytest.mark.parametrize("kind", ("sd3", "wan"))
+def test_a_refused_state_dict_writes_nothing(kind, state):
+    """Another model's state dict (bf16, or FP8 with other values) is refused by the FP8 layers before torch
+    copies anything: every parameter and buffer stays bit-identical (the tensors before the first FP8 layer
+    included). With FP8 removed, the same state dict loads."""
+    seed = make_generator().seed_value
+    model, _ = _case(kind, seed)
+    other, _ = _case(kind, seed + 1)
+    bf16_state = {k: v.clone() for k, v in other.state_dict().items()}
+    if state == "other FP8 model":
+        di.inject_optimized_kernels(other, verbose=False, fp8=True)
+    di.inject_optimized_kernels(model, verbose=False, fp8=True)
+    before = tensor_copies(model)
+    try:
+        with pytest.raises(RuntimeError, match="cannot take new weights"):
+            model.load_state_dict(other.state_dict(), strict=False)
+        assert changed_tensors(model, before) == [], f"{kind}: written before the refusal"
+    finally:
+        di.remove_optimized_kernels(model, verbose=False)
+        di.remove_optimized_kernels(other, verbose=False)
+    model.load_state_dict(bf16_state)
+    assert all(torch.equal(v, bf16_state[k]) for k, v in model.state_dict().items())
+
+
+def test_blocks_shared_by_two_transformers_are_fp8_in_both_and_removed_from_both(tmp_path):
+    """transformer_2.blocks = transformer.blocks, then fp8=True on both: the FP8 layers are the same layers in
+    both, so each counts them and refuses save_pretrained; removal through transformer_2 puts the bf16 layers
+    back in both (both count none, both compute their stock output, both save bf16 weights)."""
+    from safetensors.torch import load_file
+
+    seed = make_generator().seed_value
+    t1, kw = _case("wan", seed)
+    t2, _ = _case("wan", seed + 2)
+    t2.blocks = t1.blocks
+    pipe = torch.nn.ModuleDict({"transformer": t1, "transformer_2": t2})
+    stock = [run_model(t, kw) for t in (t1, t2)]
+    n = len(_expected_fp8_names(t1))
+    try:
+        assert di.inject_optimized_kernels(pipe, verbose=False, fp8=True)["fp8_linear"] == n
+        assert [di.injected_counts(t)["fp8_linear"] for t in (t1, t2)] == [n, n]
+        for t in (t1, t2):
+            with pytest.raises(RuntimeError, match="remove_optimized_kernels"):
+                t.save_pretrained(tmp_path / "fp8")
+        assert not (tmp_path / "fp8").exists()
+        assert di.remove_optimized_kernels(t2, verbose=False)["fp8_linear"] == n
+        assert not any(isinstance(m, fp8_linear.Fp8Linear) for m in pipe.modules())
+        assert [di.injected_counts(t)["fp8_linear"] for t in (t1, t2)] == [0, 0]
+        assert torch.equal(run_model(t2, kw), stock[1])
+        for i, t in enumerate((t1, t2)):
+            t.save_pretrained(tmp_path / str(i))
+            saved = set(load_file(next((tmp_path / str(i)).glob("*.safetensors"))))
+            assert "blocks.0.attn1.to_q.weight" in saved and not any("weight_fp8" in k for k in saved)
+    finally:
+        di.remove_optimized_kernels(pipe, verbose=False)
+    assert torch.equal(run_model(t1, kw), stock[0])
 
 
 @pytest.mark.parametrize("kind", ("sd3", "wan"))

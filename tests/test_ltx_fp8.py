@@ -9,7 +9,16 @@ import torch
 import diffusers_injection as di
 import fp8_linear
 import injection_common as ic
-from kernel_testing import DEVICE, count_calls, ltx_inputs, make_generator, run_compiled_fullgraph, run_model
+from kernel_testing import (
+    DEVICE,
+    changed_tensors,
+    count_calls,
+    ltx_inputs,
+    make_generator,
+    run_compiled_fullgraph,
+    run_model,
+    tensor_copies,
+)
 
 # per block: attn1 to_q, to_k, to_v, to_out.0; attn2 the same four; the feed-forward's two projections
 LINEARS_PER_BLOCK = 10
@@ -341,23 +350,62 @@ def _fp8_injected(num_layers=1):
     return gen, tr, kw
 
 
+@pytest.mark.parametrize("state", ["bf16 model", "other FP8 model"])
 @pytest.mark.parametrize("strict", [True, False])
-def test_loading_bf16_weights_into_an_fp8_model_raises_and_changes_no_fp8_layer(strict):
-    """A bf16 state dict (a fine-tuned checkpoint, say) cannot go into FP8 layers: load_state_dict raises,
-    even with strict=False, instead of casting the values into the FP8 buffers without their scales."""
+def test_loading_other_weights_into_an_fp8_model_raises_and_changes_nothing(strict, state):
+    """A bf16 state dict (a fine-tuned checkpoint, say), or another FP8 model's, cannot go into FP8 layers:
+    load_state_dict raises, even with strict=False, before it writes anything (torch copies module by module:
+    the layers before the first FP8 one would be overwritten), instead of casting the values into the FP8
+    buffers without their scales."""
     gen, tr, kw = _fp8_injected()
     fp8_out = run_model(tr, kw)
+    before = tensor_copies(tr)
     other = di.build_tiny_ltx_pipeline(num_layers=1, seed=7).transformer.to(DEVICE, torch.bfloat16)
+    if state == "other FP8 model":
+        di.inject_optimized_kernels(other, verbose=False, fp8=True)
     try:
         with pytest.raises(RuntimeError, match="cannot take new weights"):
             tr.load_state_dict(other.state_dict(), strict=strict)
+        assert changed_tensors(tr, before) == [], "nothing written"
+        assert torch.equal(run_model(tr, kw), fp8_out)
         layer = tr.transformer_blocks[0].attn1.to_q
         assert isinstance(layer, fp8_linear.Fp8Linear)
         with pytest.raises(RuntimeError, match="cannot take new weights"):
-            layer.load_state_dict({"weight": other.transformer_blocks[0].attn1.to_q.weight}, strict=False)
+            layer.load_state_dict(other.transformer_blocks[0].attn1.to_q.state_dict(), strict=False)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
-    del fp8_out
+        di.remove_optimized_kernels(other, verbose=False)
+
+
+def test_fp8_inside_inference_mode_is_refused_and_changes_nothing():
+    """FP8 layers made inside torch.inference_mode() would hold inference tensors: no version counter (writes
+    in place would go unnoticed), and load_state_dict cannot write them outside it. fp8=True there (and
+    swap_in_fp8) raises before anything changes; injected outside, the model then runs inside it, its own
+    state dict loads, and a write in place is caught."""
+    gen, tr, kw = _bf16_case(num_layers=1)
+    modules, before = list(tr.named_modules()), tensor_copies(tr)
+    for inject in (
+        lambda: di.inject_optimized_kernels(tr, verbose=False, fp8=True),
+        lambda: fp8_linear.swap_in_fp8(tr, di.fp8_parents(tr)),
+    ):
+        with torch.inference_mode(), pytest.raises(ValueError, match=r"outside torch\.inference_mode\(\)"):
+            inject()
+        assert [(n, id(m)) for n, m in tr.named_modules()] == [(n, id(m)) for n, m in modules], "no module replaced"
+        assert changed_tensors(tr, before) == []
+        assert not any(di.injected_counts(tr).values()) and "save_pretrained" not in tr.__dict__
+
+    di.inject_optimized_kernels(tr, verbose=False, fp8=True)
+    try:
+        out = run_model(tr, kw)
+        with torch.inference_mode():
+            assert torch.equal(tr(**kw)[0], out)
+        tr.load_state_dict(tr.state_dict())
+        with torch.no_grad():
+            tr.transformer_blocks[0].attn1.to_k.weight_scale.mul_(2)
+        with pytest.raises(RuntimeError, match="written after quantisation"):
+            run_model(tr, kw)
+    finally:
+        di.remove_optimized_kernels(tr, verbose=False)
 
 
 def test_fp8_state_dict_round_trip_loads_and_computes_the_same():

@@ -182,6 +182,35 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(where, gen):
     assert rel_l2(got, ref) < FP32_REL
 
 
+@pytest.mark.parametrize("change", ["rope hook", "rope hook, then written in place in block 0"])
+def test_rope_tables_not_repeated_over_pairs_give_what_diffusers_computes(change, kernel_calls, gen):
+    """diffusers' Wan attention reads cos[..., 0::2] and sin[..., 1::2] only, one value per channel pair. A hook
+    on the rope module that scales every channel by its own factor (the pairs no longer repeat) changes what
+    both models compute alike; written in place again after block 0 used them, block 1 reads the new values."""
+    model = _model("t2v", seed=gen.seed_value % 1000)
+    kw = _inputs(model, "t2v", seed=gen.seed_value)
+    plain = run_model(model, kw)
+    f_cos, f_sin, f_again = (0.5 + torch.rand(3, model.config.attention_head_dim, generator=gen)).to(DEVICE)
+    tables = []
+
+    def scale(module, args, out):
+        tables[:] = out[0] * f_cos, out[1] * f_sin
+        return tuple(tables)
+
+    hooks = [model.rope.register_forward_hook(scale)]
+    if change != "rope hook":  # the feed-forward runs after block 0's self-attention
+
+        def write_again(module, args, out):
+            for t in tables:
+                t.mul_(f_again)
+
+        hooks.append(model.blocks[0].ffn.register_forward_hook(write_again))
+    ref, got, _ = without_and_with_kernels(model, kw, wi.inject_wan_kernels, wi.remove_wan_kernels, hooks)
+    assert rel_l2(ref, plain) > 1e-3, "the hook changes the channels diffusers reads"
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == model.config.num_layers
+    assert rel_l2(got, ref) < FP32_REL
+
+
 def test_other_processor_or_fused_projections_fall_back(kernel_calls, gen):
     model = _model("t2v", seed=gen.seed_value % 1000)
     kw = _inputs(model, "t2v", seed=gen.seed_value)
