@@ -227,6 +227,16 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         "rope",
         lambda m: m.rope_rotate_half(_bf16(2, 6144, 32, 64).transpose(1, 2), *_cos_sin(2, 6144, 64)),
     ),
+    # diffusers' apply_rotary_emb on [B, S, H, D] q/k read transposed (FLUX.2: 48 heads of 128, fp32 [S, D]
+    # tables), and with a complex table's parts (one value per channel pair, strided views)
+    "rope_interleaved[transposed 1x48x4608x128]": (
+        "rope",
+        lambda m: m.rope_interleaved(_bf16(1, 4608, 48, 128).transpose(1, 2), *_cos_sin(4608, 128)),
+    ),
+    "rope_interleaved[complex parts 1x24x4096x128]": (
+        "rope",
+        lambda m: m.rope_interleaved(_bf16(1, 4096, 24, 128).transpose(1, 2), *_f32(4096, 64, 2).unbind(-1)),
+    ),
     # LTX self-attention: norm_q/norm_k (weighted RMSNorm over 2048, eps 1e-5) + RoPE, one launch
     "ltx_qk_rmsnorm_rope[2x1320x2048]": (
         "rope",

@@ -12,6 +12,9 @@ Public functions:
   (rows may be strided, e.g. a slice of a fused qkv projection), cos/sin [B or 1, S, C] (or [S, C]).
 * ``rope_rotate_half(x, cos, sin)``: transformers' ``apply_rotary_pos_emb`` for one tensor, x [B, H, S, D]
   with any strides whose last dim is contiguous, cos/sin [S, D], [B or 1, S, D] or [B or 1, H or 1, S, D].
+* ``rope_interleaved(x, cos, sin)``: diffusers' ``apply_rotary_emb`` (pairs, ``use_real_unbind_dim=-1``, or a
+  complex table) for x [B, H, S, D] with any strides whose last dim is contiguous; cos/sin per channel or per
+  pair (the parts of a complex table), broadcast like rope_rotate_half's.
 * ``ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, eps, cos, sin)``: LTX self-attention's
   ``apply_rotary_emb(norm_q(q))`` and ``apply_rotary_emb(norm_k(k))`` in one launch (RMSNorm across all
   heads, i.e. over the whole C-wide row); returns (q_out, k_out).
@@ -42,12 +45,14 @@ import triton.language as tl
 __all__ = [
     "ltx_rope",
     "rope_rotate_half",
+    "rope_interleaved",
     "ltx_qk_rmsnorm_rope",
     "ltx_qk_rmsnorm_rope_coords",
     "ltx_rope_freqs",
     "ltx_cos_sin_from_coords",
     "ltx_rope_ref",
     "rope_rotate_half_ref",
+    "rope_interleaved_ref",
     "ltx_qk_rmsnorm_rope_ref",
     "ltx_qk_rmsnorm_rope_coords_ref",
 ]
@@ -169,6 +174,57 @@ def _rope_rotate_half_kernel(
     op = OUT + (b * o_sb + h * o_sh + s * o_ss)[:, None]
     tl.store(op + j, (x1 * c1 - x2 * s1).to(OUT.dtype.element_ty), mask=mask)
     tl.store(op + HALF + j, (x2 * c2 + x1 * s2).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_interleaved_kernel(
+    X,
+    x_sb,
+    x_sh,
+    x_ss,  # input [B, H, S, D]: element strides of batch, head, token; D contiguous
+    COS,
+    c_sb,
+    c_sh,
+    c_ss,
+    c_sd,  # cos broadcast to [B, H, S, D] (or [B, H, S, D // 2]: PAIR_TABLES): strides, channels' last
+    SIN,
+    s_sb,
+    s_sh,
+    s_ss,
+    s_sd,  # sin, same layout rules as cos
+    OUT,
+    o_sb,
+    o_sh,
+    o_ss,  # output [B, H, S, D]
+    M,
+    H,
+    S,
+    D,  # rows (B * H * S), heads, tokens, head dim
+    PAIR_TABLES: tl.constexpr,  # one cos/sin value per channel pair (a complex table's parts), not per channel
+    BLOCK_M: tl.constexpr,  # rows per program
+    BLOCK_C: tl.constexpr,  # channels per program (even; the second grid axis walks the chunks)
+):
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows = tl.where(row_mask, rows, 0)
+    # Heads vary fastest: the H rows of one token share their cos/sin row (diffusers passes [S, D]).
+    h = (rows % H).to(tl.int64)
+    t = rows // H
+    s = (t % S).to(tl.int64)
+    b = (t // S).to(tl.int64)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = row_mask[:, None] & (cols < D)[None, :]
+    tcols = (cols // 2 if PAIR_TABLES else cols).to(tl.int64)
+    x = tl.load(X + (b * x_sb + h * x_sh + s * x_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    cp = COS + (b * c_sb + h * c_sh + s * c_ss)[:, None] + (tcols * c_sd)[None, :]
+    sp = SIN + (b * s_sb + h * s_sh + s * s_ss)[:, None] + (tcols * s_sd)[None, :]
+    c = tl.load(cp, mask=mask, other=0.0).to(tl.float32)
+    sn = tl.load(sp, mask=mask, other=0.0).to(tl.float32)
+    out = x * c + _rotate_pairs(x, BLOCK_M, BLOCK_C) * sn
+    op = OUT + (b * o_sb + h * o_sh + s * o_ss)[:, None] + cols[None, :]
+    tl.store(op, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -603,6 +659,93 @@ def _rope_rotate_half_plan(x, cos, sin):
         ),
         dict(BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps),
         (0, 4, 8, 12),
+        dev,
+    )
+
+    def run(x, cos, sin):
+        out = torch.empty_like(x)
+        launch(x, cos, sin, out)
+        return out
+
+    return run
+
+
+def _rope_interleaved_launch(x, cos, sin):
+    """Check, configure and launch _rope_interleaved_kernel (a plan per call signature, as in
+    _ltx_rope_launch); returns the output."""
+    try:
+        key = ("rope_interleaved", _sig(x), _sig(cos), _sig(sin))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks say what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _rope_interleaved_plan(x, cos, sin)
+        if key is not None and not getattr(_TLS, "tracing", False):
+            _remember(_PLANS, key, plan)
+    return plan(x, cos, sin)
+
+
+def _rope_interleaved_plan(x, cos, sin):
+    """The checks and configuration of _rope_interleaved_launch; returns run(x, cos, sin)."""
+    _check_tensor("x", x, _SUPPORTED_DTYPES)
+    dev = x.device
+    _check_tensor("cos", cos, _ANY_FLOAT, dev, ref="the input")
+    _check_tensor("sin", sin, _ANY_FLOAT, dev, ref="the input")
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, S, D] (4 dims), got shape {tuple(x.shape)}")
+    bsz, heads, seq, dim = x.shape
+    if dim % 2:
+        raise ValueError(f"x has head dim {dim}; interleaved RoPE needs an even head dim")
+    _check_last_contiguous("x", x)
+    if cos.shape[-1] != sin.shape[-1] or cos.shape[-1] not in (dim, dim // 2):
+        raise ValueError(
+            f"cos and sin have last dims {cos.shape[-1]} and {sin.shape[-1]}; expected {dim} (one value per "
+            f"channel) or {dim // 2} (one per channel pair) for x of shape {tuple(x.shape)}"
+        )
+    pair = cos.shape[-1] != dim or dim == 0
+    width = cos.shape[-1]
+    # [B, H, S, width] views of the tables: the kernel gets the tables themselves and the views' strides
+    cos_v = _rotate_half_table("cos", cos, (bsz, heads, seq, width))
+    sin_v = _rotate_half_table("sin", sin, (bsz, heads, seq, width))
+    if x.numel() == 0:
+
+        def run_empty(x, cos, sin):
+            return torch.empty_like(x)
+
+        return run_empty
+    m = bsz * heads * seq
+    block_m, block_c, num_warps = _launch_config(dim, m, _device_target(dev)[2], _MAX_CHUNK)
+    grid = (_cdiv(m, block_m), _cdiv(dim, block_c))
+    o_stride = torch.empty_like(x).stride()  # x's layout when x is dense: fixed by the signature
+    launch = _Launch(
+        _rope_interleaved_kernel,
+        grid,
+        (
+            None,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            None,
+            cos_v.stride(0),
+            cos_v.stride(1),
+            cos_v.stride(2),
+            cos_v.stride(3),
+            None,
+            sin_v.stride(0),
+            sin_v.stride(1),
+            sin_v.stride(2),
+            sin_v.stride(3),
+            None,
+            o_stride[0],
+            o_stride[1],
+            o_stride[2],
+            m,
+            heads,
+            seq,
+            dim,
+        ),
+        dict(PAIR_TABLES=pair, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps),
+        (0, 4, 9, 14),
         dev,
     )
 
@@ -1156,6 +1299,13 @@ def _rope_rotate_half_op_fake(x, cos, sin):
 _register("rope_rotate_half", _rope_rotate_half_op, _rope_rotate_half_op_fake)
 
 
+def _rope_interleaved_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rope_interleaved_launch(x, cos, sin)
+
+
+_register("rope_interleaved", _rope_interleaved_op, _rope_rotate_half_op_fake)
+
+
 def _ltx_qk_rmsnorm_rope_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1231,6 +1381,21 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         return _compile_op("rope_rotate_half")(x, cos, sin)
     _check_no_grad("rope_rotate_half", ("x", "cos", "sin"), (x, cos, sin))
     return _rope_rotate_half_launch(x, cos, sin)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers ``apply_rotary_emb`` for x [B, H, S, D]: channel pairs (2i, 2i+1) rotated, fp32 math, one
+    rounding. x: any strides with a contiguous last dim (a transpose of [B, S, H, D] is read in place).
+    cos/sin: [S, W], [B or 1, S, W] or [B or 1, H or 1, S, W], any float dtype and any strides, with W = D
+    (one value per channel, as use_real=True tables hold them) or W = D // 2 (one per channel pair: the
+    real and imaginary parts of a complex table, ``torch.view_as_real(freqs)[..., 0]`` and ``[..., 1]``).
+    The output has x's dtype, and x's layout when x is dense.
+    No backward: in grad mode, an input that requires grad raises RuntimeError (see ltx_rope).
+    """
+    if torch.compiler.is_compiling():
+        return _compile_op("rope_interleaved")(x, cos, sin)
+    _check_no_grad("rope_interleaved", ("x", "cos", "sin"), (x, cos, sin))
+    return _rope_interleaved_launch(x, cos, sin)
 
 
 def ltx_qk_rmsnorm_rope(
@@ -1356,6 +1521,22 @@ def rope_rotate_half_ref(x, cos, sin):
     xf = x.to(f)
     first, second = xf.chunk(2, dim=-1)
     return (xf * cos.to(f) + torch.cat([-second, first], dim=-1) * sin.to(f)).to(x.dtype)
+
+
+def rope_interleaved_ref(x, cos, sin):
+    """diffusers' apply_rotary_emb (use_real_unbind_dim=-1) for x [B, H, S, D]: pairs (2i, 2i+1) rotated, math
+    in fp32 (float64 for float64 x); cos/sin per channel [.., S, D] or per pair [.., S, D // 2]."""
+    f = _compute_dtype(x)
+    if cos.shape[-1] * 2 == x.shape[-1]:
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    if cos.dim() == 3:  # [B, S, W]: the head dim is broadcast
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    elif cos.dim() == 2:  # [S, W]
+        cos, sin = cos[None, None], sin[None, None]
+    xf = x.to(f)
+    even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
+    partner = torch.stack([-odd, even], dim=-1).flatten(-2)
+    return (xf * cos.to(f) + partner * sin.to(f)).to(x.dtype)
 
 
 def _rms_norm_module_ref(x, weight, eps, cast_before_weight):

@@ -193,6 +193,68 @@ def test_rope_rotate_half_strided_slice_and_wide_head(gen):
 
 
 # ---------------------------------------------------------------------------------------------
+# 2b. rope_interleaved: diffusers' apply_rotary_emb on [B, H, S, D] (real per-channel or complex tables)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,dim,table",
+    [
+        (torch.bfloat16, 64, "sd"),  # FLUX / CogVideoX: [S, D] fp32 tables, x [B, S, H, D] read transposed
+        (torch.float32, 128, "bsd"),
+        (torch.float16, 6, "1hsd"),
+        (torch.bfloat16, 96, "complex"),  # Lumina-style complex [B, S, D // 2]: its parts are strided views
+        (torch.float32, 2, "complex_sd"),
+    ],
+)
+def test_rope_interleaved_matches_float64_and_diffusers(dtype, dim, table, gen):
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    batch, heads, seq = 2, 3, 5
+    x_bshd = randn((batch, seq, heads, dim), dtype, gen, scale=2.0)
+    x = x_bshd.transpose(1, 2)  # [B, H, S, D] view, as processors with sequence_dim=1 hold q/k
+    angles = torch.randn(batch, seq, dim // 2, generator=gen, dtype=torch.float64) * 10
+    if table.startswith("complex"):
+        freqs = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(DEVICE)
+        freqs = freqs[:1] if table == "complex_sd" else freqs  # [1, S, D/2] shared by the batch
+        parts = torch.view_as_real(freqs)
+        cos, sin = parts[..., 0], parts[..., 1]  # strided views: one value per channel pair
+    else:
+        a = angles.repeat_interleave(2, -1)  # per channel, pairs equal (as diffusers' tables)
+        cos, sin = a.cos().to(DEVICE, torch.float32), a.sin().to(DEVICE, torch.float32)
+        if table == "sd":
+            cos, sin = cos[0], sin[0]
+        elif table == "1hsd":
+            c64 = torch.randn(1, heads, seq, dim, generator=gen, dtype=torch.float64)
+            cos, sin = c64.cos().to(DEVICE, torch.float32), c64.sin().to(DEVICE, torch.float32)
+    with poisoned_outputs():
+        out = rope.rope_interleaved(x, cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape and out.stride() == x.stride()
+    ref = rope.rope_interleaved_ref(x.double(), cos.double(), sin.double())
+    assert_pairs_close(out, ref, x, dtype, 2, True, gen, "vs float64")
+    if table == "sd":  # diffusers computes in fp32 and rounds once too
+        want = apply_rotary_emb(x_bshd, (cos, sin), sequence_dim=1).transpose(1, 2)
+        assert_pairs_close(out, want, x, dtype, 1, True, gen, "vs diffusers")
+    elif table.startswith("complex"):
+        want = apply_rotary_emb(x_bshd, freqs, use_real=False).transpose(1, 2)
+        assert_pairs_close(out, want, x, dtype, 1, True, gen, "vs diffusers")
+
+
+def test_rope_interleaved_wide_head_and_bad_tables(gen):
+    dim = rope._MAX_CHUNK + 4  # more channels than one program's chunk
+    x = randn((1, 1, 2, dim), torch.float32, gen)
+    a = torch.randn(2, dim, generator=gen, dtype=torch.float64)
+    cos, sin = a.cos().to(DEVICE, torch.float32), a.sin().to(DEVICE, torch.float32)  # pairs not equal: any table
+    with poisoned_outputs():
+        out = rope.rope_interleaved(x, cos, sin)
+    assert_pairs_close(
+        out, rope.rope_interleaved_ref(x.double(), cos.double(), sin.double()), x, torch.float32, 2, True, gen
+    )
+    with pytest.raises(ValueError, match="expected 6 .one value per channel. or 3 .one per channel pair."):
+        rope.rope_interleaved(x[..., :6], cos[:, :5], sin[:, :5])
+    with pytest.raises(ValueError, match="even head dim"):
+        rope.rope_interleaved(x[..., :5], cos[:, :5], sin[:, :5])
+
+
+# ---------------------------------------------------------------------------------------------
 # 3. ltx_qk_rmsnorm_rope: norm_q/norm_k (torch.nn.RMSNorm across all heads) + RoPE, one launch
 # ---------------------------------------------------------------------------------------------
 def _fused_qk(batch, seq, ch, dtype, gen):
@@ -699,6 +761,7 @@ def _grad_cases(gen):
     return {
         "ltx_rope": (lambda t: rope.ltx_rope(t["x"], t["cos"], t["sin"]), dict(x=x, cos=cos, sin=sin)),
         "rope_rotate_half": (lambda t: rope.rope_rotate_half(t["x"], t["cos"], t["sin"]), dict(x=x4, cos=c4, sin=s4)),
+        "rope_interleaved": (lambda t: rope.rope_interleaved(t["x"], t["cos"], t["sin"]), dict(x=x4, cos=c4, sin=s4)),
         "ltx_qk_rmsnorm_rope": (
             lambda t: rope.ltx_qk_rmsnorm_rope(t["q"], t["k"], t["q_weight"], t["k_weight"], 1e-6, t["cos"], t["sin"]),
             dict(q=q, k=k, q_weight=wq, k_weight=wk, cos=cos, sin=sin),
@@ -712,7 +775,9 @@ def _grad_cases(gen):
     }
 
 
-@pytest.mark.parametrize("fn", ["ltx_rope", "rope_rotate_half", "ltx_qk_rmsnorm_rope", "ltx_qk_rmsnorm_rope_coords"])
+@pytest.mark.parametrize(
+    "fn", ["ltx_rope", "rope_rotate_half", "rope_interleaved", "ltx_qk_rmsnorm_rope", "ltx_qk_rmsnorm_rope_coords"]
+)
 def test_inputs_requiring_grad_are_refused_in_grad_mode(fn, gen):
     from test_launch import assert_refuses_inputs_requiring_grad
 
