@@ -54,11 +54,8 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
 from diffusers.models.attention_dispatch import (  # noqa: E402
-    AttentionBackendName,
-    _AttentionBackendRegistry,
     dispatch_attention_fn,
 )
 from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo  # noqa: E402
@@ -72,8 +69,8 @@ from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
     apply_rotary_emb,
 )
 
-import activations  # noqa: E402
 import fp8_linear  # noqa: E402
+import generic_injection as gi  # noqa: E402
 import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope  # noqa: E402
@@ -101,10 +98,11 @@ KINDS = (
     "gelu_tanh",
     "vae_rmsnorm",
     "fp8_linear",
+    *gi.KINDS,
 )
 
 _PROCESSOR_KINDS = ("qk_norm_rope_fused", "cross_attn")
-_STATE = "_rtk_injection"  # per-module record of what was patched and how to undo it
+_STATE = ic.register_state_key("_rtk_injection")  # per-module record of what was patched and how to undo it
 _HALF = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -153,57 +151,12 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 # Replacement forwards
 # --------------------------------------------------------------------------------------------
-def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None):
-    """rms_norm over the last dim; inputs whose last dim is strided (the VAE normalises
-    x.movedim(1, -1)) are copied to a contiguous buffer and the result is given the input's layout,
-    which is what torch's elementwise ops return (so the following conv sees the same strides)."""
-    if x.stride(-1) == 1 or x.shape[-1] == 1:
-        return rmsnorm.rms_norm(x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
-    y = rmsnorm.rms_norm(x.contiguous(), weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
-    out = torch.empty_like(x, dtype=y.dtype)
-    out.copy_(y)
-    return out
-
-
-def _diffusers_rmsnorm_forward(self, hidden_states):
-    """diffusers RMSNorm: without a weight the result has the input dtype; with an fp16/bf16 weight
-    the normalised value is rounded to that dtype before the multiply; with an fp32 weight the
-    multiply is in fp32 and the result is fp32 (torch's type promotion in the original)."""
-    w = self.weight
-    if self.bias is not None or not _usable(hidden_states, w):
-        return _original_forward(self)(hidden_states)
-    if w is None:
-        return _norm_any_layout(hidden_states, None, self.eps, True)
-    if w.dtype in _HALF:
-        if hidden_states.dtype != w.dtype:
-            return _original_forward(self)(hidden_states)
-        return _norm_any_layout(hidden_states, w, self.eps, True)
-    return _norm_any_layout(hidden_states, w, self.eps, False, out_dtype=torch.float32)
-
-
-def _torch_rmsnorm_forward(self, x):
-    """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else original)."""
-    w = self.weight
-    if len(self.normalized_shape) != 1 or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
-        return _original_forward(self)(x)
-    return _norm_any_layout(x, w, _torch_rmsnorm_eps(self), _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT)
-
-
-def _gelu_tanh_forward(self, hidden_states):
-    """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where
-    the device's BLAS verifiably computes the tanh form (see injection_common.linear_gelu_tanh),
-    else the projection, then the activation kernel. A gelu method put on the instance runs as the class's
-    forward would run it. The patch of every integration (LTX-Video, SD3/FLUX, Wan): it reads no state of
-    its own."""
-    own_gelu = "gelu" in self.__dict__
-    if not own_gelu:
-        fused = ic.linear_gelu_tanh(hidden_states, self.proj)
-        if fused is not None:
-            return fused
-    hidden_states = ic.call(self.proj, hidden_states)
-    if own_gelu or not _usable(hidden_states):
-        return self.gelu(hidden_states)
-    return activations.gelu_tanh(hidden_states)
+# The replacement forwards every integration shares live in generic_injection.py (they fall back to the
+# original forward under whichever state key a module was patched).
+_norm_any_layout = gi._norm_any_layout
+_diffusers_rmsnorm_forward = gi._diffusers_rmsnorm_forward
+_torch_rmsnorm_forward = gi._torch_rmsnorm_forward
+_gelu_tanh_forward = gi._gelu_tanh_forward
 
 
 def _runs_class_forward(m, cls) -> bool:
@@ -288,43 +241,9 @@ def _project_qkv(attn, hidden_states, encoder_hidden_states):
     return (q, *fp8_linear.project(encoder_hidden_states, attn.to_k, attn.to_v))
 
 
-def _fp8_feed_forward(ff, state_key: str = _STATE):
-    """(up, down): the two Fp8Linear projections of diffusers' FeedForward ff when it computes exactly
-    down(gelu_tanh(up(x))): the class's forward, no hooks, its modules the GELU-tanh (its own forward or
-    the patch an integration recorded under state_key) holding up, an identity Dropout and down, both FP8
-    in one format. Then the GELU writes the down projection's FP8 input (and in LTX-Video's blocks the
-    norm before it the up projection's). Else None (the modules run as they are)."""
-    if type(ff) is not FeedForward or not ic.unwrapped(ff):
-        return None
-    net = ff.net
-    if type(net) is not torch.nn.ModuleList or len(net) != 3:
-        return None
-    gelu, drop, down = net
-    # every module the fused path does not call must be one that would run only its own forward (or this
-    # file's patch): no torch, accelerate or diffusers hook, no forward put in its place
-    if not (_is_gelu_tanh(gelu) and "gelu" not in gelu.__dict__ and ic.unwrapped(gelu, state_key)):
-        return None  # ("gelu" in __dict__: a gelu method put on the instance)
-    if type(drop) is not torch.nn.Dropout or (drop.training and drop.p > 0) or not ic.unwrapped(drop):
-        return None
-    return (gelu.proj, down) if fp8_linear.direct_fp8_format((gelu.proj, down)) is not None else None
-
-
-def _fp8_gelu_down(up_out, down):
-    """down(gelu_tanh(up_out)), the GELU kernel writing down's FP8 input and per-token scales: the GELU is
-    quantised from fp32, without the bf16 rounding a separate quantisation pass would read."""
-    g8, g_scale = activations.gelu(up_out, "tanh", fp8="per_token", fp8_dtype=down.weight_fp8.dtype)
-    return down.forward_fp8(g8, g_scale)
-
-
-def feed_forward(ff, x, state_key: str = _STATE):
-    """ff(x) for diffusers' FeedForward: with FP8 projections that _fp8_feed_forward(ff, state_key)
-    accepts, the up projection, then _fp8_gelu_down (one quantisation pass fewer than calling the
-    modules); else the modules in turn (injection_common.feed_forward)."""
-    layers = _fp8_feed_forward(ff, state_key)
-    if layers is None:
-        return ic.feed_forward(ff, x, FeedForward)
-    up, down = layers
-    return _fp8_gelu_down(up.forward(x), down)
+_fp8_feed_forward = gi.fp8_feed_forward
+_fp8_gelu_down = gi.fp8_gelu_down
+feed_forward = gi.feed_forward
 
 
 def _attention_module(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, cross: bool):
@@ -520,11 +439,7 @@ def _split_heads(t, heads: int):
     return t.unflatten(2, (heads, -1))
 
 
-def _native_attention_active() -> bool:
-    """Whether dispatch_attention_fn without a backend would run diffusers' native (SDPA) backend with
-    no argument checks: the processor then calls SDPA itself, the same call with less host time."""
-    reg = _AttentionBackendRegistry
-    return reg._active_backend == AttentionBackendName.NATIVE and not reg._checks_enabled
+_native_attention_active = gi.native_attention_active
 
 
 class LTXFusedSelfAttnProcessor:
@@ -648,16 +563,7 @@ def _ltx_models(pipe_or_model):
     return transformers, vaes
 
 
-def _is_gelu_tanh(m) -> bool:
-    """m is diffusers' GELU(approximate="tanh") computing what that class computes: neither its forward nor
-    its gelu method overridden by a subclass (the patch and the fused FP8 feed-forward call neither)."""
-    return (
-        _class_forward(m, DiffusersGELU)
-        and type(m).gelu is DiffusersGELU.gelu
-        and getattr(m, "approximate", None) == "tanh"
-    )
-
-
+_is_gelu_tanh = gi.is_gelu_tanh
 _class_forward = ic.class_forward
 
 
@@ -681,6 +587,7 @@ def injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is currently injected in pipe_or_model."""
     counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
     counts["fp8_linear"] = fp8_linear.fp8_linear_count(*_fp8_models(pipe_or_model))  # a shared layer once
+    counts.update(gi.generic_injected_counts(pipe_or_model))
     mmdit = _mmdit_module(pipe_or_model)
     if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
         counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
@@ -770,9 +677,17 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
         for model in mmdit.find_mmdit_models(pipe_or_model):
             gelu_notes.append(ic.probe_gelu_modules(mmdit._tanh_gelu_modules(model)))
 
+    # every model no family took: the generic kernels (diffusers' shared modules, wherever they are)
+    claimed = [*transformers, *vaes]
+    claimed += wan.find_wan_models(pipe_or_model) if wan is not None else []
+    claimed += mmdit.find_mmdit_models(pipe_or_model) if mmdit is not None else []
+    before = gi.generic_injected_counts(pipe_or_model)
+    after = gi.inject_generic_kernels(pipe_or_model, verbose=False, skip=claimed, skipped=skipped)
+    new.update({k: after[k] - before[k] for k in gi.KINDS})
+
     counts = injected_counts(pipe_or_model)
-    found = bool(transformers or vaes) or mmdit is not None or wan is not None
-    none_found = "" if found else "no LTX-Video, SD3, FLUX or Wan model found"
+    found = bool(claimed) or any(counts[k] for k in gi.KINDS)
+    none_found = "" if found else "no module the kernels replace found"
     notes = [*gelu_notes, ic.cpu_fallback_note(pipe_or_model, new)]
     msg = ic.counts_message("injected kernels", counts, new, none_found=none_found, skipped=skipped, notes=notes)
     ic.report(logger, msg, verbose)
@@ -982,6 +897,7 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     wan = _wan_module(pipe_or_model)
     if wan is not None:  # Wan transformers: wan_injection.py
         restored.update(wan.remove_wan_kernels(pipe_or_model, verbose=False))
+    restored.update(gi.remove_generic_kernels(pipe_or_model, verbose=False))
     ic.report(logger, ic.counts_message("removed kernels", restored), verbose)
     return restored
 

@@ -146,12 +146,44 @@ def hook_free(module: torch.nn.Module) -> bool:
     )
 
 
+# Every integration's state key (register_state_key): the key under which it records, per module, what it
+# patched and how to undo it. A bundle patch computes what the class's forward computes (it falls back to the
+# original for anything else), so code that reads a module's parameters instead of calling it may do so for
+# a module carrying any of these records (unwrapped), and fallbacks find the original under any of them.
+STATE_KEYS: list = []
+
+
+def register_state_key(key: str) -> str:
+    """Register an integration's state key (once per key); returns it."""
+    if key not in STATE_KEYS:
+        STATE_KEYS.append(key)
+    return key
+
+
+def bundle_state(module: torch.nn.Module) -> Optional[dict]:
+    """The record an integration keeps on module (under any registered state key), or None."""
+    d = module.__dict__
+    for key in STATE_KEYS:
+        state = d.get(key)
+        if state is not None:
+            return state
+    return None
+
+
+def original(module: torch.nn.Module):
+    """The forward module had before an integration patched it, under whichever registered key it did."""
+    state = bundle_state(module)
+    if state is None or "original" not in state:
+        raise KeyError(f"{type(module).__name__} carries no patched forward of the bundle")
+    return state["original"]
+
+
 def unwrapped(module: torch.nn.Module, state_key: Optional[str] = None) -> bool:
-    """Whether calling module runs its class's forward, or the forward an integration patched in under
-    state_key, and nothing else: hook_free, and no accelerate (_hf_hook) or diffusers (_diffusers_hook)
-    hook, which put their own wrapper into the instance's forward (offloading, caching, context
-    parallelism). A fused path that does not call a module, or reads its parameters before the module
-    would run, may do so only for such a module."""
+    """Whether calling module runs its class's forward, or the forward an integration patched in (under
+    state_key or any registered key), and nothing else: hook_free, and no accelerate (_hf_hook) or diffusers
+    (_diffusers_hook) hook, which put their own wrapper into the instance's forward (offloading, caching,
+    context parallelism). A fused path that does not call a module, or reads its parameters before the
+    module would run, may do so only for such a module."""
     d = module.__dict__
     if not hook_free(module) or "_hf_hook" in d or "_diffusers_hook" in d:
         return False
@@ -160,6 +192,8 @@ def unwrapped(module: torch.nn.Module, state_key: Optional[str] = None) -> bool:
         return True
     state = d.get(state_key) if state_key else None
     if state is None:
+        state = bundle_state(module)
+    if state is None or "patched" not in state:
         return False
     # the integration's own patch: the same function (compared through patched_function, which
     # torch.compile traces; it cannot trace an identity test of two partials) bound to this module

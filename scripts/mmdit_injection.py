@@ -70,7 +70,6 @@ from diffusers.models.normalization import (  # noqa: E402
     AdaLayerNormContinuous,
     AdaLayerNormZero,
     AdaLayerNormZeroSingle,
-    FP32LayerNorm,
     SD35AdaLayerNormZeroX,
 )
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
@@ -84,13 +83,10 @@ from diffusers.models.transformers.transformer_flux import (  # noqa: E402
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel  # noqa: E402
 from torch import nn  # noqa: E402
 
-import activations  # noqa: E402
-import diffusers_injection as di  # noqa: E402
 import fp8_linear  # noqa: E402
+import generic_injection as gi  # noqa: E402
 import head_norm_rope  # noqa: E402
 import injection_common as ic  # noqa: E402
-import layernorm  # noqa: E402
-import rmsnorm  # noqa: E402
 
 __all__ = [
     "inject_mmdit_kernels",
@@ -122,7 +118,7 @@ KINDS = (
 
 # Per-module record of what was patched and how to undo it. A key of its own (not the one of
 # diffusers_injection.py), so the two injectors never undo each other's patches.
-_STATE = "_rtk_mmdit_injection"
+_STATE = ic.register_state_key("_rtk_mmdit_injection")
 _HALF = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PROCESSOR_KINDS = ("mmdit_qk_norm_fused", "mmdit_qk_norm_rope_fused")
@@ -175,74 +171,13 @@ def _unpatch(module: nn.Module) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 # Norm + modulation building blocks: the kernel when it reproduces the module, else the original ops
 # --------------------------------------------------------------------------------------------
-def _ln_args(norm, x: torch.Tensor):
-    """(weight, bias, eps) if `norm` is a LayerNorm over x's last dim that the kernel reproduces, else None.
-
-    nn.LayerNorm computes in fp32 and rounds once (with its weight in x's dtype); diffusers'
-    FP32LayerNorm does the same explicitly (any weight dtype). Both are the kernel's math.
-    """
-    if type(norm) not in (nn.LayerNorm, FP32LayerNorm) or len(norm.normalized_shape) != 1:
-        return None
-    if not ic.unwrapped(norm):  # the fused path does not call norm: nothing may need the call (a hook, an
-        return None  # offloading or caching wrapper, a replaced forward)
-    if norm.normalized_shape[0] != x.shape[-1]:
-        return None
-    w, b = norm.weight, norm.bias
-    if type(norm) is nn.LayerNorm and any(p is not None and p.dtype != x.dtype for p in (w, b)):
-        return None
-    return w, b, float(norm.eps)
-
-
-def _per_sample_ok(x: torch.Tensor, *vectors) -> bool:
-    """x [B, S, D] with contiguous rows (stride 1 along D: the kernels read rows in place, e.g. not
-    PatchEmbed's transposed output) and every vector [B, D] of x's dtype: the AdaLN chunks the kernels
-    read in place."""
-    if x.dim() != 3 or x.stride(-1) != 1:
-        return False
-    b, s, d = x.shape
-    if s == b > 1:  # layernorm.py cannot tell [B, D] per sample from [S, D] per token then (it refuses)
-        return False
-    return all(v.dim() == 2 and v.shape[0] in (1, b) and v.shape[1] == d and v.dtype == x.dtype for v in vectors)
-
-
-def _norm_modulate(norm, x, scale, shift):
-    """norm(x) * (1 + scale[:, None]) + shift[:, None]."""
-    args = _ln_args(norm, x)
-    if args is not None and _per_sample_ok(x, scale, shift) and _usable(x, scale, shift, args[0], args[1]):
-        return layernorm.layer_norm_modulate(x, scale, shift, args[2], weight=args[0], bias=args[1])
-    return norm(x) * (1 + scale[:, None]) + shift[:, None]
-
-
-def _same_rows(h, y) -> bool:
-    """y can be added to h by a kernel: same shape and dtype, contiguous rows."""
-    return y.shape == h.shape and y.dtype == h.dtype and y.stride(-1) == 1
-
-
-def _residual_norm_modulate(h, y, gate, norm, scale, shift):
-    """h = h + gate[:, None] * y, then norm(h) * (1 + scale[:, None]) + shift[:, None]; returns both."""
-    args = _ln_args(norm, h)
-    if (
-        args is not None
-        and _same_rows(h, y)
-        and _per_sample_ok(h, gate, scale, shift)
-        and _usable(h, y, gate, scale, shift, args[0], args[1])
-    ):
-        return layernorm.gated_residual_layer_norm_modulate(
-            h, y, gate, scale, shift, args[2], weight=args[0], bias=args[1]
-        )
-    h = h + gate.unsqueeze(1) * y
-    return h, norm(h) * (1 + scale[:, None]) + shift[:, None]
-
-
-def _gated_add(h, gate, y):
-    """h + gate[:, None] * y: rmsnorm.gated_residual_add (fp32 math, one rounding) when the dtypes agree
-    and the kernel can run (torch's addcmul with a broadcast gate reaches about half the memory
-    bandwidth on an H200), else one torch.addcmul, else the plain expression."""
-    if h.dtype == gate.dtype == y.dtype and gate.dim() == 2 and h.shape == y.shape:
-        if _usable(h, gate, y) and h.stride(-1) == 1 and y.stride(-1) == 1:
-            return rmsnorm.gated_residual_add(h, y, gate.unsqueeze(1))
-        return torch.addcmul(h, gate.unsqueeze(1), y)
-    return h + gate.unsqueeze(1) * y
+# The norm + modulation building blocks are the generic layer's (generic_injection.py)
+_ln_args = gi.ln_args
+_per_sample_ok = gi._per_sample_ok
+_norm_modulate = gi.norm_modulate
+_same_rows = gi._same_rows
+_residual_norm_modulate = gi.residual_norm_modulate
+_gated_add = gi.gated_add
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,65 +249,13 @@ def _unlink_block(module) -> None:
 # --------------------------------------------------------------------------------------------
 # Replacement forwards: AdaLN modules
 # --------------------------------------------------------------------------------------------
-def _adaln_zero_apply(norm, x, emb, y=None, gate=None):
-    """AdaLayerNormZero's projection of emb, then LayerNorm + MSA modulation of x in one kernel, or, with
-    y, of h = x + gate[:, None] * y (the residual and the norm in one kernel). Returns (h, outputs) with
-    the outputs as the module returns them; h is x when there is no y."""
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = norm.linear(norm.silu(emb)).chunk(6, dim=1)
-    if y is None:
-        h, out = x, _norm_modulate(norm.norm, x, scale_msa, shift_msa)
-    else:
-        h, out = _residual_norm_modulate(x, y, gate, norm.norm, scale_msa, shift_msa)
-    return h, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp)
-
-
-def _adaln_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-    """AdaLayerNormZero.forward with the norm and the MSA modulation in one kernel."""
-    if self.emb is not None:
-        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    return _adaln_zero_apply(self, x, emb)[1]
-
-
-def _adaln_zero_single_forward(self, x, emb=None):
-    """AdaLayerNormZeroSingle.forward (FLUX single-stream blocks)."""
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    return _norm_modulate(self.norm, x, scale_msa, shift_msa), gate_msa
-
-
-def _adaln_zero_x_apply(norm, x, emb, y=None, gate=None):
-    """SD35AdaLayerNormZeroX: one LayerNorm, two modulations, x read once; with y, of h = x + gate[:, None]
-    * y, in the same kernel. Returns (h, outputs as the module returns them); h is x without y."""
-    chunks = norm.linear(norm.silu(emb)).chunk(9, dim=1)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = chunks
-    mods = (scale_msa, shift_msa, scale_msa2, shift_msa2)
-    args = _ln_args(norm.norm, x)
-    fused = args is not None and args[0] is None and args[1] is None and _per_sample_ok(x, *mods) and _usable(x, *mods)
-    if y is None and fused:
-        h, (out, out2) = x, layernorm.layer_norm_modulate_dual(x, *mods, args[2])
-    elif y is not None and fused and _usable(y, gate) and _per_sample_ok(x, gate) and _same_rows(x, y):
-        h, out, out2 = layernorm.gated_residual_layer_norm_modulate_dual(x, y, gate, *mods, args[2])
-    else:
-        h = x if y is None else x + gate.unsqueeze(1) * y
-        n = norm.norm(h)
-        out = n * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        out2 = n * (1 + scale_msa2[:, None]) + shift_msa2[:, None]
-    return h, (out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2)
-
-
-def _adaln_zero_x_forward(self, hidden_states, emb=None):
-    """SD35AdaLayerNormZeroX.forward: one LayerNorm, two modulations, x read once."""
-    return _adaln_zero_x_apply(self, hidden_states, emb)[1]
-
-
-def _adaln_continuous_forward(self, x, conditioning_embedding):
-    """AdaLayerNormContinuous.forward (chunk order: scale, then shift)."""
-    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    args = _ln_args(self.norm, x)
-    if args is not None and _per_sample_ok(x, scale, shift) and _usable(x, scale, shift, args[0], args[1]):
-        return layernorm.layer_norm_modulate(x, scale, shift, args[2], weight=args[0], bias=args[1])
-    return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+# The AdaLN modules' replacement forwards are the generic layer's
+_adaln_zero_apply = gi.adaln_zero_apply
+_adaln_zero_forward = gi._adaln_zero_forward
+_adaln_zero_single_forward = gi._adaln_zero_single_forward
+_adaln_zero_x_apply = gi.adaln_zero_x_apply
+_adaln_zero_x_forward = gi._adaln_zero_x_forward
+_adaln_continuous_forward = gi.adaln_continuous_forward
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,14 +263,10 @@ def _adaln_continuous_forward(self, x, conditioning_embedding):
 # --------------------------------------------------------------------------------------------
 # diffusers GELU(approximate="tanh"): LTX-Video's replacement (the projection with the activation in its
 # epilogue where the device's BLAS verifiably computes the tanh form, else the projection, then the kernel)
-_diffusers_gelu_tanh_forward = di._gelu_tanh_forward
+_diffusers_gelu_tanh_forward = gi._gelu_tanh_forward
 
 
-def _torch_gelu_tanh_forward(self, x):
-    """torch.nn.GELU(approximate="tanh")."""
-    if not _usable(x):
-        return _original_forward(self)(x)
-    return activations.gelu_tanh(x)
+_torch_gelu_tanh_forward = gi._torch_gelu_tanh_forward
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,7 +310,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         hidden_states, norm_hidden_states = _residual_norm_modulate(
             hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
         )
-    ff_output = di.feed_forward(self.ff, norm_hidden_states, _STATE)
+    ff_output = gi.feed_forward(self.ff, norm_hidden_states, _STATE)
     hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
 
     if self.context_pre_only:
@@ -440,7 +319,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
             encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
         )
-        context_ff_output = di.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
+        context_ff_output = gi.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
         encoder_hidden_states = _gated_add_to_next(
             self, "c", encoder_hidden_states, c_gate_mlp, context_ff_output, temb
         )
@@ -498,7 +377,7 @@ def _flux_block_forward(
     hidden_states, norm_hidden_states = _residual_norm_modulate(
         hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
     )
-    ff_output = di.feed_forward(self.ff, norm_hidden_states, _STATE)
+    ff_output = gi.feed_forward(self.ff, norm_hidden_states, _STATE)
     if ip_attn_output is not None:  # h changes after the gated residual: no fusion into the next norm
         hidden_states = _gated_add(hidden_states, gate_mlp, ff_output) + ip_attn_output
     else:
@@ -507,7 +386,7 @@ def _flux_block_forward(
     encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
-    context_ff_output = di.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
+    context_ff_output = gi.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
     if encoder_hidden_states.dtype == torch.float16:  # clipped below: no fusion into the next norm
         encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
     else:

@@ -104,7 +104,7 @@ logger = logging.getLogger("transformers_injection")
 
 KINDS = ("rmsnorm", "fused_add_rmsnorm", "swiglu", "rope", "skinny_gemm")
 
-_STATE = "_rtk_llama_injection"  # per-module record of what was patched and how to undo it
+_STATE = ic.register_state_key("_rtk_llama_injection")  # per-module record of what was patched and how to undo it
 _HALF = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ROPE_NAME = "apply_rotary_pos_emb"

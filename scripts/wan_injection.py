@@ -62,8 +62,8 @@ from diffusers.models.transformers.transformer_wan import (  # noqa: E402
     WanTransformerBlock,
 )
 
-import diffusers_injection as di  # noqa: E402
 import fp8_linear  # noqa: E402
+import generic_injection as gi  # noqa: E402
 import injection_common as ic  # noqa: E402
 import layernorm  # noqa: E402
 import rmsnorm  # noqa: E402
@@ -74,7 +74,7 @@ __all__ = ["inject_wan_kernels", "remove_wan_kernels", "wan_injected_counts", "f
 logger = logging.getLogger("wan_injection")
 
 KINDS = ("wan_blocks", "wan_rmsnorm_weighted", "wan_gelu_tanh")
-_STATE = "_rtk_wan_injection"  # per-module record of what was patched and how to undo it
+_STATE = ic.register_state_key("_rtk_wan_injection")  # per-module record of what was patched and how to undo it
 _CARRY = "_rtk_wan_carry"  # what the previous block left for this one
 # Whether the installed torch's F.rms_norm rounds to the input dtype before the weight multiply
 # (ic.probe_torch_rmsnorm), probed at injection, so the q/k norms match the installed torch.
@@ -119,7 +119,7 @@ def _rmsnorm_forward(self, x):
 
 
 # diffusers GELU(approximate="tanh"): LTX-Video's replacement (the same module class in Wan's feed-forward)
-_gelu_tanh_forward = di._gelu_tanh_forward
+_gelu_tanh_forward = gi._gelu_tanh_forward
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def _self_attention(block, x, rotary_emb):
         and type(proc) is WanAttnProcessor
         and getattr(proc, "_attention_backend", None) is None
         and getattr(proc, "_parallel_config", None) is None
-        and di._native_attention_active()
+        and gi.native_attention_active()
         and not getattr(attn, "fused_projections", False)
         and attn.add_k_proj is None
         and _runs_class_forward(nq, torch.nn.RMSNorm)
@@ -325,7 +325,7 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
         h, norm_h = layernorm.gated_residual_layer_norm_modulate(h, attn_out, None, c_scale_msa, c_shift_msa, n3[2])
 
     # 3. Feed-forward, then h + ff * gate (with the next block's norm1 + modulation where it can)
-    ff_out = di.feed_forward(self.ffn, norm_h, _STATE)
+    ff_out = gi.feed_forward(self.ffn, norm_h, _STATE)
     if ff_out.dtype != h.dtype or ff_out.shape != h.shape:
         return (h.float() + ff_out.float() * c_gate_msa).type_as(h)
     fused = _next_norm1(self, h, ff_out, c_gate_msa, temb)
@@ -375,7 +375,7 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         for m in model.modules():
             if ic.class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
                 ic.patch_forward(m, _rmsnorm_forward, "wan_rmsnorm_weighted", _STATE)
-            elif di._is_gelu_tanh(m):
+            elif gi.is_gelu_tanh(m):
                 ic.patch_forward(m, _gelu_tanh_forward, "wan_gelu_tanh", _STATE)
             elif ic.class_forward(m, WanTransformerBlock):
                 ic.patch_forward(m, _wan_block_forward, "wan_blocks", _STATE)
@@ -383,7 +383,7 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
                 skipped.append(f"{type(m).__name__} (a forward of its own)")
         _link_blocks(model)
         # the GEMM-GELU probe now, so a torch.compile trace later finds its result cached
-        notes.append(ic.probe_gelu_modules(m for m in model.modules() if di._is_gelu_tanh(m)))
+        notes.append(ic.probe_gelu_modules(m for m in model.modules() if gi.is_gelu_tanh(m)))
     counts = wan_injected_counts(pipe_or_model)
     none_found = "" if find_wan_models(pipe_or_model) else "no Wan transformer found"
     ic.report(

@@ -9,6 +9,7 @@ import torch
 
 import diffusers_injection as di
 import fp8_linear
+import generic_injection as gi
 import mmdit_injection as mi
 import wan_injection as wi
 from kernel_testing import (
@@ -361,7 +362,7 @@ def test_feed_forward_gelu_writes_the_down_projections_fp8_input(kind, monkeypat
     ffs = [m for m in model.modules() if type(m) is FeedForward]
     weights = {id(m): (m.net[0].proj.weight.detach().clone(), m.net[2].weight.detach().clone()) for m in ffs}
     di.inject_optimized_kernels(model, verbose=False, fp8=True)
-    seen, original = [], di.feed_forward
+    seen, original = [], gi.feed_forward
 
     def spy(ff, x, state_key):
         out = original(ff, x, state_key)
@@ -375,7 +376,7 @@ def test_feed_forward_gelu_writes_the_down_projections_fp8_input(kind, monkeypat
         return gelu(x, approximate, **options)
 
     try:
-        monkeypatch.setattr(di, "feed_forward", spy)
+        monkeypatch.setattr(gi, "feed_forward", spy)
         monkeypatch.setattr(activations, "gelu", gelu_spy)
         calls = count_calls(monkeypatch, [(activations, "fp8_quantize")])
         fused = run_model(model, kw)
@@ -422,7 +423,7 @@ def test_a_gelu_method_of_its_own_is_called(kind, how, fp8, monkeypatch):
     else:
         gelu.gelu = _half_gelu.__get__(gelu)
     di.inject_optimized_kernels(model, verbose=False, fp8=fp8)
-    seen, original = [], di.feed_forward
+    seen, original = [], gi.feed_forward
 
     def spy(f, x, state_key):
         out = original(f, x, state_key)
@@ -431,7 +432,7 @@ def test_a_gelu_method_of_its_own_is_called(kind, how, fp8, monkeypatch):
         return out
 
     try:
-        monkeypatch.setattr(di, "feed_forward", spy)
+        monkeypatch.setattr(gi, "feed_forward", spy)
         run_model(model, kw)
         assert len(seen) == 1
         x, out = seen[0]

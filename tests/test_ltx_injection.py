@@ -19,6 +19,7 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
 
 import activations
 import diffusers_injection as di
+import generic_injection as gi
 import injection_common as ic
 import rmsnorm
 import rope
@@ -89,6 +90,7 @@ def _transformer_counts(blocks):
         "gelu_tanh": blocks,
         "vae_rmsnorm": 0,
         "fp8_linear": 0,
+        **{k: 0 for k in gi.KINDS},  # the generic layer leaves a model LTX-Video's family took alone
     }
 
 
