@@ -588,27 +588,65 @@ def injected_counts(pipe_or_model) -> dict:
     counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
     counts["fp8_linear"] = fp8_linear.fp8_linear_count(*_fp8_models(pipe_or_model))  # a shared layer once
     counts.update(gi.generic_injected_counts(pipe_or_model))
-    mmdit = _mmdit_module(pipe_or_model)
-    if mmdit is not None:  # SD3 / FLUX transformers: their kinds, from mmdit_injection.py
-        counts.update(mmdit.mmdit_injected_counts(pipe_or_model))
-    wan = _wan_module(pipe_or_model)
-    if wan is not None:  # Wan transformers: their kinds, from wan_injection.py
-        counts.update(wan.wan_injected_counts(pipe_or_model))
+    for family in _present_families(pipe_or_model):  # each family's own kinds
+        counts.update(family.injected_counts(pipe_or_model))
     return counts
 
 
-def _wan_module(pipe_or_model):
-    """wan_injection (imported on first use) if pipe_or_model holds a Wan transformer, else None."""
-    import wan_injection
+# --------------------------------------------------------------------------------------------
+# Model families: plug-ins that take the models they know and add the fusions that pay
+# --------------------------------------------------------------------------------------------
+# A family is a module (or any object) with:
+#   KINDS                                      its count keys (prefixed with the family's name)
+#   find_models(pipe_or_model) -> list         the models it takes, each once
+#   inject(pipe_or_model, *, verbose) -> dict  inject into those models; the counts per kind after the call
+#   remove(pipe_or_model, *, verbose) -> dict  undo; the counts restored per kind
+#   injected_counts(pipe_or_model) -> dict     the counts per kind now
+# It must not import this file (it is written on generic_injection and injection_common). Families are asked
+# in order; a model the first one takes is not offered to the others, and every model no family takes gets
+# the generic layer. LTX-Video is this file's own family (below); the others are imported on first use.
+FAMILIES: list = ["wan_injection", "mmdit_injection"]
 
-    return wan_injection if wan_injection.find_wan_models(pipe_or_model) else None
+
+def register_family(family, *, first: bool = False) -> None:
+    """Add a family plug-in (a module, an object with the attributes above, or the name of a module on
+    sys.path, imported on first use); first=True asks it before the others."""
+    missing = [] if isinstance(family, str) else [a for a in _FAMILY_API if not hasattr(family, a)]
+    if missing:
+        raise TypeError(f"{family!r} is no family plug-in: it lacks {', '.join(missing)}")
+    if family not in FAMILIES:
+        FAMILIES.insert(0, family) if first else FAMILIES.append(family)
 
 
-def _mmdit_module(pipe_or_model):
-    """mmdit_injection (imported on first use) if pipe_or_model holds an SD3 or FLUX transformer, else None."""
-    import mmdit_injection
+_FAMILY_API = ("KINDS", "find_models", "inject", "remove", "injected_counts")
 
-    return mmdit_injection if mmdit_injection.find_mmdit_models(pipe_or_model) else None
+
+def _families():
+    """The registered families, modules named by a string imported (and kept) on first use."""
+    import importlib
+
+    for i, family in enumerate(FAMILIES):
+        if isinstance(family, str):
+            family = FAMILIES[i] = importlib.import_module(family)
+        yield family
+
+
+def _present_families(pipe_or_model):
+    """The families that take a model of pipe_or_model, each with its models: [(family, models)] (a family
+    also appears with its models claimed by an earlier one removed)."""
+    out, taken = [], set()
+    for family in _families():
+        models = [m for m in family.find_models(pipe_or_model) if id(m) not in taken]
+        if models:
+            taken.update(id(m) for m in models)
+            out.append(family)
+    return out
+
+
+def _claimed(pipe_or_model) -> list:
+    """Every model a family takes (LTX-Video's transformers and VAEs included)."""
+    transformers, vaes = _ltx_models(pipe_or_model)
+    return [*transformers, *vaes, *(m for f in _families() for m in f.find_models(pipe_or_model))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -663,24 +701,14 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
             if _class_forward(m, DiffusersRMSNorm) and m.bias is None:
                 new["vae_rmsnorm"] += _patch_forward(m, _diffusers_rmsnorm_forward, "vae_rmsnorm")
 
-    wan = _wan_module(pipe_or_model)
-    if wan is not None:  # Wan 2.1 / 2.2 transformers: wan_injection.py
-        before = wan.wan_injected_counts(pipe_or_model)
-        after = wan.inject_wan_kernels(pipe_or_model, verbose=False)
+    for family in _present_families(pipe_or_model):  # Wan, SD3 / FLUX, ... (FAMILIES)
+        before = family.injected_counts(pipe_or_model)
+        after = family.inject(pipe_or_model, verbose=False)
         new.update({k: after[k] - before[k] for k in after})
-
-    mmdit = _mmdit_module(pipe_or_model)
-    if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
-        before = mmdit.mmdit_injected_counts(pipe_or_model)
-        after = mmdit.inject_mmdit_kernels(pipe_or_model, verbose=False)
-        new.update({k: after[k] - before[k] for k in after})
-        for model in mmdit.find_mmdit_models(pipe_or_model):
-            gelu_notes.append(ic.probe_gelu_modules(mmdit._tanh_gelu_modules(model)))
+    gelu_notes.append(ic.probe_gelu_modules(m for m in ic.unique_modules(pipe_or_model) if gi.is_gelu_tanh(m)))
 
     # every model no family took: the generic kernels (diffusers' shared modules, wherever they are)
-    claimed = [*transformers, *vaes]
-    claimed += wan.find_wan_models(pipe_or_model) if wan is not None else []
-    claimed += mmdit.find_mmdit_models(pipe_or_model) if mmdit is not None else []
+    claimed = _claimed(pipe_or_model)
     before = gi.generic_injected_counts(pipe_or_model)
     after = gi.inject_generic_kernels(pipe_or_model, verbose=False, skip=claimed, skipped=skipped)
     new.update({k: after[k] - before[k] for k in gi.KINDS})
@@ -695,15 +723,15 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
 
 
 def _fp8_models(pipe_or_model) -> list:
-    """The transformers fp8=True applies to (LTX-Video, SD3, FLUX, Wan), each once."""
-    import mmdit_injection
-    import wan_injection
-
-    return [
-        *_ltx_models(pipe_or_model)[0],
-        *mmdit_injection.find_mmdit_models(pipe_or_model),
-        *wan_injection.find_wan_models(pipe_or_model),
-    ]
+    """The transformers fp8=True applies to, each once: LTX-Video's, every family's, and every other diffusers
+    transformer model (a class of diffusers.models.transformers) among the roots of pipe_or_model."""
+    found = [*_ltx_models(pipe_or_model)[0], *(m for f in _families() for m in f.find_models(pipe_or_model))]
+    seen = {id(m) for m in found}
+    for root in ic.roots(pipe_or_model):
+        if type(root).__module__.startswith("diffusers.models.transformers.") and id(root) not in seen:
+            found.append(root)
+            seen.add(id(root))
+    return found
 
 
 def fp8_parents(model: torch.nn.Module) -> list:
@@ -711,7 +739,7 @@ def fp8_parents(model: torch.nn.Module) -> list:
     (attention projections, feed-forward, FLUX's single-block MLP) except the AdaLN norms and what they hold.
     Those norms' linear layers (SD3, FLUX) take the timestep embedding, one row per sample, so FP8 would
     speed nothing up, and their outputs scale and shift every token, so their error would reach all of them."""
-    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks", "blocks") for b in getattr(model, name, None) or ()]  # fmt: skip
+    blocks = [b for child in model.children() if isinstance(child, torch.nn.ModuleList) for b in child]
     parents, inside_norm = [], set()
     for blk in blocks:
         for m in blk.modules():  # pre-order: a norm comes before its children
@@ -891,12 +919,8 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         kind = _unpatch(m)
         if kind is not None:
             restored[kind] += 1
-    mmdit = _mmdit_module(pipe_or_model)
-    if mmdit is not None:  # SD3 / FLUX transformers: mmdit_injection.py
-        restored.update(mmdit.remove_mmdit_kernels(pipe_or_model, verbose=False))
-    wan = _wan_module(pipe_or_model)
-    if wan is not None:  # Wan transformers: wan_injection.py
-        restored.update(wan.remove_wan_kernels(pipe_or_model, verbose=False))
+    for family in _present_families(pipe_or_model):
+        restored.update(family.remove(pipe_or_model, verbose=False))
     restored.update(gi.remove_generic_kernels(pipe_or_model, verbose=False))
     ic.report(logger, ic.counts_message("removed kernels", restored), verbose)
     return restored

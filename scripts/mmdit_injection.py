@@ -765,6 +765,13 @@ def remove_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     return restored
 
 
+# The family plug-in interface of diffusers_injection.inject_optimized_kernels (diffusers_injection.FAMILIES)
+find_models = find_mmdit_models
+inject = inject_mmdit_kernels
+remove = remove_mmdit_kernels
+injected_counts = mmdit_injected_counts
+
+
 # --------------------------------------------------------------------------------------------
 # Model builders (random weights, no hub) and forward inputs
 # --------------------------------------------------------------------------------------------

@@ -407,6 +407,13 @@ def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     return restored
 
 
+# The family plug-in interface of diffusers_injection.inject_optimized_kernels (diffusers_injection.FAMILIES)
+find_models = find_wan_models
+inject = inject_wan_kernels
+remove = remove_wan_kernels
+injected_counts = wan_injected_counts
+
+
 # --------------------------------------------------------------------------------------------
 # Models and inputs with random weights (no hub): shared by the tests and the benchmark
 # --------------------------------------------------------------------------------------------
