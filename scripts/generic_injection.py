@@ -197,11 +197,44 @@ def rms_args(norm, x: torch.Tensor):
     return None
 
 
+def dense_rows(x: torch.Tensor):
+    """(view, back): x with its leading dims in memory order (a contiguous view, where x is a permutation of a
+    contiguous tensor, as a [B, S, H, D] projection read as [B, H, S, D] is), and the permutation that puts a
+    result of the view's shape back into x's order (None: x is contiguous already). None when x is not dense
+    with a contiguous last dim: the row kernels would need more than two strides for its rows."""
+    if x.is_contiguous():
+        return x, None
+    if x.dim() < 2 or x.stride(-1) != 1:
+        return None
+    lead = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))
+    perm = (*lead, x.dim() - 1)
+    view = x.permute(perm)
+    if not view.is_contiguous():
+        return None
+    back = [0] * len(perm)
+    for i, p in enumerate(perm):
+        back[p] = i
+    return view, back
+
+
+def rowwise(fn, x: torch.Tensor, *args, **kwargs):
+    """fn(x, *args, **kwargs) for a row-wise kernel (over the last dim) on a dense x of any dim order, the result
+    in x's order and layout (what torch's elementwise ops return); None where x is not dense."""
+    rows = dense_rows(x)
+    if rows is None:
+        return None
+    view, back = rows
+    out = fn(view, *args, **kwargs)
+    return out if back is None else out.permute(back)
+
+
 def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None):
-    """rms_norm over the last dim; an input whose last dim is strided (a VAE normalises x.movedim(1, -1)) is
-    copied to a contiguous buffer and the result gets the input's layout (what torch's ops return)."""
-    if x.stride(-1) == 1 or x.shape[-1] == 1:
-        return rmsnorm.rms_norm(x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    """rms_norm over the last dim, the result in x's layout: a dense x of any dim order is read in place
+    (rowwise); any other (a VAE normalises x.movedim(1, -1), whose last dim is strided) is copied to a
+    contiguous buffer first."""
+    out = rowwise(rmsnorm.rms_norm, x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    if out is not None:
+        return out
     y = rmsnorm.rms_norm(x.contiguous(), weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
     out = torch.empty_like(x, dtype=y.dtype)
     out.copy_(y)
@@ -238,9 +271,10 @@ def _torch_rmsnorm_forward(self, x):
 def _layernorm_forward(self, x):
     """torch.nn.LayerNorm / diffusers FP32LayerNorm over one trailing dim: fp32 math, one rounding."""
     args = _ln_params(self, x)
-    if args is None or x.dim() == 0 or x.stride(-1) != 1 or not _usable(x, args[0], args[1]):
+    if args is None or x.dim() == 0 or not _usable(x, args[0], args[1]):
         return original(self)(x)
-    return layernorm.layer_norm(x, args[0], args[1], args[2])
+    out = rowwise(layernorm.layer_norm, x, args[0], args[1], args[2])
+    return original(self)(x) if out is None else out
 
 
 def _per_sample_ok(x: torch.Tensor, *vectors) -> bool:
@@ -277,19 +311,20 @@ def _same_rows(h, y) -> bool:
 
 
 def residual_norm_modulate(h, y, gate, norm, scale, shift):
-    """h = h + gate[:, None] * y (gate None: h + y), then norm(h) * (1 + scale[:, None]) + shift[:, None];
-    returns (h, out): one kernel where norm is a LayerNorm the kernel reproduces."""
-    args = ln_args(norm, h)
+    """h = h + gate[:, None] * y (gate None: h + y), then norm(h) * (1 + scale[:, None]) + shift[:, None]
+    (scale and shift both None: norm(h)); returns (h, out): one kernel where norm is a LayerNorm or an RMSNorm
+    the kernels reproduce and the per-sample vectors are [B, D]."""
     vectors = [v for v in (gate, scale, shift) if v is not None]
-    if (
-        args is not None
-        and _same_rows(h, y)
-        and _per_sample_ok(h, *vectors)
-        and _usable(h, y, *vectors, args[0], args[1])
-    ):
-        return layernorm.gated_residual_layer_norm_modulate(
-            h, y, gate, scale, shift, args[2], weight=args[0], bias=args[1]
-        )
+    if _same_rows(h, y) and _per_sample_ok(h, *vectors) and (scale is None) == (shift is None):
+        args = ln_args(norm, h)
+        if args is not None and _usable(h, y, *vectors, args[0], args[1]):
+            return layernorm.gated_residual_layer_norm_modulate(
+                h, y, gate, scale, shift, args[2], weight=args[0], bias=args[1]
+            )
+        args = rms_args(norm, h)
+        if args is not None and _usable(h, y, *vectors, args[0]):
+            col = [None if v is None else v[:, None] for v in (gate, scale, shift)]
+            return rmsnorm.gated_residual_rms_norm_modulate(h, y, *col, args[0], args[1], cast_before_weight=args[2])
     h = h + y if gate is None else h + gate.unsqueeze(1) * y
     n = norm(h)
     return h, n if scale is None else n * (1 + scale[:, None]) + shift[:, None]
@@ -458,9 +493,8 @@ def native_attention_active() -> bool:
 
 def _torch_gelu_tanh_forward(self, x):
     """torch.nn.GELU(approximate="tanh")."""
-    if not _usable(x):
-        return original(self)(x)
-    return activations.gelu_tanh(x)
+    out = rowwise(activations.gelu_tanh, x) if _usable(x) and x.dim() > 0 else None
+    return original(self)(x) if out is None else out
 
 
 def _glu_forward(self, hidden_states, *args, **kwargs):
