@@ -92,6 +92,8 @@ __all__ = [
     "norm_modulate",
     "residual_norm_modulate",
     "gated_add",
+    "rowwise",
+    "dense_rows",
     "adaln_zero_apply",
     "adaln_continuous_forward",
     "apply_rotary_emb",
