@@ -67,6 +67,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # --model wan --variant: diffusers' WanTransformer3DModel configs of released checkpoints (wan_injection.WAN_CONFIGS)
 WAN_VARIANTS = ("2.1-t2v-1.3b", "2.1-t2v-14b", "2.2-ti2v-5b")
+# --model NAME of scripts/model_zoo.py: released architectures with random weights and their pipelines' inputs
+# (tests/test_benchmark_e2e.py checks this list against model_zoo.NAMES)
+ZOO_MODELS = ("flux2", "qwen_image", "ltx2", "hunyuan_video15", "z_image", "cogvideox", "sana")
 MODES = ("baseline", "triton", "compile", "triton+compile")
 FP8_MODES = ("triton-fp8", "triton-fp8+compile", "torchao-fp8", "torchao-fp8+compile")  # not in "all"
 # What FP8 may cost: an FP8 mode passes when its outputs are no further from the float32 run than this
@@ -94,13 +97,21 @@ def _add_workload_arguments(p):
     """What runs: the model, its variant, the modes and the video size."""
     p.add_argument(
         "--model",
-        choices=("ltx", "sd3", "flux", "wan"),
+        choices=("ltx", "sd3", "flux", "wan") + ZOO_MODELS,
         default="ltx",
         help="ltx (default); sd3 or flux: one transformer forward at --height x --width (default "
         "1024x1024; SD3 B=2 with guidance, FLUX B=1), real architecture with random weights; wan: one "
         "Wan transformer forward (B=1, as WanPipeline calls it per guidance branch; 512 text tokens) "
         "at --num-frames x --height x --width (default 81 x 480 x 832: 32,760 tokens), random weights "
-        "with the fp32 modules from_pretrained keeps",
+        "with the fp32 modules from_pretrained keeps; " + ", ".join(ZOO_MODELS) + ": one transformer forward of "
+        "the released architecture (scripts/model_zoo.py: its pipeline's inputs at the size it names; --height, "
+        "--width and --num-frames do not apply), random weights",
+    )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        help="model_zoo models: keep this many blocks of each block list (a model whose float32 copy does not fit; "
+        "the JSON says so); default all",
     )
     p.add_argument(
         "--variant",
@@ -200,6 +211,14 @@ def _check_model_args(p, args):
         args.variant = defaults.get(args.model)
     elif args.model not in defaults or (args.model == "wan") != (args.variant in WAN_VARIANTS):
         p.error(f"--variant {args.variant} does not apply to --model {args.model}")
+    if args.blocks is not None and (args.model not in ZOO_MODELS or args.blocks < 1):
+        p.error(f"--blocks applies to the model_zoo models ({', '.join(ZOO_MODELS)}) and must be >= 1")
+    if args.model in ZOO_MODELS:
+        args.transformer_only = True  # time the transformer at the size model_zoo gives its pipeline's inputs
+        given = [n for n in ("num_frames", "height", "width") if getattr(args, n) is not None]
+        if given:
+            p.error(f"--{given[0].replace('_', '-')} does not apply to --model {args.model}: model_zoo fixes its size")
+        return
     if args.model == "wan":
         args.transformer_only = True  # the Wan pipeline needs its UMT5 encoder and VAE: time the transformer
         if args.num_frames is not None and (args.num_frames - 1) % 4:
@@ -281,6 +300,28 @@ def load_mmdit(args, device):
     text_len = None if size == "real" else 8
     inputs = mi.make_mmdit_inputs(model, batch, args.height, args.width, text_len, torch.float32, device, args.seed)
     return model.eval(), inputs, f"{what}, random weights (no checkpoint), batch {batch}"
+
+
+def load_zoo(args, device):
+    """(a model_zoo transformer in fp32 with random weights, its forward's inputs in fp32, description)."""
+    import model_zoo as mz
+
+    size = "tiny" if args.tiny else "real"
+    model = mz.build(args.model, size, dtype=torch.float32, device=device, seed=args.seed, blocks=args.blocks)
+    inputs = mz.inputs(args.model, model, size, dtype=torch.float32, device=device, seed=args.seed)
+    what = mz.describe(args.model, size) + (f"; only {args.blocks} blocks of each block list" if args.blocks else "")
+    return model.eval(), inputs, f"{what}; random weights (no checkpoint), fp32 modules kept as from_pretrained does"
+
+
+def cast_like_from_pretrained(model, dtype):
+    """model.to(dtype), except the modules named in the class's _keep_in_fp32_modules, which stay fp32: the
+    layout from_pretrained(torch_dtype=dtype) gives. Returns model."""
+    model.to(dtype)
+    keep = set(getattr(type(model), "_keep_in_fp32_modules", None) or ())
+    for name, module in model.named_modules():
+        if keep.intersection(name.split(".")):
+            module.to(torch.float32)
+    return model
 
 
 def transformer_inputs(model, args, device, dtype):
@@ -806,7 +847,10 @@ def _fill_defaults(args, gpu: bool) -> None:
         dtype="bf16",
         heat_seconds=20.0,
     )
-    if args.model == "wan":
+    if args.model in ZOO_MODELS:  # model_zoo fixes the size
+        cpu_defaults.update(num_frames=None, height=None, width=None)
+        gpu_defaults.update(num_frames=None, height=None, width=None)
+    elif args.model == "wan":
         cpu_defaults.update(num_frames=9, height=64, width=64)
         gpu_defaults.update(num_frames=81, height=480, width=832)
     elif args.model != "ltx":
@@ -830,8 +874,9 @@ def _load(args, device, dtype):
         log(f"{weights}; {args.num_frames} frames {args.height}x{args.width}; modes {list(args.modes)}")
     else:
         pipe = None
-        base_model, inputs, weights = (load_wan if args.model == "wan" else load_mmdit)(args, device)
-        log(f"{weights}; {args.height}x{args.width}; modes {list(args.modes)}")
+        load = load_zoo if args.model in ZOO_MODELS else load_wan if args.model == "wan" else load_mmdit
+        base_model, inputs, weights = load(args, device)
+        log(f"{weights}; modes {list(args.modes)}")
     return pipe, base_model, inputs, weights
 
 
@@ -855,10 +900,8 @@ def _to_dtype(args, pipe, base_model, inputs, dtype, gpu: bool):
         if args.transformer_only and gpu:  # not needed: frees device memory
             pipe.text_encoder.to("cpu")
             pipe.vae.to("cpu")
-    elif args.model == "wan":
-        import wan_injection as wi
-
-        wi.cast_like_from_pretrained(base_model, dtype)  # Wan's _keep_in_fp32_modules stay fp32
+    elif args.model == "wan" or args.model in ZOO_MODELS:
+        cast_like_from_pretrained(base_model, dtype)  # the class's _keep_in_fp32_modules stay fp32
     else:
         base_model.to(dtype)
     if inputs is not None:
@@ -936,11 +979,23 @@ def _token_count(base_model, inputs):
     """Tokens of one sample in the timed forward, or None for a pipeline run."""
     if inputs is None:
         return None
-    hs = inputs["hidden_states"]
+    hs = inputs.get("hidden_states")
+    if not isinstance(hs, torch.Tensor):
+        return None
     p = getattr(base_model.config, "patch_size", 1) or 1
-    if hs.dim() == 5:  # Wan latents [B, C, F, H, W], patch (t, h, w)
+    if hs.dim() == 5:  # video latents [B, C, F, H, W], patch (t, h, w) (Wan) or h = w with patch_size_t
+        if isinstance(p, int):
+            p = (getattr(base_model.config, "patch_size_t", 1) or 1, p, p)
         return math.prod(n // q for n, q in zip(hs.shape[2:], p))
     return hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
+
+
+def _batch(inputs):
+    """The batch of the timed forward (2 for an LTX-Video pipeline run: the guidance batch)."""
+    if inputs is None:
+        return 2
+    first = next(v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
+    return inputs["hidden_states"].shape[0] if isinstance(inputs.get("hidden_states"), torch.Tensor) else first.shape[0]
 
 
 def _config(args, base_model, inputs) -> dict:
@@ -948,6 +1003,7 @@ def _config(args, base_model, inputs) -> dict:
     return {
         "model": args.model,
         "variant": args.variant,
+        "blocks": args.blocks,
         "num_frames": args.num_frames,
         "height": args.height,
         "width": args.width,
@@ -956,7 +1012,7 @@ def _config(args, base_model, inputs) -> dict:
         "warmup": args.warmup,
         "dtype": args.dtype,
         "seed": args.seed,
-        "batch": inputs["hidden_states"].shape[0] if inputs is not None else 2,
+        "batch": _batch(inputs),
         "tokens": _token_count(base_model, inputs),
         "compile_mode": args.compile_mode,
         "fp8_accumulation": args.fp8_accumulation,
