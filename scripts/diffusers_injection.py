@@ -71,6 +71,7 @@ from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
 
 import fp8_linear  # noqa: E402
 import generic_injection as gi  # noqa: E402
+import graph_mode  # noqa: E402
 import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope  # noqa: E402
@@ -98,6 +99,7 @@ KINDS = (
     "gelu_tanh",
     "vae_rmsnorm",
     "fp8_linear",
+    "graphs",
     *gi.KINDS,
 )
 
@@ -588,6 +590,7 @@ def injected_counts(pipe_or_model) -> dict:
     counts = ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
     counts["fp8_linear"] = fp8_linear.fp8_linear_count(*_fp8_models(pipe_or_model))  # a shared layer once
     counts.update(gi.generic_injected_counts(pipe_or_model))
+    counts["graphs"] = sum(graph_mode.enabled(m) for m in ic.unique_modules(pipe_or_model))
     for family in _present_families(pipe_or_model):  # each family's own kinds
         counts.update(family.injected_counts(pipe_or_model))
     return counts
@@ -652,7 +655,9 @@ def _claimed(pipe_or_model) -> list:
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool = False, fp8_skip=()) -> dict:
+def inject_optimized_kernels(
+    pipe_or_model, *, verbose: bool = True, fp8: bool = False, fp8_skip=(), graphs: bool = False
+) -> dict:
     """Replace LTX-Video's norms, AdaLN modulation, q/k norm + RoPE and GELU with the kernels.
 
     pipe_or_model: an LTXPipeline (or any diffusers pipeline: only its LTX components are touched),
@@ -672,9 +677,15 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     torch.inference_mode(), fp8=True raises ValueError before changing anything: inject outside it.
     fp8_skip: names of linear layers to leave in bf16, as the transformer's named_modules() gives them (e.g.
     "transformer_blocks.3.attn.to_out.0", from fp8_linear.layer_errors); a name no transformer has raises.
+
+    graphs=True: every transformer's forward is also served from CUDA graphs (scripts/graph_mode.py: one per
+    input signature, captured on the second call of a signature, replayed with the inputs copied in; eager where
+    a replay might differ, with a log line saying why). Counted under "graphs" (models); removal frees them.
     """
     if type(fp8) is not bool:
         raise ValueError(f"fp8 must be True or False, got {fp8!r}")
+    if type(graphs) is not bool:
+        raise ValueError(f"graphs must be True or False, got {graphs!r}")
     if isinstance(fp8_skip, (str, bytes)) or not hasattr(fp8_skip, "__iter__"):
         raise TypeError(f"fp8_skip takes a collection of layer names, got {fp8_skip!r}")
     fp8_skip = tuple(fp8_skip)  # (a generator would be used up by the check below)
@@ -712,6 +723,10 @@ def inject_optimized_kernels(pipe_or_model, *, verbose: bool = True, fp8: bool =
     before = gi.generic_injected_counts(pipe_or_model)
     after = gi.inject_generic_kernels(pipe_or_model, verbose=False, skip=claimed, skipped=skipped)
     new.update({k: after[k] - before[k] for k in gi.KINDS})
+
+    if graphs:  # last: the graphs capture the forward with every kernel in place
+        for model in _fp8_models(pipe_or_model):
+            new["graphs"] += graph_mode.enable(model)
 
     counts = injected_counts(pipe_or_model)
     found = bool(claimed) or any(counts[k] for k in gi.KINDS)
@@ -907,6 +922,8 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     save_pretrained save). Returns the counts per kind of what was restored.
     """
     restored = _empty_counts()
+    for m in ic.unique_modules(pipe_or_model):
+        restored["graphs"] += graph_mode.disable(m)
     for model in _fp8_models(pipe_or_model):
         restored["fp8_linear"] += fp8_linear.restore_from_fp8(model)
         model.__dict__.pop(_FP8_SKIP, None)

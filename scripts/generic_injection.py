@@ -692,7 +692,8 @@ def covered(model) -> set:
     done = set()
 
     def walk(m, inside):
-        inside = inside or ic.bundle_state(m) is not None
+        state = ic.bundle_state(m)
+        inside = inside or (state is not None and state.get("kind") != "graphs")  # (graph mode runs the model)
         if inside:
             done.add(m)
         for child in m.children():

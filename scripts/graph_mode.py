@@ -1,0 +1,340 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Replay a transformer's forward as CUDA graphs: the kernels without the host.
+
+    import graph_mode
+    graph_mode.enable(model)        # or diffusers_injection.inject_optimized_kernels(pipe, graphs=True)
+    ...                             # model(...) / pipe(...): replayed graphs where they can be, eager elsewhere
+    graph_mode.disable(model)       # the graphs and their memory are freed; the forward is the one before
+
+An eager forward costs the host 8-14 us per kernel launch; at small and medium sizes the GPU waits on it.
+A graph records the forward's launches once and replays them with one call. Per model, one graph per input
+signature (the structure of the arguments, every tensor's shape, strides, dtype and device, every other
+argument's value), at most MAX_GRAPHS of them, all in one memory pool. The first call of a signature runs
+eager (it compiles the Triton kernels and fills the launch plans); the second is captured from static copies
+of its inputs; later calls copy their inputs into those and replay. Outputs are returned as fresh tensors (a
+classifier-free-guidance pipeline keeps one call's output while it makes the next call), so what a caller
+gets is what the eager forward would have returned.
+
+A call runs the eager forward instead (the first time for a reason, a log line says why) where a replay might
+not compute what the forward computes:
+* autograd (grad mode with an input or parameter that requires grad); a model not on a CUDA device, or an input
+  on another device; an argument that is neither a tensor nor a plain value (it could change what the forward
+  does without changing the signature);
+* the model changed since the capture: a parameter or buffer replaced or written in place (a LoRA loaded or
+  fused, new weights loaded), a module added, removed or replaced, a hook added or removed, a forward or
+  attention processor replaced, kernels injected or removed, a module's plain setting changed (train/eval, a
+  LoRA's scale or active adapters), or diffusers' attention backend, the FP8 GEMMs' fast accumulation or
+  torch's TF32 / deterministic switches changed. A fingerprint of all of this is taken at capture and
+  compared on every call (one pass over the modules, on the host); after a change the signature's graph is
+  dropped and captured again;
+* accelerate's or diffusers' offloading hooks (they move weights between calls), global module hooks;
+* a capture that fails (data-dependent control flow, a host synchronisation in the forward): that signature
+  stays eager; a forward that writes into one of its inputs: that signature stays eager (the replay would write
+  into the static copy, not the caller's tensor);
+* more signatures than MAX_GRAPHS: the others run eager.
+
+ROCm: PyTorch exposes HIP graphs through the same torch.cuda.CUDAGraph API; nothing here is specific to
+NVIDIA. What this file promises was measured on an NVIDIA H200 only (records in examples/).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import torch  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+
+import injection_common as ic  # noqa: E402
+
+__all__ = ["enable", "disable", "enabled", "graph_stats", "MAX_GRAPHS", "BACKEND", "CudaGraphs"]
+
+logger = logging.getLogger("graph_mode")
+
+STATE = ic.register_state_key("_rtk_graphs")
+MAX_GRAPHS = 4  # signatures captured per model; more run eager (a pipeline uses one or two)
+WARMUP_CALLS = 1  # eager calls of a signature before it is captured
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class CudaGraphs:
+    """How graphs are made and replayed: torch.cuda's CUDA (HIP on ROCm) graphs. A test may put another object
+    with these two methods in BACKEND (the CPU tests replay by running the forward again)."""
+
+    def usable(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+
+    def capture(self, forward, args, kwargs, graphs):
+        """(replay, out): the forward captured on these (static) inputs; replay() reruns it into out."""
+        if graphs.pool is None:
+            graphs.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(*args, **kwargs)  # on a side stream, as torch.cuda.graph's documentation asks
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graphs.pool):
+            out = forward(*args, **kwargs)
+        return graph.replay, out
+
+
+BACKEND = CudaGraphs()
+
+
+class _Graphs:
+    """A model's graphs: signature -> _Entry, the calls seen per signature, the reasons a call ran eager."""
+
+    def __init__(self):
+        self.entries = collections.OrderedDict()
+        self.seen = collections.Counter()
+        self.refused = {}  # signature -> why it stays eager
+        self.reasons = collections.Counter()  # why calls ran eager (for graph_stats)
+        self.replays = 0
+        self.pool = None
+
+    def __deepcopy__(self, memo):  # a copy of the model captures its own graphs
+        return _Graphs()
+
+    def __reduce__(self):  # graphs do not pickle: a loaded model captures again
+        return _Graphs, ()
+
+
+class _Entry:
+    __slots__ = ("replay", "static", "out", "fingerprint")
+
+    def __init__(self, replay, static, out, fingerprint):
+        self.replay, self.static, self.out, self.fingerprint = replay, static, out, fingerprint
+
+
+def _signature(args, kwargs):
+    """(key, tensor leaves, (leaves, spec)) of a call, or (None, reason, None) where an argument cannot be
+    keyed."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key, tensors = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
+                return None, f"a {type(leaf).__name__} argument", None
+            key.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            tensors.append(leaf)
+        elif isinstance(leaf, _PLAIN):
+            key.append((type(leaf), leaf))
+        else:
+            return None, f"an argument of type {type(leaf).__name__}", None
+    return (str(spec), tuple(key)), tensors, (leaves, spec)
+
+
+_SETTINGS = (int, float, bool, str, type(None))
+
+
+def _global_settings() -> tuple:
+    """Process-wide settings a forward reads at capture: diffusers' attention backend, the FP8 GEMMs' fast
+    accumulation, TF32 and deterministic-algorithm switches."""
+    reg = getattr(sys.modules.get("diffusers.models.attention_dispatch"), "_AttentionBackendRegistry", None)
+    fp8 = sys.modules.get("fp8_linear")
+    return (
+        getattr(reg, "_active_backend", None),
+        getattr(fp8, "FAST_ACCUMULATION", None),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+
+
+def _frozen(v):
+    """A comparable copy of a small container setting (a LoRA's scaling dict, its active adapters)."""
+    return repr(v) if len(v) < 16 else (type(v), len(v))
+
+
+def _snapshot(model) -> tuple:
+    """What a replay depends on besides the inputs: the process-wide settings, and per module (in order) its
+    identity, instance forward, processor, hook counts, number of attributes, plain settings (training, eps, a
+    LoRA's scale or active adapters) and tensors (identity, storage, version, requires_grad)."""
+    rec = []
+    for m in model.modules():
+        d = m.__dict__
+        plain = tuple((k, v) for k, v in d.items() if type(v) in _SETTINGS)
+        boxes = tuple((k, _frozen(v)) for k, v in d.items() if type(v) in (dict, list, tuple) and k[:1] != "_")
+        tensors = tuple(
+            (t, t.data_ptr(), t._version, t.requires_grad)
+            for t in (*m._parameters.values(), *m._buffers.values())
+            if t is not None
+        )
+        hooks = (len(m._forward_hooks), len(m._forward_pre_hooks), len(d), len(m._parameters), len(m._buffers))
+        rec.append((m, d.get("forward"), d.get("processor"), hooks, plain, boxes, tensors))
+    return _global_settings(), tuple(rec)
+
+
+def _unchanged(model, snap) -> bool:
+    """Whether model is as _snapshot found it (one pass over its modules, stopping at the first change)."""
+    settings, rec = snap
+    if _global_settings() != settings:
+        return False
+    i, n = 0, len(rec)
+    for m in model.modules():
+        if i == n:
+            return False
+        r, d = rec[i], m.__dict__
+        i += 1
+        if r[0] is not m or d.get("forward") is not r[1] or d.get("processor") is not r[2]:
+            return False
+        if (len(m._forward_hooks), len(m._forward_pre_hooks), len(d), len(m._parameters), len(m._buffers)) != r[3]:
+            return False
+        for k, v in r[4]:
+            if d.get(k, _MISSING) != v:
+                return False
+        for k, v in r[5]:
+            if k not in d or _frozen(d[k]) != v:
+                return False
+        current = (*m._parameters.values(), *m._buffers.values())
+        j = 0
+        for t in current:
+            if t is None:
+                continue
+            if j >= len(r[6]):
+                return False
+            t0, ptr, ver, grad = r[6][j]
+            j += 1
+            if t is not t0 or t._version != ver or t.data_ptr() != ptr or t.requires_grad != grad:
+                return False
+    return i == n
+
+
+_MISSING = object()
+
+
+def _why_eager(model, tensors) -> str:
+    """Why this call must run the eager forward ("" if a graph may serve it)."""
+    if not ic.hook_free(model) or "_hf_hook" in model.__dict__ or "_diffusers_hook" in model.__dict__:
+        return "a hook on the model (offloading, caching, a torch hook)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "autograd"
+    device = next((t.device for t in tensors), None)
+    if device is None or any(t.device != device for t in tensors) or not BACKEND.usable(device):
+        return "inputs not on one CUDA device (or a capture already in progress)"
+    return ""
+
+
+def _graph_forward(self, *args, **kwargs):
+    """The model's forward through its graphs (see the module docstring); the eager forward where they
+    cannot serve the call."""
+    graphs = self.__dict__[STATE]["graphs"]
+    key, tensors, tree = _signature(args, kwargs)
+    why = tensors if key is None else _why_eager(self, tensors)
+    if not why:
+        why = graphs.refused.get(key, "")
+    if why:
+        return _eager(self, graphs, why, args, kwargs)
+    entry = graphs.entries.get(key)
+    if entry is not None and not _unchanged(self, entry.fingerprint):
+        del graphs.entries[key]  # the model changed since the capture: capture again
+        entry = None
+        graphs.seen[key] = 0
+        graphs.reasons["model changed since capture"] += 1
+    if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+        return _eager(self, graphs, "autograd", args, kwargs)
+    if entry is None:
+        graphs.seen[key] += 1
+        if graphs.seen[key] <= WARMUP_CALLS:
+            return _eager(self, graphs, "", args, kwargs)  # warm-up: compiles kernels, fills plans
+        if len(graphs.entries) >= MAX_GRAPHS:
+            return _eager(self, graphs, f"more than {MAX_GRAPHS} input signatures", args, kwargs)
+        entry = _capture(self, graphs, key, tensors, tree)
+        if entry is None:
+            return _eager(self, graphs, graphs.refused[key], args, kwargs)
+    else:
+        for static, t in zip(entry.static, tensors):
+            static.copy_(t)
+    entry.replay()
+    graphs.replays += 1
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
+
+
+def _eager(model, graphs, why, args, kwargs):
+    if why and not graphs.reasons[why]:
+        logger.info("%s: eager forward (%s)", type(model).__name__, why)
+    if why:
+        graphs.reasons[why] += 1
+    return ic.original(model)(*args, **kwargs)
+
+
+def _offloaded(model, device) -> str:
+    """Why model's weights may move between calls (offloading or parallelism hooks, tensors off device), or ""."""
+    for m in model.modules():
+        if "_hf_hook" in m.__dict__ or "_diffusers_hook" in m.__dict__:
+            return f"an accelerate or diffusers hook on {type(m).__name__} (offloading, caching, parallelism)"
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None and t.device != device:
+                return f"a tensor of {type(m).__name__} on {t.device}, not {device}"
+    return ""
+
+
+def _capture(model, graphs, key, tensors, tree):
+    """Capture the forward on static copies of this call's inputs; None (and the reason in graphs.refused)
+    where it cannot be captured."""
+    why = _offloaded(model, tensors[0].device)
+    if why:
+        graphs.refused[key] = why
+        return None
+    static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
+    for s, t in zip(static, tensors):
+        s.copy_(t)
+    leaves, spec = tree
+    copies = iter(static)
+    args, kwargs = pytree.tree_unflatten([next(copies) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    versions = [s._version for s in static]
+    try:
+        replay, out = BACKEND.capture(ic.original(model), args, kwargs, graphs)
+    except Exception as e:  # data-dependent control flow, a host sync, an op that cannot be captured
+        graphs.refused[key] = f"the capture failed ({type(e).__name__}: {str(e)[:120]})"
+        logger.info("%s: %s; this signature runs eager", type(model).__name__, graphs.refused[key])
+        return None
+    if [s._version for s in static] != versions:
+        graphs.refused[key] = "the forward writes into one of its inputs"
+        return None
+    entry = _Entry(replay, static, out, _snapshot(model))  # (after the forwards: their state is the steady one)
+    graphs.entries[key] = entry
+    return entry
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Serve model's forward from CUDA graphs (see the module docstring); False if it already is."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"graph_mode.enable takes a torch.nn.Module, got {type(model).__name__}")
+    if STATE in model.__dict__:
+        return False
+    if ic.bundle_state(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__}'s forward is patched by another part of the bundle; graph mode wraps a model "
+            "whose own forward is its class's (the injections patch its blocks and modules, not the model itself)"
+        )
+    return ic.patch_forward(model, _graph_forward, "graphs", STATE, graphs=_Graphs())
+
+
+def disable(model: torch.nn.Module) -> bool:
+    """Take graph mode off model, freeing its graphs; False if it was not on."""
+    state = ic.unpatch(model, STATE)
+    if state is None:
+        return False
+    state["graphs"].entries.clear()
+    return True
+
+
+def enabled(model) -> bool:
+    return STATE in getattr(model, "__dict__", {})
+
+
+def graph_stats(model) -> dict:
+    """{"graphs": captured signatures, "replays": calls served by a graph, "eager": {reason: calls}}."""
+    st = model.__dict__.get(STATE)
+    if st is None:
+        return {"graphs": 0, "replays": 0, "eager": {}}
+    g = st["graphs"]
+    return {"graphs": len(g.entries), "replays": g.replays, "eager": dict(g.reasons)}

@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Graph mode (scripts/graph_mode.py): which calls a graph serves and which run eager. On the CPU the capture
+is a stand-in backend that replays by running the forward again into the captured outputs, so everything but
+the CUDA graph itself is exercised: signatures, warm-up, static inputs, fresh outputs, the model-change checks,
+the refusals. On a GPU the same tests run with real CUDA graphs."""
+
+import copy
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import diffusers_injection as di
+import graph_mode
+from kernel_testing import DEVICE, make_generator
+
+GPU = DEVICE.type == "cuda"
+
+
+class ReplayByRunning:
+    """A capture that records the forward and replays it by running it again on the static inputs."""
+
+    def __init__(self):
+        self.captures = 0
+
+    def usable(self, device):
+        return True
+
+    capturing = False
+
+    def capture(self, forward, args, kwargs, graphs):
+        self.captures += 1
+        self.capturing = True
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            self.capturing = False
+
+        def replay():
+            for dst, src in zip(pytree.tree_leaves(out), pytree.tree_leaves(forward(*args, **kwargs))):
+                dst.copy_(src)
+
+        return replay, out
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    if GPU:
+        return None
+    fake = ReplayByRunning()
+    monkeypatch.setattr(graph_mode, "BACKEND", fake)
+    return fake
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.norm = RMSNorm(16, eps=1e-6)
+        self.scale = 1.0  # a plain setting its forward reads
+
+    def forward(self, x, cond=None, flag=True):
+        y = self.norm(self.lin(x)) * self.scale
+        return (y + cond if cond is not None else y), y.sum(-1)
+
+
+def _net(gen):
+    torch.manual_seed(gen.seed_value)
+    return Net().to(DEVICE).eval().requires_grad_(False)
+
+
+def _x(gen, *shape):
+    return torch.randn(*shape, generator=gen).to(DEVICE)
+
+
+def test_second_call_is_captured_and_later_calls_replay_with_new_inputs(backend):
+    gen = make_generator()
+    net = _net(gen)
+    xs = [_x(gen, 2, 3, 16) for _ in range(4)]
+    cs = [_x(gen, 2, 3, 16) for _ in range(4)]
+    with torch.no_grad():
+        wants = [net(x, cond=c) for x, c in zip(xs, cs)]
+        graph_mode.enable(net)
+        gots = [net(x, cond=c) for x, c in zip(xs, cs)]
+    stats = graph_mode.graph_stats(net)
+    assert stats["graphs"] == 1 and stats["replays"] == 3, stats  # call 1 eager (warm-up), 2 captured; 2-4 replayed
+    for got, want in zip(gots, wants):  # each call's own result, though the graph's outputs are reused
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    graph_mode.disable(net)
+
+
+def test_returned_outputs_are_fresh_tensors(backend):
+    """Two calls of one signature (a guidance pipeline's cond and uncond): the first result survives the second."""
+    gen = make_generator()
+    net = _net(gen)
+    graph_mode.enable(net)
+    with torch.no_grad():
+        net(_x(gen, 1, 4, 16))
+        a, b = _x(gen, 1, 4, 16), _x(gen, 1, 4, 16)
+        ra = net(a)
+        keep = ra[0].clone()
+        net(b)
+        assert torch.equal(ra[0], keep)
+    graph_mode.disable(net)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["weight_in_place", "weight_replaced", "module_replaced", "hook_added", "setting", "train_mode", "processor"],
+)
+def test_a_model_changed_after_capture_is_captured_again(change, backend):
+    gen = make_generator()
+    net = _net(gen)
+    graph_mode.enable(net)
+    x = _x(gen, 2, 2, 16)
+    with torch.no_grad():
+        net(x), net(x), net(x)
+        assert graph_mode.graph_stats(net)["graphs"] == 1
+        if change == "weight_in_place":
+            net.lin.weight.mul_(2)
+        elif change == "weight_replaced":
+            net.lin.weight = nn.Parameter(net.lin.weight * 3, requires_grad=False)
+        elif change == "module_replaced":
+            net.norm = RMSNorm(16, eps=1e-2).to(DEVICE)
+        elif change == "hook_added":
+            net.lin.register_forward_hook(lambda m, a, o: o * 0.5)
+        elif change == "setting":
+            net.scale = 0.25
+        elif change == "train_mode":
+            net.norm.train()
+        else:
+            net.lin.__dict__["processor"] = object()
+        got = net(x)
+        stats = graph_mode.graph_stats(net)
+    assert stats["eager"].get("model changed since capture") == 1, stats
+    graph_mode.disable(net)
+    with torch.no_grad():
+        want = net(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), change
+
+
+def test_calls_a_graph_must_not_serve_run_eager(backend, monkeypatch):
+    gen = make_generator()
+    net = _net(gen)
+    graph_mode.enable(net)
+    x = _x(gen, 2, 2, 16)
+    with torch.no_grad():
+        net(x, flag=object()), net(x, flag=object())  # an argument that is no plain value
+    assert graph_mode.graph_stats(net)["eager"] == {"an argument of type object": 2}
+    x.requires_grad_(True)
+    net(x), net(x)  # autograd
+    assert graph_mode.graph_stats(net)["eager"]["autograd"] == 2
+    monkeypatch.setattr(graph_mode, "MAX_GRAPHS", 2)
+    with torch.no_grad():
+        for n in range(1, 5):
+            y = _x(gen, 1, n, 16)
+            net(y), net(y)
+    stats = graph_mode.graph_stats(net)
+    assert stats["graphs"] == 2 and stats["eager"]["more than 2 input signatures"] == 2
+    graph_mode.disable(net)
+
+
+def test_a_capture_that_fails_or_writes_its_input_stays_eager(backend):
+    class Writes(nn.Module):
+        def forward(self, x):
+            x.add_(1)
+            return x * 2
+
+    class Syncs(nn.Module):
+        def forward(self, x):
+            if GPU:
+                return x * float(x.sum())  # a host synchronisation: no capture
+            if graph_mode.BACKEND.capturing:  # (the stand-in capture raises as a CUDA capture would)
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return x * 2
+
+    gen = make_generator()
+    for model, why in ((Writes(), "writes into one of its inputs"), (Syncs(), "the capture failed")):
+        graph_mode.enable(model)
+        with torch.no_grad():
+            for _ in range(3):
+                x = _x(gen, 3, 4)
+                want = model.__class__.forward(model, x.clone())
+                assert torch.equal(model(x), want)
+        stats = graph_mode.graph_stats(model)
+        assert stats["graphs"] == 0 and any(why in r for r in stats["eager"]), stats
+        graph_mode.disable(model)
+
+
+def test_offloading_hooks_stay_eager(backend):
+    gen = make_generator()
+    net = _net(gen)
+    net.lin.__dict__["_hf_hook"] = object()  # as accelerate's offloading marks a module
+    graph_mode.enable(net)
+    with torch.no_grad():
+        x = _x(gen, 2, 2, 16)
+        net(x), net(x), net(x)
+    stats = graph_mode.graph_stats(net)
+    assert stats["graphs"] == 0 and any("accelerate or diffusers hook" in r for r in stats["eager"])
+    graph_mode.disable(net)
+
+
+def test_enable_disable_copy_and_the_router(backend):
+    gen = make_generator()
+    net = _net(gen)
+    assert graph_mode.enable(net) and not graph_mode.enable(net)
+    cp = copy.deepcopy(net)
+    assert graph_mode.enabled(cp) and graph_mode.graph_stats(cp)["graphs"] == 0
+    assert graph_mode.disable(net) and not graph_mode.disable(net)
+    assert "forward" not in net.__dict__
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        graph_mode.enable("not a model")
+    with pytest.raises(ValueError, match="graphs must be True or False"):
+        di.inject_optimized_kernels(net, graphs=1)
+
+    import mmdit_injection as mi
+
+    flux = mi.build_flux_transformer("tiny", dtype=torch.float32, device=DEVICE, seed=gen.seed_value % 1000)
+    kw = mi.make_mmdit_inputs(flux, 1, 32, 32, 4, torch.float32, DEVICE, gen.seed_value)
+    with torch.no_grad():
+        ref = flux(**kw)[0]
+        counts = di.inject_optimized_kernels(flux, verbose=False, graphs=True)
+        assert counts["graphs"] == 1 and graph_mode.enabled(flux)
+        outs = [flux(**kw)[0] for _ in range(3)]
+        assert graph_mode.graph_stats(flux)["replays"] == 2
+        assert all(float((o - ref).abs().max()) <= 1e-5 * float(ref.abs().max()) for o in outs)
+        assert di.remove_optimized_kernels(flux, verbose=False)["graphs"] == 1
+        assert not graph_mode.enabled(flux) and torch.equal(flux(**kw)[0], ref)
