@@ -7,6 +7,9 @@ Modes (same prompt, seed, size, frames and steps for each):
   triton          eager + inject_optimized_kernels (scripts/diffusers_injection.py)
   compile         torch.compile(transformer)
   triton+compile  the kernels injected, then torch.compile (Inductor launches them: torch.library.triton_op)
+  triton+graphs   the kernels injected with graphs=True: the transformer's forward replayed from CUDA graphs
+                  (scripts/graph_mode.py; captured on a signature's second call, so its warm-up time is
+                  reported like compile's); not part of "all": ask for it with --mode
   triton-fp8      the kernels injected with fp8=True: the transformer blocks' linear layers in FP8
                   (fp8_linear.Fp8Linear: per-channel weight scales, per-token input scales, torch._scaled_mm;
                   diffusers_injection.fp8_parents says which); not part of "all": ask for it with --mode
@@ -72,6 +75,7 @@ WAN_VARIANTS = ("2.1-t2v-1.3b", "2.1-t2v-14b", "2.2-ti2v-5b")
 ZOO_MODELS = ("flux2", "qwen_image", "ltx2", "hunyuan_video15", "z_image", "cogvideox", "sana")
 MODES = ("baseline", "triton", "compile", "triton+compile")
 FP8_MODES = ("triton-fp8", "triton-fp8+compile", "torchao-fp8", "torchao-fp8+compile")  # not in "all"
+EXTRA_MODES = ("triton+graphs", "triton-fp8+graphs")  # not in "all" either
 # What FP8 may cost: an FP8 mode passes when its outputs are no further from the float32 run than this
 # times the (bf16) baseline's distance; the kernels' bf16 modes keep 1.5x.
 FP8_PARITY_FACTOR = 1.25
@@ -123,8 +127,8 @@ def _add_workload_arguments(p):
     p.add_argument(
         "--mode",
         default="all",
-        help="one of %s, or of the FP8 modes %s (not in all); a comma-separated list; or all (default)"
-        % (", ".join(MODES), ", ".join(FP8_MODES)),
+        help="one of %s, or of the FP8 modes %s or the graph modes %s (not in all); a comma-separated list; or all "
+        "(default)" % (", ".join(MODES), ", ".join(FP8_MODES), ", ".join(EXTRA_MODES)),
     )
     p.add_argument("--num-frames", type=int, help="video frames, 8k+1 (default 121; CPU 9)")
     p.add_argument("--height", type=int, help="multiple of 32 (default 512; CPU 32)")
@@ -184,9 +188,9 @@ def _add_parity_and_output_arguments(p):
 def _check_common_args(p, args):
     """Sets args.modes; rejects unknown modes and counts out of range."""
     modes = MODES if args.mode == "all" else tuple(m.strip() for m in args.mode.split(","))
-    bad = [m for m in modes if m not in MODES + FP8_MODES]
+    bad = [m for m in modes if m not in MODES + FP8_MODES + EXTRA_MODES]
     if bad:
-        p.error(f"unknown mode(s) {bad}; choose from {list(MODES + FP8_MODES)} or all")
+        p.error(f"unknown mode(s) {bad}; choose from {list(MODES + FP8_MODES + EXTRA_MODES)} or all")
     if any(m in FP8_MODES for m in modes) and args.dtype not in (None, "bf16"):
         p.error(f"the FP8 modes replace bf16 linear layers: run them with --dtype bf16, not {args.dtype}")
     if any(m.startswith("torchao") for m in modes):
@@ -583,7 +587,7 @@ def set_mode(mode, holder, base_model, args, di):
     if mode.startswith("torchao"):
         _UNDO.append(torchao_fp8(base_model, di))
     if "triton" in mode:
-        counts = di.inject_optimized_kernels(base_model, verbose=False, fp8="fp8" in mode)
+        counts = di.inject_optimized_kernels(base_model, verbose=False, fp8="fp8" in mode, graphs="graphs" in mode)
     model = base_model
     if "compile" in mode:
         model = torch.compile(base_model, mode=args.compile_mode, dynamic=False)
@@ -729,6 +733,9 @@ def targets(results: dict, transformer_only: bool) -> dict:
     ):
         if fp8 in t and bf16 in t:
             out[f"{fp8}_speedup_vs_{bf16}"] = t[bf16] / t[fp8]
+    for graphs, other in (("triton+graphs", "triton"), ("triton+graphs", "triton+compile"), ("triton+graphs", "baseline")):
+        if graphs in t and other in t:
+            out[f"{graphs}_speedup_vs_{other}"] = t[other] / t[graphs]
     mem = {m: r.get("peak_memory_gb") for m, r in results.items()}
     if mem.get("baseline") and mem.get("triton"):
         out["triton_peak_memory_not_above_baseline"] = mem["triton"] <= mem["baseline"] * 1.001

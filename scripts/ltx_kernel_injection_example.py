@@ -6,8 +6,11 @@ With a GPU: the LTX-Video checkpoint from the local Hugging Face cache if it is 
 download), else the real-size transformer (LTXVideoTransformer3DModel() defaults) with random
 weights, a small random T5 and a small VAE with the released compression. Defaults: 25 frames
 480x704, 8 steps, bf16. Step times are measured with CUDA events. At that size an eager step
-waits on the CPU issuing kernels (Python), so one transformer call is also timed replayed from a
-CUDA graph: the GPU time of the kernels themselves. The host's speed drifts (on a shared machine
+waits on the CPU issuing kernels (Python), so the patched pipeline runs in graph mode by default
+(inject_optimized_kernels(pipe, graphs=True): the transformer's forward replayed from CUDA graphs;
+--no-graphs for eager kernels), and the set-up it costs (inject, first run: compiles and capture) is
+reported; one transformer call is also timed replayed from a CUDA graph on each side: the GPU time of
+the kernels themselves. The host's speed drifts (on a shared machine
 by tens of percent between runs minutes apart), so the timed runs alternate,
 --rounds times: unpatched, patched; then patched, unpatched; ...; the speed-up is the ratio of the
 pooled medians, with each round's own ratio listed beside it.
@@ -40,10 +43,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 SPEEDUP_MEANS = (
-    "median denoising-step time of the unpatched pipeline over the patched one, both eager, as a user runs "
-    "them, pooled over the alternating rounds: the step's time on the GPU's clock, including any time the GPU "
-    "waits for the host to issue kernels. The CUDA-graph figures below are GPU time alone (no host time), the "
-    "most the kernels can give."
+    "median denoising-step time of the unpatched pipeline (eager) over the patched one (the kernels, in graph mode "
+    "unless --no-graphs: the transformer's forward replayed from CUDA graphs), as a user runs them, pooled over the "
+    "alternating rounds: the time from one step's end to the next's on the GPU's clock (transformer call, "
+    "guidance, scheduler step), including any time the GPU waits for the host to issue kernels. The CUDA-graph "
+    "figures below are one transformer call's GPU time alone (no host time) on each side."
 )
 
 
@@ -63,6 +67,12 @@ def parse_args():
         "--rounds",
         type=int,
         help="timed runs of each pipeline, alternating which goes first (GPU default 3, CPU 1)",
+    )
+    p.add_argument(
+        "--no-graphs",
+        action="store_true",
+        help="inject without graph mode (default on a GPU: the transformer's forward replayed from CUDA graphs, "
+        "scripts/graph_mode.py); the unpatched pipeline is always eager",
     )
     p.add_argument(
         "--device-free",
@@ -92,10 +102,12 @@ def load_pipeline(gpu: bool, seed: int):
     return di.load_ltx_pipeline(device="cuda", seed=seed, log=log)
 
 
-def generate(pipe, args, device, timed=False):
-    """Final latents, per-step times in ms (CUDA events on a GPU, host clock on the CPU) and the
-    keyword arguments of the first transformer call (to time that call alone afterwards)."""
-    marks, first_call = [], {}  # (transformer start, step end) per step
+def generate(pipe, args, device, timed=False, record_call=False):
+    """Final latents, per-step times in ms (CUDA events on a GPU, host clock on the CPU: the time from one
+    step's end to the next's, so the first step, which also holds the pipeline's set-up, is not counted) and,
+    with record_call, the keyword arguments of the first transformer call (a hook on the transformer sees them:
+    that run's transformer runs eager in graph mode, so it is not a timed run)."""
+    ends, first_call = [], {}
 
     def now():
         if device == "cuda":
@@ -105,14 +117,13 @@ def generate(pipe, args, device, timed=False):
         return time.perf_counter()
 
     def on_step_end(_pipe, i, t, kw):
-        marks[-1].append(now())
+        ends.append(now())
         return {}
 
     def on_call(_module, _args, kwargs):
-        marks.append([now()])
         first_call.setdefault("kwargs", kwargs)
 
-    hook = pipe.transformer.register_forward_pre_hook(on_call, with_kwargs=True)
+    hook = pipe.transformer.register_forward_pre_hook(on_call, with_kwargs=True) if record_call else None
     try:
         out = pipe(
             prompt="a red fox runs through a snowy forest, camera follows",
@@ -126,10 +137,11 @@ def generate(pipe, args, device, timed=False):
             max_sequence_length=min(128, pipe.tokenizer.model_max_length),
         ).frames
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
     if device == "cuda":
         torch.cuda.synchronize()
-    steps = [(b.elapsed_time(e) if device == "cuda" else 1e3 * (e - b)) for b, e in (m for m in marks if len(m) == 2)]
+    steps = [(b.elapsed_time(e) if device == "cuda" else 1e3 * (e - b)) for b, e in zip(ends, ends[1:])]
     return out.float(), steps, first_call.get("kwargs")
 
 
@@ -200,17 +212,21 @@ def main() -> int:
     if dtype != torch.float32:  # the yardstick for half-precision parity
         ref32 = generate(pipe, args, device)[0]
         pipe.to(dtype)
-    stock, stock_ms, call, stock_graph_ms = _timed_run(pipe, args, device, gpu)  # warm-up: cuBLAS, allocator
+    stock, stock_ms, call, stock_graph_ms, _ = _timed_run(pipe, args, device, gpu)  # warm-up: cuBLAS, allocator
 
-    counts = di.inject_optimized_kernels(pipe)
-    # warm-up: Triton compiles each kernel once; the CUDA graph takes the unpatched run's first-call inputs
-    patched, patched_ms, _, patched_graph_ms = _timed_run(pipe, args, device, gpu, call)
+    graphs = gpu and not args.no_graphs
+    t0 = time.perf_counter()
+    counts = di.inject_optimized_kernels(pipe, graphs=graphs)
+    inject_s = time.perf_counter() - t0
+    # warm-up: Triton compiles each kernel once (and graph mode captures); the CUDA-graph timing of one call takes
+    # the unpatched run's first-call inputs
+    patched, patched_ms, _, patched_graph_ms, warm_s = _timed_run(pipe, args, device, gpu, call)
     rounds = [(stock_ms, patched_ms)]
     for r in range(1, args.rounds):  # patched first in odd rounds: the kernels stay in across a round's turn
         times = {}
         for side in ("patched", "unpatched") if r % 2 else ("unpatched", "patched"):
             if side == "patched":
-                di.inject_optimized_kernels(pipe, verbose=False)
+                di.inject_optimized_kernels(pipe, verbose=False, graphs=graphs)
             else:
                 di.remove_optimized_kernels(pipe, verbose=False)
             if gpu:  # after each switch, as before the first round's timed runs
@@ -231,6 +247,13 @@ def main() -> int:
         "seed": args.seed,
         "latent_shape": list(stock.shape),
         "replaced": counts,
+        "graph_mode": graphs,
+        "setup_s": {
+            "inject": inject_s,
+            "first_run": warm_s,
+            "what": "wall time of inject_optimized_kernels, and of the patched pipeline's first (2-step) run after it: "
+            "Triton compiles, launch plans and, in graph mode, the capture of the transformer's forward",
+        },
         "rounds": args.rounds,
         "step_ms": _step_ms(gpu, rounds),
         "transformer_call_cuda_graph_ms": _graph_ms(stock_graph_ms, patched_graph_ms),
@@ -260,15 +283,21 @@ def _warm_up(pipe, args, device) -> None:
 
 
 def _timed_run(pipe, args, device, gpu: bool, call=None):
-    """On a GPU a 2-step warm-up run first; then a timed run. Returns (final latents, step times in ms,
-    the keyword arguments of one transformer call: `call` if given, else the run's first, and that call's
-    time replayed from a CUDA graph in ms or None on the CPU)."""
+    """On a GPU a 2-step warm-up run first (its wall time is returned: compiles, plans, captures); then a timed
+    run. Returns (final latents, step times in ms, the keyword arguments of one transformer call: `call` if
+    given, else recorded in an extra untimed run, that call's time replayed from a CUDA graph in ms or None on
+    the CPU, the warm-up's seconds or None)."""
+    warm_s = None
     if gpu:
+        t0 = time.perf_counter()
         _warm_up(pipe, args, device)
-    latents, step_ms, first_call = generate(pipe, args, device, timed=True)
-    call = first_call if call is None else call
+        torch.cuda.synchronize()
+        warm_s = time.perf_counter() - t0
+    latents, step_ms, _ = generate(pipe, args, device, timed=True)
+    if call is None:
+        call = generate(pipe, argparse.Namespace(**{**vars(args), "steps": 2}), device, record_call=True)[2]
     graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None
-    return latents, step_ms, call, graph_ms
+    return latents, step_ms, call, graph_ms, warm_s
 
 
 def _step_ms(gpu: bool, rounds) -> dict:
