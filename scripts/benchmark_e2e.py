@@ -733,7 +733,11 @@ def targets(results: dict, transformer_only: bool) -> dict:
     ):
         if fp8 in t and bf16 in t:
             out[f"{fp8}_speedup_vs_{bf16}"] = t[bf16] / t[fp8]
-    for graphs, other in (("triton+graphs", "triton"), ("triton+graphs", "triton+compile"), ("triton+graphs", "baseline")):
+    for graphs, other in (
+        ("triton+graphs", "triton"),
+        ("triton+graphs", "triton+compile"),
+        ("triton+graphs", "baseline"),
+    ):
         if graphs in t and other in t:
             out[f"{graphs}_speedup_vs_{other}"] = t[other] / t[graphs]
     mem = {m: r.get("peak_memory_gb") for m, r in results.items()}

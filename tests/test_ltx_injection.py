@@ -533,10 +533,9 @@ def test_example_runs_without_gpu():
     summary = json.loads(proc.stdout)
     assert summary["ok"] and summary["restored_bit_identical"]
     steps = summary["steps"]  # two alternating rounds: each pipeline timed twice, steps 2..N (end to end)
-    assert (
-        summary["rounds"] == 2
-        and len(summary["step_ms"]["unpatched"]) == len(summary["step_ms"]["patched"]) == 2 * (steps - 1)
-    )
+    assert summary["rounds"] == 2 and len(summary["step_ms"]["unpatched"]) == len(
+        summary["step_ms"]["patched"]
+    ) == 2 * (steps - 1)
     assert summary["graph_mode"] is False  # (no GPU: graph mode is for CUDA devices)
     assert summary["replaced"]["adaln_fused_blocks"] == 2 and summary["replaced"]["qk_norm_rope_fused"] == 2
     assert "injected kernels: rmsnorm_weightless=4" in proc.stderr
