@@ -40,13 +40,9 @@ TINY = {
     "cogvideox": (lambda b: (b, 2, 4, 4, 4), {"layer_norm", "layer_norm_modulate", "gelu_tanh"}),
     "sana": (lambda b: (b, 4, 4, 4), {"rms_norm", "layer_norm", "gelu_tanh"}),
 }
-# CogVideoX's per-head q/k LayerNorms get q/k [B, H, S, D] as a transposed view of the [B, S, H, D] projection;
-# with B > 1 the generic layer hands that to layernorm.layer_norm, whose plan cannot address three leading dims
-# and raises instead of falling back (batch 1 runs: a dim of one drops out)
-_COGVIDEOX_B2 = pytest.mark.xfail(
-    raises=ValueError, strict=True, reason="generic_injection: LayerNorm on a [B, H, S, D] transposed view, B > 1"
-)
-CASES = [pytest.param(n, 2, id=n, marks=[_COGVIDEOX_B2] if n == "cogvideox" else []) for n in mz.NAMES]
+# CogVideoX's per-head q/k LayerNorms get q/k [B, H, S, D] as a transposed view of the [B, S, H, D] projection
+# (the generic layer reads such a view in place: generic_injection.rowwise); batch 1 too (a dim of one)
+CASES = [pytest.param(n, 2, id=n) for n in mz.NAMES]
 CASES.append(pytest.param("cogvideox", 1, id="cogvideox-batch1"))
 
 # per model at size real: (block list lengths, an attention module, heads, head dim, parameters in billions,
