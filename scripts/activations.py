@@ -457,7 +457,7 @@ def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: 
     latency, and spreading a row over more programs with less work per lane shortens it. Narrow rows
     are packed several to a program (BLOCK_M) to the same budget (2048 outputs beat 4096 at 1,024 rows,
     512 beat 2048 at one row). With the kernel's 2D grid, unmasked tiles and SiLU form, SwiGLU got 13-22 %
-    faster at 1-1,024 rows on an H200 (references/benchmarking.md). The threshold is the H200's (132
+    faster at 1-1,024 rows on an H200 (references/kernel-rope-activations.md). The threshold is the H200's (132
     SMs); untuned on AMD.
     """
     vec = max(1, 16 // elem_bytes)

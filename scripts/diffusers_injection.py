@@ -670,7 +670,7 @@ def inject_optimized_kernels(
     transformer blocks (fp8_parents: not the AdaLN norms' layers) become fp8_linear.Fp8Linear (FP8
     weight, one scale per output channel; inputs quantised per token; torch._scaled_mm); their bf16
     weights move to the CPU until remove_optimized_kernels puts the same modules back. Layers under a LoRA or other adapter stay bf16. FP8 changes the output by more
-    than the kernels alone do: check it on your weights (references/diffusers-integration.md). A later
+    than the kernels alone do: check it on your weights (references/fp8.md). A later
     call with fp8=False adds the bf16 kernels only; it does not take FP8 out (remove_optimized_kernels does).
     injected_counts counts the FP8 layers a model holds, also in modules it shares with another (t2.blocks =
     t1.blocks); the save_pretrained of each transformer found here refuses while it holds any. Inside

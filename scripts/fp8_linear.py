@@ -27,7 +27,7 @@ default accumulation.
 The scale layout is the row-wise recipe of ``torch._scaled_mm`` (scale_a [M, 1], scale_b [1, N], both
 float32), which PyTorch's source accepts on gfx942 (weight float8_e4m3fnuz), gfx950 and gfx1201 (weight
 float8_e4m3fn, from PyTorch builds against ROCm 6.5) with bf16 output, and on NVIDIA sm_89+
-(references/kernel-patterns.md, "FP8 GEMMs"); the
+(references/fp8.md, "FP8 GEMMs"); the
 FP8 format is the device's (``activations._fp8_dtype_for``). K and N must be multiples of 16 (a
 ``torch._scaled_mm`` requirement on every GPU): ``from_linear`` refuses other shapes, which stay in bf16.
 Not measured on AMD hardware. Inference only: no backward.
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 # torch._scaled_mm's use_fast_accum for every FP8 GEMM here, read at each call: on the H200 it made LTX-Video's
-# FP8 forward 5 % faster at an unchanged output error (references/diffusers-integration.md, FP8 linear layers)
+# FP8 forward 5 % faster at an unchanged output error (references/fp8.md, fast accumulation)
 FAST_ACCUMULATION = True
 
 # the formats and the floor of the scales the kernels use (a zero row quantises to zeros, never to NaN)

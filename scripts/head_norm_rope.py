@@ -176,7 +176,7 @@ def _head_rms_norm_rope_kernel(
     # One program per token: the norm weights and the token's cos/sin row are loaded once and serve
     # all its heads (programs of 8 heads load them three times per FLUX token, as many load instructions
     # as q and k themselves): 9 % faster for FLUX's q/k + RoPE on an H200, 2 % slower for SD3.5's q/k
-    # without RoPE, which has no table to share (references/benchmarking.md).
+    # without RoPE, which has no table to share (references/kernel-rope-activations.md).
     pid = tl.program_id(0)
     b = (pid // S).to(tl.int64)
     s = (pid % S).to(tl.int64)

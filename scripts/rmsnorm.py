@@ -511,7 +511,7 @@ def _launch_config_cached(n_cols: int, n_rows: int, warp_size: int, max_fused: i
     """Block shape and warps: 16 elements per lane (two 16-byte loads per tensor in flight, fewer warps
     to reduce across), short rows packed to about 2048 elements per program (small programs pay
     scheduling overhead per row), rows wider than _MAX_FUSED_N in _CHUNK_N-wide chunks. One row x 4 warps
-    ran 10-20 % faster than 2 rows x 16 warps at [12288, 2048] bf16 on an H200 (references/benchmarking.md).
+    ran 10-20 % faster than 2 rows x 16 warps at [12288, 2048] bf16 on an H200 (references/results-h200.md).
     """
     single = n_cols <= max_fused
     block_n = _next_pow2(n_cols) if single else chunk

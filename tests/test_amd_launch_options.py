@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """AMD launch options (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) in eager and under torch.compile.
 
-Checks the section "AMD launch options under torch.compile" of references/troubleshooting.md, on the CPU:
+Checks section 1 of references/amd-compiler-options.md (per-kernel options under torch.compile), on the CPU:
 
 * what the options change when they reach the AMD backend: an ahead-of-time compile of a small ``tl.dot``
   kernel for gfx942 with and without them (metadata, the ``amdgpu-waves-per-eu`` LLVM attribute, the MFMA

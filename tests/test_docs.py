@@ -91,6 +91,52 @@ def test_links_and_paths_resolve(md):
     assert not bad, f"{md.relative_to(ROOT)} names files that do not exist: {sorted(set(bad))}"
 
 
+_ANCHOR_LINK = re.compile(r"\]\(([^)\s#]*\.md)?#([^)\s]+)\)")
+
+
+def _anchors(md):
+    """The anchors GitHub gives md's headings: lower case, punctuation dropped, spaces as hyphens, -N for repeats."""
+    seen, out = {}, set()
+    for line in re.sub(r"```.*?```", "", md.read_text(), flags=re.S).splitlines():
+        m = re.match(r"#{1,6} (.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_link_anchors_resolve(md):
+    """A link to a section names a heading that exists (sections move between pages; links must follow)."""
+    text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
+    bad = []
+    for target, anchor in _ANCHOR_LINK.findall(text):
+        page = (md.parent / target) if target else md
+        if page.exists() and anchor not in _anchors(page):
+            bad.append(f"{target}#{anchor}")
+    assert not bad, f"{md.relative_to(ROOT)} links to sections that do not exist: {sorted(set(bad))}"
+
+
+REFERENCES = sorted((ROOT / "references").glob("*.md"))
+REFERENCE_MAX_BYTES = 30_000
+NO_CONTENTS = {"diffusers-coverage.md": "one generated table, short enough to read whole"}
+
+
+@pytest.mark.parametrize("md", REFERENCES, ids=lambda p: p.name)
+def test_references_are_skimmable(md):
+    """A guide an agent reads is at most 30 KB and opens with a short list of its sections."""
+    size = md.stat().st_size
+    assert size <= REFERENCE_MAX_BYTES, f"{md.name} is {size:,} bytes; split it (at most {REFERENCE_MAX_BYTES:,})"
+    if md.name in NO_CONTENTS:
+        return
+    lines = md.read_text().splitlines()
+    first_section = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    contents = [i for i, line in enumerate(lines) if line.strip() in ("## Contents", "Contents")]
+    assert contents and contents[0] <= first_section, f"{md.name} must list its sections (Contents) before the first"
+
+
 def _python_blocks(text):
     return re.findall(r"```python\n(.*?)```", text, re.S)
 

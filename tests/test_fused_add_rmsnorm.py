@@ -29,7 +29,7 @@ def _weight(n, dtype, gen):
 
 def _round(t, dtype):
     """Round float64 values to dtype the way the kernel's casts do: round to nearest even natively;
-    the interpreter truncates fp32 -> bf16 (see facts/triton-without-a-gpu.md)."""
+    the interpreter truncates fp32 -> bf16 (references/troubleshooting.md, "Interpreter and compiler")."""
     if INTERPRET and dtype == torch.bfloat16:
         f = t.to(torch.float32)
         return (f.view(torch.int32) & -65536).view(torch.float32).to(t.dtype)
