@@ -702,6 +702,7 @@ def inject_optimized_kernels(
     new = _empty_counts()
     skipped = []
     gelu_notes = []
+    generic_before = gi.generic_injected_counts(pipe_or_model)  # (families may run the generic layer themselves)
     if fp8:  # first: a transformer with nothing to replace raises before anything is injected
         new["fp8_linear"] += _swap_in_fp8(pipe_or_model, skipped, fp8_skip)
         _guard_pipeline_save(pipe_or_model)
@@ -720,9 +721,8 @@ def inject_optimized_kernels(
 
     # every model no family took: the generic kernels (diffusers' shared modules, wherever they are)
     claimed = _claimed(pipe_or_model)
-    before = gi.generic_injected_counts(pipe_or_model)
     after = gi.inject_generic_kernels(pipe_or_model, verbose=False, skip=claimed, skipped=skipped)
-    new.update({k: after[k] - before[k] for k in gi.KINDS})
+    new.update({k: after[k] - generic_before[k] for k in gi.KINDS})
 
     if graphs:  # last: the graphs capture the forward with every kernel in place
         for model in _fp8_models(pipe_or_model):
@@ -922,6 +922,7 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     save_pretrained save). Returns the counts per kind of what was restored.
     """
     restored = _empty_counts()
+    generic_before = gi.generic_injected_counts(pipe_or_model)  # (a family's removal may undo some of them)
     for m in ic.unique_modules(pipe_or_model):
         restored["graphs"] += graph_mode.disable(m)
     for model in _fp8_models(pipe_or_model):
@@ -938,7 +939,8 @@ def remove_optimized_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
             restored[kind] += 1
     for family in _present_families(pipe_or_model):
         restored.update(family.remove(pipe_or_model, verbose=False))
-    restored.update(gi.remove_generic_kernels(pipe_or_model, verbose=False))
+    gi.remove_generic_kernels(pipe_or_model, verbose=False)
+    restored.update(generic_before)  # every generic patch is gone now, whoever undid it
     ic.report(logger, ic.counts_message("removed kernels", restored), verbose)
     return restored
 

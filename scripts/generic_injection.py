@@ -740,7 +740,11 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
             continue
         inside_adaln = set()
         for m in root.modules():  # pre-order: an AdaLN module comes before its norm
-            if id(m) in skip_ids or id(m) in inside_adaln or ic.bundle_state(m) is not None:
+            if id(m) in skip_ids or id(m) in inside_adaln:
+                continue
+            if any(ic.class_forward(m, cls) for cls in _ADALN):  # its norms run in its kernel (patched already or now)
+                inside_adaln.update(id(x) for x in m.modules() if x is not m)
+            if ic.bundle_state(m) is not None:
                 continue
             plan = _plan(m)
             if plan is None:
@@ -749,8 +753,6 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
                     skipped.append(why)
                 continue
             kind, fn = plan
-            if kind == "generic_adaln":
-                inside_adaln.update(id(x) for x in m.modules() if x is not m)
             if "forward" in m.__dict__ and not hasattr(m, "_hf_hook") and "_diffusers_hook" not in m.__dict__:
                 skipped.append(f"{type(m).__name__} with a forward of its own")
                 continue

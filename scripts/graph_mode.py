@@ -338,3 +338,13 @@ def graph_stats(model) -> dict:
         return {"graphs": 0, "replays": 0, "eager": {}}
     g = st["graphs"]
     return {"graphs": len(g.entries), "replays": g.replays, "eager": dict(g.reasons)}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(
+        description="Graph mode for a transformer's forward (nothing to run on its own): graph_mode.enable(model), or "
+        "diffusers_injection.inject_optimized_kernels(pipe, graphs=True); benchmark_e2e.py --mode triton+graphs times "
+        "it, and the main job (ltx_kernel_injection_example.py) uses it on a GPU by default."
+    ).parse_args()
