@@ -735,6 +735,7 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
     skip_ids = {id(m) for s in (skip or ()) for m in s.modules()}
     new = _empty_counts()
     skipped = [] if skipped is None else skipped
+    _torch_rms_rounding()  # probed now, not inside a forward that torch.compile may be tracing
     for root in ic.roots(pipe_or_model):
         if id(root) in skip_ids:
             continue
