@@ -197,12 +197,28 @@ def rms_args(norm, x: torch.Tensor):
     return None
 
 
-def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None):
-    """rms_norm over the last dim; an input whose last dim is strided (a VAE normalises x.movedim(1, -1)) is
-    copied to a contiguous buffer and the result gets the input's layout (what torch's ops return)."""
-    if x.stride(-1) == 1 or x.shape[-1] == 1:
+def _rows_ok(x: torch.Tensor) -> bool:
+    """Whether the kernels read x's rows in place: its last dim contiguous (or of size 1) and its leading dims
+    addressed with two strides, as rmsnorm / layernorm / activations require ([B, S, D] or a slice of it; not
+    q.view(B, S, H, Dh).transpose(1, 2), the heads view attention processors normalise, whose rows need three)."""
+    if x.dim() == 0:
+        return True
+    if x.stride(-1) != 1 and x.shape[-1] != 1:
+        return False
+    lead = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
+    return sum(lead[i][1] != lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1)) <= 1
+
+
+def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None, keep_layout=True):
+    """rms_norm over the last dim; an input whose rows the kernel does not read in place (a VAE normalises
+    x.movedim(1, -1), an attention processor the heads view of q) is copied to a contiguous buffer, and the
+    result gets the input's layout (what diffusers' RMSNorm, a chain of elementwise ops, returns) or, with
+    keep_layout=False, stays contiguous (what torch's RMSNorm returns)."""
+    if _rows_ok(x):
         return rmsnorm.rms_norm(x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
     y = rmsnorm.rms_norm(x.contiguous(), weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    if not keep_layout:
+        return y
     out = torch.empty_like(x, dtype=y.dtype)
     out.copy_(y)
     return out
@@ -232,13 +248,14 @@ def _torch_rmsnorm_forward(self, x):
     w = self.weight
     if len(self.normalized_shape) != 1 or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
         return original(self)(x)
-    return _norm_any_layout(x, w, ic.torch_rmsnorm_eps(self), _torch_rms_rounding())
+    return _norm_any_layout(x, w, ic.torch_rmsnorm_eps(self), _torch_rms_rounding(), keep_layout=False)
 
 
 def _layernorm_forward(self, x):
-    """torch.nn.LayerNorm / diffusers FP32LayerNorm over one trailing dim: fp32 math, one rounding."""
+    """torch.nn.LayerNorm / diffusers FP32LayerNorm over one trailing dim: fp32 math, one rounding. Rows the
+    kernel does not read in place go to the original (torch's layer norm copies them itself)."""
     args = _ln_params(self, x)
-    if args is None or x.dim() == 0 or x.stride(-1) != 1 or not _usable(x, args[0], args[1]):
+    if args is None or x.dim() == 0 or not _rows_ok(x) or not _usable(x, args[0], args[1]):
         return original(self)(x)
     return layernorm.layer_norm(x, args[0], args[1], args[2])
 
@@ -457,8 +474,9 @@ def native_attention_active() -> bool:
 
 
 def _torch_gelu_tanh_forward(self, x):
-    """torch.nn.GELU(approximate="tanh")."""
-    if not _usable(x):
+    """torch.nn.GELU(approximate="tanh"); an input whose rows the kernel does not read in place (a channels-last
+    feature map, a transposed view) goes to the original (one pass, in the input's layout)."""
+    if not _usable(x) or not _rows_ok(x):
         return original(self)(x)
     return activations.gelu_tanh(x)
 
