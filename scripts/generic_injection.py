@@ -487,10 +487,14 @@ def _glu_forward(self, hidden_states, *args, **kwargs):
     if args or kwargs:
         return original(self)(hidden_states, *args, **kwargs)
     h = ic.call(self.proj, hidden_states)
-    if not _usable(h) or h.dim() == 0 or h.stride(-1) != 1 or h.shape[-1] % 2:
+    geglu = isinstance(self, GEGLU)  # (a subclass of GEGLU that _is_glu took included)
+    # the activation the class's forward would call, as the kernels compute it: GEGLU's own gelu method (not one
+    # put on the instance), SwiGLU's SiLU module with nothing else to run (no hook; not replaced since injection)
+    own = "gelu" not in self.__dict__ if geglu else type(self.activation) is nn.SiLU and ic.unwrapped(self.activation)
+    if not own or not _usable(h) or h.dim() == 0 or h.stride(-1) != 1 or h.shape[-1] % 2:
         value, gate = h.chunk(2, dim=-1)
-        return value * (self.gelu(gate) if type(self) is GEGLU else self.activation(gate))
-    if type(self) is GEGLU:
+        return value * (self.gelu(gate) if geglu else self.activation(gate))
+    if geglu:
         return activations.geglu(h, "none")
     return activations.swiglu(h, gate_first=False)
 
