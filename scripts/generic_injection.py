@@ -554,16 +554,22 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
 apply_rotary_emb._rtk_original = _DIFFUSERS_ROPE
 
 
-def _rope_files(model) -> list:
+def _rope_files(model, skip_ids=frozenset()) -> list:
     """Names of the model files (Python modules) through whose globals the model's modules and attention
-    processors call diffusers' apply_rotary_emb (or this file's dispatcher standing in for it)."""
+    processors call diffusers' apply_rotary_emb (or this file's dispatcher standing in for it); modules whose
+    id is in skip_ids (with their processors) left out. Not embeddings.py, which defines the function and
+    calls it nowhere: a dispatcher there would serve every file that imports it at call time, whichever model
+    runs, and be bound for good by any file imported meanwhile."""
     names = {}
     for m in model.modules():
+        if id(m) in skip_ids:
+            continue
         names[type(m).__module__] = None
         proc = getattr(m, "processor", None)
         if proc is not None:
             names[type(proc).__module__] = None
     found = []
+    names.pop(_DIFFUSERS_ROPE.__module__, None)
     for name in names:
         g = getattr(sys.modules.get(name), "__dict__", None)
         fn = g.get(_ROPE_NAME) if g is not None else None
@@ -740,7 +746,7 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
                 skipped.append(f"{type(m).__name__} with a forward of its own")
                 continue
             new[kind] += patch(m, fn, kind)
-        names = _rope_files(root)
+        names = _rope_files(root, skip_ids)
         held = {h.name for h in root.__dict__.get("_rtk_generic_rope", ())}
         for name in names:
             if name not in held:
