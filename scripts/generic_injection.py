@@ -528,6 +528,8 @@ def rope_tables(freqs_cis, x: torch.Tensor, sequence_dim: int, use_real: bool):
         return cos, sin
     if not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dtype != torch.complex64 or freqs_cis.dim() != 3:
         return None
+    if freqs_cis.is_conj():  # (a lazily conjugated view: view_as_real refuses it)
+        return None
     if freqs_cis.shape[0] not in (1, x.shape[0]) or freqs_cis.shape[1:] != (seq, dim // 2):
         return None
     parts = torch.view_as_real(freqs_cis)
