@@ -228,9 +228,12 @@ def _diffusers_rmsnorm_forward(self, hidden_states):
     """diffusers RMSNorm: without a weight the result has the input dtype; with an fp16/bf16 weight the
     normalised value is rounded to that dtype before the multiply; with an fp32 weight the multiply is in
     fp32 and the result is fp32 (torch's type promotion in the original); a bias is added after, as
-    diffusers adds it (in the result's dtype)."""
+    diffusers adds it (in the result's dtype). A weight of another shape than [D] (RMSNorm((3, D)) broadcasts
+    a [3, D] one) goes to the original."""
     w, b = self.weight, self.bias
     if not _usable(hidden_states, w, b) or (b is not None and (w is None or b.dtype != w.dtype)):
+        return original(self)(hidden_states)
+    if w is not None and w.shape != hidden_states.shape[-1:]:
         return original(self)(hidden_states)
     if w is None:
         return _norm_any_layout(hidden_states, None, self.eps, True)
@@ -244,9 +247,10 @@ def _diffusers_rmsnorm_forward(self, hidden_states):
 
 
 def _torch_rmsnorm_forward(self, x):
-    """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else the original)."""
+    """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else the original: also for rows of
+    another size, which torch refuses)."""
     w = self.weight
-    if len(self.normalized_shape) != 1 or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
+    if tuple(self.normalized_shape) != x.shape[-1:] or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
         return original(self)(x)
     return _norm_any_layout(x, w, ic.torch_rmsnorm_eps(self), _torch_rms_rounding(), keep_layout=False)
 
