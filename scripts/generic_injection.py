@@ -186,7 +186,7 @@ def rms_args(norm, x: torch.Tensor):
             return None
         if w is None:
             return None, float(norm.eps), True
-        return (w, float(norm.eps), True) if w.dtype == x.dtype and w.dtype in _HALF else None
+        return (w, float(norm.eps), True) if w.dtype == x.dtype else None
     if _runs(norm, nn.RMSNorm):
         w = norm.weight
         if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != x.shape[-1]:
