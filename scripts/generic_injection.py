@@ -188,7 +188,7 @@ def rms_args(norm, x: torch.Tensor):
             return None
         if w is None:
             return None, float(norm.eps), True
-        return (w, float(norm.eps), True) if w.dtype == x.dtype and w.dtype in _HALF else None
+        return (w, float(norm.eps), True) if w.dtype == x.dtype else None
     if _runs(norm, nn.RMSNorm):
         w = norm.weight
         if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != x.shape[-1]:
@@ -230,14 +230,33 @@ def rowwise(fn, x: torch.Tensor, *args, **kwargs):
     return out if back is None else out.permute(back)
 
 
-def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None):
-    """rms_norm over the last dim, the result in x's layout: a dense x of any dim order is read in place
-    (rowwise); any other (a VAE normalises x.movedim(1, -1), whose last dim is strided) is copied to a
-    contiguous buffer first."""
-    out = rowwise(rmsnorm.rms_norm, x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
-    if out is not None:
-        return out
+def _rows_ok(x: torch.Tensor) -> bool:
+    """Whether the kernels read x's rows in place: its last dim contiguous (or of size 1) and its leading dims
+    addressed with two strides, as rmsnorm / layernorm / activations require ([B, S, D] or a slice of it; not
+    q.view(B, S, H, Dh).transpose(1, 2), the heads view attention processors normalise, whose rows need three)."""
+    if x.dim() == 0:
+        return True
+    if x.stride(-1) != 1 and x.shape[-1] != 1:
+        return False
+    lead = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
+    return sum(lead[i][1] != lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1)) <= 1
+
+
+def _norm_any_layout(x, weight, eps, cast_before_weight, out_dtype=None, keep_layout=True):
+    """rms_norm over the last dim. keep_layout (what diffusers' RMSNorm, a chain of elementwise ops, returns: the
+    input's layout): a dense x of any dim order is read in place (rowwise). Without it (torch's RMSNorm returns a
+    contiguous tensor): rows the kernel reads in place are read so. Any other input (a VAE normalises
+    x.movedim(1, -1), whose last dim is strided) is copied to a contiguous buffer first, and the result put back
+    into the input's layout where keep_layout asks for it."""
+    if keep_layout:
+        out = rowwise(rmsnorm.rms_norm, x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+        if out is not None:
+            return out
+    elif _rows_ok(x):
+        return rmsnorm.rms_norm(x, weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
     y = rmsnorm.rms_norm(x.contiguous(), weight, eps, cast_before_weight=cast_before_weight, out_dtype=out_dtype)
+    if not keep_layout:
+        return y
     out = torch.empty_like(x, dtype=y.dtype)
     out.copy_(y)
     return out
@@ -247,9 +266,12 @@ def _diffusers_rmsnorm_forward(self, hidden_states):
     """diffusers RMSNorm: without a weight the result has the input dtype; with an fp16/bf16 weight the
     normalised value is rounded to that dtype before the multiply; with an fp32 weight the multiply is in
     fp32 and the result is fp32 (torch's type promotion in the original); a bias is added after, as
-    diffusers adds it (in the result's dtype)."""
+    diffusers adds it (in the result's dtype). A weight of another shape than [D] (RMSNorm((3, D)) broadcasts
+    a [3, D] one) goes to the original."""
     w, b = self.weight, self.bias
     if not _usable(hidden_states, w, b) or (b is not None and (w is None or b.dtype != w.dtype)):
+        return original(self)(hidden_states)
+    if w is not None and w.shape != hidden_states.shape[-1:]:
         return original(self)(hidden_states)
     if w is None:
         return _norm_any_layout(hidden_states, None, self.eps, True)
@@ -263,20 +285,21 @@ def _diffusers_rmsnorm_forward(self, hidden_states):
 
 
 def _torch_rmsnorm_forward(self, x):
-    """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else the original)."""
+    """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else the original: also for rows of
+    another size, which torch refuses)."""
     w = self.weight
-    if len(self.normalized_shape) != 1 or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
+    if tuple(self.normalized_shape) != x.shape[-1:] or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
         return original(self)(x)
-    return _norm_any_layout(x, w, ic.torch_rmsnorm_eps(self), _torch_rms_rounding())
+    return _norm_any_layout(x, w, ic.torch_rmsnorm_eps(self), _torch_rms_rounding(), keep_layout=False)
 
 
 def _layernorm_forward(self, x):
-    """torch.nn.LayerNorm / diffusers FP32LayerNorm over one trailing dim: fp32 math, one rounding."""
+    """torch.nn.LayerNorm / diffusers FP32LayerNorm over one trailing dim: fp32 math, one rounding. Rows the
+    kernel does not read in place go to the original (torch's layer norm copies them itself)."""
     args = _ln_params(self, x)
-    if args is None or x.dim() == 0 or not _usable(x, args[0], args[1]):
+    if args is None or x.dim() == 0 or not _rows_ok(x) or not _usable(x, args[0], args[1]):
         return original(self)(x)
-    out = rowwise(layernorm.layer_norm, x, args[0], args[1], args[2])
-    return original(self)(x) if out is None else out
+    return layernorm.layer_norm(x, args[0], args[1], args[2])  # (contiguous, as torch's layer norm returns)
 
 
 def _per_sample_ok(x: torch.Tensor, *vectors) -> bool:
@@ -494,7 +517,8 @@ def native_attention_active() -> bool:
 
 
 def _torch_gelu_tanh_forward(self, x):
-    """torch.nn.GELU(approximate="tanh")."""
+    """torch.nn.GELU(approximate="tanh"): a dense input of any dim order read in place, the result in its layout
+    (what torch's elementwise op returns); any other (a strided view) goes to the original."""
     out = rowwise(activations.gelu_tanh, x) if _usable(x) and x.dim() > 0 else None
     return original(self)(x) if out is None else out
 
@@ -505,10 +529,14 @@ def _glu_forward(self, hidden_states, *args, **kwargs):
     if args or kwargs:
         return original(self)(hidden_states, *args, **kwargs)
     h = ic.call(self.proj, hidden_states)
-    if not _usable(h) or h.dim() == 0 or h.stride(-1) != 1 or h.shape[-1] % 2:
+    geglu = isinstance(self, GEGLU)  # (a subclass of GEGLU that _is_glu took included)
+    # the activation the class's forward would call, as the kernels compute it: GEGLU's own gelu method (not one
+    # put on the instance), SwiGLU's SiLU module with nothing else to run (no hook; not replaced since injection)
+    own = "gelu" not in self.__dict__ if geglu else type(self.activation) is nn.SiLU and ic.unwrapped(self.activation)
+    if not own or not _usable(h) or h.dim() == 0 or h.stride(-1) != 1 or h.shape[-1] % 2:
         value, gate = h.chunk(2, dim=-1)
-        return value * (self.gelu(gate) if type(self) is GEGLU else self.activation(gate))
-    if type(self) is GEGLU:
+        return value * (self.gelu(gate) if geglu else self.activation(gate))
+    if geglu:
         return activations.geglu(h, "none")
     return activations.swiglu(h, gate_first=False)
 
@@ -542,6 +570,8 @@ def rope_tables(freqs_cis, x: torch.Tensor, sequence_dim: int, use_real: bool):
         return cos, sin
     if not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dtype != torch.complex64 or freqs_cis.dim() != 3:
         return None
+    if freqs_cis.is_conj():  # (a lazily conjugated view: view_as_real refuses it)
+        return None
     if freqs_cis.shape[0] not in (1, x.shape[0]) or freqs_cis.shape[1:] != (seq, dim // 2):
         return None
     parts = torch.view_as_real(freqs_cis)
@@ -568,16 +598,22 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
 apply_rotary_emb._rtk_original = _DIFFUSERS_ROPE
 
 
-def _rope_files(model) -> list:
+def _rope_files(model, skip_ids=frozenset()) -> list:
     """Names of the model files (Python modules) through whose globals the model's modules and attention
-    processors call diffusers' apply_rotary_emb (or this file's dispatcher standing in for it)."""
+    processors call diffusers' apply_rotary_emb (or this file's dispatcher standing in for it); modules whose
+    id is in skip_ids (with their processors) left out. Not embeddings.py, which defines the function and
+    calls it nowhere: a dispatcher there would serve every file that imports it at call time, whichever model
+    runs, and be bound for good by any file imported meanwhile."""
     names = {}
     for m in model.modules():
+        if id(m) in skip_ids:
+            continue
         names[type(m).__module__] = None
         proc = getattr(m, "processor", None)
         if proc is not None:
             names[type(proc).__module__] = None
     found = []
+    names.pop(_DIFFUSERS_ROPE.__module__, None)
     for name in names:
         g = getattr(sys.modules.get(name), "__dict__", None)
         fn = g.get(_ROPE_NAME) if g is not None else None
@@ -758,7 +794,7 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
                 skipped.append(f"{type(m).__name__} with a forward of its own")
                 continue
             new[kind] += patch(m, fn, kind)
-        names = _rope_files(root)
+        names = _rope_files(root, skip_ids)
         held = {h.name for h in root.__dict__.get("_rtk_generic_rope", ())}
         for name in names:
             if name not in held:
