@@ -605,7 +605,7 @@ def injected_counts(pipe_or_model) -> dict:
 # It must not import this file (it is written on generic_injection and injection_common). Families are asked
 # in order; a model the first one takes is not offered to the others, and every model no family takes gets
 # the generic layer. LTX-Video is this file's own family (below); the others are imported on first use.
-FAMILIES: list = ["wan_injection", "mmdit_injection"]
+FAMILIES: list = ["wan_injection", "mmdit_injection", "flux2_injection"]
 
 
 def register_family(family, *, first: bool = False) -> None:
