@@ -611,6 +611,7 @@ def injected_counts(pipe_or_model) -> dict:
 FAMILIES: list = [
     "wan_injection",
     "mmdit_injection",
+    "flux2_injection",
     "qwen_image_injection",
     "hunyuan_video15_injection",
     "ltx2_injection",

@@ -95,6 +95,7 @@ __all__ = [
     "find_mmdit_models",
     "SD3FusedJointAttnProcessor",
     "FluxFusedAttnProcessor",
+    "flux_qk_norm_rope",
     "build_sd3_transformer",
     "build_flux_transformer",
     "make_mmdit_inputs",
@@ -132,11 +133,8 @@ _usable = ic.usable
 
 
 # torch.nn.RMSNorm (FLUX's q/k norms) multiplies the weight in fp32 and rounds once in current torch
-# releases; others rounded to the input dtype before the weight multiply. Probed at injection time.
-_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = False
-
-
-_probe_torch_rmsnorm = ic.probe_torch_rmsnorm
+# releases; others rounded to the input dtype before the weight multiply: probed once (the generic layer's
+# gi._torch_rms_rounding), at injection, before any torch.compile trace reads it.
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,7 +486,7 @@ def _fusable_parts(parts, head_dim, dtype, norm_cls):
     if norm_cls is nn.RMSNorm:
         if wdtype != dtype:
             return None
-        cbw = _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
+        cbw = gi._torch_rms_rounding()
     else:
         if dtypes and wdtype != dtype:
             return None
@@ -598,30 +596,14 @@ class FluxFusedAttnProcessor:
         query = query.unflatten(-1, (-1, attn.head_dim))
         key = key.unflatten(-1, (-1, attn.head_dim))
         value = value.unflatten(-1, (-1, attn.head_dim))
-        parts = [(query, key, attn.norm_q, attn.norm_k)]
+        parts, values = [(query, key, attn.norm_q, attn.norm_k)], [value]
         if attn.added_kv_proj_dim is not None:
             encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
             encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
             encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
             parts.insert(0, (encoder_query, encoder_key, attn.norm_added_q, attn.norm_added_k))
-
-        fused = self._fused_qk(parts, attn.head_dim, image_rotary_emb)
-        if fused is not None:
-            query, key = fused
-            if attn.added_kv_proj_dim is not None:
-                value = torch.cat([encoder_value, value], dim=1)
-        else:  # the original sequence
-            query = attn.norm_q(query)
-            key = attn.norm_k(key)
-            if attn.added_kv_proj_dim is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-                encoder_key = attn.norm_added_k(encoder_key)
-                query = torch.cat([encoder_query, query], dim=1)
-                key = torch.cat([encoder_key, key], dim=1)
-                value = torch.cat([encoder_value, value], dim=1)
-            if image_rotary_emb is not None:
-                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            values.insert(0, encoder_value)
+        query, key, value = flux_qk_norm_rope(parts, values, attn.head_dim, image_rotary_emb)
 
         hidden_states = dispatch_attention_fn(
             query,
@@ -644,28 +626,46 @@ class FluxFusedAttnProcessor:
             return hidden_states, encoder_hidden_states
         return hidden_states
 
-    @staticmethod
-    def _fused_qk(parts, head_dim, image_rotary_emb):
-        """(q, k) from the kernel, or None when it would not reproduce the modules."""
-        fusable = _fusable_parts(parts, head_dim, parts[0][0].dtype, nn.RMSNorm)
-        if fusable is None:
+
+def _fused_qk(parts, head_dim, image_rotary_emb):
+    """(q, k) from the kernel, or None when it would not reproduce the modules."""
+    fusable = _fusable_parts(parts, head_dim, parts[0][0].dtype, nn.RMSNorm)
+    if fusable is None:
+        return None
+    cos = sin = None
+    if image_rotary_emb is not None:
+        if not (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2):
             return None
-        cos = sin = None
-        if image_rotary_emb is not None:
-            if not (isinstance(image_rotary_emb, (tuple, list)) and len(image_rotary_emb) == 2):
-                return None
-            cos, sin = image_rotary_emb
-            total = sum(p[0].shape[1] for p in parts)
-            if not all(
-                isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) == (total, head_dim) for t in (cos, sin)
-            ):
-                return None
-        weights, eps, cbw = fusable
-        if not _usable(*(t for p in parts for t in p[:2]), *(w for pw in weights for w in pw), cos, sin):
+        cos, sin = image_rotary_emb
+        total = sum(p[0].shape[1] for p in parts)
+        if not all(
+            isinstance(t, torch.Tensor) and t.dim() == 2 and tuple(t.shape) == (total, head_dim) for t in (cos, sin)
+        ):
             return None
-        return head_norm_rope.joint_head_rms_norm_rope(
-            [(p[0], p[1], w[0], w[1]) for p, w in zip(parts, weights)], eps, cos, sin, cast_before_weight=cbw
-        )
+    weights, eps, cbw = fusable
+    if not _usable(*(t for p in parts for t in p[:2]), *(w for pw in weights for w in pw), cos, sin):
+        return None
+    return head_norm_rope.joint_head_rms_norm_rope(
+        [(p[0], p[1], w[0], w[1]) for p, w in zip(parts, weights)], eps, cos, sin, cast_before_weight=cbw
+    )
+
+
+def flux_qk_norm_rope(parts, values, head_dim, image_rotary_emb):
+    """q, k and v for dispatch_attention_fn in FLUX's processors (FLUX.1 and FLUX.2, see flux2_injection.py):
+    parts [(q, k, norm_q, norm_k)] and values, one per stream in concatenation order, each [B, S_i, H, D].
+    The per-head RMSNorms, the concatenation and the RoPE in one launch where the kernel reproduces the
+    modules; else the original sequence (the image stream's norms first, as diffusers calls them)."""
+    fused = _fused_qk(parts, head_dim, image_rotary_emb)
+    value = torch.cat(values, dim=1) if len(values) > 1 else values[0]
+    if fused is not None:
+        return fused[0], fused[1], value
+    normed = [(nq(q), nk(k)) for q, k, nq, nk in reversed(parts)][::-1]
+    query = torch.cat([q for q, _ in normed], dim=1) if len(normed) > 1 else normed[0][0]
+    key = torch.cat([k for _, k in normed], dim=1) if len(normed) > 1 else normed[0][1]
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key, value
 
 
 # --------------------------------------------------------------------------------------------
@@ -709,8 +709,7 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     or any module containing them. Returns the counts per kind of what is injected after the call (a
     second call returns the same counts and wraps nothing twice).
     """
-    global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
-    _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = _probe_torch_rmsnorm()
+    gi._torch_rms_rounding()  # probed here, not inside a traced forward
     models = find_mmdit_models(pipe_or_model)
     new = _empty_counts()
     skipped = []
