@@ -423,9 +423,11 @@ def run_pipeline(pipe, transformer, args, clock, capture=None):
 def run_forward(model, inputs, clock):
     a = clock.mark()
     with torch.no_grad():
-        out = model(**inputs)[0]
+        out = model(**inputs)
     b = clock.mark()
     clock.sync()
+    out = out if isinstance(out, torch.Tensor) else out[0]  # (sample, ...) or a ModelOutput
+    out = torch.stack(out) if isinstance(out, (list, tuple)) else out  # Z-Image: one tensor per sample
     return out.float(), clock.ms(a, b)
 
 
@@ -913,6 +915,12 @@ def _to_dtype(args, pipe, base_model, inputs, dtype, gpu: bool):
             pipe.vae.to("cpu")
     elif args.model == "wan" or args.model in ZOO_MODELS:
         cast_like_from_pretrained(base_model, dtype)  # the class's _keep_in_fp32_modules stay fp32
+    if args.model in ZOO_MODELS and inputs is not None:  # the same values, in the dtypes the pipeline gives them
+        import model_zoo as mz
+
+        device = next(base_model.parameters()).device
+        size = "tiny" if args.tiny else "real"
+        return mz.inputs(args.model, base_model, size, dtype=dtype, device=device, seed=args.seed)
     else:
         base_model.to(dtype)
     if inputs is not None:
@@ -1005,8 +1013,14 @@ def _batch(inputs):
     """The batch of the timed forward (2 for an LTX-Video pipeline run: the guidance batch)."""
     if inputs is None:
         return 2
-    first = next(v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
-    return inputs["hidden_states"].shape[0] if isinstance(inputs.get("hidden_states"), torch.Tensor) else first.shape[0]
+    hidden = inputs.get("hidden_states", inputs.get("x"))
+    if isinstance(hidden, (list, tuple)) and hidden and isinstance(hidden[0], torch.Tensor):
+        return len(hidden)  # a list of per-sample latents (Z-Image's x): one entry a sample
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    first = next((v for v in leaves if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
+    if isinstance(hidden, torch.Tensor):
+        return hidden.shape[0]
+    return first.shape[0] if first is not None else 1
 
 
 def _config(args, base_model, inputs) -> dict:

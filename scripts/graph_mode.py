@@ -28,8 +28,9 @@ not compute what the forward computes:
   compared on every call (one pass over the modules, on the host); after a change the signature's graph is
   dropped and captured again;
 * accelerate's or diffusers' offloading hooks (they move weights between calls), global module hooks;
-* a capture that fails (data-dependent control flow, a host synchronisation in the forward): that signature
-  stays eager; a forward that writes into one of its inputs: that signature stays eager (the replay would write
+* a forward that synchronises with the host (a value read back, a data-dependent shape: found by a run with
+  torch.cuda's sync debug mode set to "error" before the capture, since a capture that fails that way would
+  leave the CUDA generator unusable) or whose capture fails: that signature stays eager; a forward that writes into one of its inputs: that signature stays eager (the replay would write
   into the static copy, not the caller's tensor);
 * more signatures than MAX_GRAPHS: the others run eager.
 
@@ -76,8 +77,17 @@ class CudaGraphs:
             graphs.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward(*args, **kwargs)  # on a side stream, as torch.cuda.graph's documentation asks
+        # On a side stream, as torch.cuda.graph's documentation asks, and with host synchronisations made
+        # errors: a forward that waits for a value on the device (.item(), a data-dependent shape) cannot be
+        # captured, and a capture that fails that way leaves the CUDA generator in capture state for the rest
+        # of the process. Such a forward is refused here, before any capture starts.
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                forward(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=graphs.pool):

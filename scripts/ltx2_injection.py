@@ -179,7 +179,7 @@ def _attend(attn, *args, **kw):
     """attn(*args, **kw), the call the block makes: for a plain LTX2Attention with no hook, its processor
     called as LTX2Attention.forward calls it (without the forward's signature inspection on every call)."""
     if type(attn) is LTX2Attention and "forward" not in attn.__dict__ and ic.hook_free(attn):
-        extra = {k: kw[k] for k in kw.keys() - _ATTN_ARGS}
+        extra = {k: v for k, v in kw.items() if k not in _ATTN_ARGS}  # a comprehension dynamo traces
         if not extra or (extra.keys() <= _PERTURBATION_ARGS and type(attn.processor) in _PERTURBED):
             x = args[0] if args else kw["hidden_states"]
             get = kw.get

@@ -210,3 +210,11 @@ def test_parity_line_with_non_finite_output_or_an_exact_baseline():
     v = be.judge({"baseline": base, "triton": base}, ref32, 30.0)
     results = {m: {"parity": p} for m, p in v.items()}
     assert be._parity_text("triton", results["triton"], results).startswith("ok (1.00x")
+
+
+@TINY_CPU_RUN
+def test_tiny_zoo_run_with_list_inputs():
+    """Z-Image takes its latents as a list of per-sample tensors: the summary's batch is the list's length."""
+    r, summary = _run_tiny("--model", "z_image", "--mode", "baseline,triton", "--heat-seconds", "0")
+    assert summary["ok"] and summary["config"]["model"] == "z_image" and summary["config"]["batch"] == 1
+    assert summary["results"]["triton"]["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5

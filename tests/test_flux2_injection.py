@@ -308,7 +308,9 @@ def test_kv_cache_extract_and_cached_steps_match_stock(kernel_calls):
     model, kw, seed = _case()
     ref_tokens = 4
     extract = dict(kw, hidden_states=torch.cat([kw["hidden_states"][:, :ref_tokens], kw["hidden_states"]], dim=1))
-    extract["img_ids"] = torch.cat([kw["img_ids"][:, :ref_tokens] + torch.tensor([10, 0, 0, 0]), kw["img_ids"]], dim=1)
+    extract["img_ids"] = torch.cat(
+        [kw["img_ids"][:, :ref_tokens] + torch.tensor([10, 0, 0, 0], device=kw["img_ids"].device), kw["img_ids"]], dim=1
+    )
 
     def run(kernels):
         if kernels:

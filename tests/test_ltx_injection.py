@@ -90,6 +90,7 @@ def _transformer_counts(blocks):
         "gelu_tanh": blocks,
         "vae_rmsnorm": 0,
         "fp8_linear": 0,
+        "graphs": 0,  # graph mode is off unless asked for
         **{k: 0 for k in gi.KINDS},  # the generic layer leaves a model LTX-Video's family took alone
     }
 
