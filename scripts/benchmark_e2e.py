@@ -1009,6 +1009,17 @@ def _token_count(base_model, inputs):
     return hs.shape[1] if hs.dim() == 3 else (hs.shape[-2] // p) * (hs.shape[-1] // p)
 
 
+def _tokens(args, base_model, inputs) -> dict:
+    """{"tokens": all of one sample's tokens} (None for a pipeline run); a model_zoo model adds them per stream,
+    as its pipeline makes them (model_zoo.token_counts), since its latents' layout varies by model."""
+    if args.model in ZOO_MODELS:
+        import model_zoo as mz
+
+        streams = mz.token_counts(args.model, "tiny" if args.tiny else "real")
+        return {"tokens": sum(streams.values()), "tokens_per_stream": streams}
+    return {"tokens": _token_count(base_model, inputs)}
+
+
 def _batch(inputs):
     """The batch of the timed forward (2 for an LTX-Video pipeline run: the guidance batch)."""
     if inputs is None:
@@ -1038,7 +1049,7 @@ def _config(args, base_model, inputs) -> dict:
         "dtype": args.dtype,
         "seed": args.seed,
         "batch": _batch(inputs),
-        "tokens": _token_count(base_model, inputs),
+        **_tokens(args, base_model, inputs),
         "compile_mode": args.compile_mode,
         "fp8_accumulation": args.fp8_accumulation,
         "heat_seconds": args.heat_seconds,

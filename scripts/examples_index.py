@@ -48,7 +48,7 @@ HEADER = """# examples/
 
 Measured records: one JSON per benchmark run, each with its device, versions, date and exact command (output
 paths shown as `...`). Nothing here was measured on AMD hardware: GPU results come from NVIDIA H200s (two of one
-host for the `_h200x2` records); AMD readiness comes from ahead-of-time compiles (`python scripts/check_amd_compile.py`,
+host for the `_h200x2` records) and, for the `_h100` records, one NVIDIA H100 80GB; AMD readiness comes from ahead-of-time compiles (`python scripts/check_amd_compile.py`,
 no GPU needed). What the figures mean, per model and kernel: [../references/results-h200.md](../references/results-h200.md).
 Superseded records are in git history; where a record's `notes` field exists, it says which runs came before and
 what changed.

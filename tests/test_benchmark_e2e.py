@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import benchmark_e2e as be
+import model_zoo as mz
 from kernel_testing import DEVICE, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +154,8 @@ def test_torchao_mode_puts_the_very_same_weights_back(monkeypatch):
     replaces each selected weight the way torchao does (a new Parameter) checks the mechanics here."""
     import types
 
+    import diffusers_injection as di  # before the stand-in: importing diffusers looks torchao up by its spec
+
     calls = []
 
     def fake_quantize_(model, config, filter_fn=None):
@@ -167,8 +170,6 @@ def test_torchao_mode_puts_the_very_same_weights_back(monkeypatch):
     fake.Float8DynamicActivationFloat8WeightConfig = lambda granularity: ("fp8", granularity)
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.quantization", fake)
-
-    import diffusers_injection as di
 
     class AdaLayerNormZero(torch.nn.Module):  # an AdaLN norm's linear layer stays bf16 in the FP8 modes
         def __init__(self):
@@ -218,3 +219,5 @@ def test_tiny_zoo_run_with_list_inputs():
     r, summary = _run_tiny("--model", "z_image", "--mode", "baseline,triton", "--heat-seconds", "0")
     assert summary["ok"] and summary["config"]["model"] == "z_image" and summary["config"]["batch"] == 1
     assert summary["results"]["triton"]["parity"]["vs_baseline"]["output"]["rel_l2"] < 1e-5
+    streams = mz.token_counts("z_image", "tiny")
+    assert summary["config"]["tokens_per_stream"] == streams and summary["config"]["tokens"] == sum(streams.values())
