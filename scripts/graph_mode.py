@@ -41,7 +41,9 @@ NVIDIA. What this file promises was measured on an NVIDIA H200 only (records in 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import operator
 import os
 import sys
 
@@ -163,58 +165,70 @@ def _frozen(v):
     return repr(v) if len(v) < 16 else (type(v), len(v))
 
 
+_DICT = operator.attrgetter("__dict__")
+_CHILDREN, _PARAMS, _BUFFERS = (operator.attrgetter(a) for a in ("_modules", "_parameters", "_buffers"))
+_HOOKS, _PRE_HOOKS = operator.attrgetter("_forward_hooks"), operator.attrgetter("_forward_pre_hooks")
+_VERSION, _GRAD, _PTR = (
+    operator.attrgetter("_version"),
+    operator.attrgetter("requires_grad"),
+    operator.methodcaller("data_ptr"),
+)
+
+
+def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
+    """What _snapshot records of the modules mods (their __dict__s in dicts), as flat lists: each built by
+    map() over the modules, so that comparing two of them costs the host little per module."""
+    chain, get, rep = itertools.chain.from_iterable, dict.get, itertools.repeat
+    children, params, buffers = list(map(_CHILDREN, mods)), list(map(_PARAMS, mods)), list(map(_BUFFERS, mods))
+    tensors = [t for t in chain(map(dict.values, params + buffers)) if t is not None]
+    return (
+        list(map(get, dicts, rep("forward"))),
+        list(map(get, dicts, rep("processor"))),
+        list(chain(map(dict.values, children))),
+        list(chain(map(dict.values, params))),
+        list(chain(map(dict.values, buffers))),
+        tensors,
+    ), (
+        list(map(len, dicts)),
+        list(map(len, children)),
+        list(map(len, params)),
+        list(map(len, buffers)),
+        list(map(len, map(_HOOKS, mods))),
+        list(map(len, map(_PRE_HOOKS, mods))),
+        list(map(get, plain_dicts, plain_keys, rep(_MISSING))),
+        list(map(_frozen, map(get, box_dicts, box_keys, rep(_MISSING)))),
+        list(map(_VERSION, tensors)),
+        list(map(_PTR, tensors)),
+        list(map(_GRAD, tensors)),
+    )
+
+
 def _snapshot(model) -> tuple:
-    """What a replay depends on besides the inputs: the process-wide settings, and per module (in order) its
-    identity, instance forward, processor, hook counts, number of attributes, plain settings (training, eps, a
+    """What a replay depends on besides the inputs: the process-wide settings, and per module its identity,
+    children, instance forward, processor, hook counts, number of attributes, plain settings (training, eps, a
     LoRA's scale or active adapters) and tensors (identity, storage, version, requires_grad)."""
-    rec = []
-    for m in model.modules():
-        d = m.__dict__
-        plain = tuple((k, v) for k, v in d.items() if type(v) in _SETTINGS)
-        boxes = tuple((k, _frozen(v)) for k, v in d.items() if type(v) in (dict, list, tuple) and k[:1] != "_")
-        tensors = tuple(
-            (t, t.data_ptr(), t._version, t.requires_grad)
-            for t in (*m._parameters.values(), *m._buffers.values())
-            if t is not None
-        )
-        hooks = (len(m._forward_hooks), len(m._forward_pre_hooks), len(d), len(m._parameters), len(m._buffers))
-        rec.append((m, d.get("forward"), d.get("processor"), hooks, plain, boxes, tensors))
-    return _global_settings(), tuple(rec)
+    mods = list(model.modules())
+    dicts = list(map(_DICT, mods))
+    plain = [(d, k) for d in dicts for k, v in d.items() if type(v) in _SETTINGS]
+    boxes = [(d, k) for d in dicts for k, v in d.items() if type(v) in (dict, list, tuple) and k[:1] != "_"]
+    where = (mods, dicts, [d for d, _ in plain], [k for _, k in plain], [d for d, _ in boxes], [k for _, k in boxes])
+    return _global_settings(), where, _state(*where)
+
+
+def _same(a, b) -> bool:
+    """Whether two lists hold the same objects, in order (identity: tensors' == is elementwise)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _unchanged(model, snap) -> bool:
-    """Whether model is as _snapshot found it (one pass over its modules, stopping at the first change)."""
-    settings, rec = snap
-    if _global_settings() != settings:
+    """Whether model is as _snapshot found it. Every module reachable from model is reached through children
+    found identical to the snapshot's (from model itself down), so comparing the recorded modules' state sees a
+    module added, removed or replaced anywhere."""
+    settings, where, (objects, values) = snap
+    if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
-    i, n = 0, len(rec)
-    for m in model.modules():
-        if i == n:
-            return False
-        r, d = rec[i], m.__dict__
-        i += 1
-        if r[0] is not m or d.get("forward") is not r[1] or d.get("processor") is not r[2]:
-            return False
-        if (len(m._forward_hooks), len(m._forward_pre_hooks), len(d), len(m._parameters), len(m._buffers)) != r[3]:
-            return False
-        for k, v in r[4]:
-            if d.get(k, _MISSING) != v:
-                return False
-        for k, v in r[5]:
-            if k not in d or _frozen(d[k]) != v:
-                return False
-        current = (*m._parameters.values(), *m._buffers.values())
-        j = 0
-        for t in current:
-            if t is None:
-                continue
-            if j >= len(r[6]):
-                return False
-            t0, ptr, ver, grad = r[6][j]
-            j += 1
-            if t is not t0 or t._version != ver or t.data_ptr() != ptr or t.requires_grad != grad:
-                return False
-    return i == n
+    now_objects, now_values = _state(*where)
+    return now_values == values and all(map(_same, now_objects, objects))
 
 
 _MISSING = object()

@@ -59,10 +59,13 @@ class Net(nn.Module):
         super().__init__()
         self.lin = nn.Linear(16, 16)
         self.norm = RMSNorm(16, eps=1e-6)
+        self.post = nn.Sequential(nn.Identity())  # a grandchild
+        self.register_buffer("offset", torch.zeros(16))
         self.scale = 1.0  # a plain setting its forward reads
+        self.options = {"mult": 1.0}  # a container setting its forward reads
 
     def forward(self, x, cond=None, flag=True):
-        y = self.norm(self.lin(x)) * self.scale
+        y = self.post(self.norm(self.lin(x)) + self.offset) * (self.scale * self.options["mult"])
         return (y + cond if cond is not None else y), y.sum(-1)
 
 
@@ -108,11 +111,18 @@ def test_returned_outputs_are_fresh_tensors(backend):
 
 @pytest.mark.parametrize(
     "change",
-    ["weight_in_place", "weight_replaced", "module_replaced", "hook_added", "setting", "train_mode", "processor"],
-)
+    [
+        "weight_in_place", "weight_replaced", "weight_data_swapped", "requires_grad", "buffer_replaced",
+        "module_replaced", "grandchild_replaced", "module_added", "hook_added", "forward_replaced", "setting",
+        "container_setting", "train_mode", "processor",
+    ],
+)  # fmt: skip
 def test_a_model_changed_after_capture_is_captured_again(change, backend):
     gen = make_generator()
     net = _net(gen)
+    norm = net.norm
+    if change == "forward_replaced":  # an instance forward (as an injection sets) replaced by another
+        norm.forward = lambda h: RMSNorm.forward(norm, h)
     graph_mode.enable(net)
     x = _x(gen, 2, 2, 16)
     with torch.no_grad():
@@ -122,8 +132,22 @@ def test_a_model_changed_after_capture_is_captured_again(change, backend):
             net.lin.weight.mul_(2)
         elif change == "weight_replaced":
             net.lin.weight = nn.Parameter(net.lin.weight * 3, requires_grad=False)
+        elif change == "weight_data_swapped":  # same Parameter, other storage (no version bump)
+            net.lin.weight.data = net.lin.weight.detach() * 3
+        elif change == "requires_grad":
+            net.lin.bias.requires_grad_(True)
+        elif change == "buffer_replaced":
+            net.offset = torch.full_like(net.offset, 0.5)
         elif change == "module_replaced":
             net.norm = RMSNorm(16, eps=1e-2).to(DEVICE)
+        elif change == "grandchild_replaced":
+            net.post[0] = nn.Identity()
+        elif change == "module_added":
+            net.lin.extra = nn.Identity()
+        elif change == "forward_replaced":
+            norm.forward = lambda h: RMSNorm.forward(norm, h) * 2
+        elif change == "container_setting":
+            net.options["mult"] = 0.5
         elif change == "hook_added":
             net.lin.register_forward_hook(lambda m, a, o: o * 0.5)
         elif change == "setting":
