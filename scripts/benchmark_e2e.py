@@ -663,6 +663,10 @@ def bench_mode(mode, args, gpu, clock, pipe, base_model, inputs, di, progress, p
     if gpu:
         res["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         res["sm_clock_mhz_after"] = _sm_clock()
+    if "graphs" in mode:  # whether the timed calls were replays, and why any ran eager
+        import graph_mode
+
+        res["graph_stats"] = graph_mode.graph_stats(base_model)
     key = "step_ms" if pipe is not None else "forward_ms"
     res[key] = stats(steps)
     res[key + "_all"] = [round(s, 4) for s in steps]
@@ -822,6 +826,10 @@ def main(argv=None) -> int:
     for mode in results:
         results[mode]["parity"] = parity[mode]
     ok = all(v["ok"] for v in parity.values())
+    for mode, res in results.items():  # a graph mode that replayed nothing timed the eager kernels: say so, fail
+        if gpu and "graph_stats" in res and not res["graph_stats"]["replays"]:
+            print(f"{mode}: FAIL: no call was replayed from a graph ({res['graph_stats']['eager']})", file=sys.stderr)
+            ok = False
 
     summary = _summary(args, argv, gpu, weights, _config(args, base_model, inputs), results, ok)
     if any("fp8" in m for m in args.modes) and args.transformer_only:

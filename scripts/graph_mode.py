@@ -27,7 +27,9 @@ not compute what the forward computes:
   torch's TF32 / deterministic switches changed. A fingerprint of all of this is taken at capture and
   compared on every call (one pass over the modules, on the host); after a change the signature's graph is
   dropped and captured again;
-* accelerate's or diffusers' offloading hooks (they move weights between calls), global module hooks;
+* accelerate's hooks or a diffusers hook (offloading, caching and parallelism hooks change what a call does or
+  move weights between calls; the empty HookRegistry a pipeline puts on its transformer is no hook), global
+  module hooks;
 * a forward that synchronises with the host (a value read back, a data-dependent shape: found by a run with
   torch.cuda's sync debug mode set to "error" before the capture, since a capture that fails that way would
   leave the CUDA generator unusable) or whose capture fails: that signature stays eager; a forward that writes into one of its inputs: that signature stays eager (the replay would write
@@ -119,10 +121,24 @@ class _Graphs:
 
 
 class _Entry:
-    __slots__ = ("replay", "static", "out", "fingerprint")
+    __slots__ = ("replay", "static", "out", "fingerprint", "writes")
 
-    def __init__(self, replay, static, out, fingerprint):
+    def __init__(self, replay, static, out, fingerprint, writes):
         self.replay, self.static, self.out, self.fingerprint = replay, static, out, fingerprint
+        self.writes = writes  # per input: (the part of its static copy a call writes, the index that reads it)
+
+
+def _elements_once(t):
+    """(index, overlap): the index that reads each element of t's memory once (t itself: None; a broadcast input,
+    t.expand(...) as pipelines pass a timestep, has stride-0 dimensions, read at their first position), and
+    whether that part still overlaps itself (no static copy can hold such an input: its signature stays eager)."""
+    if all(st or n <= 1 for st, n in zip(t.stride(), t.shape)):
+        index, part = None, t
+    else:
+        index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(t.stride(), t.shape))
+        part = t[index]
+    overlap = getattr(torch, "_debug_has_internal_overlap", None)
+    return index, (overlap(part) != 0 if overlap is not None else not part.is_contiguous())
 
 
 def _signature(args, kwargs):
@@ -236,7 +252,7 @@ _MISSING = object()
 
 def _why_eager(model, tensors) -> str:
     """Why this call must run the eager forward ("" if a graph may serve it)."""
-    if not ic.hook_free(model) or "_hf_hook" in model.__dict__ or "_diffusers_hook" in model.__dict__:
+    if not ic.hook_free(model) or "_hf_hook" in model.__dict__ or ic.diffusers_hooked(model):
         return "a hook on the model (offloading, caching, a torch hook)"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "autograd"
@@ -274,8 +290,8 @@ def _graph_forward(self, *args, **kwargs):
         if entry is None:
             return _eager(self, graphs, graphs.refused[key], args, kwargs)
     else:
-        for static, t in zip(entry.static, tensors):
-            static.copy_(t)
+        for (part, index), t in zip(entry.writes, tensors):
+            part.copy_(t if index is None else t[index])
     entry.replay()
     graphs.replays += 1
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
@@ -292,7 +308,7 @@ def _eager(model, graphs, why, args, kwargs):
 def _offloaded(model, device) -> str:
     """Why model's weights may move between calls (offloading or parallelism hooks, tensors off device), or ""."""
     for m in model.modules():
-        if "_hf_hook" in m.__dict__ or "_diffusers_hook" in m.__dict__:
+        if "_hf_hook" in m.__dict__ or ic.diffusers_hooked(m):
             return f"an accelerate or diffusers hook on {type(m).__name__} (offloading, caching, parallelism)"
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None and t.device != device:
@@ -307,9 +323,14 @@ def _capture(model, graphs, key, tensors, tree):
     if why:
         graphs.refused[key] = why
         return None
+    layout = [_elements_once(t) for t in tensors]
+    if any(overlap for _, overlap in layout):
+        graphs.refused[key] = "an input whose elements overlap in memory"
+        return None
     static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
-    for s, t in zip(static, tensors):
-        s.copy_(t)
+    writes = [(s if index is None else s[index], index) for s, (index, _) in zip(static, layout)]
+    for (part, index), t in zip(writes, tensors):
+        part.copy_(t if index is None else t[index])
     leaves, spec = tree
     copies = iter(static)
     args, kwargs = pytree.tree_unflatten([next(copies) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
@@ -323,7 +344,7 @@ def _capture(model, graphs, key, tensors, tree):
     if [s._version for s in static] != versions:
         graphs.refused[key] = "the forward writes into one of its inputs"
         return None
-    entry = _Entry(replay, static, out, _snapshot(model))  # (after the forwards: their state is the steady one)
+    entry = _Entry(replay, static, out, _snapshot(model), writes)  # (after the forwards: their state is the steady one)
     graphs.entries[key] = entry
     return entry
 

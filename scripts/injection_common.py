@@ -178,6 +178,17 @@ def original(module: torch.nn.Module):
     return state["original"]
 
 
+def diffusers_hooked(module: torch.nn.Module) -> bool:
+    """Whether module carries a diffusers HookRegistry (_diffusers_hook) holding a hook. An empty registry wraps
+    nothing: diffusers' pipelines create one on the transformer at their first call (cache_context), with no hook
+    in it unless a cache or parallelism is enabled. A registry of another shape counts as hooked."""
+    registry = module.__dict__.get("_diffusers_hook")
+    if registry is None:
+        return False
+    hooks = getattr(registry, "hooks", None)
+    return not isinstance(hooks, dict) or bool(hooks)
+
+
 def unwrapped(module: torch.nn.Module, state_key: Optional[str] = None) -> bool:
     """Whether calling module runs its class's forward, or the forward an integration patched in (under
     state_key or any registered key), and nothing else: hook_free, and no accelerate (_hf_hook) or diffusers
@@ -185,7 +196,7 @@ def unwrapped(module: torch.nn.Module, state_key: Optional[str] = None) -> bool:
     context parallelism). A fused path that does not call a module, or reads its parameters before the
     module would run, may do so only for such a module."""
     d = module.__dict__
-    if not hook_free(module) or "_hf_hook" in d or "_diffusers_hook" in d:
+    if not hook_free(module) or "_hf_hook" in d or diffusers_hooked(module):
         return False
     fwd = d.get("forward")
     if fwd is None:

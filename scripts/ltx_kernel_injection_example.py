@@ -198,6 +198,7 @@ def main() -> int:
     from diffusers.utils import logging as diffusers_logging
 
     import diffusers_injection as di
+    import graph_mode
     import injection_common as ic
 
     diffusers_logging.set_verbosity_error()  # no dtype-cast advice in the output
@@ -221,6 +222,8 @@ def main() -> int:
     # warm-up: Triton compiles each kernel once (and graph mode captures); the CUDA-graph timing of one call takes
     # the unpatched run's first-call inputs
     patched, patched_ms, _, patched_graph_ms, warm_s = _timed_run(pipe, args, device, gpu, call)
+    # whether the timed run's transformer calls were replays (graph mode), and why any ran eager
+    replayed = graph_mode.graph_stats(pipe.transformer) if graphs else None
     rounds = [(stock_ms, patched_ms)]
     for r in range(1, args.rounds):  # patched first in odd rounds: the kernels stay in across a round's turn
         times = {}
@@ -248,6 +251,7 @@ def main() -> int:
         "latent_shape": list(stock.shape),
         "replaced": counts,
         "graph_mode": graphs,
+        "graph_stats": replayed,
         "setup_s": {
             "inject": inject_s,
             "first_run": warm_s,
@@ -259,6 +263,9 @@ def main() -> int:
         "transformer_call_cuda_graph_ms": _graph_ms(stock_graph_ms, patched_graph_ms),
         **_verdict(stock, patched, restored, ref32),
     }
+    if graphs and not replayed["replays"]:  # graph mode asked for, and no call replayed: the times are eager's
+        log(f"FAIL: graph mode replayed no transformer call ({replayed['eager']})")
+        summary["ok"] = False
     _report(summary, gpu)
     return 0 if summary["ok"] else 1
 

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.normalization import RMSNorm
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -252,3 +253,50 @@ def test_enable_disable_copy_and_the_router(backend):
         assert all(float((o - ref).abs().max()) <= 1e-5 * float(ref.abs().max()) for o in outs)
         assert di.remove_optimized_kernels(flux, verbose=False)["graphs"] == 1
         assert not graph_mode.enabled(flux) and torch.equal(flux(**kw)[0], ref)
+
+
+class _Halve(ModelHook):
+    def post_forward(self, module, output):
+        return tuple(o * 0.5 for o in output)
+
+
+def test_an_empty_diffusers_hook_registry_is_no_hook(backend):
+    """diffusers' pipelines put an empty HookRegistry on the transformer at their first call (cache_context):
+    it wraps nothing, so graphs serve the calls; a hook registered in it later makes the calls eager."""
+    gen = make_generator()
+    net = _net(gen)
+    graph_mode.enable(net)
+    HookRegistry.check_if_exists_or_initialize(net)  # as a pipeline's cache_context does
+    x = _x(gen, 2, 2, 16)
+    with torch.no_grad():
+        net(x), net(x), net(x)
+        assert graph_mode.graph_stats(net)["replays"] == 2, graph_mode.graph_stats(net)  # (capture, replay)
+        HookRegistry.check_if_exists_or_initialize(net).register_hook(_Halve(), "halve")
+        got = net(x)
+        stats = graph_mode.graph_stats(net)
+        assert stats["replays"] == 2 and stats["eager"].get("a hook on the model (offloading, caching, a torch hook)")
+        HookRegistry.check_if_exists_or_initialize(net).remove_hook("halve")
+        graph_mode.disable(net)
+        want = net(x)
+    assert all(torch.equal(a, b * 0.5) for a, b in zip(got, want))
+
+
+def test_the_ltx_pipeline_replays_its_transformer(backend):
+    """Through the pipeline's own loop (with its cache_context): after the warm-up and the capture, every
+    transformer call is a replay, and the latents are the eager injected pipeline's."""
+    import argparse
+
+    import ltx_kernel_injection_example as ex
+
+    pipe = di.build_tiny_ltx_pipeline(seed=make_generator().seed_value % 1000).to(DEVICE)
+    pipe.set_progress_bar_config(disable=True)
+    args = argparse.Namespace(num_frames=9, height=32, width=32, steps=3, seed=0)
+    di.inject_optimized_kernels(pipe, verbose=False)
+    want = ex.generate(pipe, args, DEVICE.type)[0]
+    di.remove_optimized_kernels(pipe, verbose=False)
+    di.inject_optimized_kernels(pipe, verbose=False, graphs=True)
+    runs = [ex.generate(pipe, args, DEVICE.type)[0] for _ in range(2)]
+    stats = graph_mode.graph_stats(pipe.transformer)
+    assert stats["graphs"] == 1 and stats["replays"] >= 3, stats  # (first run: warm-up, capture, one replay)
+    assert all(torch.equal(r, want) for r in runs)
+    di.remove_optimized_kernels(pipe, verbose=False)
