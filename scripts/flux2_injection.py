@@ -190,11 +190,14 @@ def _double_block_forward(
     hidden_states, norm_hidden_states = gi.residual_norm_modulate(
         hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
     )
+    attn_output = None  # (read: not held through the feed-forward, as diffusers' block holds it)
     hidden_states = gi.gated_add(hidden_states, gate_mlp, _feed_forward(self.ff, norm_hidden_states))
+    norm_hidden_states = None
 
     encoder_hidden_states, norm_encoder_hidden_states = gi.residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
+    context_attn_output = None
     context_ff_output = _feed_forward(self.ff_context, norm_encoder_hidden_states)
     encoder_hidden_states = gi.gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
     if encoder_hidden_states.dtype == torch.float16:
@@ -256,6 +259,8 @@ class Flux2FusedAttnProcessor:
             parts.insert(0, (enc_q, enc_k, attn.norm_added_q, attn.norm_added_k))
             values.insert(0, encoder_value.unflatten(-1, heads))
         query, key, value = mi.flux_qk_norm_rope(parts, values, attn.head_dim, image_rotary_emb)
+        # the projections, read: not held through the attention (diffusers' processor replaces them as it goes)
+        parts = values = enc_q = enc_k = encoder_query = encoder_key = encoder_value = None
 
         hidden_states = dispatch_attention_fn(
             query,
@@ -305,9 +310,16 @@ class Flux2FusedParallelSelfAttnProcessor:
             backend=self._attention_backend,
             parallel_config=self._parallel_config,
         )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        dtype = query.dtype
+        # Memory: q, k and the fused projection's q/k/v part are dropped after the attention, so the projection
+        # (3 + 2 * mlp_ratio times the width) dies with the activation's input below; the attention output and
+        # the activation once concatenated. diffusers' processor holds all of them through the output projection.
+        query = key = value = qkv = None
+        hidden_states = hidden_states.flatten(2, 3).to(dtype)
         mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
-        return attn.to_out(torch.cat([hidden_states, mlp_hidden_states], dim=-1))
+        hidden_states = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
+        mlp_hidden_states = None
+        return attn.to_out(hidden_states)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,13 +19,21 @@ output AdaLayerNormContinuous, tanh-GELU, ...), then, per kind:
   together with the next block's norm1 / norm1_context (AdaLayerNormZero, ``gi.adaln_zero_apply``), which
   that block uses only for the very tensors it was computed from (``ic.take_carry``). The attention
   processor is called directly where ``Attention.forward`` would only call it (no hook, no extra arguments).
+* ``hunyuan_video15_patch_embed``: the patch embedding (``HunyuanVideo15PatchEmbed`` /
+  ``HunyuanVideoPatchEmbed``) returns its tokens as contiguous rows. Its conv output [B, C, N] read as
+  [B, N, C] has rows strided by N, which the row kernels cannot read; copied here, the strided view dies at
+  once, where a copy made by the first block would be held next to it (the model's forward keeps the view)
+  through that block's attention. The same values, the same one copy.
 * ``hunyuan_video15_qk_norm_rope``: the joint attention's processor (``HunyuanVideo15AttnProcessor2_0`` /
   ``HunyuanVideoAttnProcessor2_0`` of the double-stream blocks): the per-head q/k RMSNorms of the image and
   text streams, the RoPE of the image tokens and the [image, text] concatenation in one launch
   (``head_norm_rope.joint_head_rms_norm_rope``). The kernel rotates every token by one [S, D] table, so the
   text rows of its table are the identity rotation (cos 1, sin 0: the normalised value comes back
-  unchanged), built once per RoPE table and text length. Masks, ``dispatch_attention_fn`` (with the
-  processor's backend and parallel settings) and the output projections are diffusers'.
+  unchanged), built once per RoPE table and text length. ``dispatch_attention_fn`` (with the processor's
+  backend and parallel settings) and the output projections are diffusers'; 1.5's [B, 1, S, S] mask is the
+  processor's, built in one broadcast op where diffusers repeats the text mask to [B, 1, S, S] first and keeps
+  that copy through the attention (the same values: S * S bytes less at the attention's peak). The
+  projections are dropped once the kernel has read them, as diffusers drops its own.
 
 Falls back to diffusers' code for whatever the kernels do not reproduce: autograd (no backward), a block
 whose class has a forward of its own, hooks on a module the fused path would not call (q/k norms, norm2,
@@ -52,11 +60,13 @@ from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.models.normalization import AdaLayerNormZero, RMSNorm  # noqa: E402
 from diffusers.models.transformers.transformer_hunyuan_video import (  # noqa: E402
     HunyuanVideoAttnProcessor2_0,
+    HunyuanVideoPatchEmbed,
     HunyuanVideoTransformer3DModel,
     HunyuanVideoTransformerBlock,
 )
 from diffusers.models.transformers.transformer_hunyuan_video15 import (  # noqa: E402
     HunyuanVideo15AttnProcessor2_0,
+    HunyuanVideo15PatchEmbed,
     HunyuanVideo15Transformer3DModel,
     HunyuanVideo15TransformerBlock,
 )
@@ -71,13 +81,14 @@ __all__ = ["KINDS", "find_models", "inject", "remove", "injected_counts", "Hunyu
 
 logger = logging.getLogger("hunyuan_video15_injection")
 
-KINDS = ("hunyuan_video15_blocks", "hunyuan_video15_qk_norm_rope")
+KINDS = ("hunyuan_video15_blocks", "hunyuan_video15_patch_embed", "hunyuan_video15_qk_norm_rope")
 _STATE = ic.register_state_key("_rtk_hunyuan_video15")  # per-module record of what this family patched
 _CARRY = "_rtk_hunyuan_video15_carry"  # the norm1 outputs the previous block computed for this one
 _PROCESSOR_KINDS = ("hunyuan_video15_qk_norm_rope",)
 _MODELS = (HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel)
 _BLOCKS = (HunyuanVideo15TransformerBlock, HunyuanVideoTransformerBlock)
 _STOCK_PROCESSORS = (HunyuanVideo15AttnProcessor2_0, HunyuanVideoAttnProcessor2_0)
+_PATCH_EMBEDS = (HunyuanVideo15PatchEmbed, HunyuanVideoPatchEmbed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +123,12 @@ def _rows(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _patch_embed_forward(self, hidden_states):
+    """HunyuanVideo15PatchEmbed / HunyuanVideoPatchEmbed.forward with its [B, N, C] tokens as contiguous rows
+    (the conv's [B, C, N] output read as [B, N, C], copied while nothing else holds it; module docstring)."""
+    return _rows(gi.original(self)(hidden_states))
+
+
 def _block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, freqs_cis=None, *args, **kw):
     """HunyuanVideo15TransformerBlock.forward (HunyuanVideoTransformerBlock's is the same code) with the
     gated residual + norm2 + modulation of each stream in one kernel and the last gated residual fused into
@@ -120,9 +137,9 @@ def _block_forward(self, hidden_states, encoder_hidden_states, temb, attention_m
     carried_c = ic.take_carry(self, _CARRY, "c", encoder_hidden_states, temb)
     if ic.needs_autograd(self, hidden_states, encoder_hidden_states, temb):  # the kernels have no backward
         return gi.original(self)(hidden_states, encoder_hidden_states, temb, attention_mask, freqs_cis, *args, **kw)
-    # The patch embedding hands block 0 its [B, C, N] output read as [B, N, C] (rows strided by N), and torch's
-    # elementwise ops keep that layout through every block: the row kernels would all step aside. The rows are
-    # made contiguous once; the kernels' outputs are contiguous from there on. (The same values.)
+    # The patch embedding's [B, C, N] output read as [B, N, C] (rows strided by N) would keep that layout through
+    # every block (torch's elementwise ops do), and the row kernels would all step aside: the injected patch
+    # embedding returns contiguous rows. Where it did not run (a subclass of it, say), block 0 copies them here.
     hidden_states, encoder_hidden_states = _rows(hidden_states), _rows(encoder_hidden_states)
     x, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
         carried_x if carried_x is not None else self.norm1(hidden_states, emb=temb)
@@ -130,11 +147,13 @@ def _block_forward(self, hidden_states, encoder_hidden_states, temb, attention_m
     c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
         carried_c if carried_c is not None else self.norm1_context(encoder_hidden_states, emb=temb)
     )
+    carried_x = carried_c = None  # (x and c are dropped below as soon as they are replaced, as in diffusers)
     attn_output, context_attn_output = _attend(self.attn, x, c, attention_mask, freqs_cis)
     hidden_states, x = gi.residual_norm_modulate(hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp)
     encoder_hidden_states, c = gi.residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
+    attn_output = context_attn_output = None  # (read: not held through the feed-forward)
     ff_output = gi.feed_forward(self.ff, x, _STATE)
     context_ff_output = gi.feed_forward(self.ff_context, c, _STATE)
     hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
@@ -261,14 +280,15 @@ class HunyuanVideo15FusedAttnProcessor:
             query = torch.cat([q, attn.norm_added_q(eq)], dim=1)
             key = torch.cat([k, attn.norm_added_k(ek)], dim=1)
         value = torch.cat([v, ev], dim=1)
+        # the projections, read: dropped before the attention (diffusers' processor replaces its own as it goes)
+        fused = q = k = v = eq = ek = ev = None
 
-        if v15:  # HunyuanVideo 1.5 pads the text mask over the image tokens and pairs it (as its processor)
-            batch_size, seq_len, heads, dim = query.shape
-            attention_mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True)
-            attention_mask = attention_mask.bool()
-            self_attn_mask_1 = attention_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
-            self_attn_mask_2 = self_attn_mask_1.transpose(2, 3)
-            attention_mask = (self_attn_mask_1 & self_attn_mask_2).bool()
+        if v15:  # HunyuanVideo 1.5 pads the text mask over the image tokens and pairs it (module docstring)
+            batch_size, seq_len = query.shape[:2]
+            mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+            # [b, 0, i, j] = mask[b, i] & mask[b, j]: diffusers' (mask repeated over the rows) & (its transpose)
+            attention_mask = mask.view(batch_size, 1, 1, seq_len) & mask.view(batch_size, 1, seq_len, 1)
+            mask = None
 
         hidden_states = dispatch_attention_fn(
             query,
@@ -331,7 +351,11 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
         adaln = [m for m in model.modules() if (m.__dict__.get(gi.STATE) or {}).get("kind") == "generic_adaln"]
         gi.inject_generic_kernels(model, verbose=False, skip=[c for m in adaln for c in m.children()])
         for m in model.modules():
-            if isinstance(m, _BLOCKS):
+            if type(m) in _PATCH_EMBEDS:
+                new["hunyuan_video15_patch_embed"] += gi.patch(
+                    m, _patch_embed_forward, "hunyuan_video15_patch_embed", _STATE
+                )
+            elif isinstance(m, _BLOCKS):
                 if any(ic.class_forward(m, cls) for cls in _BLOCKS):
                     new["hunyuan_video15_blocks"] += gi.patch(m, _block_forward, "hunyuan_video15_blocks", _STATE)
                 else:

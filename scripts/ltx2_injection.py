@@ -23,10 +23,9 @@ tanh GELU one kernel), then the fusions across module boundaries, for the video 
     kernel, then ``rope.ltx_rope``, per tensor.
   - ``rope_type="split"`` (the released LTX-2's): per head, the first half of the channels rotated with
     the second, with one cos/sin value per pair and head (``[B, H, S, D / 2]`` tables): the norm kernel,
-    then ``rope.rope_rotate_half`` per tensor (no kernel fuses a norm across heads with this form). That
-    kernel reads cos/sin per channel, so each table is doubled once per table and forward (kept while the
-    table lives and is unchanged, shared by every block); under torch.compile diffusers' function runs
-    (Inductor fuses it with no table copy).
+    then ``rope.rope_rotate_half`` per tensor (no kernel fuses a norm across heads with this form), which
+    reads diffusers' [B, H, S, D / 2] tables in place (one value per channel pair): no table is copied, so
+    the forward holds no more table memory than diffusers'; under torch.compile diffusers' function runs.
   The attention itself is diffusers' dispatch_attention_fn with the processor's backend and parallel
   settings (carried over from the processor replaced, and back at removal); gated attention (LTX-2.3)
   as diffusers computes it.
@@ -46,7 +45,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import weakref
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the leaf kernels live beside this file
@@ -63,7 +61,6 @@ from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
     apply_interleaved_rotary_emb,
     apply_split_rotary_emb,
 )
-from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 import fp8_linear  # noqa: E402
 import generic_injection as gi  # noqa: E402
@@ -262,20 +259,28 @@ def _block_forward(
     av = self.get_mod_params(self.audio_scale_shift_table, temb_audio, batch_size)
 
     # 1. self-attention: norm1 + modulation (or the previous block's carry); h + attn1 * gate with norm2
+    # Memory: each value is dropped once read (a name rebound, or set to None), so that no block output waits for
+    # the feed-forward's peak; diffusers' block keeps most of its intermediates until it returns.
     n = carried if carried is not None else _res_norm(h, None, None, self.norm1, [(v[1], v[0])])[1][0]
+    carried = None
     y = _self_attention(self, self.attn1, n, video_rotary_emb, self_attention_mask, perturbation_mask, all_perturbed)
+    n = None
     h, (n,) = _res_norm(h, y, v[2], self.norm2, [(v[7], v[6]) if self.video_cross_attn_adaln else (None, None)])
+    y = None
     na = (
         carried_audio
         if carried_audio is not None
         else _res_norm(a, None, None, self.audio_norm1, [(av[1], av[0])])[1][0]
     )
+    carried_audio = None
     y = _self_attention(
         self, self.audio_attn1, na, audio_rotary_emb, audio_self_attention_mask, perturbation_mask, all_perturbed
     )
+    na = None
     a, (na,) = _res_norm(
         a, y, av[2], self.audio_norm2, [(av[7], av[6]) if self.audio_cross_attn_adaln else (None, None)]
     )
+    y = None
 
     # 2. prompt cross-attention (the text states' modulation as diffusers computes it)
     if self.cross_attn_adaln:
@@ -297,8 +302,10 @@ def _block_forward(
         audio_encoder_hidden_states = audio_encoder_hidden_states * (1 + audio_scale_text_kv) + audio_shift_text_kv
     y = _attend(self.attn2, n, encoder_hidden_states=encoder_hidden_states, query_rotary_emb=None,
                 attention_mask=encoder_attention_mask)  # fmt: skip
+    n = None
     ya = _attend(self.audio_attn2, na, encoder_hidden_states=audio_encoder_hidden_states, query_rotary_emb=None,
                  attention_mask=audio_encoder_attention_mask)  # fmt: skip
+    na = None
     gate = v[8] if self.video_cross_attn_adaln else None
     audio_gate = av[8] if self.audio_cross_attn_adaln else None
 
@@ -312,53 +319,47 @@ def _block_forward(
         v2a_gate = self.get_mod_params(at[4:, :], temb_ca_audio_gate, batch_size)[0].squeeze(2)
         sel = [i for i, on in ((0, a2v), (2, v2a)) if on]
         h, vm = _res_norm(h, y, gate, self.audio_to_video_norm, [(vs[i].squeeze(2), vs[i + 1].squeeze(2)) for i in sel])
+        y = None
         a, am = _res_norm(a, ya, audio_gate, self.video_to_audio_norm,
                           [(avs[i].squeeze(2), avs[i + 1].squeeze(2)) for i in sel])  # fmt: skip
+        ya = None
         mlp, audio_mlp = [(v[4], v[3])], [(av[4], av[3])]
         if a2v:
             y = _attend(self.audio_to_video_attn, vm[0], encoder_hidden_states=am[0], query_rotary_emb=ca_video_rotary_emb,
                         key_rotary_emb=ca_audio_rotary_emb, attention_mask=a2v_cross_attention_mask)  # fmt: skip
+            vm, am = vm[-1:] if v2a else [], am[-1:] if v2a else []  # (the a2v inputs, read)
             h, (n,) = _res_norm(h, y, a2v_gate, self.norm3, mlp)
+            y = None
         else:
             n = _res_norm(h, None, None, self.norm3, mlp)[1][0]
         if v2a:
             y = _attend(self.video_to_audio_attn, am[-1], encoder_hidden_states=vm[-1], query_rotary_emb=ca_audio_rotary_emb,
                         key_rotary_emb=ca_video_rotary_emb, attention_mask=v2a_cross_attention_mask)  # fmt: skip
+            vm = am = None
             a, (na,) = _res_norm(a, y, v2a_gate, self.audio_norm3, audio_mlp)
+            y = None
         else:
             na = _res_norm(a, None, None, self.audio_norm3, audio_mlp)[1][0]
+        vm = am = None
     else:  # h + attn2 with norm3 + modulation
         h, (n,) = _res_norm(h, y, gate, self.norm3, [(v[4], v[3])])
+        y = None
         a, (na,) = _res_norm(a, ya, audio_gate, self.audio_norm3, [(av[4], av[3])])
+        ya = None
 
     # 4. feed-forward; h + ff * gate (with the next block's norm1 + modulation where blocks are linked)
-    h = _residual_out(self, h, gi.feed_forward(self.ff, n, STATE), v[5], temb, "video")
-    a = _residual_out(self, a, gi.feed_forward(self.audio_ff, na, STATE), av[5], temb_audio, "audio")
+    y = gi.feed_forward(self.ff, n, STATE)
+    n = None
+    h = _residual_out(self, h, y, v[5], temb, "video")
+    y = gi.feed_forward(self.audio_ff, na, STATE)
+    na = None
+    a = _residual_out(self, a, y, av[5], temb_audio, "audio")
     return h, a
 
 
 # --------------------------------------------------------------------------------------------
 # Attention: q/k RMSNorm + RoPE through the kernels
 # --------------------------------------------------------------------------------------------
-# rope_type "split" tables doubled for rope_rotate_half, per cos table while it lives and is unchanged
-_SPLIT_TABLES = WeakIdKeyDictionary()
-
-
-def _split_tables(cos, sin):
-    """(cat(cos, cos), cat(sin, sin)) along the channels: the [B, H, S, D] per-channel tables rope_rotate_half
-    reads for diffusers' split RoPE (one value per pair of channels c and c + D / 2). Made once per table pair
-    while both are alive and unchanged (version counters), so every block of a forward shares them."""
-    keep = not (cos.is_inference() or sin.is_inference())
-    if keep:
-        hit = _SPLIT_TABLES.get(cos)
-        if hit is not None and hit[0] == cos._version and hit[1]() is sin and hit[2] == sin._version:
-            return hit[3]
-    tables = (torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
-    if keep:
-        _SPLIT_TABLES[cos] = (cos._version, weakref.ref(sin), sin._version, tables)
-    return tables
-
-
 def _interleaved_ok(x, tables) -> bool:
     """(cos, sin) are per-channel tables [B or 1, S, C] or [S, C] for x [B, S, C] (what the kernels take)."""
     if not isinstance(tables, (tuple, list)) or len(tables) != 2 or x.dim() != 3 or x.stride(-1) != 1:
@@ -380,8 +381,9 @@ def _rope(kind: str, x, tables):
     cos, sin = tables
     if x.dim() == 3 and cos.dim() == 4 and x.stride(-1) == 1 and not torch.compiler.is_compiling():
         b, heads, s, r = cos.shape
-        if sin.shape == cos.shape and x.shape == (b, s, 2 * heads * r) and ic.usable(x, cos, sin):
-            out = rope.rope_rotate_half(x.unflatten(2, (heads, 2 * r)).transpose(1, 2), *_split_tables(cos, sin))
+        rows = all(t.stride(-1) == 1 or r == 1 for t in (cos, sin))  # (the kernel reads the tables in place)
+        if sin.shape == cos.shape and x.shape == (b, s, 2 * heads * r) and rows and ic.usable(x, cos, sin):
+            out = rope.rope_rotate_half(x.unflatten(2, (heads, 2 * r)).transpose(1, 2), cos, sin)
             return out.transpose(1, 2).reshape(b, s, -1)
     return apply_split_rotary_emb(x, tables)
 

@@ -535,29 +535,42 @@ def build(name: str, size: str = "tiny", *, dtype=torch.float32, device="cpu", s
     return model.eval().requires_grad_(False)
 
 
-def inputs(name: str, model, size: str = "tiny", *, batch: int = 1, dtype=None, device=None, seed: int = 0) -> dict:
+def _geometry(spec: _Model, size: str, geometry=None) -> dict:
+    """size's geometry of spec, with the entries of geometry (height, width, frames, text, ...) in place of its own."""
+    g = dict(spec.geometry[size])
+    unknown = set(geometry or ()) - set(g)
+    if unknown:
+        raise ValueError(f"geometry keys {sorted(unknown)} are not among this model's {sorted(g)}")
+    g.update(geometry or {})
+    return g
+
+
+def inputs(
+    name: str, model, size: str = "tiny", *, batch: int = 1, dtype=None, device=None, seed: int = 0, geometry=None
+) -> dict:
     """The keyword arguments of one model(**kw) forward of `name` at `size`'s resolution, frames and text length
-    (describe), as the model's pipeline builds them (module docstring). dtype / device: the model's by default."""
+    (describe), as the model's pipeline builds them (module docstring). dtype / device: the model's by default.
+    geometry: entries that replace the size's (e.g. {"frames": 25, "height": 160}: more tokens for a tiny model)."""
     spec = _spec(name, size)
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     dtype = dtype or model.dtype
     device = device or next(model.parameters()).device
-    return spec.make(model, model.config, spec.geometry[size], batch, _Draw(seed, dtype, device))
+    return spec.make(model, model.config, _geometry(spec, size, geometry), batch, _Draw(seed, dtype, device))
 
 
-def token_counts(name: str, size: str = "real") -> dict:
+def token_counts(name: str, size: str = "real", geometry=None) -> dict:
     """{stream: tokens} of one sample's forward at `size` (before any padding the model adds)."""
     spec = _spec(name, size)
-    return spec.tokens(spec.geometry[size], _config(name, size))
+    return spec.tokens(_geometry(spec, size, geometry), _config(name, size))
 
 
-def describe(name: str, size: str = "real", batch: int = 1) -> str:
+def describe(name: str, size: str = "real", batch: int = 1, geometry=None) -> str:
     """One line: the architecture, resolution / frames, token counts and batch of `name` at `size`."""
     spec = _spec(name, size)
-    g, cfg = spec.geometry[size], _config(name, size)
+    g, cfg = _geometry(spec, size, geometry), _config(name, size)
     res = f"{g['frames']} frames of " if "frames" in g else ""
-    toks = " + ".join(f"{v} {k}" for k, v in token_counts(name, size).items())
+    toks = " + ".join(f"{v} {k}" for k, v in token_counts(name, size, geometry).items())
     title = spec.title if size == "real" else f"tiny {spec.title}-like"
     return f"{title} ({spec.cls.split(':')[1]}: {spec.arch(cfg)}), {res}{g['height']}x{g['width']}: {toks} tokens, batch {batch}"
 

@@ -176,13 +176,16 @@ def _block_forward(
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
+    img_modulated = txt_modulated = None  # (each value dropped once read: diffusers' block holds them to the end)
 
     hidden_states, img_modulated2 = _residual_norm_modulate(
         hidden_states, img_attn_output, img_gate1, self.img_norm2, img_scale2, img_shift2
     )
+    img_attn_output = None
     encoder_hidden_states, txt_modulated2 = _residual_norm_modulate(
         encoder_hidden_states, txt_attn_output, txt_gate1, self.txt_norm2, txt_scale2, txt_shift2
     )
+    txt_attn_output = None
     hidden_states = _gated_add(hidden_states, img_gate2, gi.feed_forward(self.img_mlp, img_modulated2, _STATE))
     encoder_hidden_states = _gated_add(
         encoder_hidden_states, txt_gate2, gi.feed_forward(self.txt_mlp, txt_modulated2, _STATE)
@@ -311,6 +314,7 @@ def _attention_forward(self, hidden_states, encoder_hidden_states=None, attentio
     fused = _fused_qk(self, txt_q, txt_k, img_q, img_k, rotary, head_dim)
     query, key = fused if fused is not None else _stock_qk(self, txt_q, txt_k, img_q, img_k, rotary)
     value = torch.cat([txt_v, img_v], dim=1)
+    fused = img_q = img_k = img_v = txt_q = txt_k = txt_v = None  # the projections, read: not held by the attention
 
     out = _qwen.dispatch_attention_fn(
         query,

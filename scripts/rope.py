@@ -11,7 +11,8 @@ Public functions:
 * ``ltx_rope(x, cos, sin)``: diffusers' ``apply_rotary_emb`` of ``transformer_ltx.py`` on x [B, S, C]
   (rows may be strided, e.g. a slice of a fused qkv projection), cos/sin [B or 1, S, C] (or [S, C]).
 * ``rope_rotate_half(x, cos, sin)``: transformers' ``apply_rotary_pos_emb`` for one tensor, x [B, H, S, D]
-  with any strides whose last dim is contiguous, cos/sin [S, D], [B or 1, S, D] or [B or 1, H or 1, S, D].
+  with any strides whose last dim is contiguous, cos/sin [S, D], [B or 1, S, D] or [B or 1, H or 1, S, D];
+  or [.., D / 2], one value per channel pair (c, c + D / 2) (diffusers' split RoPE: LTX-2's tables).
 * ``rope_interleaved(x, cos, sin)``: diffusers' ``apply_rotary_emb`` (pairs, ``use_real_unbind_dim=-1``, or a
   complex table) for x [B, H, S, D] with any strides whose last dim is contiguous; cos/sin per channel or per
   pair (the parts of a complex table), broadcast like rope_rotate_half's.
@@ -145,6 +146,7 @@ def _rope_rotate_half_kernel(
     H,
     S,
     HALF,  # rows (B * H * S), heads, tokens, D // 2
+    HALF_TABLES: tl.constexpr,  # cos/sin [.., D // 2]: one value per channel pair (c, c + D // 2), read for both
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_H: tl.constexpr,  # columns of each half per program (the second grid axis walks the chunks)
 ):
@@ -168,9 +170,13 @@ def _rope_rotate_half_kernel(
     x1 = tl.load(xp + j, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(xp + HALF + j, mask=mask, other=0.0).to(tl.float32)
     c1 = tl.load(cp + j, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cp + HALF + j, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sp + j, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sp + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    if HALF_TABLES:
+        c2 = c1
+        s2 = s1
+    else:
+        c2 = tl.load(cp + HALF + j, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sp + HALF + j, mask=mask, other=0.0).to(tl.float32)
     op = OUT + (b * o_sb + h * o_sh + s * o_ss)[:, None]
     tl.store(op + j, (x1 * c1 - x2 * s1).to(OUT.dtype.element_ty), mask=mask)
     tl.store(op + HALF + j, (x2 * c2 + x1 * s2).to(OUT.dtype.element_ty), mask=mask)
@@ -608,10 +614,18 @@ def _rope_rotate_half_plan(x, cos, sin):
     bsz, heads, seq, dim = x.shape
     if dim % 2:
         raise ValueError(f"x has head dim {dim}; rotate-half RoPE needs an even head dim")
-    # [B, H, S, D] views of the tables: the kernel gets the tables themselves (same data pointer)
+    # one value per channel (width D) or per channel pair (c, c + D / 2) (width D / 2: diffusers' split RoPE)
+    half_tables = dim > 0 and cos.dim() > 0 and cos.shape[-1] == dim // 2
+    width = dim // 2 if half_tables else dim
+    if half_tables and (sin.dim() == 0 or sin.shape[-1] != width):
+        raise ValueError(
+            f"cos and sin have shapes {tuple(cos.shape)} and {tuple(sin.shape)}; expected last dims {dim} (one "
+            f"value per channel) or {dim // 2} (one per channel pair) for x of shape {tuple(x.shape)}"
+        )
+    # [B, H, S, width] views of the tables: the kernel gets the tables themselves (same data pointer)
     # and the views' strides, which the signature fixes.
-    cos_v = _rotate_half_table("cos", cos, x.shape)
-    sin_v = _rotate_half_table("sin", sin, x.shape)
+    cos_v = _rotate_half_table("cos", cos, (bsz, heads, seq, width))
+    sin_v = _rotate_half_table("sin", sin, (bsz, heads, seq, width))
     for nm, t in (("x", x), ("cos", cos_v), ("sin", sin_v)):
         _check_last_contiguous(nm, t)
     if x.numel() == 0:
@@ -657,7 +671,7 @@ def _rope_rotate_half_plan(x, cos, sin):
             seq,
             half,
         ),
-        dict(BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps),
+        dict(HALF_TABLES=half_tables, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps),
         (0, 4, 8, 12),
         dev,
     )
@@ -1373,8 +1387,10 @@ def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
     x: [B, H, S, D], any strides with a contiguous last dim (e.g. the [B, S, H, D] -> [B, H, S, D]
     transpose of a projection). cos/sin: [S, D], [B or 1, S, D] (as transformers' rotary embedding
-    returns them; the head dim is broadcast) or [B or 1, H or 1, S, D], any float dtype. The output
-    has x's dtype, and x's layout when x is dense.
+    returns them; the head dim is broadcast) or [B or 1, H or 1, S, D], any float dtype; or the same with
+    last dim D / 2, one value for channels c and c + D / 2 (diffusers' apply_split_rotary_emb tables,
+    [B, H, S, D / 2]: read in place, never doubled). The output has x's dtype, and x's layout when x is
+    dense.
     No backward: in grad mode, an input that requires grad raises RuntimeError (see ltx_rope).
     """
     if torch.compiler.is_compiling():
@@ -1514,8 +1530,11 @@ def ltx_rope_ref(x, cos, sin):
 
 
 def rope_rotate_half_ref(x, cos, sin):
-    """transformers' q * cos + rotate_half(q) * sin for x [B, H, S, D] (cos [B, S, D] gets the head dim)."""
+    """transformers' q * cos + rotate_half(q) * sin for x [B, H, S, D] (cos [B, S, D] gets the head dim; tables
+    of width D / 2 hold one value per channel pair (c, c + D / 2): doubled)."""
     f = _compute_dtype(x)
+    if x.shape[-1] and cos.shape[-1] * 2 == x.shape[-1]:
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     xf = x.to(f)

@@ -126,13 +126,19 @@ def test_fp32_parity_kernels_counts_and_exact_removal(gen, monkeypatch):
     calls = count_calls(monkeypatch, FUSED)
     counts = _inject(model)
     assert counts["hunyuan_video15_blocks"] == 2 and counts["hunyuan_video15_qk_norm_rope"] == 2
+    assert counts["hunyuan_video15_patch_embed"] == 1
     assert counts["generic_adaln"] == 5 and counts["generic_gelu_tanh"] == 4  # norm1s + norm_out, feed-forwards
     assert di.injected_counts(model) == counts and _inject(model) == counts  # a second call changes nothing
+    with torch.no_grad():  # the patch embedding's tokens: the same values, as contiguous rows
+        tokens = model.x_embedder(kw["hidden_states"])
+        stock_tokens = type(model.x_embedder).forward(model.x_embedder, kw["hidden_states"])
+    assert tokens.is_contiguous() and not stock_tokens.is_contiguous() and torch.equal(tokens, stock_tokens)
     out = run_model(model, kw)
     assert dict(calls) == CALLS
     assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
     restored = _remove(model)
     assert restored["hunyuan_video15_blocks"] == 2 and restored["hunyuan_video15_qk_norm_rope"] == 2
+    assert restored["hunyuan_video15_patch_embed"] == 1
     _nothing_left(model)
     assert all(type(m.processor) is HunyuanVideo15AttnProcessor2_0 for b in model.transformer_blocks for m in [b.attn])
     assert torch.equal(run_model(model, kw), ref)

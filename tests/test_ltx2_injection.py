@@ -24,6 +24,7 @@ from kernel_testing import (
     count_calls,
     interpreter_bf16_round_to_nearest_even,
     make_generator,
+    poisoned_outputs,
     rel_l2,
     run_compiled_fullgraph,
 )
@@ -172,8 +173,9 @@ def _expected_calls(variant) -> dict:
 @pytest.mark.parametrize("rope_type", ["interleaved", "split"])
 def test_the_kernels_compute_ltx2s_rotary_forms(rope_type, gen):
     """The rope modules' tables through diffusers' apply_interleaved_rotary_emb / apply_split_rotary_emb equal
-    rope.ltx_rope_ref / rope_rotate_half_ref (split tables doubled over the channel halves, heads as the table
-    splits them) and the kernels, in fp32; dims that do not divide into the rope's axes (padding channels)."""
+    rope.ltx_rope_ref / rope_rotate_half_ref (split tables: one value per channel pair, heads as the table splits
+    them) and the kernels, which read the split tables in place (no copy), in fp32; dims that do not divide into
+    the rope's axes (padding channels)."""
     b, s, heads, d = 2, 5, 2, 22  # 44 channels: 44 % 6 = 2 padding channels for video, 44 % 2 for split
     mod = t2.LTX2AudioVideoRotaryPosEmbed(
         dim=heads * d, modality="video", rope_type=rope_type, num_attention_heads=heads
@@ -186,15 +188,16 @@ def test_the_kernels_compute_ltx2s_rotary_forms(rope_type, gen):
     else:
         ref = t2.apply_split_rotary_emb(x, (cos, sin))
         x4 = x.unflatten(2, (heads, d)).transpose(1, 2)
-        tables = l2._split_tables(cos, sin)
-        assert l2._split_tables(cos, sin) is tables, "made once per table pair"
-        outs = (rope.rope_rotate_half_ref(x4, *tables), rope.rope_rotate_half(x4, *tables))
+        assert cos.shape == (b, heads, s, d // 2) and cos.stride(-1) == 1  # [B, H, S, D / 2], token-major
+        doubled = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        with poisoned_outputs():
+            half = rope.rope_rotate_half(x4, cos, sin)
+        outs = (rope.rope_rotate_half_ref(x4, cos, sin), half)
         outs = [o.transpose(1, 2).reshape(b, s, -1) for o in outs]
+        assert torch.equal(half, rope.rope_rotate_half(x4, *doubled)), "the same values as per-channel tables"
+        assert torch.equal(l2._rope("split", x, (cos, sin)), outs[1])
     for out in outs:
         assert _rel_max(out, ref) <= 1e-6
-    if rope_type == "split":
-        cos.mul_(1.0)  # an in-place change: new tables
-        assert l2._split_tables(cos, sin) is not tables
 
 
 # --------------------------------------------------------------------------------------------

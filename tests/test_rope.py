@@ -192,6 +192,36 @@ def test_rope_rotate_half_strided_slice_and_wide_head(gen):
     assert_pairs_close(out, ref, x, torch.float32, 2, False, gen, "wide")
 
 
+@pytest.mark.parametrize("dtype,table", [(torch.bfloat16, "bhsr"), (torch.float32, "bsr"), (torch.float16, "sr")])
+def test_rope_rotate_half_reads_tables_per_channel_pair(dtype, table, gen):
+    """cos/sin of width D / 2 (diffusers' apply_split_rotary_emb: one value for channels c and c + D / 2, here as
+    LTX-2's rope module returns them, [B, H, S, D / 2] views of token-major tables) are read in place: the
+    float64 reference of the doubled tables, bit for bit what the doubled tables give the kernel, and diffusers'
+    function."""
+    batch, heads, seq, dim = 2, 3, 5, 24
+    x = randn((batch, seq, heads, dim), dtype, gen, scale=2.0).transpose(1, 2)
+    a = torch.randn(batch, seq, heads, dim // 2, generator=gen, dtype=torch.float64) * 10
+    cos, sin = (t.to(DEVICE, torch.float32).transpose(1, 2) for t in (a.cos(), a.sin()))  # [B, H, S, D / 2] views
+    if table == "bsr":
+        cos, sin = cos[:, 0], sin[:, 0]
+    elif table == "sr":
+        cos, sin = cos[0, 0], sin[0, 0]
+    with poisoned_outputs():
+        out = rope.rope_rotate_half(x, cos, sin)
+    assert out.dtype == dtype and out.shape == x.shape and out.stride() == x.stride()
+    doubled = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    ref = rope.rope_rotate_half_ref(x.double(), *(t.double() for t in doubled))
+    assert_pairs_close(out, ref, x, dtype, 2, False, gen, "vs float64")
+    assert torch.equal(out, rope.rope_rotate_half(x, *doubled)), "the doubled tables give the same values"
+    assert torch.equal(rope.rope_rotate_half_ref(x, cos, sin), rope.rope_rotate_half_ref(x, *doubled))
+    if table == "bhsr":
+        ltx2 = pytest.importorskip("diffusers.models.transformers.transformer_ltx2")
+        theirs = ltx2.apply_split_rotary_emb(x.transpose(1, 2).flatten(2), (cos, sin))
+        assert_pairs_close(out, theirs.unflatten(2, (heads, dim)).transpose(1, 2), x, dtype, 2, False, gen)
+    with pytest.raises(ValueError, match="one per channel pair"):
+        rope.rope_rotate_half(x, cos, doubled[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # 2b. rope_interleaved: diffusers' apply_rotary_emb on [B, H, S, D] (real per-channel or complex tables)
 # ---------------------------------------------------------------------------------------------
