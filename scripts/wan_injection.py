@@ -540,7 +540,12 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = ic.probe_torch_rmsnorm()
     skipped, notes = [], []
-    for model in find_wan_models(pipe_or_model):
+    models = find_wan_models(pipe_or_model)
+    taken = {id(m) for m in models}
+    for m in ic.unique_modules(pipe_or_model):  # the diffusers models with blocks it does not take, and why
+        if id(m) not in taken and isinstance(m, ModelMixin) and _blocks(m):
+            skipped.append(f"{type(m).__name__} ({'; '.join(sorted({_verdict(b) for b in _blocks(m)}))})")
+    for model in models:
         for m in model.modules():
             if ic.class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
                 ic.patch_forward(m, _rmsnorm_forward, "wan_rmsnorm_weighted", _STATE)
@@ -566,7 +571,7 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         # the GEMM-GELU probe now, so a torch.compile trace later finds its result cached
         notes.append(ic.probe_gelu_modules(m for m in model.modules() if gi.is_gelu_tanh(m)))
     counts = wan_injected_counts(pipe_or_model)
-    none_found = "" if find_wan_models(pipe_or_model) else "no Wan transformer found"
+    none_found = "" if models else "no Wan transformer found"
     ic.report(
         logger,
         ic.counts_message("injected Wan kernels", counts, none_found=none_found, skipped=skipped, notes=notes),

@@ -486,6 +486,31 @@ def test_derivative_keeps_the_generic_layer_elsewhere(gen):
     assert torch.equal(run_model(model, kw), ref)
 
 
+def test_fifth_input_that_is_not_the_mask_is_not_handed_to_the_attention(kernel_calls, gen):
+    """A SkyReels-V2 block class that takes the causal mask as its fifth input but does not use it: the probe finds
+    it is no self-attention mask, so a block given one runs its own code (no mask applied, as the stock model
+    computes); without a mask the same blocks run fused."""
+
+    class MaskIgnoringBlock(sky.SkyReelsV2TransformerBlock):
+        def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask):
+            return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb, None)
+
+    model, kw, blocks, *_ = _derivative("skyreels_df_causal", seed=gen.seed_value % 1000)
+    for b in model.blocks:
+        b.__class__ = MaskIgnoringBlock
+    v = wi._verdict(model.blocks[0])
+    assert (v["params"], v["mask"], v["layout"]) == (5, False, "b6sd")
+    ref = run_model(model, kw)
+    assert wi.inject_wan_kernels(model, verbose=False)["wan_blocks"] == blocks
+    assert rel_l2(run_model(model, kw), ref) < FP32_REL
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == 0, "a block given a fifth input the probe found no mask: its own code"
+    model._set_ar_attention(1)  # (one frame per block: no causal mask, None as the fifth input)
+    got = run_model(model, kw)
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == blocks
+    wi.remove_wan_kernels(model, verbose=False)
+    assert rel_l2(got, run_model(model, kw)) < FP32_REL
+
+
 @pytest.mark.parametrize("name", ["skyreels", "animate", "vace"])
 def test_derivative_other_processor_falls_back(name, kernel_calls, gen):
     """The derivative's own attention processor class, subclassed on one block (or an attention backend set on
@@ -513,13 +538,16 @@ def test_derivative_other_processor_falls_back(name, kernel_calls, gen):
         ("WanAnimate2Transformer3DModel", 0, 0),
     ],
 )
-def test_counts_on_default_derivative_architectures(name, blocks, vace):
+def test_counts_on_default_derivative_architectures(name, blocks, vace, caplog):
     import diffusers
 
     with torch.device("meta"):
         model = getattr(diffusers, name)()
     assert len(wi.find_wan_models(model)) == (1 if blocks else 0)  # Animate 2's blocks: not Wan's computation
-    counts = wi.inject_wan_kernels(model, verbose=False)
+    with caplog.at_level(logging.INFO, logger="wan_injection"):
+        counts = wi.inject_wan_kernels(model, verbose=False)
     assert (counts["wan_blocks"], counts["wan_vace_blocks"]) == (blocks, vace)
+    # a model it does not take is named in the log line, with why
+    assert (f"left untouched: {name} (WanAnimate2TransformerBlock (not " in caplog.text) == (not blocks), caplog.text
     wi.remove_wan_kernels(model, verbose=False)
     assert not any(wi.wan_injected_counts(model).values())
