@@ -72,7 +72,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 WAN_VARIANTS = ("2.1-t2v-1.3b", "2.1-t2v-14b", "2.2-ti2v-5b")
 # --model NAME of scripts/model_zoo.py: released architectures with random weights and their pipelines' inputs
 # (tests/test_benchmark_e2e.py checks this list against model_zoo.NAMES)
-ZOO_MODELS = ("flux2", "qwen_image", "ltx2", "hunyuan_video15", "z_image", "cogvideox", "sana")
+ZOO_MODELS = ("flux2", "qwen_image", "ltx2", "hunyuan_video15", "z_image", "cogvideox", "sana", "wan_vace")
 MODES = ("baseline", "triton", "compile", "triton+compile")
 FP8_MODES = ("triton-fp8", "triton-fp8+compile", "torchao-fp8", "torchao-fp8+compile")  # not in "all"
 EXTRA_MODES = ("triton+graphs", "triton-fp8+graphs")  # not in "all" either

@@ -9,7 +9,7 @@ pipelines build them (no hub access: the architecture comes from the class, the 
     print(mz.describe("flux2", "real"))
 
 Models (NAMES): FLUX.2-dev, Qwen-Image, LTX-2 (video + audio), HunyuanVideo-1.5 480p, Z-Image(-Turbo),
-CogVideoX-5B, SANA 1600M 1024px. size "tiny": one or two blocks of each kind, 32 wide, head dims of 8 or
+CogVideoX-5B, SANA 1600M 1024px, Wan2.1-VACE-1.3B. size "tiny": one or two blocks of each kind, 32 wide, head dims of 8 or
 more with RoPE axes that add up to them: a forward takes seconds on the CPU through Triton's interpreter.
 size "real": the released architecture (the sources of the numbers are named at each table), at the
 resolution and frame count of the pipeline's defaults (``describe``). ``blocks`` keeps that many blocks of
@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 
 __all__ = ["NAMES", "build", "inputs", "describe", "run", "token_counts"]
 
-NAMES = ("flux2", "qwen_image", "ltx2", "hunyuan_video15", "z_image", "cogvideox", "sana")
+NAMES = ("flux2", "qwen_image", "ltx2", "hunyuan_video15", "z_image", "cogvideox", "sana", "wan_vace")
 SIZES = ("tiny", "real")
 
 
@@ -244,6 +244,23 @@ def _sana_inputs(model, cfg, g, batch, d):
         encoder_hidden_states=d.randn(batch, g["text"], cfg.caption_channels),
         encoder_attention_mask=d.mask(batch, g["text"]),
         timestep=d.timestep(batch, 1000.0 * cfg.timestep_scale),
+        return_dict=False,
+    )
+
+
+def _wan_vace_inputs(model, cfg, g, batch, d):
+    # WanVACEPipeline (control video, no reference images): VAE 8x spatial / 4x temporal; the control stream is the
+    # control video's latents and its mask packed into vace_in_channels (96: 2 x 16 + 64), drawn at random here;
+    # UMT5 features of 512 positions, zero past each prompt's length; UniPC's integer timesteps; one
+    # conditioning scale per VACE block (the default 1.0)
+    shape = (batch, cfg.in_channels, (g["frames"] - 1) // 4 + 1, g["height"] // 8, g["width"] // 8)
+    text = d.randn(batch, g["text"], cfg.text_dim)
+    return dict(
+        hidden_states=d.randn(*shape),
+        timestep=d.timestep(batch, dtype=torch.int64),
+        encoder_hidden_states=text * d.mask(batch, g["text"])[..., None].to(text.dtype),
+        control_hidden_states=d.randn(batch, cfg.vace_in_channels, *shape[2:]),
+        control_hidden_states_scale=d.put(torch.ones(len(cfg.vace_layers)), d.dtype),
         return_dict=False,
     )
 
@@ -444,6 +461,34 @@ _MODELS = {
         tokens=_image(32),
         make=_sana_inputs,
     ),
+    "wan_vace": _Model(
+        "transformer_wan_vace:WanVACETransformer3DModel",
+        "Wan2.1-VACE-1.3B",
+        # Wan-AI/Wan2.1-VACE-1.3B-diffusers (diffusers' scripts/convert_wan_to_diffusers.py, "Wan-VACE-1.3B"): the
+        # Wan 2.1 T2V 1.3B blocks (30, 12 x 128 = 1536 wide, ffn 8960, UMT5 text 4096) and 15 VACE blocks after
+        # blocks 0, 2, ..., 28, control input of 96 channels (the class defaults are the 14B's)
+        real=dict(
+            num_attention_heads=12, ffn_dim=8960, num_layers=30, vace_layers=list(range(0, 30, 2)), vace_in_channels=96
+        ),
+        tiny=dict(
+            _TINY,
+            in_channels=4,
+            out_channels=4,
+            text_dim=24,
+            freq_dim=32,
+            ffn_dim=64,
+            num_layers=3,
+            vace_layers=[0, 2],
+            vace_in_channels=8,
+            rope_max_seq_len=64,
+        ),
+        blocks=("num_layers",),  # (and the VACE blocks after the blocks kept)
+        # pipeline defaults: 81 frames of 480 x 832, max_sequence_length 512
+        geometry={"real": _px(480, 832, 512, frames=81), "tiny": _px(64, 64, 8, frames=9)},
+        arch=lambda c: f"{c['num_layers']} blocks + {len(c['vace_layers'])} VACE blocks, {_heads(c)}",
+        tokens=lambda g, c: {"video": _video(g, 4, 16), "text": g["text"]},
+        make=_wan_vace_inputs,
+    ),
 }
 
 
@@ -470,6 +515,8 @@ def _config(name: str, size: str, blocks: Optional[int] = None) -> dict:
         if blocks < 1:
             raise ValueError(f"blocks must be at least 1, got {blocks}")
         cfg.update({k: min(blocks, cfg[k]) for k in spec.blocks})
+        if "vace_layers" in cfg:  # (VACE blocks attach to blocks: those of the blocks kept)
+            cfg["vace_layers"] = [i for i in cfg["vace_layers"] if i < cfg["num_layers"]]
     return cfg
 
 
@@ -588,7 +635,7 @@ def _main(argv=None) -> int:
 
     p = argparse.ArgumentParser(
         description="Random-weight diffusers transformers of released architectures (FLUX.2-dev, Qwen-Image, LTX-2, "
-        "HunyuanVideo-1.5 480p, Z-Image-Turbo, CogVideoX-5B, SANA 1600M) and the inputs of one forward as their "
+        "HunyuanVideo-1.5 480p, Z-Image-Turbo, CogVideoX-5B, SANA 1600M, Wan2.1-VACE-1.3B) and the inputs of one forward as their "
         "pipelines build them. Library use: model_zoo.build(name, size), inputs(name, model, size), run(model, kw).",
         epilog="Models: " + ", ".join(NAMES) + ".",
     )

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Put the project's Triton kernels into diffusers' Wan 2.1 / 2.2 transformer, and take them out again.
+"""Put the project's Triton kernels into diffusers' Wan 2.1 / 2.2 transformer and the Wan derivatives, and take
+them out again.
 
     import wan_injection as wi
     counts = wi.inject_wan_kernels(pipe)         # or a bare WanTransformer3DModel
@@ -18,7 +19,9 @@ What is replaced, per kind (Wan 2.1 T2V 1.3B has 30 blocks, 14B 40, Wan 2.2 TI2V
   + modulation in one kernel; ``h + ff * gate`` with the next block's norm1 + modulation in one kernel
   when blocks follow each other (the next block uses that norm only if it receives the very same h and
   temb, unchanged), else alone. Modulation is per sample ([B, 6, D] time embedding: Wan 2.1, 2.2 A14B)
-  or per token ([B, S, 6, D]: Wan 2.2 TI2V 5B).
+  or per token ([B, S, 6, D]: Wan 2.2 TI2V 5B; [B, 6, S, D]: SkyReels-V2's diffusion forcing).
+* ``wan_vace_blocks``: ``WanVACETransformerBlock.forward``: its ``proj_in`` and residual as diffusers runs
+  them, the fused block above on the control stream, ``proj_out``.
 * ``wan_rmsnorm_weighted``: the q/k norms of every attention (``torch.nn.RMSNorm``: the cross-attention's,
   I2V's ``norm_added_k``, and the self-attention's where the fused path does not run).
 * ``wan_gelu_tanh``: each feed-forward's ``GELU(approximate="tanh")`` (the projection, then the kernel;
@@ -26,6 +29,21 @@ What is replaced, per kind (Wan 2.1 T2V 1.3B has 30 blocks, 14B 40, Wan 2.2 TI2V
 
 Sites left to PyTorch: the GEMMs and attention; the time / text / image embedders and the final
 norm_out + modulation (once per forward); the cross-attention's image branch (I2V) as diffusers runs it.
+
+Derivatives. Besides ``WanTransformer3DModel``, the family takes every diffusers model whose ``blocks`` hold
+a block that computes what transformer_wan's ``WanTransformerBlock`` computes: Wan VACE (whose main blocks
+are that class), Wan Animate, SkyReels-V2 and ChronoEdit (their own copies of the block, attention and
+processor classes). A block class is recognised by what it computes, not by its name or source: once per
+class, a tiny instance and a tiny ``WanTransformerBlock`` with the same random weights (fp32, CPU) run
+their stock forwards on the same inputs (``_probe_block``), which must agree; the probe also finds how
+the class reads a per-token time embedding and whether a fifth input is the self-attention's mask
+(SkyReels-V2's frame-block causal mask, which the fused SDPA then takes as the native backend does), and
+the fused self-attention runs only for the attention and processor classes the probe ran. A class that
+computes something else (Wan Animate 2's blocks) is left alone and named in the log line; in a derivative,
+everything the family does not fuse (other blocks, encoders, adapters) gets the generic layer, as it did
+before the family took the model. The models add to the residual stream between blocks (VACE's control
+hints, Animate's face adapter): a block then receives a new tensor, so it computes its own norm1 (a
+carried norm is used only for the very same h and temb).
 
 Wan keeps norm1/2/3, ``scale_shift_table``, the RoPE tables and the time embedder in fp32 when loaded
 with ``from_pretrained(torch_dtype=torch.bfloat16)`` (``_keep_in_fp32_modules``); ``model.to(bf16)``
@@ -37,16 +55,18 @@ the closer to an fp32 run).
 Every patched forward reads its parameters when it runs and falls back to the original code for
 inputs the kernels do not cover: autograd (the kernels have no backward: a trainable weight anywhere in
 a block, or an input that requires grad in grad mode), hooks on a block or on the modules it would skip
-calling, a subclass with a forward of its own, another attention processor or backend, fused
+calling, a block class the probe did not recognise, another attention processor or backend, fused
 projections, tensors on a device the kernels cannot run on. Injecting twice changes nothing; removal
 restores the original forwards, so outputs become bit-identical to the unpatched model.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
+import threading
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:  # the leaf kernels live beside this file
@@ -54,6 +74,7 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from diffusers.models.modeling_utils import ModelMixin  # noqa: E402
 from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
 from diffusers.models.transformers.transformer_wan import (  # noqa: E402
     WanAttention,
@@ -73,7 +94,7 @@ __all__ = ["inject_wan_kernels", "remove_wan_kernels", "wan_injected_counts", "f
 
 logger = logging.getLogger("wan_injection")
 
-KINDS = ("wan_blocks", "wan_rmsnorm_weighted", "wan_gelu_tanh")
+KINDS = ("wan_blocks", "wan_vace_blocks", "wan_rmsnorm_weighted", "wan_gelu_tanh")
 _STATE = ic.register_state_key("_rtk_wan_injection")  # per-module record of what was patched and how to undo it
 _CARRY = "_rtk_wan_carry"  # what the previous block left for this one
 # Whether the installed torch's F.rms_norm rounds to the input dtype before the weight multiply
@@ -103,6 +124,103 @@ def _original_forward(module: torch.nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# Blocks of other classes (Wan derivatives): recognised by what they compute
+# --------------------------------------------------------------------------------------------
+# How the fused path runs a block class: "params", how many inputs its forward takes after self (a fifth
+# one is the self-attention's mask); "mask", whether a mask given there was found to be the self-attention's
+# mask; "layout", how it reads a per-token time embedding ("bs6d": [B, S, 6, D] as Wan 2.2 TI2V, "b6sd":
+# [B, 6, S, D], None: it is not taken); "attn", the classes of the self-attention and its processor whose
+# computation the fused self-attention reproduces.
+_WAN_BLOCK = {"params": 4, "mask": False, "layout": "bs6d", "attn": (WanAttention, WanAttnProcessor)}
+_VERDICTS: dict = {}  # (role, block class) -> such a dict, or why the class is left alone (str)
+_PROBE_LOCK = threading.Lock()
+
+
+def _verdict(block, role: str = "block"):
+    """How the fused path runs `block` (a dict as above), or why it leaves it alone (str). transformer_wan's
+    WanTransformerBlock is known; any other class is probed once (role "block": a main block, "vace": a VACE
+    block) and the verdict cached: _probe_block."""
+    if role == "block" and ic.class_forward(block, WanTransformerBlock):
+        return _WAN_BLOCK
+    key = (role, type(block))
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        with _PROBE_LOCK:
+            verdict = _VERDICTS.get(key)
+            if verdict is None:
+                try:  # CPU, fp32, its own random state: whatever device, dtype or seed the caller is in
+                    with torch.no_grad(), torch.device("cpu"), torch.random.fork_rng(devices=[]):
+                        verdict = _probe_block(type(block), role == "vace")
+                except Exception as e:  # does not build with WanTransformerBlock's arguments, or does not run
+                    verdict = f"{type(block).__name__} (not WanTransformerBlock's computation: {type(e).__name__})"
+                _VERDICTS[key] = verdict
+    return verdict
+
+
+def _probe_block(cls, vace: bool):
+    """Build a tiny cls and a tiny transformer_wan WanTransformerBlock with the same random weights (fp32, CPU)
+    and compare their stock forwards: the same submodules under the same names, the same output for a
+    per-sample time embedding, and which per-token layout and mask (a fifth input) it computes alike. A VACE
+    block (vace) must compute proj_in(control) + hidden_states, the Wan block of that, and proj_out of the
+    result, with and without the projections. The fused path is what WanTransformerBlock computes (the
+    tests compare the two), so a class that computes the same can take it."""
+    dim, heads, s = 32, 2, 5
+    args = dict(dim=dim, ffn_dim=48, num_heads=heads, qk_norm="rms_norm_across_heads", cross_attn_norm=True, eps=1e-6)
+    extra = dict(apply_input_projection=True, apply_output_projection=True) if vace else {}
+    cand, ref = cls(**args, **extra).float().eval(), WanTransformerBlock(**args).float().eval()
+    g = torch.Generator().manual_seed(0)
+    for p in cand.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ref.load_state_dict({k: v for k, v in cand.state_dict().items() if k.split(".")[0] not in ("proj_in", "proj_out")})
+    name = cls.__name__
+    tree = [n for n, _ in cand.named_modules() if n.split(".")[0] not in ("proj_in", "proj_out")]
+    if tree != [n for n, _ in ref.named_modules()] or getattr(cand.attn1, "heads", None) != heads:
+        return f"{name} (other submodules than WanTransformerBlock's)"
+    params = len(inspect.signature(cls.forward).parameters) - 1
+    h, c, ctx, temb = (torch.randn(2, n, dim, generator=g) for n in (s, s, 3, 6))
+    rope = tuple(torch.randn(1, s, 1, dim // heads, generator=g) for _ in range(2))
+
+    def close(a, b):
+        return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    attn = (type(cand.attn1), type(cand.attn1.processor))
+    if vace:
+        for _ in range(2):  # with the projections, then without
+            x = c if cand.proj_in is None else cand.proj_in(c) + h
+            want = ref(x, ctx, temb, rope)
+            got = cand(h, ctx, c, temb, rope) if params == 5 else None
+            if not (isinstance(got, tuple) and len(got) == 2 and close(got[1], want)):
+                return f"{name} (not proj_in, WanTransformerBlock, proj_out)"
+            if not (got[0] is None if cand.proj_out is None else close(got[0], cand.proj_out(want))):
+                return f"{name} (not proj_in, WanTransformerBlock, proj_out)"
+            cand.proj_in = cand.proj_out = None
+        return {"params": 5, "mask": False, "layout": None, "attn": attn}
+    if params not in (4, 5) or not close(cand(h, ctx, temb, rope, *(None,) * (params - 4)), ref(h, ctx, temb, rope)):
+        return f"{name} (computes another function than WanTransformerBlock)"
+    layout, t4 = None, torch.randn(2, s, 6, dim, generator=g)
+    for form, t in (("bs6d", t4), ("b6sd", t4.transpose(1, 2).contiguous())):
+        try:
+            same = close(cand(h, ctx, t, rope, *(None,) * (params - 4)), ref(h, ctx, t4, rope))
+        except Exception:  # (a layout it cannot read)
+            same = False
+        if same:
+            layout = form
+            break
+    mask = False
+    if params == 5:  # the reference's self-attention given the same mask
+        m = (torch.rand(1, 1, s, s, generator=g) < 0.5) | torch.eye(s, dtype=torch.bool)
+        ref.attn1.forward = lambda x, e, _m, r, _a=ref.attn1: WanAttention.forward(_a, x, e, m, r)
+        mask = close(cand(h, ctx, temb, rope, m), ref(h, ctx, temb, rope))
+    return {"params": params, "mask": mask, "layout": layout, "attn": attn}
+
+
+def _blocks(model, name: str = "blocks") -> list:
+    """The blocks in model's ModuleList `name` (blocks: the main ones; vace_blocks: VACE's), else []."""
+    found = model._modules.get(name)
+    return list(found) if isinstance(found, torch.nn.ModuleList) else []
+
+
+# --------------------------------------------------------------------------------------------
 # Replacement forwards of single modules
 # --------------------------------------------------------------------------------------------
 def _rmsnorm_forward(self, x):
@@ -125,13 +243,18 @@ _gelu_tanh_forward = gi._gelu_tanh_forward
 # --------------------------------------------------------------------------------------------
 # The block
 # --------------------------------------------------------------------------------------------
-def _modulation(block, temb):
-    """The six modulation tensors exactly as WanTransformerBlock.forward computes them (fp32):
-    [B, 1, D] each for a [B, 6, D] temb, [B, S, D] views for a per-token [B, S, 6, D] temb."""
+def _modulation(block, temb, layout):
+    """The six modulation tensors exactly as WanTransformerBlock.forward computes them (fp32): [B, 1, D] each
+    for a [B, 6, D] temb; [B, S, D] views for a per-token temb in the block's layout ([B, S, 6, D] as Wan 2.2
+    TI2V's, or [B, 6, S, D] as SkyReels-V2's diffusion forcing); None for one the block is not known to read."""
     table = block.scale_shift_table
-    if temb.ndim == 4:
+    if temb.ndim == 3:
+        return (table + temb.float()).chunk(6, dim=1)
+    if layout == "bs6d":
         return tuple(t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
-    return (table + temb.float()).chunk(6, dim=1)
+    if layout == "b6sd":
+        return tuple(t.squeeze(1) for t in (table.unsqueeze(2) + temb.float()).chunk(6, dim=1))
+    return None
 
 
 def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
@@ -171,18 +294,21 @@ def _block_rope_tables(block, rotary_emb, seq: int, heads: int, head_dim: int):
     return tables
 
 
-def _self_attention(block, x, rotary_emb):
-    """block.attn1(x, None, None, rotary_emb) for a plain WanAttention running diffusers' WanAttnProcessor
-    with the native attention backend: the projections, ONE kernel for the q and k RMSNorms (across heads)
-    with the rotary embedding, SDPA, the output projection. Anything else: the module itself."""
+def _self_attention(block, x, rotary_emb, mask, classes):
+    """block.attn1(x, None, mask, rotary_emb) for a plain WanAttention running diffusers' WanAttnProcessor (or
+    the attention and processor classes the probe found to compute the same: classes) with the native
+    attention backend: the projections, ONE kernel for the q and k RMSNorms (across heads) with the rotary
+    embedding, SDPA (with the mask where one is given, [B or 1, H or 1, S, S] as the native backend hands it
+    on), the output projection. Anything else: the module itself."""
     attn = block.attn1
     proc = attn.processor
     nq, nk = attn.norm_q, attn.norm_k
     fusable = (
-        type(attn) is WanAttention
+        type(attn) is classes[0]
         and "forward" not in attn.__dict__
         and ic.hook_free(attn)
-        and type(proc) is WanAttnProcessor
+        and type(proc) is classes[1]
+        and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4))
         and getattr(proc, "_attention_backend", None) is None
         and getattr(proc, "_parallel_config", None) is None
         and gi.native_attention_active()
@@ -218,17 +344,17 @@ def _self_attention(block, x, rotary_emb):
                 cast_before_weight=_TORCH_RMSNORM_CASTS_BEFORE_WEIGHT,
             )
             q, k, v = (t.view(b, s, heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
             out = out.permute(0, 2, 1, 3).flatten(2, 3)
             if out.dtype != x.dtype:
                 out = out.to(x.dtype)
             return ic.call(attn.to_out[1], ic.call(attn.to_out[0], out))
         # the projections are done: finish as diffusers' processor does, from here
-        return _processor_after_projections(attn, q, k, v, rotary_emb)
-    return attn(x, None, None, rotary_emb)
+        return _processor_after_projections(attn, q, k, v, rotary_emb, mask)
+    return attn(x, None, mask, rotary_emb)
 
 
-def _processor_after_projections(attn, query, key, value, rotary_emb):
+def _processor_after_projections(attn, query, key, value, rotary_emb, mask):
     """WanAttnProcessor.__call__ for self-attention (no image branch), from its projections on."""
     query = attn.norm_q(query)
     key = attn.norm_k(key)
@@ -238,9 +364,8 @@ def _processor_after_projections(attn, query, key, value, rotary_emb):
     if rotary_emb is not None:
         query = _apply_rotary_emb(query, *rotary_emb)
         key = _apply_rotary_emb(key, *rotary_emb)
-    out = F.scaled_dot_product_attention(
-        query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False
-    )
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
     out = out.permute(0, 2, 1, 3).flatten(2, 3).type_as(query)
     return attn.to_out[1](attn.to_out[0](out))
 
@@ -266,17 +391,50 @@ def _next_norm1(block, h, y, gate, temb):
     args = _layer_norm_args(nxt.norm1, h.shape[-1])
     if args is None or args[0] is not None or args[1] is not None or not ic.usable(nxt.scale_shift_table):
         return None
-    shift, scale = _modulation(nxt, temb)[:2]
+    mod = _modulation(nxt, temb, nxt.__dict__[_STATE]["verdict"]["layout"])
+    if mod is None:
+        return None
+    shift, scale = mod[:2]
     h_new, norm = layernorm.gated_residual_layer_norm_modulate(h, y, gate, scale, shift, args[2])
     ic.put_carry(nxt, _CARRY, "x", h_new, temb, norm)
     return h_new
 
 
-def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, *args, **kwargs):
     """WanTransformerBlock.forward with the norms, modulation and residuals fused (see the module
-    docstring). Same math: every fused step computes in fp32 and rounds once to the activations'
-    dtype, where diffusers upcasts to fp32 and rounds once too."""
-    h = hidden_states
+    docstring), for transformer_wan's class and any the probe found to compute the same (_verdict; a fifth
+    input, SkyReels-V2's, is the self-attention's mask where the probe found it so). Same math: every fused
+    step computes in fp32 and rounds once to the activations' dtype, where diffusers upcasts to fp32 and
+    rounds once too."""
+    verdict = self.__dict__[_STATE]["verdict"]
+    mask = args[0] if args else None
+    out = None
+    if not kwargs and len(args) == verdict["params"] - 4 and (mask is None or verdict["mask"]):
+        out = _fused_block(self, hidden_states, encoder_hidden_states, temb, rotary_emb, mask, verdict)
+    if out is None:
+        return _original_forward(self)(hidden_states, encoder_hidden_states, temb, rotary_emb, *args, **kwargs)
+    return out
+
+
+def _vace_block_forward(self, hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb):
+    """WanVACETransformerBlock.forward (or a class the probe found to compute the same): proj_in(control) +
+    hidden_states as diffusers computes them, the fused Wan block on that stream, proj_out of its result.
+    Returns (proj_out's output or None, the stream), as the class does."""
+    args = (hidden_states, encoder_hidden_states, control_hidden_states, temb, rotary_emb)
+    c = control_hidden_states
+    if ic.needs_autograd(self, *args) or not ic.usable(hidden_states, c, temb):
+        return _original_forward(self)(*args)
+    if self.proj_in is not None:
+        c = ic.call(self.proj_in, c) + hidden_states
+    out = _fused_block(self, c, encoder_hidden_states, temb, rotary_emb, None, self.__dict__[_STATE]["verdict"])
+    if out is None:  # (inputs the checks above let through but the block does not take: all as diffusers does)
+        return _original_forward(self)(*args)
+    return (None if self.proj_out is None else ic.call(self.proj_out, out)), out
+
+
+def _fused_block(self, h, encoder_hidden_states, temb, rotary_emb, mask, verdict):
+    """What WanTransformerBlock.forward(h, encoder_hidden_states, temb, rotary_emb) computes, with the
+    self-attention given `mask`, through the kernels; None (nothing computed) for inputs they do not take."""
     carried = ic.take_carry(self, _CARRY, "x", h, temb)
     width = h.shape[-1]
     n1 = _layer_norm_args(self.norm1, width)
@@ -294,15 +452,19 @@ def _wan_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_
         or h.dim() != 3
         or temb.ndim not in (3, 4)
         or not ic.usable(h, temb, self.scale_shift_table, *(() if n2 is None else (n2[0], n2[1])))
-        or ic.needs_autograd(self, h, encoder_hidden_states, temb, rotary_emb)
+        or ic.needs_autograd(self, h, encoder_hidden_states, temb, rotary_emb, mask)
     ):
-        return _original_forward(self)(hidden_states, encoder_hidden_states, temb, rotary_emb)
-
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(self, temb)
+        return None
+    mod = _modulation(self, temb, verdict["layout"])
+    if mod is None:
+        return None
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mod
+    if h.stride(-1) != 1:  # (the first block of models that hand it the patch embedding's transposed view)
+        h = h.contiguous()
 
     # 1. Self-attention
     norm_h = carried if carried is not None else layernorm.layer_norm_modulate(h, scale_msa, shift_msa, n1[2])
-    attn_out = _self_attention(self, norm_h, rotary_emb)
+    attn_out = _self_attention(self, norm_h, rotary_emb, mask, verdict["attn"])
     if attn_out.dtype != h.dtype or attn_out.shape != h.shape:
         # (not what diffusers' modules return; computed as the original from here)
         h = (h.float() + attn_out * gate_msa).type_as(h)
@@ -348,9 +510,16 @@ def _link_blocks(model) -> None:
 # Public API
 # --------------------------------------------------------------------------------------------
 def find_wan_models(pipe_or_model) -> list:
-    """Every WanTransformer3DModel inside the input (a pipeline's components, or a module), each once
-    (Wan 2.2 A14B pipelines hold two: transformer and transformer_2)."""
-    return [m for m in ic.unique_modules(pipe_or_model) if isinstance(m, WanTransformer3DModel)]
+    """Every WanTransformer3DModel inside the input (a pipeline's components, or a module), and every other
+    diffusers model whose `blocks` hold a block computing what WanTransformerBlock computes (_verdict: Wan
+    VACE, Wan Animate, SkyReels-V2, ChronoEdit), each once (Wan 2.2 A14B pipelines hold two: transformer and
+    transformer_2)."""
+    return [
+        m
+        for m in ic.unique_modules(pipe_or_model)
+        if isinstance(m, WanTransformer3DModel)
+        or (isinstance(m, ModelMixin) and any(isinstance(_verdict(b), dict) for b in _blocks(m)))
+    ]
 
 
 def _empty_counts() -> dict:
@@ -371,21 +540,38 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     global _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
     _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT = ic.probe_torch_rmsnorm()
     skipped, notes = [], []
-    for model in find_wan_models(pipe_or_model):
+    models = find_wan_models(pipe_or_model)
+    taken = {id(m) for m in models}
+    for m in ic.unique_modules(pipe_or_model):  # the diffusers models with blocks it does not take, and why
+        if id(m) not in taken and isinstance(m, ModelMixin) and _blocks(m):
+            skipped.append(f"{type(m).__name__} ({'; '.join(sorted({_verdict(b) for b in _blocks(m)}))})")
+    for model in models:
         for m in model.modules():
             if ic.class_forward(m, torch.nn.RMSNorm) and m.weight is not None:
                 ic.patch_forward(m, _rmsnorm_forward, "wan_rmsnorm_weighted", _STATE)
             elif gi.is_gelu_tanh(m):
                 ic.patch_forward(m, _gelu_tanh_forward, "wan_gelu_tanh", _STATE)
-            elif ic.class_forward(m, WanTransformerBlock):
-                ic.patch_forward(m, _wan_block_forward, "wan_blocks", _STATE)
-            elif isinstance(m, WanTransformerBlock):
-                skipped.append(f"{type(m).__name__} (a forward of its own)")
+        fused = []
+        for role, name, kind, fn in (
+            ("block", "blocks", "wan_blocks", _wan_block_forward),
+            ("vace", "vace_blocks", "wan_vace_blocks", _vace_block_forward),
+        ):
+            for b in _blocks(model, name):
+                verdict = _verdict(b, role)
+                if not isinstance(verdict, dict):
+                    skipped.append(verdict)
+                else:
+                    ic.patch_forward(b, fn, kind, _STATE, verdict=verdict)
+                    fused.append(b)
         _link_blocks(model)
+        if not isinstance(model, WanTransformer3DModel):
+            # what the family does not fuse in a derivative (its own encoders, adapters, blocks of other
+            # classes) keeps the generic layer it had before the family took the model
+            gi.inject_generic_kernels(model, verbose=False, skip=fused, skipped=skipped)
         # the GEMM-GELU probe now, so a torch.compile trace later finds its result cached
         notes.append(ic.probe_gelu_modules(m for m in model.modules() if gi.is_gelu_tanh(m)))
     counts = wan_injected_counts(pipe_or_model)
-    none_found = "" if find_wan_models(pipe_or_model) else "no Wan transformer found"
+    none_found = "" if models else "no Wan transformer found"
     ic.report(
         logger,
         ic.counts_message("injected Wan kernels", counts, none_found=none_found, skipped=skipped, notes=notes),
@@ -397,7 +583,11 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_wan_kernels: restore the original forwards. Returns the counts restored per kind."""
     restored = _empty_counts()
-    for m in ic.modules_once(find_wan_models(pipe_or_model)):
+    models = find_wan_models(pipe_or_model)
+    for model in models:
+        if not isinstance(model, WanTransformer3DModel):
+            gi.remove_generic_kernels(model, verbose=False)
+    for m in ic.modules_once(models):
         ic.link_next(m, None)
         m.__dict__.pop(_CARRY, None)
         state = ic.unpatch(m, _STATE)

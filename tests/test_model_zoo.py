@@ -30,7 +30,7 @@ KERNELS = {
 }
 
 # per model at size tiny: (output shape for a batch of B, kernels that must run); FLUX.2, Qwen-Image, HunyuanVideo
-# 1.5 and LTX-2 are their families' (fused blocks and q/k norm + RoPE), the others the generic layer's
+# 1.5, LTX-2 and Wan VACE are their families' (fused blocks and q/k norm + RoPE), the others the generic layer's
 TINY = {
     "flux2": (
         lambda b: (b, 16, 16),
@@ -48,6 +48,10 @@ TINY = {
     "z_image": (lambda b: (b, 4, 1, 8, 8), {"rms_norm", "layer_norm"}),
     "cogvideox": (lambda b: (b, 2, 4, 4, 4), {"layer_norm", "layer_norm_modulate", "gelu_tanh"}),
     "sana": (lambda b: (b, 4, 4, 4), {"rms_norm", "layer_norm", "gelu_tanh"}),
+    "wan_vace": (
+        lambda b: (b, 4, 3, 8, 8),
+        {"layer_norm_modulate", "gated_residual_layer_norm_modulate", "gelu_tanh", "ltx_qk_rmsnorm_rope"},
+    ),
 }
 # CogVideoX's per-head q/k LayerNorms get q/k [B, H, S, D] as a transposed view of the [B, S, H, D] projection
 # (the generic layer reads such a view in place: generic_injection.rowwise); batch 1 too (a dim of one)
@@ -64,6 +68,7 @@ REAL = {
     "z_image": (dict(layers=30, noise_refiner=2, context_refiner=2), "layers.0.attention", 30, 128, 6.2),
     "cogvideox": (dict(transformer_blocks=42), "transformer_blocks.0.attn1", 48, 64, 5.6),
     "sana": (dict(transformer_blocks=20), "transformer_blocks.0.attn1", 70, 32, 1.6),
+    "wan_vace": (dict(blocks=30, vace_blocks=15), "blocks.0.attn1", 12, 128, 2.2),
 }
 TOKENS = {
     "flux2": lambda kw: dict(image=kw["hidden_states"].shape[1], text=kw["encoder_hidden_states"].shape[1]),
@@ -84,6 +89,9 @@ TOKENS = {
         video=kw["hidden_states"][0, :, 0].numel() // 4, text=kw["encoder_hidden_states"].shape[1]
     ),
     "sana": lambda kw: dict(image=kw["hidden_states"][0, 0].numel(), text=kw["encoder_hidden_states"].shape[1]),
+    "wan_vace": lambda kw: dict(
+        video=kw["hidden_states"][0, 0].numel() // 4, text=kw["encoder_hidden_states"].shape[1]
+    ),
 }
 REAL_TOKENS = {
     "flux2": dict(image=4096, text=512),  # 1024x1024: (1024 / 16)^2
@@ -93,6 +101,7 @@ REAL_TOKENS = {
     "z_image": dict(image=4096, text=512),
     "cogvideox": dict(video=17550, text=226),  # 13 x 30 x 45 of 49 x 480 x 720
     "sana": dict(image=1024, text=300),  # (1024 / 32)^2
+    "wan_vace": dict(video=32760, text=512),  # 21 x 30 x 52 of 81 x 480 x 832
 }
 
 
@@ -147,7 +156,9 @@ def test_real_architecture_and_inputs_on_meta(name):
     line = mz.describe(name)
     assert all(f" {n} {stream}" in line for stream, n in REAL_TOKENS[name].items()), line
     few = mz.build(name, "real", device="meta", blocks=2)
-    assert {k: len(getattr(few, k)) for k in blocks} == {k: min(2, n) for k, n in blocks.items()}
+    # (Wan VACE's blocks attach after blocks 0, 2, ...: of two blocks kept, block 0 has one)
+    want = dict(blocks=2, vace_blocks=1) if name == "wan_vace" else {k: min(2, n) for k, n in blocks.items()}
+    assert {k: len(getattr(few, k)) for k in blocks} == want
 
 
 def test_list_prints_every_model(capsys):

@@ -6,10 +6,24 @@ architectures (meta device), the kernels actually called, exact restoration, ide
 fallbacks (autograd with a trainable weight inside a block, hooks, another processor, fused projections,
 a carried norm after an in-place change)."""
 
+import logging
+
 import pytest
 import torch
+from diffusers import (
+    ChronoEditTransformer3DModel,
+    SkyReelsV2Transformer3DModel,
+    WanAnimateTransformer3DModel,
+    WanVACETransformer3DModel,
+)
+from diffusers.models.transformers import transformer_chronoedit as chrono
+from diffusers.models.transformers import transformer_skyreels_v2 as sky
+from diffusers.models.transformers import transformer_wan_animate as anim
+from diffusers.models.transformers import transformer_wan_animate_2 as anim2
+from diffusers.models.transformers import transformer_wan_vace as vace_file
 
 import activations
+import generic_injection as gi
 import layernorm
 import rmsnorm
 import rope
@@ -72,7 +86,12 @@ def test_fp32_matches_unpatched(variant, kernel_calls, gen):
     counts = wi.inject_wan_kernels(model, verbose=False)
     layers = model.config.num_layers
     i2v = variant == "i2v"
-    assert counts == {"wan_blocks": layers, "wan_rmsnorm_weighted": (5 if i2v else 4) * layers, "wan_gelu_tanh": layers}
+    assert counts == {
+        "wan_blocks": layers,
+        "wan_vace_blocks": 0,
+        "wan_rmsnorm_weighted": (5 if i2v else 4) * layers,
+        "wan_gelu_tanh": layers,
+    }
     out = run_model(model, kw)
     assert torch.isfinite(out).all()
     err = rel_l2(out, ref)
@@ -122,7 +141,12 @@ def test_bf16_is_as_accurate_as_unpatched(variant, keep_fp32, gen):
 def test_counts_on_released_architectures(config, blocks, norms):
     model = wi.build_wan_transformer(config, device="meta", dtype=torch.bfloat16)
     counts = wi.inject_wan_kernels(model, verbose=False)
-    assert counts == {"wan_blocks": blocks, "wan_rmsnorm_weighted": norms, "wan_gelu_tanh": blocks}
+    assert counts == {
+        "wan_blocks": blocks,
+        "wan_vace_blocks": 0,
+        "wan_rmsnorm_weighted": norms,
+        "wan_gelu_tanh": blocks,
+    }
     assert wi.inject_wan_kernels(model, verbose=False) == counts  # idempotent
     assert wi.remove_wan_kernels(model, verbose=False) == counts
     assert wi.wan_injected_counts(model) == {k: 0 for k in counts}
@@ -306,3 +330,224 @@ def test_whole_model_with_gpu_rounding_is_much_closer_than_with_truncation(gen):
     with interpreter_bf16_round_to_nearest_even():
         rne = run_model(model, kw)
     assert rel_l2(rne.float(), base.float()) <= 0.25 * rel_l2(trunc.float(), base.float())
+
+
+# --------------------------------------------------------------------------------------------
+# Wan derivatives: blocks of other classes that compute what WanTransformerBlock computes (found by a probe)
+# --------------------------------------------------------------------------------------------
+_TINY = dict(num_attention_heads=2, attention_head_dim=16, text_dim=24, freq_dim=32, ffn_dim=64, rope_max_seq_len=64)
+
+
+def _derivative(name, seed=0):
+    """A tiny Wan derivative with random weights, its inputs, and what the injection must do in it:
+    (model, kwargs, fused main blocks, fused VACE blocks, blocks that compute their own norm1, the others
+    taking the one their predecessor computed)."""
+    torch.manual_seed(seed)
+    g = make_generator(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    kw = dict(timestep=(torch.rand(2, generator=g) * 1000).to(DEVICE), encoder_hidden_states=r(2, 7, 24) * 0.5)
+    kw.update(hidden_states=r(2, 4, 3, 8, 8), return_dict=False)
+    if name == "vace":  # hints added after blocks 0 and 2: block 1 computes its own norm1, block 2 takes block 1's
+        model = WanVACETransformer3DModel(**_TINY, in_channels=4, num_layers=3, vace_layers=[0, 2], vace_in_channels=8)
+        kw.update(control_hidden_states=r(2, 8, 3, 8, 8), control_hidden_states_scale=torch.tensor([0.7, 1.3]))
+        own = 2 + 2  # (and each VACE block its own)
+        fused = (3, 2)
+    elif name == "animate":  # the face adapter's output added after block 0: block 1 computes its own norm1
+        model = WanAnimateTransformer3DModel(
+            **_TINY,
+            in_channels=12,
+            latent_channels=4,
+            num_layers=2,
+            image_dim=None,
+            motion_encoder_channel_sizes={"8": 8, "4": 8},
+            motion_encoder_size=8,
+            motion_style_dim=16,
+            motion_dim=4,
+            motion_encoder_dim=16,
+            face_encoder_hidden_dim=16,
+            face_encoder_num_heads=2,
+            inject_face_latents_blocks=2,
+        )
+        kw.update(hidden_states=r(2, 12, 3, 8, 8), pose_hidden_states=r(2, 4, 2, 8, 8))
+        kw.update(face_pixel_values=r(2, 3, 5, 8, 8))
+        own, fused = 2, (2, 0)
+    elif name.startswith("skyreels"):  # diffusion forcing: one timestep per latent frame, [B, 6, S, D] modulation
+        model = SkyReelsV2Transformer3DModel(**_TINY, in_channels=4, out_channels=4, num_layers=2)
+        kw.update(hidden_states=r(2, 4, 4, 8, 8))
+        if name != "skyreels":
+            kw.update(timestep=(torch.rand(2, 4, generator=g) * 1000).to(DEVICE), enable_diffusion_forcing=True)
+        if name == "skyreels_df_causal":  # frame-block causal self-attention mask
+            model._set_ar_attention(2)
+        own, fused = 1, (2, 0)
+    else:
+        model = ChronoEditTransformer3DModel(**_TINY, in_channels=4, out_channels=4, num_layers=2)
+        own, fused = 1, (2, 0)
+    return model.eval().to(DEVICE), kw, *fused, own
+
+
+DERIVATIVES = ["vace", "animate", "skyreels", "skyreels_df", "skyreels_df_causal", "chronoedit"]
+
+
+@pytest.mark.parametrize("name", DERIVATIVES)
+def test_derivative_fp32_matches_unpatched(name, kernel_calls, gen):
+    model, kw, blocks, vace, own = _derivative(name, seed=gen.seed_value % 1000)
+    ref = run_model(model, kw)
+    counts = wi.inject_wan_kernels(model, verbose=False)
+    assert (counts["wan_blocks"], counts["wan_vace_blocks"]) == (blocks, vace)
+    out = run_model(model, kw)
+    assert rel_l2(out, ref) < FP32_REL, f"{name}: rel L2 {rel_l2(out, ref):.3g} against the unpatched model"
+    # every self-attention (the causal one too) ran the q/k norm + RoPE kernel; norm1 ran where no carried
+    # value may be used (a hint or the face adapter's output added between two blocks)
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == blocks + vace
+    assert kernel_calls["layer_norm_modulate"] == own
+    assert kernel_calls["gelu_tanh"] == blocks + vace + 1  # (+ the text embedder's: the generic layer's)
+    wi.remove_wan_kernels(model, verbose=False)
+    assert torch.equal(run_model(model, kw), ref), "removal must restore the original forwards exactly"
+
+
+def test_vace_hints_reach_the_output(gen):
+    """The control hints change what the tiny VACE model computes (so the test above sees a carried norm1
+    used after a hint), and the patched model follows a change of their scale."""
+    model, kw, *_ = _derivative("vace", seed=gen.seed_value % 1000)
+    zero = dict(kw, control_hidden_states_scale=torch.zeros(2))
+    ref, ref0 = run_model(model, kw), run_model(model, zero)
+    assert rel_l2(ref0, ref) > 1e-2
+    wi.inject_wan_kernels(model, verbose=False)
+    assert rel_l2(run_model(model, zero), ref0) < FP32_REL and rel_l2(run_model(model, kw), ref) < FP32_REL
+
+
+def test_probe_verdicts():
+    """What the probe finds in diffusers' classes: SkyReels-V2 reads a per-token modulation as [B, 6, S, D] and
+    hands its fifth input to the self-attention as the mask; Wan Animate 2's block computes another function."""
+
+    def verdict(cls, role="block"):
+        return wi._verdict(cls.__new__(cls), role)
+
+    rng = torch.get_rng_state()
+    wi._VERDICTS.pop(("block", sky.SkyReelsV2TransformerBlock), None)  # a fresh probe
+    v = verdict(sky.SkyReelsV2TransformerBlock)
+    assert torch.equal(torch.get_rng_state(), rng), "the probe must not draw from the caller's random state"
+    assert (v["params"], v["mask"], v["layout"]) == (5, True, "b6sd")
+    assert v["attn"] == (sky.SkyReelsV2Attention, sky.SkyReelsV2AttnProcessor)
+    v = verdict(anim.WanTransformerBlock)
+    assert (v["params"], v["mask"], v["layout"], v["attn"]) == (
+        4,
+        False,
+        "bs6d",
+        (anim.WanAttention, anim.WanAttnProcessor),
+    )
+    assert verdict(vace_file.WanVACETransformerBlock, "vace")["attn"] == (wi.WanAttention, wi.WanAttnProcessor)
+    assert isinstance(verdict(anim2.WanAnimate2TransformerBlock), str)
+    assert isinstance(verdict(vace_file.WanVACETransformerBlock), str)  # not a main block (other inputs)
+
+
+def test_block_computing_something_else_is_left_to_the_generic_layer(caplog, gen):
+    """A block class whose forward computes another function (here: half the time embedding) inside a
+    derivative the family takes: not fused, named in the log line, its norms served by the generic layer; no
+    norm carried into it; the output stays the stock one."""
+
+    class HalfTembBlock(chrono.WanTransformerBlock):
+        def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
+            return super().forward(hidden_states, encoder_hidden_states, temb * 0.5, rotary_emb)
+
+    model, kw, *_ = _derivative("chronoedit", seed=gen.seed_value % 1000)
+    model.blocks[1].__class__ = HalfTembBlock
+    ref = run_model(model, kw)
+    with caplog.at_level(logging.INFO, logger="wan_injection"):
+        counts = wi.inject_wan_kernels(model, verbose=False)
+    assert counts["wan_blocks"] == 1
+    assert "HalfTembBlock (computes another function than WanTransformerBlock)" in caplog.text
+    b1 = model.blocks[1]
+    assert all(gi.STATE in n.__dict__ for n in (b1.norm1, b1.norm2, b1.norm3)), "the generic layer takes its norms"
+    assert rel_l2(run_model(model, kw), ref) < FP32_REL
+    wi.remove_wan_kernels(model, verbose=False)
+    assert not any(gi.STATE in m.__dict__ for m in model.modules())
+    assert torch.equal(run_model(model, kw), ref)
+
+
+def test_derivative_keeps_the_generic_layer_elsewhere(gen):
+    """Through diffusers_injection: Wan Animate's face encoder and face adapter (LayerNorms, outside the blocks)
+    keep the generic kernels they had before the Wan family took the model; removal leaves nothing."""
+    import diffusers_injection as di
+
+    model, kw, blocks, *_ = _derivative("animate", seed=gen.seed_value % 1000)
+    ref = run_model(model, kw)
+    counts = di.inject_optimized_kernels(model, verbose=False)
+    layer_norms = [
+        m for m in (*model.face_encoder.modules(), *model.face_adapter.modules()) if isinstance(m, torch.nn.LayerNorm)
+    ]
+    assert counts["wan_blocks"] == blocks and counts["generic_layernorm"] >= len(layer_norms) == 5
+    assert rel_l2(run_model(model, kw), ref) < FP32_REL
+    restored = di.remove_optimized_kernels(model, verbose=False)
+    assert restored["wan_blocks"] == blocks and not any(di.injected_counts(model).values())
+    assert torch.equal(run_model(model, kw), ref)
+
+
+def test_fifth_input_that_is_not_the_mask_is_not_handed_to_the_attention(kernel_calls, gen):
+    """A SkyReels-V2 block class that takes the causal mask as its fifth input but does not use it: the probe finds
+    it is no self-attention mask, so a block given one runs its own code (no mask applied, as the stock model
+    computes); without a mask the same blocks run fused."""
+
+    class MaskIgnoringBlock(sky.SkyReelsV2TransformerBlock):
+        def forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb, attention_mask):
+            return super().forward(hidden_states, encoder_hidden_states, temb, rotary_emb, None)
+
+    model, kw, blocks, *_ = _derivative("skyreels_df_causal", seed=gen.seed_value % 1000)
+    for b in model.blocks:
+        b.__class__ = MaskIgnoringBlock
+    v = wi._verdict(model.blocks[0])
+    assert (v["params"], v["mask"], v["layout"]) == (5, False, "b6sd")
+    ref = run_model(model, kw)
+    assert wi.inject_wan_kernels(model, verbose=False)["wan_blocks"] == blocks
+    assert rel_l2(run_model(model, kw), ref) < FP32_REL
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == 0, "a block given a fifth input the probe found no mask: its own code"
+    model._set_ar_attention(1)  # (one frame per block: no causal mask, None as the fifth input)
+    got = run_model(model, kw)
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == blocks
+    wi.remove_wan_kernels(model, verbose=False)
+    assert rel_l2(got, run_model(model, kw)) < FP32_REL
+
+
+@pytest.mark.parametrize("name", ["skyreels", "animate", "vace"])
+def test_derivative_other_processor_falls_back(name, kernel_calls, gen):
+    """The derivative's own attention processor class, subclassed on one block (or an attention backend set on
+    every processor): that self-attention runs diffusers' processor, the rest stays fused and right."""
+    model, kw, blocks, vace, _ = _derivative(name, seed=gen.seed_value % 1000)
+    ref = run_model(model, kw)
+    wi.inject_wan_kernels(model, verbose=False)
+    attn = model.blocks[0].attn1
+    attn.set_processor(type("MyProcessor", (type(attn.processor),), {})())
+    assert rel_l2(run_model(model, kw), ref) < FP32_REL
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == blocks + vace - 1
+    model.set_attention_backend("native")
+    kernel_calls.clear()
+    assert rel_l2(run_model(model, kw), ref) < FP32_REL
+    assert kernel_calls["ltx_qk_rmsnorm_rope"] == 0
+
+
+@pytest.mark.parametrize(
+    "name,blocks,vace",
+    [
+        ("WanVACETransformer3DModel", 40, 8),
+        ("WanAnimateTransformer3DModel", 40, 0),
+        ("SkyReelsV2Transformer3DModel", 32, 0),
+        ("ChronoEditTransformer3DModel", 40, 0),
+        ("WanAnimate2Transformer3DModel", 0, 0),
+    ],
+)
+def test_counts_on_default_derivative_architectures(name, blocks, vace, caplog):
+    import diffusers
+
+    with torch.device("meta"):
+        model = getattr(diffusers, name)()
+    assert len(wi.find_wan_models(model)) == (1 if blocks else 0)  # Animate 2's blocks: not Wan's computation
+    with caplog.at_level(logging.INFO, logger="wan_injection"):
+        counts = wi.inject_wan_kernels(model, verbose=False)
+    assert (counts["wan_blocks"], counts["wan_vace_blocks"]) == (blocks, vace)
+    # a model it does not take is named in the log line, with why
+    assert (f"left untouched: {name} (WanAnimate2TransformerBlock (not " in caplog.text) == (not blocks), caplog.text
+    wi.remove_wan_kernels(model, verbose=False)
+    assert not any(wi.wan_injected_counts(model).values())
