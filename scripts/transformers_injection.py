@@ -1,62 +1,85 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Put the project's Triton kernels into Hugging Face transformers' Llama-family models, and take them out again.
+"""Put the project's Triton kernels into Hugging Face transformers' decoder LLMs, and take them out again.
 
-    counts = inject_llama_kernels(model)     # LlamaForCausalLM, LlamaModel, or any module holding them
-    model.generate(...)                      # now runs the kernels
-    remove_llama_kernels(model)              # original code back: outputs bit-identical to before
+    counts = inject_optimized_kernels(model)  # a *ForCausalLM / *Model, or any module holding one
+    model.generate(...)                       # now runs the kernels
+    remove_optimized_kernels(model)           # original code back: outputs bit-identical to before
 
-What is replaced, per kind (counts for Llama-3-8B, 32 decoder layers):
+(``inject_llama_kernels`` / ``remove_llama_kernels`` are the same functions under their first names.)
+Sites are recognised by what they compute, never by class name or source text, so Llama and its copies
+(Mistral, Qwen2), Qwen3, Gemma 2 / 3, Phi-3, Mixtral, Qwen3-MoE, OLMo 2 and rewrites of them are served by
+one set of probes. What is replaced, per kind:
 
-* ``rmsnorm`` (65): every ``LlamaRMSNorm`` (two per layer and the final norm) -> ``rmsnorm.rms_norm`` with
-  Llama's numerics (normalise in fp32, round to the input dtype, then multiply by the weight).
-* ``fused_add_rmsnorm`` (32): ``LlamaDecoderLayer.forward``: ``residual + attention output`` and the
-  ``post_attention_layernorm`` that follows become one ``rmsnorm.fused_add_rms_norm`` call, which returns
-  both the new residual and the normalised input of the MLP. The rest of the layer is unchanged.
-* ``swiglu`` (32): ``LlamaMLP.forward``: ``silu(gate_proj(x)) * up_proj(x)`` -> ``activations.swiglu``.
-* ``rope`` (32): the attention layers' ``apply_rotary_pos_emb(q, k, cos, sin)`` -> ``rope.rope_rotate_half``
-  for q and for k.
-* ``skinny_gemm`` (225, only with ``skinny_gemm=True``): every ``nn.Linear`` of the model (7 per layer and
-  ``lm_head``) -> ``skinny_gemm.skinny_gemm`` when the input has at most 32 rows (decoding) in fp16/bf16;
-  larger inputs (the prefill) keep ``nn.Linear``.
+* ``rmsnorm``: every RMSNorm module (the decoder layers' norms, the final norm, per-head q/k norms of
+  Qwen3 / Gemma 3 and OLMo 2's q/k norms across heads) -> ``rmsnorm.rms_norm`` with the module's
+  numerics, as its probe found them: the weight as stored (Llama) or as ``1 + weight`` in fp32 (Gemma),
+  rounded to the input dtype before the weight multiply (Llama) or once at the end (Gemma, OLMo 2).
+  Gemma's ``1 + weight`` is computed once and kept while the weight is unchanged (no launch per call).
+* ``fused_add_rmsnorm``: a decoder layer in which a residual add is followed by a norm: ``residual +
+  attention output`` and the norm in front of the MLP become one ``rmsnorm.fused_add_rms_norm`` call
+  (Llama's post_attention_layernorm; in Gemma's sandwich layer, the add of the post-attention norm's
+  output and pre_feedforward_layernorm). OLMo 2's post-norm layer adds after its norms and has no such
+  pair: it is no site of this kind.
+* ``swiglu``: gated MLPs with SiLU -> ``activations.swiglu``: two projections (Llama: gate_proj, up_proj)
+  or one fused gate/up projection split in halves (Phi-3's gate_up_proj, gate first).
+* ``geglu``: gated MLPs with tanh GELU. A fused [up | gate] projection -> ``activations.geglu``; Gemma's
+  two projections have no kernel (geglu reads one [..., 2H] tensor): left to PyTorch, named in the log
+  line and by ``kernel_gaps``.
+* ``moe_swiglu``: the SwiGLU of MoE experts (Mixtral, Qwen3-MoE) -> ``activations.swiglu`` on the fused
+  [gate | up] output. transformers' grouped_mm / batched_mm / deepgemm expert implementations (grouped_mm
+  is the default) call the experts module's ``_apply_gate`` on that output; the injection puts the
+  kernel there, per instance. The 'eager' loop computes ``act_fn(gate) * up`` inline and keeps PyTorch's.
+* ``rope``: the attention layers' ``apply_rotary_pos_emb(q, k, cos, sin)`` -> ``rope.rope_rotate_half``
+  for q and for k (with partial rotary, Phi-3 style, the first channels, the rest passed through).
+* ``skinny_gemm`` (only with ``skinny_gemm=True``): every ``nn.Linear`` -> ``skinny_gemm.skinny_gemm``
+  when the input has at most 32 rows (decoding) in fp16/bf16; larger inputs (the prefill) keep nn.Linear.
 
-Not fused: the MLP's residual add with the next layer's ``input_layernorm``. Layers hand a single tensor
-to each other through ``LlamaModel.forward`` (which also records it for ``output_hidden_states``, and
-sends the last one to the final norm), so that fusion would mean rewriting the model's forward or passing
-state between layers behind its back; one elementwise add per layer is not worth that.
+Not fused, and why: the MLP's residual add with the next layer's first norm (layers hand a single tensor to
+each other through the model's forward, which also records it for ``output_hidden_states``); a norm
+followed by the residual add (Gemma's post-attention / post-feedforward norms, OLMo 2's post-norms): no
+kernel computes ``residual + rms_norm(x)``; per-head q/k RMSNorm + RoPE in one launch (Qwen3, Gemma 3):
+head_norm_rope.py rotates interleaved pairs, transformers rotates halves, so the norms and the RoPE run
+their own kernels.
 
-Modules are recognised by what they compute, not by their class name or source text: each candidate
-class's forward is run once on small CPU tensors in a stand-in instance (probe parameters and submodules,
-the real module's settings) and compared with the kernels' math: an RMSNorm bit for bit in bf16 (which also
-tells whether it rounds before the weight multiply), the MLP and the pre-norm decoder layer in float64, the
-decoder layer also for handing every argument on to self_attn unchanged; the model file's
-``apply_rotary_pos_emb`` is run on float64 tensors against the rotate-half formula. Copies and rewrites
-(Mistral, Qwen2, Qwen3's extra q/k norms, code reformatted by a release) match; anything that computes
-another function is left untouched and named in the log line, so a non-Llama model gets all-zero counts.
-A kind the architecture has sites of (an RMSNorm class, a gate/up/down MLP, a pre-norm layer, an attention
-calling ``apply_rotary_pos_emb``) but none of which is replaced makes the log line a warning, and
-``missing_kinds(model)`` returns it (the examples' ``ok`` is false then).
+How a site is recognised: each candidate class's forward is run once on small CPU tensors in a stand-in
+instance (probe parameters and submodules, the real module's plain settings) and compared with the
+kernels' math. An RMSNorm bit for bit in bf16 against each numerics variant (weight or 1 + weight, where
+it rounds, which dtype it returns for an fp32 weight). An MLP in float64 with probe linears and a probe
+nonlinearity in place of its activation (which projection is the gate, whether a fused projection puts
+the gate first), its activation module apart on float64 inputs (SiLU, tanh GELU). A decoder layer in
+float64 with distinct probe maps for its norms, attention and MLP, which tells where each norm sits
+around the two residual adds (pre-norm, sandwich, post-norm) and that every argument reaches self_attn
+unchanged. An experts module's ``_apply_gate`` like an MLP's activation. The model file's
+``apply_rotary_pos_emb`` on float64 tensors against the rotate-half formula (full and partial rotary).
+A site whose function differs is left untouched and the log line names it and why; a kind the model
+has sites of (by structure: a norm with a weight and an eps, a gated MLP, a decoder layer with a norm after
+a residual add, an experts module, an attention calling ``apply_rotary_pos_emb``) but none replaced makes
+the log line a warning and ``missing_kinds(model)`` returns it; sites computing a known function the bundle
+has no kernel for are ``kernel_gaps(model)``; ``coverage(model)`` counts sites and replacements per kind.
 
 Patching is per instance (``module.forward`` set on the instance; the classes and other models are
 untouched). RoPE is a module-level function in transformers. With the kernels package (a dependency from
 transformers 5.25) that function routes each attention layer's calls to the layer's own copy of it, and the
-kernel goes into the copies of the patched layers: nothing global changes. Without it, a dispatcher takes
-the function's place in the model file while any attention layer is patched: it runs the kernel only inside
-a patched attention layer and calls the original function everywhere else. A layer to which
-``kernels.kernelize`` gave a hub kernel keeps it. Every patched forward reads its parameters when
-it runs and falls back to the original code for inputs the kernels do not cover: autograd (the kernels
-have no backward), gradient checkpointing, tensors on a device the kernels cannot use (CPU without
-TRITON_INTERPRET=1, meta), dtype mixes where transformers would promote (an fp32 weight on bf16
-activations), unusual layouts, and modules that carry hooks the fused path would skip. Injecting twice
-changes nothing; removal restores the original forwards and function. An injected model survives
-``copy.deepcopy`` and ``torch.save`` / ``torch.load(..., weights_only=False)`` (where this file is
-importable under the same name): the copy is injected too, bound to its own modules, and holds the RoPE
-kernel (or dispatcher) itself, so removing the kernels from one model leaves the other's in place.
+kernel goes into the copies of the patched layers: nothing global changes. Without it (and for model files
+whose function is not routed, Phi-3's and OLMo 2's), a dispatcher takes the function's place in the model
+file while any attention layer of it is patched: it runs the kernel only inside a patched attention layer
+and calls the original function everywhere else. A layer to which ``kernels.kernelize`` gave a hub kernel
+keeps it. Every patched forward reads its parameters when it runs and falls back to the original code for
+inputs the kernels do not cover: autograd (the kernels have no backward), gradient checkpointing, tensors
+on a device the kernels cannot use (CPU without TRITON_INTERPRET=1, meta), dtype mixes the probe did not
+find the module to keep, unusual layouts, active dropout, and modules that carry hooks the fused path would
+skip. Injecting twice changes nothing; removal restores the original forwards and function. An injected
+model survives ``copy.deepcopy`` and ``torch.save`` / ``torch.load(..., weights_only=False)`` (where this
+file is importable under the same name).
 
-``count_kernel_calls()`` counts the kernel calls made inside a ``with`` block (a patched model whose
-inputs all fell back to torch shows zeros). Also here: ``tiny_llama_config``, ``llama3_8b_config``,
-``build_llama`` (random weights, no hub access) and ``build_meta_llama`` (no memory), shared by the tests
-and ``transformers_injection_example.py``. ``python transformers_injection.py`` reports
-the counts for the Llama-3-8B architecture built on the meta device (no memory, no weights).
+Decode speed: batch-1 decoding is host-bound, so no patched path launches more than the code it replaces
+(each kernel stands for several PyTorch ops; Gemma's ``1 + weight`` is cached).
+
+``count_kernel_calls()`` counts the kernel calls made inside a ``with`` block. Also here:
+``tiny_llama_config``, ``llama3_8b_config``, ``build_llama`` and ``build_meta_llama``; other families'
+configs (tiny ones and the released architectures' numbers) are in transformers_families.py.
+``python transformers_injection.py`` reports the counts for an architecture built on the meta device (no
+memory, no weights); ``--coverage`` prints the sites found / replaced per family.
 """
 
 from __future__ import annotations
@@ -65,6 +88,7 @@ import collections
 import contextlib
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import sys
@@ -78,21 +102,24 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-from transformers.activations import SiLUActivation  # noqa: E402
-from transformers.models.llama import modeling_llama  # noqa: E402
 
 import activations  # noqa: E402
 import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
-import rope as rope_kernels  # noqa: E402  (the name `rope` is an argument of inject_llama_kernels)
+import rope as rope_kernels  # noqa: E402  (the name `rope` is an argument of inject_optimized_kernels)
 import skinny_gemm as skinny_kernels  # noqa: E402
 
 __all__ = [
+    "inject_optimized_kernels",
+    "remove_optimized_kernels",
     "inject_llama_kernels",
     "remove_llama_kernels",
     "injected_counts",
     "count_kernel_calls",
     "missing_kinds",
+    "kernel_gaps",
+    "coverage",
+    "layer_form",
     "KINDS",
     "tiny_llama_config",
     "llama3_8b_config",
@@ -102,12 +129,13 @@ __all__ = [
 
 logger = logging.getLogger("transformers_injection")
 
-KINDS = ("rmsnorm", "fused_add_rmsnorm", "swiglu", "rope", "skinny_gemm")
+KINDS = ("rmsnorm", "fused_add_rmsnorm", "swiglu", "geglu", "moe_swiglu", "rope", "skinny_gemm")
 
 _STATE = ic.register_state_key("_rtk_llama_injection")  # per-module record of what was patched and how to undo it
 _HALF = (torch.float16, torch.bfloat16)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ROPE_NAME = "apply_rotary_pos_emb"
+_DROPOUT = torch.nn.modules.dropout._DropoutNd
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,8 +156,39 @@ def _has_hooks(m: torch.nn.Module) -> bool:
     )
 
 
+def _plain(m: torch.nn.Module) -> bool:
+    """Calling m runs its class's forward and nothing else (no instance forward, no hooks)."""
+    return "forward" not in m.__dict__ and not _has_hooks(m)
+
+
+def _two_level(x: torch.Tensor) -> bool:
+    """Whether the row kernels address x's rows in place: its leading dims in at most two stride levels
+    ([B, S, D], a view of a projection as [B, S, H, D]; not its [B, H, S, D] transpose, which needs three)."""
+    lead = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
+    return sum(lead[i][1] != lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1)) <= 1
+
+
+def _rowwise(fn, x: torch.Tensor, *args, **kwargs):
+    """fn(x, ...) for a row kernel (over the last dim): rows it reads in place are read so; a dense x in
+    another dim order (q.view(B, S, H, D).transpose(1, 2), as Gemma 3 normalises it) through its contiguous
+    permutation, the result put back in x's order (the layout PyTorch's elementwise ops give). None for any
+    other x (the caller runs the original code: no copy is made)."""
+    if x.dim() == 0 or (x.stride(-1) != 1 and x.shape[-1] != 1):
+        return None
+    if _two_level(x):
+        return fn(x, *args, **kwargs)
+    perm = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
+    view = x.permute(perm)
+    if not view.is_contiguous():
+        return None
+    back = [0] * len(perm)
+    for i, p in enumerate(perm):
+        back[p] = i
+    return fn(view, *args, **kwargs).permute(back)
+
+
 # --------------------------------------------------------------------------------------------
-# Recognising Llama code: by what it computes
+# Recognising what a module computes
 # --------------------------------------------------------------------------------------------
 # A module is recognised by running its class's forward once on small CPU tensors, in a stand-in
 # instance of that class (made without its __init__) that holds the real module's plain settings
@@ -142,8 +201,13 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 # and its result is stored whole, in one assignment.
 _MISSING = object()
 _PLAIN = (bool, int, float, str, type(None))
-_PROBES: dict = {}  # (probe name, class, settings) -> result: a dict when recognised, else the reason (str)
+_PROBES: dict = {}  # (probe name, class, settings, extra) -> a dict when recognised, else the reason (str)
 _PROBE_LOCK = threading.RLock()
+
+
+class _Gap(str):
+    """A reason a site is left alone that names a known function the bundle has no kernel for (not a
+    difference from what the kernels compute): kernel_gaps, not missing_kinds."""
 
 
 def _settings(m) -> tuple:
@@ -164,10 +228,10 @@ def _stand_in(m, **members):
     return obj
 
 
-def _probe(name: str, m, run):
-    """run(m) once per (name, class of m, plain settings of m); its result is cached. A forward that
+def _probe(name: str, m, run, extra=()):
+    """run(m) once per (name, class of m, plain settings of m, extra); its result is cached. A forward that
     raises on the stand-in is not recognised (the reason names the exception)."""
-    key = (name, type(m), _settings(m))
+    key = (name, type(m), _settings(m), extra)
     result = _PROBES.get(key, _MISSING)
     if result is not _MISSING:
         return result
@@ -183,6 +247,15 @@ def _probe(name: str, m, run):
     return result
 
 
+def _close(a, b) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    )
+
+
 def _eps_name(m) -> Optional[str]:
     for name in ("variance_epsilon", "eps"):
         if type(m.__dict__.get(name)) is float:
@@ -190,47 +263,187 @@ def _eps_name(m) -> Optional[str]:
     return None
 
 
+def _norm_structure(m) -> bool:
+    """m looks like an RMSNorm: a 1-d weight, a float eps (variance_epsilon or eps), no bias. What it
+    computes is the probe's business (_rmsnorm_probe)."""
+    w = m.__dict__.get("_parameters", {}).get("weight")
+    return (
+        isinstance(w, torch.Tensor)
+        and w.dim() == 1
+        and _eps_name(m) is not None
+        and not isinstance(getattr(m, "bias", None), torch.Tensor)
+    )
+
+
 def _rmsnorm_probe(m):
-    """{'eps': attribute name, 'cast_before_weight': bool} if type(m).forward is an RMSNorm over the last
-    dim that the kernel computes bit for bit in bf16 (which tells the two rounding conventions apart:
-    Llama's rounds the normalised value to the input dtype before the weight multiply)."""
+    """{'eps': attribute name, 'offset': 0.0 or 1.0, 'cast_before_weight': bool, 'mixed': bool} if
+    type(m).forward is an RMSNorm over the last dim that rms_norm computes bit for bit in bf16 with weight
+    (offset 0: Llama, OLMo 2) or 1 + weight in fp32 (offset 1: Gemma), rounded to the input dtype before the
+    weight multiply (Llama) or after it. 'mixed': with an fp32 weight on bf16 input it returns bf16 with
+    the same numerics (Gemma, OLMo 2; Llama's returns fp32 then, as type promotion has it)."""
     eps_name = _eps_name(m)
-    w = getattr(m, "weight", None)
-    if eps_name is None or not isinstance(w, torch.Tensor) or w.dim() != 1:
-        return f"{type(m).__name__} has no 1-d weight and float eps (variance_epsilon or eps)"
     eps = m.__dict__[eps_name]
     g = torch.Generator().manual_seed(0)
     weight = (1 + torch.randn(48, generator=g)).to(torch.bfloat16)
-    probe = _stand_in(m, weight=torch.nn.Parameter(weight, requires_grad=False))
     # inputs of the size of sqrt(eps), so that a forward using another eps (or none) differs too
     x = (torch.randn(6, 48, generator=g) * (3 * max(eps, 1e-12) ** 0.5)).to(torch.bfloat16)
-    got = type(m).forward(probe, x)
-    for cast_before_weight in (True, False):
-        want = rmsnorm.rms_norm_ref(x, weight, eps, cast_before_weight=cast_before_weight)
+
+    def run(w):
+        return type(m).forward(_stand_in(m, weight=torch.nn.Parameter(w, requires_grad=False)), x)
+
+    got = run(weight)
+    for offset, cast in itertools.product((0.0, 1.0), (True, False)):
+        eff = 1.0 + weight.float() if offset else weight
+        want = rmsnorm.rms_norm_ref(x, eff, eps, cast_before_weight=cast)
         if isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want):
-            return {"eps": eps_name, "cast_before_weight": cast_before_weight}
-    return f"{type(m).__name__}.forward computes another function than the RMSNorm kernel (weight * normalised x)"
+            w32 = weight.float()
+            mixed = run(w32)
+            want32 = rmsnorm.rms_norm_ref(x, 1.0 + w32 if offset else w32, eps, cast_before_weight=cast)
+            same = isinstance(mixed, torch.Tensor) and mixed.dtype == x.dtype and torch.equal(mixed, want32)
+            return {"eps": eps_name, "offset": offset, "cast_before_weight": cast, "mixed": same}
+    return (
+        f"{type(m).__name__}.forward computes another function than the RMSNorm kernel "
+        "(weight or 1 + weight times the normalised x)"
+    )
+
+
+# Activations an MLP may hand its gate to, by what they compute on float64 inputs.
+_ACTIVATIONS = (
+    ("silu", torch.nn.functional.silu),
+    ("gelu_tanh", lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
+    ("gelu", torch.nn.functional.gelu),
+)
+
+
+def _activation(act) -> Optional[str]:
+    """What the activation module act computes ('silu', 'gelu_tanh', 'gelu'), from its class's forward on
+    float64 inputs (per instance: some hold the function they call), or None."""
+    if not isinstance(act, torch.nn.Module) or "forward" in act.__dict__:
+        return None
+    x = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = type(act).forward(act, x)
+    except Exception:
+        return None
+    for name, fn in _ACTIVATIONS:
+        if _close(y, fn(x)):
+            return name
+    return None
+
+
+def _probe_nonlinearity(x):
+    """Stands in for an activation in the MLP probes: no symmetry that would hide swapped operands."""
+    return torch.sin(x) + 0.125 * x * x
+
+
+class _ProbeMap(torch.nn.Module):
+    """Stands in for a norm, an MLP or an activation: a function of its input; records its inputs."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.inputs = []
+
+    def forward(self, x):
+        self.inputs.append(x)
+        return self.fn(x)
+
+
+def _probe_linear(g, i, o):
+    lin = torch.nn.Linear(i, o, dtype=torch.float64)
+    lin.weight.copy_(torch.randn(o, i, generator=g, dtype=torch.float64))
+    lin.bias.copy_(torch.randn(o, generator=g, dtype=torch.float64))
+    return lin
+
+
+def _linear_dims(c):
+    i, o = getattr(c, "in_features", None), getattr(c, "out_features", None)
+    return (i, o) if type(i) is int and type(o) is int else None
+
+
+def _mlp_structure(m):
+    """(linears [(name, (in, out))], activation name) if m is built like a gated MLP: two or three linear
+    layers and one parameter-free activation module; else None."""
+    lin, rest = [], []
+    for name, c in m.named_children():
+        dims = _linear_dims(c)
+        (lin if dims else rest).append((name, c, dims))
+    if len(lin) not in (2, 3) or len(rest) != 1:
+        return None
+    act_name, act, _ = rest[0]
+    if next(act.parameters(), None) is not None or next(act.children(), None) is not None:
+        return None
+    return tuple((n, d) for n, _, d in lin), act_name
 
 
 def _mlp_probe(m):
-    """{} if type(m).forward computes down_proj(act_fn(gate_proj(x)) * up_proj(x)) (checked in float64 with
-    probe layers and SiLU as act_fn; the module's own act_fn is checked apart, per instance)."""
+    """How type(m).forward computes down(act(gate) * up), if it does (float64, probe linears and a probe
+    nonlinearity as the activation): {'form': 'split', 'gate', 'up', 'down': names} for two projections,
+    {'form': 'fused', 'gate_up', 'down': names, 'gate_first': bool} for one projection split in halves;
+    'act': the activation's name. Else the reason."""
+    lin, act_name = _mlp_structure(m)
     g = torch.Generator().manual_seed(1)
-
-    def linear(i, o):
-        lin = torch.nn.Linear(i, o, dtype=torch.float64)
-        lin.weight.copy_(torch.randn(o, i, generator=g, dtype=torch.float64))
-        lin.bias.copy_(torch.randn(o, generator=g, dtype=torch.float64))
-        return lin
-
-    gate, up, down = linear(8, 12), linear(8, 12), linear(12, 8)
-    probe = _stand_in(m, gate_proj=gate, up_proj=up, down_proj=down, act_fn=torch.nn.SiLU())
     x = torch.randn(3, 8, generator=g, dtype=torch.float64)
-    got = type(m).forward(probe, x)
-    want = down(torch.nn.functional.silu(gate(x)) * up(x))
-    if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12):
-        return {}
-    return f"{type(m).__name__}.forward computes another function than down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+    act = _ProbeMap(_probe_nonlinearity)
+    found = []
+
+    def run(**parts):
+        try:
+            return type(m).forward(_stand_in(m, **parts, **{act_name: act}), x)
+        except Exception:  # the projections in other roles do not fit together
+            return None
+
+    if len(lin) == 3:
+        for (gn, gd), (un, ud), (dn, dd) in itertools.permutations(lin):
+            if not (gd == ud and gd[0] == dd[1] and gd[1] == dd[0]):
+                continue
+            gate, up, down = _probe_linear(g, 8, 12), _probe_linear(g, 8, 12), _probe_linear(g, 12, 8)
+            if _close(run(**{gn: gate, un: up, dn: down}), down(_probe_nonlinearity(gate(x)) * up(x))):
+                found.append({"form": "split", "gate": gn, "up": un, "down": dn, "act": act_name})
+    else:
+        for (fn_, fd), (dn, dd) in itertools.permutations(lin):
+            if not (fd[1] == 2 * dd[0] and fd[0] == dd[1]):
+                continue
+            gate_up, down = _probe_linear(g, 8, 24), _probe_linear(g, 12, 8)
+            got = run(**{fn_: gate_up, dn: down})
+            first, second = gate_up(x).chunk(2, dim=-1)
+            for gate_first in (True, False):
+                gate, up = (first, second) if gate_first else (second, first)
+                if _close(got, down(_probe_nonlinearity(gate) * up)):
+                    found.append(
+                        {"form": "fused", "gate_up": fn_, "down": dn, "gate_first": gate_first, "act": act_name}
+                    )
+    if len(found) != 1:
+        return f"{type(m).__name__}.forward computes another function than down_proj(act(gate) * up)"
+    return found[0]
+
+
+def _experts_structure(m) -> Optional[str]:
+    """The activation's name if m is built like transformers' MoE experts module: its class has
+    _apply_gate (called by the grouped_mm / batched_mm implementations on the fused gate/up output) and m
+    holds one parameter-free module, the activation; else None."""
+    if not callable(getattr(type(m), "_apply_gate", None)):
+        return None
+    kids = list(m.named_children())
+    if len(kids) != 1 or next(kids[0][1].parameters(), None) is not None:
+        return None
+    return kids[0][0]
+
+
+def _experts_probe(m):
+    """{'act': name, 'gate_first': bool} if type(m)._apply_gate(y) computes act(gate) * up of y's two
+    halves (float64, a probe nonlinearity as the activation); else the reason."""
+    act_name = _experts_structure(m)
+    probe = _stand_in(m, **{act_name: _ProbeMap(_probe_nonlinearity)})
+    y = torch.randn(3, 24, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    got = type(m)._apply_gate(probe, y)
+    first, second = y.chunk(2, dim=-1)
+    for gate_first in (True, False):
+        gate, up = (first, second) if gate_first else (second, first)
+        if _close(got, _probe_nonlinearity(gate) * up):
+            return {"act": act_name, "gate_first": gate_first}
+    return f"{type(m).__name__}._apply_gate computes another function than act(gate) * up"
 
 
 class _ProbeAttention(torch.nn.Module):
@@ -246,24 +459,67 @@ class _ProbeAttention(torch.nn.Module):
         return h * 3 + 0.25, None
 
 
-class _ProbeMap(torch.nn.Module):
-    """Stands in for a norm or an MLP: an elementwise function of its input."""
+def _affine(c: float, d: float):
+    return lambda x: x * c + d
 
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
 
-    def forward(self, x):
-        return self.fn(x)
+def _residual_slots(x, attn_in, mlp_in, out, fns: dict):
+    """Where the layer's norms sit around its two residual adds, from what its probe parts received:
+        h = x + post_a(self_attn(pre_a(x)));  out = h + post_m(mlp(pre_m(h)))
+    fns: {norm name: its probe map}; a slot holds a norm name or None (no norm there). Returns the tuple
+    (pre_a, post_a, pre_m, post_m), or the reason when the layer computes something else."""
+    ident = {None: lambda t: t, **fns}
+
+    def distinct(*names):
+        used = [n for n in names if n is not None]
+        return len(used) == len(set(used))
+
+    pre_a = [n for n, f in ident.items() if _close(f(x), attn_in)]
+    if len(pre_a) != 1:
+        return "the attention's input is not the layer's input or one norm of it"
+    pre_a = pre_a[0]
+    a = attn_in * 3 + 0.25  # what the probe attention returned
+    pairs = [
+        (pa, pm)
+        for pa in ident
+        for pm in ident
+        if distinct(pre_a, pa, pm) and _close(ident[pm](x + ident[pa](a)), mlp_in)
+    ]
+    if len(pairs) != 1:
+        return "the MLP's input is not (a norm of) the layer's input plus (a norm of) the attention's output"
+    post_a, pre_m = pairs[0]
+    h = x + ident[post_a](a)
+    m_out = torch.sin(mlp_in)  # what the probe MLP returned
+    posts = [n for n in ident if distinct(pre_a, post_a, pre_m, n) and _close(h + ident[n](m_out), out)]
+    if len(posts) != 1:
+        return "the output is not that sum plus (a norm of) the MLP's output"
+    return pre_a, post_a, pre_m, posts[0]
+
+
+def _layer_structure(m):
+    """(norm child names, dropout child names) if m is built like a decoder layer: self_attn and mlp
+    children, at least one norm child (_norm_structure), and nothing else but dropouts; else None."""
+    kids = dict(m.named_children())
+    if not isinstance(kids.get("self_attn"), torch.nn.Module) or not isinstance(kids.get("mlp"), torch.nn.Module):
+        return None
+    others = {n: c for n, c in kids.items() if n not in ("self_attn", "mlp")}
+    norms = tuple(n for n, c in others.items() if _norm_structure(c))
+    dropouts = tuple(n for n, c in others.items() if isinstance(c, _DROPOUT))
+    if not norms or len(norms) + len(dropouts) != len(others):
+        return None
+    return norms, dropouts
 
 
 def _decoder_layer_probe(m):
-    """How type(m).forward calls its parts, if it is the pre-norm decoder layer
-        h = x + self_attn(input_layernorm(x))[0];  out = h + mlp(post_attention_layernorm(h))
-    handing every argument it takes on to self_attn unchanged, by name (checked with probe parts and
-    sentinel arguments). Returns {'params': names of its positional parameters, hidden states first,
-    'hidden_key': the keyword self_attn gets the normalised input by, 'defaults': what self_attn gets for
-    the parameters a caller leaves out}."""
+    """How type(m).forward calls its parts, if it is a residual decoder layer
+        h = x + post_a(self_attn(pre_a(x))[0]);  out = h + post_m(mlp(pre_m(h)))
+    with each of pre_a, post_a, pre_m, post_m one of its norms or nothing (Llama: input_layernorm and
+    post_attention_layernorm before the two blocks; Gemma: all four; OLMo 2: post_a and post_m), dropouts
+    (Phi-3's) as identities (the patched forward runs only while they are), handing every argument it
+    takes on to self_attn unchanged, by name (checked with probe parts and sentinel arguments). Returns
+    {'params': names of its positional parameters, hidden states first, 'hidden_key': the keyword
+    self_attn gets its input by, 'defaults': what self_attn gets for the parameters a caller leaves out,
+    'pre_a', 'post_a', 'pre_m', 'post_m': norm names or None, 'dropouts': names}."""
     try:
         sig = inspect.signature(type(m).forward)
     except (TypeError, ValueError):
@@ -274,64 +530,85 @@ def _decoder_layer_probe(m):
     var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
     if not positional or kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD}:
         return f"{type(m).__name__}.forward takes positional-only, *args or keyword-only parameters"
-
-    attn = _ProbeAttention()
-    probe = _stand_in(
-        m,
-        input_layernorm=_ProbeMap(lambda x: x * 2 + 1),
-        post_attention_layernorm=_ProbeMap(lambda x: x * 0.5 - 2),
-        mlp=_ProbeMap(torch.sin),
-        self_attn=attn,
-    )
+    norms, dropouts = _layer_structure(m)
+    maps = {n: _ProbeMap(_affine(1.5 + 0.25 * i, 0.5 - 0.375 * i)) for i, n in enumerate(norms)}
+    attn, mlp = _ProbeAttention(), _ProbeMap(torch.sin)
+    probe = _stand_in(m, self_attn=attn, mlp=mlp, **maps, **{n: torch.nn.Identity() for n in dropouts})
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
-    h = x + ((x * 2 + 1) * 3 + 0.25)
-    want = h + torch.sin(h * 0.5 - 2)
     sentinels = {name: object() for name in positional[1:]}
     extra = {"rtk_probe_extra": object()} if var_kw else {}
     runs = []
     for given in ({}, {**sentinels, **extra}):
         attn.calls.clear()
+        for p in (mlp, *maps.values()):
+            p.inputs.clear()
         out = type(m).forward(probe, x, **given)
-        if len(attn.calls) != 1 or not isinstance(out, torch.Tensor):
-            return f"{type(m).__name__}.forward does not call self_attn once and return one tensor"
-        if not torch.allclose(out, want, rtol=1e-12, atol=1e-12):
-            return f"{type(m).__name__}.forward computes another function than the pre-norm residual layer"
+        if len(attn.calls) != 1 or len(mlp.inputs) != 1 or not isinstance(out, torch.Tensor):
+            return f"{type(m).__name__}.forward does not call self_attn and mlp once each and return one tensor"
         args, kwargs = attn.calls[0]
         hidden = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         if args or len(hidden) != 1:
             return f"{type(m).__name__}.forward does not call self_attn with its arguments by keyword"
-        runs.append((hidden[0], {k: v for k, v in kwargs.items() if k != hidden[0]}))
-    (hidden_key, defaults), (key2, passed) = runs
-    if key2 != hidden_key or passed != {**sentinels, **extra} or set(defaults) != set(sentinels):
+        slots = _residual_slots(x, kwargs[hidden[0]], mlp.inputs[0], out, {n: p.fn for n, p in maps.items()})
+        if isinstance(slots, str):
+            return f"{type(m).__name__}.forward computes another function than a residual decoder layer ({slots})"
+        if any(len(maps[n].inputs) != slots.count(n) for n in norms):
+            return f"{type(m).__name__}.forward calls a norm outside its residual structure"
+        runs.append((hidden[0], {k: v for k, v in kwargs.items() if k != hidden[0]}, slots))
+    (hidden_key, defaults, slots), (key2, passed, slots2) = runs
+    if key2 != hidden_key or slots2 != slots or passed != {**sentinels, **extra} or set(defaults) != set(sentinels):
         return f"{type(m).__name__}.forward does not hand each of its arguments on to self_attn unchanged"
-    return {"params": tuple(positional), "hidden_key": hidden_key, "defaults": defaults}
+    pre_a, post_a, pre_m, post_m = slots
+    return {
+        "params": tuple(positional),
+        "hidden_key": hidden_key,
+        "defaults": defaults,
+        "pre_a": pre_a,
+        "post_a": post_a,
+        "pre_m": pre_m,
+        "post_m": post_m,
+        "dropouts": dropouts,
+    }
 
 
 def _rope_probe(fn):
-    """Whether fn(q, k, cos, sin) is transformers' rotate-half RoPE of q and k (float64, q and k
-    [B, H, S, D], cos and sin [B, S, D]); cached per function."""
+    """(ok, partial, mixed) for fn(q, k, cos, sin): ok, it is transformers' rotate-half RoPE of q and k (float64,
+    q and k [B, H, S, D], cos and sin [B, S, D]); partial, it also rotates only the first cos.shape[-1] channels
+    and passes the rest when cos is narrower than the head, as Phi-3's does; mixed, with fp16 / bf16 q and k
+    and fp32 cos and sin it returns q's dtype with fp32 math rounded once, what the kernel computes (OLMo 2's
+    casts back; Llama's returns fp32 there). Cached per function."""
     key = ("rope", id(fn))
     hit = _PROBES.get(key)
     if hit is not None and hit[0] is fn:
-        return hit[1]
+        return hit[1:]
     g = torch.Generator().manual_seed(3)
     with _PROBE_LOCK, torch.no_grad(), torch.device("cpu"):
         q = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
         k = torch.randn(1, 1, 5, 8, generator=g, dtype=torch.float64)
         cos = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
         sin = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
-        try:
-            fq, fk = fn(q, k, cos, sin)
-            ok = all(
-                isinstance(got, torch.Tensor)
-                and torch.allclose(got, rope_kernels.rope_rotate_half_ref(t, cos, sin), rtol=1e-12, atol=1e-12)
-                for got, t in ((fq, q), (fk, k))
-            )
-        except Exception:  # another signature or layout: not the function the kernel replaces
-            ok = False
-        _PROBES[key] = (fn, ok)
-    return ok
+
+        def matches(q, k, c, s, same=_close):
+            rd = c.shape[-1]
+            try:
+                got = fn(q, k, c, s)
+            except Exception:  # another signature or layout: not the function the kernel replaces
+                return False
+            want = [
+                torch.cat([rope_kernels.rope_rotate_half_ref(t[..., :rd], c, s), t[..., rd:]], dim=-1) for t in (q, k)
+            ]
+            return isinstance(got, tuple) and len(got) == 2 and all(same(o, w) for o, w in zip(got, want))
+
+        def bits(a, b):
+            return isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+
+        ok = matches(q, k, cos, sin)
+        partial = ok and matches(q, k, cos[..., :4], sin[..., :4])
+        c32, s32 = cos.float(), sin.float()
+        mixed = ok and all(matches(q.to(dt), k.to(dt), c32, s32, bits) for dt in _HALF)
+        _PROBES[key] = (fn, ok, partial, mixed)
+    return ok, partial, mixed
 
 
 def _recognised(result) -> bool:
@@ -339,28 +616,70 @@ def _recognised(result) -> bool:
 
 
 def _rmsnorm_plan(m):
-    return _probe("rmsnorm", m, _rmsnorm_probe) if isinstance(getattr(m, "weight", None), torch.Tensor) else None
+    return _probe("rmsnorm", m, _rmsnorm_probe) if _norm_structure(m) else None
 
 
 def _mlp_plan(m):
-    if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return None
-    return _probe("mlp", m, _mlp_probe)
+    """(kind, plan) of a gated MLP: kind 'swiglu' (SiLU) or 'geglu' (tanh GELU) by what m's activation
+    computes, plan its probe's dict when a kernel computes m's forward, else the reason (a _Gap where the
+    function is known but no kernel has its form). (None, None) for anything else."""
+    struct = _mlp_structure(m)
+    if struct is None:
+        return None, None
+    lin, act_name = struct
+    kind = {"silu": "swiglu", "gelu_tanh": "geglu"}.get(_activation(getattr(m, act_name)))
+    if kind is None:
+        return None, None
+    plan = _probe("mlp", m, _mlp_probe, extra=lin)
+    if not _recognised(plan):
+        return kind, plan
+    if kind == "geglu" and (plan["form"] == "split" or plan["gate_first"]):
+        form = "two projections" if plan["form"] == "split" else "a fused projection with the gate first"
+        return kind, _Gap(
+            f"{type(m).__name__}: tanh-GELU gate times up from {form}; no kernel reads that form "
+            "(activations.geglu takes one [..., 2H] tensor, gate second)"
+        )
+    return kind, plan
+
+
+def _experts_plan(m):
+    """('moe_swiglu', plan) for an MoE experts module whose activation is SiLU (plan: its probe's dict, or
+    the reason); (None, None) for anything else."""
+    act_name = _experts_structure(m)
+    if act_name is None or _activation(getattr(m, act_name)) != "silu":
+        return None, None
+    return "moe_swiglu", _probe("experts", m, _experts_probe, extra=(act_name,))
 
 
 def _decoder_layer_plan(m):
-    if not all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
+    if _layer_structure(m) is None:
         return None
     return _probe("decoder_layer", m, _decoder_layer_probe)
 
 
-def _is_llama_rmsnorm(m) -> bool:
+def layer_form(m) -> Optional[str]:
+    """Where a decoder layer's norms sit, as its probe found them: 'pre-norm' (Llama: a norm before the
+    attention and before the MLP), 'sandwich' (Gemma: before and after both), 'post-norm' (OLMo 2: after
+    both, before the residual adds), 'other' for another placement, None if m is no decoder layer the
+    probe recognises."""
+    plan = _decoder_layer_plan(m)
+    if not _recognised(plan):
+        return None
+    pre = plan["pre_a"] is not None and plan["pre_m"] is not None
+    post = plan["post_a"] is not None and plan["post_m"] is not None
+    none_pre = plan["pre_a"] is None and plan["pre_m"] is None
+    none_post = plan["post_a"] is None and plan["post_m"] is None
+    if pre and none_post:
+        return "pre-norm"
+    if pre and post:
+        return "sandwich"
+    if post and none_pre:
+        return "post-norm"
+    return "other"
+
+
+def _rms_recognised(m) -> bool:
     return _recognised(_rmsnorm_plan(m))
-
-
-def _is_plain_silu(act) -> bool:
-    """act computes silu(x) and nothing else (no hooks, no instance forward)."""
-    return type(act) in (SiLUActivation, torch.nn.SiLU) and "forward" not in act.__dict__ and not _has_hooks(act)
 
 
 def _original_rope_function(fn):
@@ -382,7 +701,8 @@ def _rope_slot(m, g: dict):
     """The layer's private copy of apply_rotary_pos_emb, if transformers routes the layer's calls through one:
     with the kernels package installed (a dependency from transformers 5.25), the model file's function is a
     module whose calls, while a layer runs, go to that layer's own instance in m._kernel_funcs (where
-    kernels.kernelize puts a hub kernel). None where the function is a plain function (no kernels package)."""
+    kernels.kernelize puts a hub kernel). None where the function is a plain function (no kernels package,
+    or a model file that does not route it)."""
     fn = g.get(_ROPE_NAME)
     own = m.__dict__.get("_kernel_funcs")
     slot = own.get(_slot_key(fn)) if isinstance(own, dict) else None
@@ -423,6 +743,17 @@ def _hub_kernel(m) -> bool:
     return fwd is not None and getattr(fwd, "__func__", None) is not _rope_slot_forward
 
 
+def _rope_function_of(m):
+    """The function m's attention calls as apply_rotary_pos_emb (the one a dispatcher or a routed copy
+    stands in for), or None."""
+    g = _rope_globals(type(m))
+    if g is None:
+        return None
+    fn = _original_rope_function(g[_ROPE_NAME])
+    slot = _rope_slot(m, g)
+    return _slot_function(slot) if slot is not None else fn
+
+
 # --------------------------------------------------------------------------------------------
 # Patching instance forwards, reversibly
 # --------------------------------------------------------------------------------------------
@@ -441,14 +772,36 @@ def _original_forward(module: torch.nn.Module):
     return ic.original_forward(module, _STATE)
 
 
+def _patch_gate(module: torch.nn.Module, plan: dict) -> bool:
+    """Make _experts_gate the experts module's _apply_gate, on the instance."""
+    if _STATE in module.__dict__:
+        return False
+    patched = ic.BoundForward(_experts_gate, module)
+    module.__dict__[_STATE] = {
+        "kind": "moe_swiglu",
+        "gate_slot": patched,
+        "act": plan["act"],
+        "act_module": getattr(module, plan["act"]),
+        "gate_first": plan["gate_first"],
+    }
+    module.__dict__["_apply_gate"] = patched
+    return True
+
+
 def _unpatch(module: torch.nn.Module) -> Optional[str]:
     """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    slot = module.__dict__.get(_STATE, {}).get("rope_slot")
+    st = module.__dict__.get(_STATE, {})
+    slot = st.get("rope_slot")
     if slot is not None:  # the RoPE kernel put into the layer's private copy of the function
         del module.__dict__[_STATE]
         if getattr(slot.__dict__.get("forward"), "__func__", None) is _rope_slot_forward:
             del slot.__dict__["forward"]
         return "rope"
+    if "gate_slot" in st:  # an experts module's _apply_gate
+        del module.__dict__[_STATE]
+        if module.__dict__.get("_apply_gate") is st["gate_slot"]:
+            del module.__dict__["_apply_gate"]
+        return "moe_swiglu"
     state = ic.unpatch(module, _STATE)
     if state is None:
         return None
@@ -460,65 +813,142 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 # Replacement forwards
 # --------------------------------------------------------------------------------------------
+# Gemma's norms multiply by 1 + weight in fp32. That tensor is made once per norm and kept while the weight
+# is the same tensor with the same version counter (an in-place change bumps it; a new tensor is another
+# object), so a decode step launches the norm kernel and nothing else. Under torch.compile it is computed
+# in the graph (the compiler folds it), and where no version counter exists (an inference tensor) per call.
+_OFFSET_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # norm -> (weakref(w), version, 1 + w)
+
+
+def _offset_weight(norm, w: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return 1.0 + w.float()
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return 1.0 + w.float()
+    hit = _OFFSET_WEIGHTS.get(norm)
+    if hit is not None and hit[0]() is w and hit[1] == version:
+        return hit[2]
+    eff = 1.0 + w.float()
+    _OFFSET_WEIGHTS[norm] = (weakref.ref(w), version, eff)
+    return eff
+
+
+def _norm_args(norm, st: dict, x: torch.Tensor):
+    """(weight, eps, cast_before_weight) for rms_norm to compute norm(x) as the module does, or None where
+    the module would compute something the probe did not check (another dtype mix, another shape)."""
+    w = norm.weight
+    if x.dim() == 0 or w.shape != x.shape[-1:]:
+        return None
+    if w.dtype != x.dtype and not (w.dtype == torch.float32 and st["mixed"]):
+        return None  # e.g. an fp32 weight on bf16 input, where Llama's norm returns fp32
+    eff = _offset_weight(norm, w) if st["offset"] else w
+    return eff, getattr(norm, st["eps"]), st["cast_before_weight"]
+
+
 def _rmsnorm_forward(self, hidden_states):
-    """An RMSNorm as its probe found it: fp32 normalisation, rounded to the input dtype before the weight
-    multiply (Llama's) or after it, in one kernel."""
+    """An RMSNorm as its probe found it (weight or 1 + weight, rounded before the weight multiply or after
+    it), in one kernel."""
     st = self.__dict__[_STATE]
-    w = self.weight
-    if (
-        w.dtype != hidden_states.dtype  # e.g. an fp32 weight on bf16 input: the original returns fp32
-        or w.shape != hidden_states.shape[-1:]
-        or hidden_states.dim() == 0
-        or (hidden_states.stride(-1) != 1 and hidden_states.shape[-1] != 1)
-        or not _usable(hidden_states, w)
-    ):
-        return _original_forward(self)(hidden_states)
-    return rmsnorm.rms_norm(hidden_states, w, getattr(self, st["eps"]), cast_before_weight=st["cast_before_weight"])
+    if isinstance(hidden_states, torch.Tensor) and _usable(hidden_states, self.weight):
+        args = _norm_args(self, st, hidden_states)
+        if args is not None:
+            w, eps, cast = args
+            out = _rowwise(rmsnorm.rms_norm, hidden_states, w, eps, cast_before_weight=cast)
+            if out is not None:
+                return out
+    return _original_forward(self)(hidden_states)
+
+
+def _act_ok(module, st: dict) -> bool:
+    """The module's activation is the one its probe found, and calling it runs nothing else."""
+    act = getattr(module, st["act"], None)
+    return act is st["act_module"] and _plain(act)
+
+
+def _gated_ok(*ts) -> bool:
+    return all(t.dim() > 0 and (t.stride(-1) == 1 or t.shape[-1] == 1) and _two_level(t) for t in ts) and _usable(*ts)
 
 
 def _mlp_forward(self, x):
-    """LlamaMLP: down_proj(silu(gate_proj(x)) * up_proj(x)) with the SwiGLU in one kernel."""
-    act = self.act_fn
-    if not _is_plain_silu(act):
+    """A gated MLP, down(act(gate) * up), with the activation and the product in one kernel: swiglu for two
+    projections or a fused one (either half first), geglu for a fused [up | gate] projection."""
+    st = self.__dict__[_STATE]
+    if not _act_ok(self, st):
         return _original_forward(self)(x)
-    gate = self.gate_proj(x)
-    up = self.up_proj(x)
+    act = getattr(self, st["act"])
+    if st["form"] == "split":
+        gate = getattr(self, st["gate"])(x)
+        up = getattr(self, st["up"])(x)
+        if gate.shape == up.shape and gate.dtype == up.dtype and _gated_ok(gate, up):
+            h = activations.swiglu(gate, up)
+        else:
+            h = act(gate) * up
+        return getattr(self, st["down"])(h)
+    gate_up = getattr(self, st["gate_up"])(x)
+    if gate_up.dim() > 0 and gate_up.shape[-1] % 2 == 0 and _gated_ok(gate_up):
+        if st["kind"] == "swiglu":
+            h = activations.swiglu(gate_up, gate_first=st["gate_first"])
+        else:  # geglu, gate second (the plan admits no other)
+            h = activations.geglu(gate_up, approximate="tanh")
+    else:
+        first, second = gate_up.chunk(2, dim=-1)
+        gate, up = (first, second) if st["gate_first"] else (second, first)
+        h = act(gate) * up
+    return getattr(self, st["down"])(h)
+
+
+def _experts_gate(self, gate_up_out):
+    """An MoE experts module's _apply_gate: act(gate) * up of the fused gate/up output in one kernel."""
+    st = self.__dict__[_STATE]
+    y = gate_up_out
     if (
-        gate.shape != up.shape
-        or gate.dtype != up.dtype
-        or not _usable(gate, up)
-        or (gate.dim() and gate.stride(-1) != 1)
-        or (up.dim() and up.stride(-1) != 1)
+        _act_ok(self, st)
+        and isinstance(y, torch.Tensor)
+        and y.dim() > 0
+        and y.numel() > 0
+        and y.shape[-1] % 2 == 0
+        and _gated_ok(y)
     ):
-        return self.down_proj(act(gate) * up)
-    return self.down_proj(activations.swiglu(gate, up))
+        return activations.swiglu(y, gate_first=st["gate_first"])
+    return type(self)._apply_gate(self, y)
 
 
-def _fusable_norm(norm, x, residual) -> Optional[dict]:
-    """The record of post_attention_layernorm when norm(residual + x) may run as one fused kernel that skips
-    the norm's call: the norm runs this file's RMSNorm patch (its probe's eps and rounding are in the record)
-    and nothing else, and the tensors suit the kernel. Else None."""
+def _fusable_norm(norm, x, residual):
+    """(weight, eps, cast_before_weight) when norm(residual + x) may run as one fused kernel that skips the
+    norm's call: the norm runs this file's RMSNorm patch (its probe's numerics are in the record) and
+    nothing else, and the tensors suit the kernel. Else None."""
     st = norm.__dict__.get(_STATE)
     if st is None or st["kind"] != "rmsnorm" or _has_hooks(norm):
         return None
     fwd = norm.__dict__.get("forward")
     if fwd is None or ic.patched_function(fwd) is not _rmsnorm_forward:
         return None  # someone else's forward on the norm: let it run
-    w = norm.weight
     ok = (
-        x.shape == residual.shape
-        and x.dtype == residual.dtype == w.dtype
-        and w.shape == x.shape[-1:]
+        isinstance(x, torch.Tensor)
+        and isinstance(residual, torch.Tensor)
+        and x.shape == residual.shape
+        and x.dtype == residual.dtype
         and x.dim() > 0
-        and (x.stride(-1) == 1 or x.shape[-1] == 1)
-        and (residual.stride(-1) == 1 or residual.shape[-1] == 1)
-        and _usable(x, residual, w)
+        and _gated_ok(x, residual)
+        and _usable(x, residual, norm.weight)
     )
-    return st if ok else None
+    return _norm_args(norm, st, x) if ok else None
+
+
+def _identity_dropouts(module, names) -> bool:
+    """The layer's dropouts compute the identity now (eval mode or p = 0) and run nothing else."""
+    for name in names:
+        d = getattr(module, name, None)
+        if not isinstance(d, _DROPOUT) or (d.training and d.p != 0) or not _plain(d):
+            return False
+    return True
 
 
 def _decoder_layer_forward(self, *args, **kwargs):
-    """The Llama decoder layer with `residual + attention` and post_attention_layernorm in one kernel.
+    """The decoder layer with `residual + attention output` (after its norm, where it has one) and the norm
+    in front of the MLP in one kernel.
 
     Computes what transformers' layer computes (its probe checked that at injection: _decoder_layer_probe),
     with the same arguments and return value: self_attn gets what the original hands it, each argument the
@@ -537,8 +967,9 @@ def _decoder_layer_forward(self, *args, **kwargs):
                 or (self.training and getattr(self, "gradient_checkpointing", False))
             )
         )
+        or not _identity_dropouts(self, st["dropouts"])
     ):
-        # keyword-only hidden_states, argument errors, autograd, gradient checkpointing: the original
+        # keyword-only hidden_states, argument errors, autograd, gradient checkpointing, active dropout
         return _original_forward(self)(*args, **kwargs)
     hidden_states = args[0]
     given = kwargs
@@ -548,25 +979,25 @@ def _decoder_layer_forward(self, *args, **kwargs):
         kwargs[name] = value
 
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
+    if st["pre_a"] is not None:
+        hidden_states = getattr(self, st["pre_a"])(hidden_states)
     kwargs[st["hidden_key"]] = hidden_states
     hidden_states, _ = self.self_attn(**kwargs)
-    norm = self.post_attention_layernorm
-    norm_st = _fusable_norm(norm, hidden_states, residual)
-    if norm_st is not None:
-        # r = residual + attn (fp32 sum rounded once: the bits torch's add gives), y = norm(r)
-        hidden_states, residual = rmsnorm.fused_add_rms_norm(
-            hidden_states,
-            residual,
-            norm.weight,
-            getattr(norm, norm_st["eps"]),
-            cast_before_weight=norm_st["cast_before_weight"],
-        )
+    if st["post_a"] is not None:
+        hidden_states = getattr(self, st["post_a"])(hidden_states)
+    norm = getattr(self, st["pre_m"])
+    args = _fusable_norm(norm, hidden_states, residual)
+    if args is not None:
+        # r = residual + h (fp32 sum rounded once: the bits torch's add gives), y = norm(r)
+        w, eps, cast = args
+        hidden_states, residual = rmsnorm.fused_add_rms_norm(hidden_states, residual, w, eps, cast_before_weight=cast)
     else:
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = norm(hidden_states)
     hidden_states = self.mlp(hidden_states)
+    if st["post_m"] is not None:
+        hidden_states = getattr(self, st["post_m"])(hidden_states)
     return residual + hidden_states
 
 
@@ -615,7 +1046,8 @@ class _RopeSite:
         if not isinstance(name, str) or getattr(sys.modules.get(name), "__dict__", None) is not self.globals:
             raise TypeError(
                 f"{type(self.module).__name__} calls {_ROPE_NAME} from {name!r}, which is no importable module, "
-                "so the injected model cannot be saved or copied; call remove_llama_kernels(model) first"
+                "so the injected model cannot be saved or copied; call remove_optimized_kernels(model) "
+                "(remove_llama_kernels) first"
             )
         return _rope_site_for, (self.module, name)
 
@@ -627,32 +1059,47 @@ def _rope_site_for(module, name: str) -> _RopeSite:
     return _RopeSite(module, g)
 
 
-def _rope_usable(q, k, cos, sin) -> bool:
+def _rope_usable(q, k, cos, sin, partial: bool, mixed: bool) -> bool:
+    """The call has the form the probe checked and tensors the kernel takes: q, k [B, H, S, D], cos/sin
+    [B or 1, S, D] (or [B or 1, S, R], R even and < D, where the function rotates the first R channels), all
+    of one dtype (or fp32 cos/sin with fp16 / bf16 q, k where the function returns q's dtype: mixed)."""
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
         return False
     b, s, d = q.shape[0], q.shape[2], q.shape[3]
-    if k.shape[0] != b or k.shape[2:] != (s, d) or d % 2:
+    r = cos.shape[-1]
+    if k.shape[0] != b or k.shape[2:] != (s, d) or r % 2 or r < 2 or (r != d and not (partial and r < d)):
         return False
     for t in (cos, sin):
-        if t.shape[0] not in (1, b) or t.shape[1:] != (s, d) or (d > 1 and t.stride(-1) != 1):
+        if t.shape[0] not in (1, b) or t.shape[1:] != (s, r) or t.stride(-1) != 1:
             return False
-    # the original computes in promote(q, cos); the kernel returns q's dtype: require one dtype
-    if not (q.dtype == k.dtype == cos.dtype == sin.dtype):
+    # the original computes in promote(q, cos); the kernel returns q's dtype: one dtype, or the probed mix
+    if q.dtype != k.dtype or cos.dtype != sin.dtype:
         return False
-    if d > 1 and (q.stride(-1) != 1 or k.stride(-1) != 1):
+    if cos.dtype != q.dtype and not (mixed and cos.dtype == torch.float32 and q.dtype in _HALF):
+        return False
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
         return False
     return _usable(q, k, cos, sin)
+
+
+def _rope_pair(q, k, cos, sin):
+    """(rope(q), rope(k)) with the rotate-half kernel; with a narrower table, the first cos.shape[-1]
+    channels rotated and the rest passed through (the concatenation the partial-rotary function makes)."""
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return rope_kernels.rope_rotate_half(q, cos, sin), rope_kernels.rope_rotate_half(k, cos, sin)
+    return tuple(torch.cat([rope_kernels.rope_rotate_half(t[..., :r], cos, sin), t[..., r:]], dim=-1) for t in (q, k))
 
 
 def _make_rope_dispatcher(original):
     """The stand-in for a model file's apply_rotary_pos_emb: the kernel for the call form its probe checked,
     (q, k, cos, sin) inside a patched attention layer, with tensors the kernel takes; else the function
     it stands in for (a hub-kernel wrapper of transformers' function keeps its routing)."""
+    _, partial, mixed = _rope_probe(original)
 
     def apply_rotary_pos_emb(*args, **kwargs):
-        if getattr(_ROPE_ACTIVE, "depth", 0) and len(args) == 4 and not kwargs and _rope_usable(*args):
-            q, k, cos, sin = args
-            return rope_kernels.rope_rotate_half(q, cos, sin), rope_kernels.rope_rotate_half(k, cos, sin)
+        if getattr(_ROPE_ACTIVE, "depth", 0) and len(args) == 4 and not kwargs and _rope_usable(*args, partial, mixed):
+            return _rope_pair(*args)
         return original(*args, **kwargs)
 
     apply_rotary_pos_emb._rtk_original = original
@@ -664,10 +1111,12 @@ def _rope_slot_forward(self, *args, **kwargs):
     """The forward of a layer's private copy of apply_rotary_pos_emb (see _rope_slot): the kernel for the call
     form the probe checked, (q, k, cos, sin) with tensors the kernel takes; else transformers' function.
     Under torch.compile transformers calls it on the model file's instance, not on the layer's copy."""
-    if len(args) == 4 and not kwargs and _rope_usable(*args):
-        q, k, cos, sin = args
-        return rope_kernels.rope_rotate_half(q, cos, sin), rope_kernels.rope_rotate_half(k, cos, sin)
+    if len(args) == 4 and not kwargs and _rope_usable(*args, *_SLOT_FORMS.get(type(self), (False, False))):
+        return _rope_pair(*args)
     return _SLOT_FUNCTIONS[type(self)](*args, **kwargs)
+
+
+_SLOT_FORMS: dict = {}  # class of a copy of apply_rotary_pos_emb -> (partial, mixed) of its function (_rope_probe)
 
 
 def _rope_acquire(module, g: dict) -> None:
@@ -737,6 +1186,7 @@ def count_kernel_calls():
         (rmsnorm, "rms_norm"),
         (rmsnorm, "fused_add_rms_norm"),
         (activations, "swiglu"),
+        (activations, "geglu"),
         (rope_kernels, "rope_rotate_half"),
         (skinny_kernels, "skinny_gemm"),
     ):
@@ -755,10 +1205,174 @@ def count_kernel_calls():
             setattr(mod, name, fn)
 
 
+def _site_kind(m) -> Optional[str]:
+    """The kind of site m is by its structure (its parameters, children and the function its forward calls;
+    never its class name), whether or not the kernels can replace it: what missing_kinds and coverage count.
+    A decoder layer is a site where a norm follows a residual add (its probe says where its norms sit; one
+    the probe does not recognise counts as a site)."""
+    if type(m) is torch.nn.Linear:
+        return None
+    if _norm_structure(m):
+        return "rmsnorm"
+    kind, _ = _experts_plan(m)
+    if kind is None:
+        kind, _ = _mlp_plan(m)
+    if kind is not None:
+        return kind
+    if _layer_structure(m) is not None:
+        plan = _decoder_layer_plan(m)
+        return "fused_add_rmsnorm" if not _recognised(plan) or plan["pre_m"] is not None else None
+    if _rope_globals(type(m)) is not None:
+        return "rope"
+    return None
+
+
+def _why_not(m, kind: str) -> Optional[str]:
+    """Why the kernel of kind cannot replace m (None if it can): what the probes found, or what is in the way.
+    A _Gap names a known function the bundle has no kernel for."""
+    if kind == "rmsnorm":
+        plan = _rmsnorm_plan(m)
+    elif kind in ("swiglu", "geglu"):
+        plan = _mlp_plan(m)[1]
+    elif kind == "moe_swiglu":
+        plan = _experts_plan(m)[1]
+        if _recognised(plan) and "_apply_gate" in m.__dict__:
+            return f"{type(m).__name__} with its own instance _apply_gate"
+        if _recognised(plan) and not _plain(getattr(m, plan["act"])):
+            return f"{type(m).__name__} whose activation has hooks or its own forward"
+        return None if _recognised(plan) else plan
+    elif kind == "fused_add_rmsnorm":
+        plan = _decoder_layer_plan(m)
+        if _recognised(plan) and not _rms_recognised(getattr(m, plan["pre_m"])):
+            return f"{type(m).__name__} whose norm after the residual add is not an RMSNorm the kernel computes"
+    else:
+        g = _rope_globals(type(m))
+        if g is None:
+            return f"{type(m).__name__} calls no {_ROPE_NAME}"
+        if not _rope_probe(_original_rope_function(g[_ROPE_NAME]))[0]:
+            return f"{_ROPE_NAME} of {g.get('__name__')} computes another function than rotate-half RoPE"
+        if _hub_kernel(m):
+            return f"{type(m).__name__} runs a RoPE kernel of the kernels hub (kernelize)"
+        plan = {}
+    if not _recognised(plan):
+        return plan or f"{type(m).__name__} is no {kind} site"
+    if kind in ("swiglu", "geglu") and not _plain(getattr(m, plan["act"])):
+        return f"{type(m).__name__} whose activation has hooks or its own forward"
+    if _foreign_forward(m):
+        return f"{type(m).__name__} with its own instance forward"
+    return None
+
+
+def _inject_module(m, fuse_residual: bool, rope: bool, new: dict, skipped: list, gaps: list) -> bool:
+    """Inject the kernel of m's kind into m, if it has one and may take it (adding to new, or to skipped /
+    gaps with the reason it may not); returns whether m is a site of a kind the injection knows (patched
+    already, injected now or not)."""
+    if _STATE in m.__dict__:
+        return True
+    kind = _site_kind(m)
+    if kind is None:
+        return False
+    if (kind == "fused_add_rmsnorm" and not fuse_residual) or (kind == "rope" and not rope):
+        return True
+    why = _why_not(m, kind)
+    if why is not None:
+        (gaps if isinstance(why, _Gap) else skipped).append(why)
+        return True
+    if kind == "rmsnorm":
+        new[kind] += _patch_forward(m, _rmsnorm_forward, kind, **_rmsnorm_plan(m))
+    elif kind in ("swiglu", "geglu"):
+        plan = _mlp_plan(m)[1]
+        new[kind] += _patch_forward(m, _mlp_forward, kind, **plan, act_module=getattr(m, plan["act"]))
+    elif kind == "moe_swiglu":
+        new[kind] += _patch_gate(m, _experts_plan(m)[1])
+    elif kind == "fused_add_rmsnorm":
+        new[kind] += _patch_forward(m, _decoder_layer_forward, kind, **_decoder_layer_plan(m))
+    else:
+        g = _rope_globals(type(m))
+        slot = _rope_slot(m, g)
+        if slot is not None:  # per layer, through transformers' own routing: nothing global changes
+            _SLOT_FORMS[type(slot)] = _rope_probe(_slot_function(slot))[1:]
+            slot.forward = types.MethodType(_rope_slot_forward, slot)
+            m.__dict__[_STATE] = {"kind": "rope", "rope_slot": slot}
+            new["rope"] += 1
+        elif _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, g)):
+            _rope_acquire(m, g)
+            new["rope"] += 1
+    return True
+
+
+def coverage(model: torch.nn.Module, *, fuse_residual: bool = True, rope: bool = True) -> dict:
+    """Per kind: {'sites': how many sites of that kind the model has (by structure, see _site_kind; for
+    skinny_gemm its nn.Linear layers), 'replaced': how many run the kernel's forward now, 'left': {reason:
+    how many sites are left to PyTorch for it}}. Kinds not asked for (fuse_residual, rope as given to
+    inject_optimized_kernels) count no sites."""
+    out = {k: {"sites": 0, "replaced": 0, "left": collections.Counter()} for k in KINDS}
+    for m in _modules(model):
+        st = m.__dict__.get(_STATE)
+        kind = st["kind"] if st is not None else ("skinny_gemm" if type(m) is torch.nn.Linear else _site_kind(m))
+        if kind is None or (kind == "fused_add_rmsnorm" and not fuse_residual) or (kind == "rope" and not rope):
+            continue
+        row = out[kind]
+        row["sites"] += 1
+        if st is not None:
+            row["replaced"] += 1
+        elif kind == "skinny_gemm":
+            row["left"]["skinny_gemm=False (decode-time linear layers are opt-in)"] += 1
+        else:
+            row["left"][_why_not(m, kind) or "not injected"] += 1
+    for row in out.values():
+        row["left"] = dict(row["left"])
+    return out
+
+
+def missing_kinds(model: torch.nn.Module, *, fuse_residual: bool = True, rope: bool = True) -> dict:
+    """{kind: why} for each kind the model has sites of (by structure: an RMSNorm-like module, a gated MLP, a
+    decoder layer with a norm after a residual add, an MoE experts module, an attention calling
+    apply_rotary_pos_emb) but none of which is injected, for a reason other than a known gap (kernel_gaps),
+    e.g. {"rope": "32 sites, none replaced: ..."}; {} when every such kind runs its kernel somewhere.
+    fuse_residual and rope as given to inject_optimized_kernels (a kind not asked for is not missing). The
+    examples' ok is false while this is not empty."""
+    out = {}
+    for kind, row in coverage(model, fuse_residual=fuse_residual, rope=rope).items():
+        if kind == "skinny_gemm" or not row["sites"] or row["replaced"]:
+            continue
+        reasons = [r for r in row["left"] if not isinstance(r, _Gap)]
+        if reasons:
+            out[kind] = f"{row['sites']} sites, none replaced: " + "; ".join(reasons)
+    return out
+
+
+def kernel_gaps(model: torch.nn.Module) -> dict:
+    """{kind: why} for each kind of which some sites compute a known function the bundle has no kernel for
+    (Gemma's GeGLU from two projections), with how many: those sites run PyTorch's code."""
+    out = {}
+    for kind, row in coverage(model).items():
+        gaps = {r: n for r, n in row["left"].items() if isinstance(r, _Gap)}
+        if gaps:
+            out[kind] = "; ".join(f"{n} sites: {r}" for r, n in gaps.items())
+    return out
+
+
+def _experts_notes(model) -> str:
+    """A note naming the experts modules whose configured implementation never calls _apply_gate."""
+    impls = collections.Counter()
+    for m in _modules(model):
+        st = m.__dict__.get(_STATE)
+        if st is not None and st["kind"] == "moe_swiglu":
+            impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+            if impl in ("eager", "sonicmoe"):
+                impls[impl] += 1
+    return "; ".join(
+        f"{n} experts modules run experts_implementation={impl!r}, which does not call _apply_gate: their SwiGLU "
+        "stays PyTorch's until the implementation is grouped_mm, batched_mm or deepgemm"
+        for impl, n in impls.items()
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def inject_llama_kernels(
+def inject_optimized_kernels(
     model: torch.nn.Module,
     *,
     fuse_residual: bool = True,
@@ -766,25 +1380,28 @@ def inject_llama_kernels(
     skinny_gemm: bool = False,
     verbose: bool = True,
 ) -> dict:
-    """Replace the RMSNorms, residual add + norm, SwiGLU, RoPE (and optionally the decode-time linear
-    layers) of a Llama-family model with the kernels; see the module docstring for each kind.
+    """Replace the RMSNorms, residual add + norm, gated MLP activations (SwiGLU, fused GeGLU, MoE experts'
+    SwiGLU), RoPE (and optionally the decode-time linear layers) of a transformers decoder LLM with the
+    kernels; see the module docstring for each kind and how sites are recognised.
 
-    model: a LlamaForCausalLM / LlamaModel (or a Mistral/Qwen2-style copy), or any module containing one.
-    fuse_residual, rope, skinny_gemm: which optional kinds to add (RMSNorm and SwiGLU are always
+    model: a *ForCausalLM / *Model of any family whose modules compute what the kernels do (Llama, Mistral,
+    Qwen2/3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3, OLMo 2, ...), or any module containing one.
+    fuse_residual, rope, skinny_gemm: which optional kinds to add (norms and activations are always
     injected). Returns the counts per kind of what is injected after the call. A second call wraps
     nothing twice and only adds kinds that were not asked for before; to drop a kind, remove and inject
     again. Inject before torch.compile (the kernels are torch.library custom ops, so compile traces them).
-    A kind the model has sites of but none was replaced (missing_kinds) is a warning in the log line.
+    A kind the model has sites of but none was replaced (missing_kinds) is a warning in the log line;
+    sites with no kernel for their function (kernel_gaps) are named in it.
     """
     new = _empty_counts()
-    skipped = []
+    skipped, gaps = [], []
     modules = list(_modules(model))
-    llama_like = False
+    found = False
 
     for m in modules:
-        llama_like |= _inject_module(m, fuse_residual, rope, new, skipped)
+        found |= _inject_module(m, fuse_residual, rope, new, skipped, gaps)
 
-    if skinny_gemm and llama_like:
+    if skinny_gemm and found:
         for m in modules:
             # plain nn.Linear only: subclasses (quantised layers, LoRA) compute something else
             if type(m) is torch.nn.Linear and _STATE not in m.__dict__:
@@ -795,17 +1412,18 @@ def inject_llama_kernels(
 
     counts = injected_counts(model)
     missing = missing_kinds(model, fuse_residual=fuse_residual, rope=rope)
-    none_found = "" if llama_like or missing else "no Llama-style RMSNorm, MLP, decoder layer or attention found"
+    none_found = "" if found or missing else "no RMSNorm, gated MLP, decoder layer, experts or RoPE attention found"
     warning = "; ".join(f"WARNING {kind}: {why}" for kind, why in missing.items())
+    gap_note = ("no kernel for: " + ", ".join(sorted(set(gaps)))) if gaps else ""
     ic.report(
         logger,
         ic.counts_message(
-            "injected Llama kernels",
+            "injected kernels",
             counts,
             new,
             none_found=none_found,
             skipped=skipped,
-            notes=[warning, ic.cpu_fallback_note(model, new)],
+            notes=[gap_note, _experts_notes(model), warning, ic.cpu_fallback_note(model, new)],
         ),
         verbose,
         warning=bool(missing),
@@ -813,131 +1431,21 @@ def inject_llama_kernels(
     return counts
 
 
-def _site_kind(m) -> Optional[str]:
-    """The kind of site m is by its structure alone (class name, attributes, the function its forward calls),
-    whether or not the kernels can replace it: what missing_kinds counts."""
-    if type(m) is torch.nn.Linear:
-        return None
-    if "rmsnorm" in type(m).__name__.lower() and isinstance(getattr(m, "weight", None), torch.Tensor):
-        return "rmsnorm"
-    if all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return "swiglu"
-    if all(hasattr(m, a) for a in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
-        return "fused_add_rmsnorm"
-    if _rope_globals(type(m)) is not None:
-        return "rope"
-    return None
-
-
-def _why_not(m, kind: str) -> Optional[str]:
-    """Why the kernel of kind cannot replace m (None if it can): what the probes found, or what is in the way."""
-    if kind == "rmsnorm":
-        plan = _rmsnorm_plan(m)
-    elif kind == "swiglu":
-        plan = _mlp_plan(m)
-        if _recognised(plan) and not _is_plain_silu(m.act_fn):
-            return f"{type(m).__name__} with activation {type(m.act_fn).__name__}"
-    elif kind == "fused_add_rmsnorm":
-        plan = _decoder_layer_plan(m)
-        if _recognised(plan) and not _is_llama_rmsnorm(m.post_attention_layernorm):
-            return f"{type(m).__name__} whose post-attention norm is not an RMSNorm the kernel computes"
-    else:
-        g = _rope_globals(type(m))
-        if g is None:
-            return f"{type(m).__name__} calls no {_ROPE_NAME}"
-        fn = _original_rope_function(g[_ROPE_NAME])
-        if not _rope_probe(fn):
-            return f"{_ROPE_NAME} of {g.get('__name__')} computes another function than rotate-half RoPE"
-        if _hub_kernel(m):
-            return f"{type(m).__name__} runs a RoPE kernel of the kernels hub (kernelize)"
-        plan = {}
-    if not _recognised(plan):
-        return plan or f"{type(m).__name__} is no {kind} site"
-    if _foreign_forward(m):
-        return f"{type(m).__name__} with its own instance forward"
-    return None
-
-
-def _inject_module(m, fuse_residual: bool, rope: bool, new: dict, skipped: list) -> bool:
-    """Inject the kernel of m's kind into m, if it has one and may take it (adding to new, or to skipped with
-    the reason it may not); returns whether m is a Llama-style module (patched already, or of a kind the
-    injection knows, injected or not)."""
-    if _STATE in m.__dict__:
-        return True
-    if _eps_name(m) is not None and isinstance(getattr(m, "weight", None), torch.Tensor):
-        kind = "rmsnorm"  # any class whose forward computes the RMSNorm, by any name
-    else:
-        kind = _site_kind(m)
-    if kind is None or (kind == "fused_add_rmsnorm" and not fuse_residual):
-        return kind is not None
-    if kind == "rope" and not rope:
-        return True
-    why = _why_not(m, kind)
-    if why is not None:
-        if kind != "rmsnorm" or _site_kind(m) == "rmsnorm":  # (a LayerNorm is no RMSNorm site: no note)
-            skipped.append(why)
-        return _recognised_structure(m, kind)
-    if kind == "rmsnorm":
-        plan = _rmsnorm_plan(m)
-        new["rmsnorm"] += _patch_forward(m, _rmsnorm_forward, "rmsnorm", **plan)
-    elif kind == "swiglu":
-        new["swiglu"] += _patch_forward(m, _mlp_forward, "swiglu")
-    elif kind == "fused_add_rmsnorm":
-        new["fused_add_rmsnorm"] += _patch_forward(
-            m, _decoder_layer_forward, "fused_add_rmsnorm", **_decoder_layer_plan(m)
-        )
-    else:
-        g = _rope_globals(type(m))
-        slot = _rope_slot(m, g)
-        if slot is not None:  # per layer, through transformers' own routing: nothing global changes
-            slot.forward = types.MethodType(_rope_slot_forward, slot)
-            m.__dict__[_STATE] = {"kind": "rope", "rope_slot": slot}
-            new["rope"] += 1
-        elif _patch_forward(m, _attention_forward, "rope", site=_RopeSite(m, g)):
-            _rope_acquire(m, g)
-            new["rope"] += 1
-    return True
-
-
-def _recognised_structure(m, kind: str) -> bool:
-    """Whether m, left alone, still counts as a Llama-style module (a site of its kind by structure)."""
-    return _site_kind(m) == kind
-
-
-def missing_kinds(model: torch.nn.Module, *, fuse_residual: bool = True, rope: bool = True) -> dict:
-    """{kind: why} for each kind the model has sites of (by structure: an RMSNorm class, an MLP with
-    gate/up/down projections, a pre-norm decoder layer, an attention calling apply_rotary_pos_emb) but
-    none of which is injected, e.g. {"rope": "32 sites, none replaced: ..."}; {} when every kind the model
-    has runs its kernel somewhere. fuse_residual and rope as given to inject_llama_kernels (a kind not asked
-    for is not missing). The examples' ok is false while this is not empty."""
-    counts = injected_counts(model)
-    sites, reasons = collections.Counter(), {}
-    for m in _modules(model):
-        kind = _site_kind(m)
-        if kind is None or (kind == "fused_add_rmsnorm" and not fuse_residual) or (kind == "rope" and not rope):
-            continue
-        sites[kind] += 1
-        if not counts[kind]:
-            why = _why_not(m, kind)
-            if why is not None:
-                reasons.setdefault(kind, dict.fromkeys([]))[why] = None
-    return {
-        kind: f"{n} sites, none replaced: " + "; ".join(reasons.get(kind) or ["not injected"])
-        for kind, n in sites.items()
-        if not counts[kind]
-    }
-
-
-def remove_llama_kernels(model: torch.nn.Module, *, verbose: bool = True) -> dict:
-    """Undo inject_llama_kernels: restore the original forwards (and apply_rotary_pos_emb once no
+def remove_optimized_kernels(model: torch.nn.Module, *, verbose: bool = True) -> dict:
+    """Undo inject_optimized_kernels: restore the original forwards (and apply_rotary_pos_emb once no
     patched attention layer of that model file is left). Returns the counts per kind restored."""
     restored = _empty_counts()
     for m in _modules(model):
         kind = _unpatch(m)
         if kind is not None:
             restored[kind] += 1
-    ic.report(logger, ic.counts_message("removed Llama kernels", restored), verbose)
+    ic.report(logger, ic.counts_message("removed kernels", restored), verbose)
     return restored
+
+
+# The names of the first release, which served Llama and its copies: the same functions.
+inject_llama_kernels = inject_optimized_kernels
+remove_llama_kernels = remove_optimized_kernels
 
 
 # --------------------------------------------------------------------------------------------
@@ -1023,36 +1531,56 @@ def build_meta_llama(config):
 
 
 def _main(argv=None) -> int:
-    """Report what injection replaces in the Llama-3-8B architecture (built on the meta device: no
-    memory, no weights) and check that removal restores every module and the RoPE function."""
+    """Report what injection replaces in a released architecture built on the meta device (no memory, no
+    weights) and check that removal restores every module and the RoPE function; or, with --coverage, the
+    sites found / replaced per family (transformers_families.py)."""
     import argparse
     import json
 
+    import transformers_families as tf
+
     p = argparse.ArgumentParser(
-        description="Inject the kernels into the Llama-3-8B architecture (built on the meta device, no weights) "
-        "and report the counts per kind as JSON. Library use: inject_llama_kernels(model, fuse_residual=True, "
-        "rope=True, skinny_gemm=False) / remove_llama_kernels(model)."
+        description="Inject the kernels into a released architecture built on the meta device (no weights) "
+        "and report the counts per kind as JSON; --coverage: the sites found / replaced per kind for every "
+        "family (the table of references/transformers-integration.md). Library use: "
+        "inject_optimized_kernels(model, fuse_residual=True, rope=True, skinny_gemm=False) / "
+        "remove_optimized_kernels(model)."
     )
-    p.add_argument("--num-layers", type=int, default=32, help="decoder layers (default 32, Llama-3-8B)")
+    p.add_argument("--arch", default="llama3-8b", choices=sorted(tf.ARCHS), help="architecture (default llama3-8b)")
+    p.add_argument("--num-layers", type=int, help="decoder layers (default: the release's)")
     p.add_argument("--no-skinny-gemm", action="store_true", help="leave the linear layers alone")
+    p.add_argument("--coverage", action="store_true", help="every family: sites per kind found / replaced (JSON)")
+    p.add_argument("--markdown", action="store_true", help="with --coverage: print the markdown table instead")
+    p.add_argument("--write", metavar="FILE", help="with --coverage: rewrite the table between FILE's markers")
+    p.add_argument("--check", metavar="FILE", help="with --coverage: exit 1 if FILE's table differs from a fresh run")
     args = p.parse_args(argv)
-    model = build_meta_llama(llama3_8b_config(num_hidden_layers=args.num_layers))
+    if args.num_layers is not None and args.num_layers < 1:
+        p.error(f"--num-layers must be at least 1, got {args.num_layers}")
+    if args.coverage or args.markdown or args.write or args.check:
+        return tf.coverage_main(args.markdown, args.write, args.check)
+    model = tf.build_meta(args.arch, num_layers=args.num_layers)
     sg = not args.no_skinny_gemm
-    counts = inject_llama_kernels(model, skinny_gemm=sg, verbose=False)
+    counts = inject_optimized_kernels(model, skinny_gemm=sg, verbose=False)
     missing = missing_kinds(model)
-    again = inject_llama_kernels(model, skinny_gemm=sg, verbose=False)
-    restored = remove_llama_kernels(model, verbose=False)
+    gaps = kernel_gaps(model)
+    again = inject_optimized_kernels(model, skinny_gemm=sg, verbose=False)
+    restored = remove_optimized_kernels(model, verbose=False)
     left = injected_counts(model)
-    rope_restored = modeling_llama.apply_rotary_pos_emb is _original_rope_function(modeling_llama.apply_rotary_pos_emb)
+    rope_restored = all(
+        g[_ROPE_NAME] is _original_rope_function(g[_ROPE_NAME])
+        for g in {id(g): g for g in (_rope_globals(type(m)) for m in model.modules()) if g is not None}.values()
+    )
     ok = counts == again == restored and not any(left.values()) and rope_restored and not missing
+    layers = model.config.num_hidden_layers
     print(
         json.dumps(
             {
-                "architecture": f"Llama-3-8B, {args.num_layers} layers",
+                "architecture": f"{tf.ARCHS[args.arch].title}, {layers} layers",
                 "injected": counts,
                 "second_injection": again,
                 "restored": restored,
                 "missing_kinds": missing,
+                "kernel_gaps": gaps,
                 "ok": ok,
             }
         )

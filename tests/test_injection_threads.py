@@ -17,7 +17,15 @@ import transformers_injection as ti
 from kernel_testing import DEVICE
 
 ORIGINAL_ROPE = prl.ORIGINAL
-TINY_COUNTS = {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu": 2, "rope": 2, "skinny_gemm": 0}
+TINY_COUNTS = {
+    "rmsnorm": 5,
+    "fused_add_rmsnorm": 2,
+    "swiglu": 2,
+    "geglu": 0,
+    "moe_swiglu": 0,
+    "rope": 2,
+    "skinny_gemm": 0,
+}
 THREADS = 8
 
 
