@@ -327,7 +327,19 @@ def _ltx_example(d):
 def _transformers_example(d):
     dec = d.get("decode") or {}
     what = f"transformers_injection_example: {d.get('weights')}, {d.get('dtype')}, prompt {d.get('prompt_len')} + {d.get('new_tokens')} tokens"
-    head = f"eager decode {_num(dec.get('unpatched_tokens_per_s'))} / {_num(dec.get('patched_tokens_per_s'))} tokens/s unpatched / patched"
+    if isinstance(dec.get("unpatched"), dict):  # per side: prefill and decode tokens/s (--capture records)
+        u, p = dec["unpatched"], dec["patched"]
+        how = f"decode captured as {dec['capture']}" if dec.get("capture") not in (None, "none") else "eager decode"
+        head = (
+            f"{how} {_num(u.get('decode_tokens_per_s'))} / {_num(p.get('decode_tokens_per_s'))} tokens/s "
+            f"({_num(dec.get('decode_speedup'), 2)}x), prefill {_num(u.get('prefill_tokens_per_s'))} / "
+            f"{_num(p.get('prefill_tokens_per_s'))} tokens/s, unpatched / patched; {dec.get('context')}"
+        )
+    else:
+        head = (
+            f"eager decode {_num(dec.get('unpatched_tokens_per_s'))} / {_num(dec.get('patched_tokens_per_s'))} "
+            "tokens/s unpatched / patched"
+        )
     return "example", what, head
 
 
