@@ -37,7 +37,7 @@ not compute what the forward computes:
 * more signatures than MAX_GRAPHS: the others run eager.
 
 ROCm: PyTorch exposes HIP graphs through the same torch.cuda.CUDAGraph API; nothing here is specific to
-NVIDIA. What this file promises was measured on an NVIDIA H200 only (records in examples/).
+NVIDIA. What this file promises was measured on NVIDIA H200 and H100 GPUs only (records in examples/).
 """
 
 from __future__ import annotations
