@@ -89,6 +89,18 @@ def _fresh_launch_plans():
     clear_launch_plans()
 
 
+@pytest.fixture(autouse=True)
+def _diffusers_attention_backend_restored():
+    """diffusers' ModelMixin.set_attention_backend also sets the process-wide active backend, and
+    reset_attention_backend leaves that as it is: a test that sets one would turn the fused attentions of every
+    later test in its process off (they run SDPA themselves only under the native backend)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as reg
+
+    saved = reg._active_backend, reg._checks_enabled
+    yield
+    reg._active_backend, reg._checks_enabled = saved
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _direct_launches_checked():
     """Under the interpreter every plan still checks, at its first call, the direct launch a GPU would make
