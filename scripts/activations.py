@@ -389,7 +389,6 @@ _MAX_WHOLE_ROW = 16384
 _ROW_CHUNK = 4096
 
 
-@functools.lru_cache(maxsize=1024)  # pure function of its arguments; saves host time per call
 def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: int, flat: bool):
     """(BLOCK_M, BLOCK_N, num_warps); BLOCK_M is 1 for the flat kernel.
 
@@ -418,7 +417,6 @@ def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: 
     return block_m, block_n, max(1, min(num_warps, (block_m * block_n) // warp_size))
 
 
-@functools.lru_cache(maxsize=1024)
 def _whole_row_config(n_cols: int, n_rows: int, warp_size: int, max_whole: int, chunk: int):
     """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for whole-row programs (per-row FP8 scales). About 16
     elements per lane per operand, so that fewer warps shorten the row maximum's cross-warp reduction: 1-11 %

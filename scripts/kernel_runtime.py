@@ -610,9 +610,9 @@ def _claim(ns: str, name: str, source, file) -> bool:
     )
 
 
-def _register(wrapper: _Accelerated, ns: str, name: str, source, file) -> None:
+def _register(wrapper: _Accelerated, ns: str, name: str, source, file, twin_op: bool = True) -> None:
     """Register the launcher as custom op ns::name (its fake: the launcher run with no launch, on fake
-    tensors) and, where torch has it, as triton op ns::name_triton; set wrapper.compile_op."""
+    tensors) and, where torch has it and twin_op, as triton op ns::name_triton; set wrapper.compile_op."""
     launcher = wrapper.launcher
     hints = typing.get_type_hints(launcher)
     returns = torch.Tensor if hints.get("return") is torch.Tensor else list[torch.Tensor]
@@ -637,10 +637,11 @@ def _register(wrapper: _Accelerated, ns: str, name: str, source, file) -> None:
         f.__signature__, f.__name__ = signature, f"{name}{suffix}"
     if _claim(ns, name, source, file):
         torch.library.custom_op(f"{ns}::{name}", mutates_args=())(impl).register_fake(fake)
-    if TRITON_OP and _claim(ns, name + "_triton", source, file):
+    twin_op = twin_op and TRITON_OP
+    if twin_op and _claim(ns, name + "_triton", source, file):
         torch.library.triton_op(f"{ns}::{name}_triton", mutates_args=())(twin)
     wrapper.numbers = tuple((i, p.name, p.annotation) for i, p in enumerate(params) if p.annotation in (int, float))
-    wrapper.compile_op = getattr(getattr(torch.ops, ns), name + "_triton" if TRITON_OP else name)
+    wrapper.compile_op = getattr(getattr(torch.ops, ns), name + "_triton" if twin_op else name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,11 +675,12 @@ def _source_digest(file):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def accelerate(namespace: dict, **ops: str) -> None:
+def accelerate(namespace: dict, custom_only: tuple = (), **ops: str) -> None:
     """Give the launchers of a kernel module plans, torch.library ops and device checks.
 
     namespace: the module's globals(); ops: op name -> name of the launcher in the module
-    (``rms_norm_fused="_launch"``). Each launcher is replaced in the module by its accelerated wrapper (the
+    (``rms_norm_fused="_launch"``); custom_only: ops registered without a triton_op twin (a launcher that
+    may hand a call to a torch operator instead of its kernel, decided per call). Each launcher is replaced in the module by its accelerated wrapper (the
     public functions call it by name), and the kernels it launches by stand-ins that route their launches
     (see _Kernel). The module's op namespace is set as ``_NS``.
     """
@@ -695,7 +697,7 @@ def accelerate(namespace: dict, **ops: str) -> None:
         namespace[kernel] = _Kernel(namespace[kernel])
     for op, launcher in ops.items():
         wrapper = _Accelerated(namespace[launcher], ns, op, namespace)
-        _register(wrapper, ns, op, source, file)
+        _register(wrapper, ns, op, source, file, op not in custom_only)
         namespace[launcher] = wrapper
         _WRAPPERS.append(wrapper)
 

@@ -407,7 +407,6 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
 
 
-@functools.lru_cache(maxsize=1024)
 def _launch_config(
     width: int, n_rows: int, warp_size: int, max_block: int, elems: int = _ELEMS_PER_PROGRAM, per_lane: int = 8
 ):
