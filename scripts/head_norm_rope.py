@@ -303,7 +303,9 @@ def _check_parts(qs, ks, q_weights, k_weights) -> int:
                 "with the B, H and D of the first part)"
             )
         if k.shape != q.shape:
-            raise ValueError(f"k{tag} has shape {tuple(k.shape)} but q{tag} has shape {tuple(q.shape)}; they must match")
+            raise ValueError(
+                f"k{tag} has shape {tuple(k.shape)} but q{tag} has shape {tuple(q.shape)}; they must match"
+            )
         if q.dtype != dtype or k.dtype != dtype:
             name = str(dtype).replace("torch.", "")
             raise TypeError(
@@ -342,10 +344,12 @@ def _check_tables(cos, sin, total: int, dim: int, dev) -> bool:
 
 
 def _launch(
-    qs: list[Tensor], ks: list[Tensor], q_weights: list[Optional[Tensor]], k_weights: list[Optional[Tensor]],
+    q: list[Tensor], k: list[Tensor], q_weight: list[Optional[Tensor]], k_weight: list[Optional[Tensor]],
     eps: list[float], cos: Optional[Tensor], sin: Optional[Tensor], cast_before_weight: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Check every part, allocate the joint contiguous outputs, launch the kernel once per part with tokens."""
+    """Check every part (q[i], k[i], q_weight[i], k_weight[i]), allocate the joint contiguous outputs, launch
+    the kernel once per part with tokens."""
+    qs, ks, q_weights, k_weights = q, k, q_weight, k_weight
     n_parts = len(qs)
     if n_parts == 0 or len(ks) != n_parts or len(q_weights) != n_parts or len(k_weights) != n_parts:
         raise ValueError("parts must be a non-empty sequence of (q, k, q_weight, k_weight)")
@@ -363,11 +367,11 @@ def _launch(
         return q_out, k_out
     block_h, block_d, num_warps = _launch_config(dim, heads, _device_target(dev)[2])
     offset = 0
-    for q, k, qw, kw, e in zip(qs, ks, q_weights, k_weights, eps):
-        seq = q.shape[1]
+    for qi, ki, qw, kw, e in zip(qs, ks, q_weights, k_weights, eps):
+        seq = qi.shape[1]
         if seq > 0:  # one program per token; absent weights and tables go as None (their uses compile away)
             _head_rms_norm_rope_kernel[(bsz * seq,)](
-                q, *q.stride()[:3], k, *k.stride()[:3], qw, kw,
+                qi, *qi.stride()[:3], ki, *ki.stride()[:3], qw, kw,
                 cos, cos.stride(0) if has_rope else 0, sin, sin.stride(0) if has_rope else 0,
                 q_out, k_out, seq, heads, dim, total, offset, e,
                 CAST_BEFORE_WEIGHT=bool(cast_before_weight), BLOCK_H=block_h, N_STEPS=-(-heads // block_h),
@@ -394,12 +398,15 @@ def _no_backward(fn: str, names, tensors) -> None:
 def _dispatch(qs, ks, q_weights, k_weights, eps, cos, sin, cast_before_weight, fn):
     if torch.is_grad_enabled():
         kinds = ("q", "k", "q_weight", "k_weight")
-        names = list(kinds) if len(qs) == 1 and fn == "head_rms_norm_rope" else [
-            f"{n} of part {i}" for i in range(len(qs)) for n in kinds
-        ]
+        names = (
+            list(kinds)
+            if len(qs) == 1 and fn == "head_rms_norm_rope"
+            else [f"{n} of part {i}" for i in range(len(qs)) for n in kinds]
+        )
         _no_backward(fn, names + ["cos", "sin"], [t for p in zip(qs, ks, q_weights, k_weights) for t in p] + [cos, sin])
     eps = _eps_list(eps, max(len(qs), 1))  # (a list of floats: the op's argument under torch.compile)
     return _launch(qs, ks, q_weights, k_weights, eps, cos, sin, bool(cast_before_weight))
+
 
 # --------------------------------------------------------------------------------------------
 # Public API

@@ -359,7 +359,6 @@ def _gpu_target(index: int):
     return (target.backend, target.arch, target.warp_size)
 
 
-
 def _compute_units(device: torch.device, target) -> int:
     """CUs (AMD) / SMs (NVIDIA) of the device; torch reports either as multi_processor_count."""
     if device.type == "cuda":
@@ -552,7 +551,6 @@ def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
-
 
 
 def _check_scale(name: str, s, device, allowed_numel, what: str):

@@ -108,8 +108,6 @@ def _gpu_target(index: int):
     return (target.backend, target.arch, target.warp_size)
 
 
-
-
 def _check_int(name: str, v, lo: int, hi: Optional[int] = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
