@@ -81,7 +81,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["accelerate", "plans", "clear_plans", "TRITON_OP"]
+__all__ = ["accelerate", "plans", "clear_plans", "use_triton_op", "TRITON_OP"]
 
 PLAN_CACHE_SIZE = 4096  # plans kept per launcher; the cache is emptied when it is full
 
@@ -720,3 +720,13 @@ def clear_plans(module=None) -> None:
         if name is None or w.owner["__name__"] == name:
             w.plans.clear()
             w.unplanned.clear()
+
+
+def use_triton_op(module, on: bool = True) -> None:
+    """Which op torch.compile records for the module's launchers from now on: the triton_op twin (on, where
+    it is registered) or the custom op. Compiled code guards on the choice: set it before compiling."""
+    name = getattr(module, "__name__", module)
+    for w in _WRAPPERS:
+        if w.owner["__name__"] == name:
+            twin = on and hasattr(getattr(torch.ops, w.namespace), w.op_name + "_triton")
+            w.compile_op = getattr(getattr(torch.ops, w.namespace), w.op_name + ("_triton" if twin else ""))
