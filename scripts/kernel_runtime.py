@@ -730,3 +730,33 @@ def use_triton_op(module, on: bool = True) -> None:
         if w.owner["__name__"] == name:
             twin = on and hasattr(getattr(torch.ops, w.namespace), w.op_name + "_triton")
             w.compile_op = getattr(getattr(torch.ops, w.namespace), w.op_name + ("_triton" if twin else ""))
+
+
+def _main(argv=None) -> int:
+    """python kernel_runtime.py: import the bundle's kernel files and list the ops each registered."""
+    import argparse
+    import importlib
+    import json
+
+    p = argparse.ArgumentParser(
+        description="The launch runtime of the bundle's kernel files (cached launch plans, torch.library ops, "
+        "device checks). Run alone, it imports the kernel files and prints the torch.library ops each registered."
+    )
+    p.add_argument("modules", nargs="*", default=list(KERNEL_FILES), help=f"kernel modules (default: {KERNEL_FILES})")
+    args = p.parse_args(argv)
+    for name in args.modules:
+        importlib.import_module(name)
+    ops = {}
+    for w in _WRAPPERS:
+        ops.setdefault(w.owner["__name__"], []).append(f"{w.namespace}::{w.op_name} (launcher {w.__name__})")
+    print(json.dumps({"triton_op_twins": TRITON_OP, "ops": ops}, indent=1))
+    return 0
+
+
+KERNEL_FILES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
+
+if __name__ == "__main__":
+    import sys
+
+    sys.modules.setdefault("kernel_runtime", sys.modules["__main__"])  # the kernel files import this module
+    raise SystemExit(_main())

@@ -781,8 +781,9 @@ def _main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if min(args.rows, args.width) < 1:
-        p.error("--rows and --width must be at least 1")
+    for name in ("rows", "width"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     if not (torch.cuda.is_available() or _interpreting()):
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
