@@ -81,7 +81,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["accelerate", "plans", "clear_plans", "use_triton_op", "TRITON_OP"]
+__all__ = ["accelerate", "plans", "clear_plans", "own_plans", "use_triton_op", "TRITON_OP"]
 
 PLAN_CACHE_SIZE = 4096  # plans kept per launcher; the cache is emptied when it is full
 
@@ -720,6 +720,21 @@ def clear_plans(module=None) -> None:
         if name is None or w.owner["__name__"] == name:
             w.plans.clear()
             w.unplanned.clear()
+
+
+@contextlib.contextmanager
+def own_plans(module, store: dict):
+    """Within the block the module's launchers keep their plans in store instead of their own: for calls made
+    under a changed module setting (a benchmark's variant), which the plan keys (call signatures) do not see."""
+    name = getattr(module, "__name__", module)
+    saved = [(w, w.plans, w.unplanned) for w in _WRAPPERS if w.owner["__name__"] == name]
+    for w, _, _ in saved:
+        w.plans, w.unplanned = store.setdefault(id(w), ({}, {}))
+    try:
+        yield
+    finally:
+        for w, plans_, unplanned in saved:
+            w.plans, w.unplanned = plans_, unplanned
 
 
 def use_triton_op(module, on: bool = True) -> None:
