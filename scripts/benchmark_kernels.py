@@ -41,6 +41,7 @@ on Llama-3 8B/70B projection shapes, bf16 and FP8, with the weight bandwidth), o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -534,13 +535,16 @@ def _quant_per_tensor(y, scale, fp8_dtype):
 
 
 def _with_attr(module, name, value, fn):
-    """fn with module.<name> replaced by value for the duration of each call (restored after it)."""
+    """fn with module.<name> replaced by value for the duration of each call (restored after it). Launch plans
+    (kernel_runtime) are keyed by call signature, not by module settings: this variant keeps its own."""
+    runtime, store = sys.modules.get("kernel_runtime"), {}
 
     def run(*args):
         saved = getattr(module, name)
         setattr(module, name, value)
         try:
-            return fn(*args)
+            with runtime.own_plans(module, store) if runtime else contextlib.nullcontext():
+                return fn(*args)
         finally:
             setattr(module, name, saved)
 

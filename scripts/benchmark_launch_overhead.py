@@ -255,9 +255,10 @@ CHAIN_VARIANTS = (
 def launch_chain(args, argv) -> int:
     """--chain: the chain of fused norm calls, eager and compiled (CHAIN_VARIANTS), each timed and its output
     compared with the eager chain's."""
+    import kernel_runtime
     import rmsnorm
 
-    if not rmsnorm._TRITON_OP:
+    if not kernel_runtime.TRITON_OP:
         print("error: this PyTorch has no torch.library.triton_op / wrap_triton", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -278,7 +279,7 @@ def launch_chain(args, argv) -> int:
             ok &= same
             ms = _cuda_ms(fn, args.repeats)
         finally:
-            rmsnorm._TRITON_OP = True
+            kernel_runtime.use_triton_op(rmsnorm, True)
             torch._dynamo.reset()
         results[name] = {
             "chain_ms": round(ms, 4),
@@ -316,7 +317,9 @@ def _variant_fn(rmsnorm, chain, h, y, use_triton_op, mode):
         return fn
     # which op torch.compile records is read while it traces; the compiled code guards on the
     # flag, so it stays set until this variant is timed (else every call would recompile)
-    rmsnorm._TRITON_OP = use_triton_op
+    import kernel_runtime
+
+    kernel_runtime.use_triton_op(rmsnorm, use_triton_op)
     torch._dynamo.reset()
     compiled = torch.compile(chain, mode=mode, dynamic=False)
 

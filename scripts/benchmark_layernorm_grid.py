@@ -40,6 +40,7 @@ if _HERE not in sys.path:
 
 import torch  # noqa: E402
 
+import kernel_runtime  # noqa: E402
 import layernorm  # noqa: E402
 from benchmark_kernels import positive_ints  # noqa: E402
 
@@ -115,12 +116,12 @@ class _Grid:
         layernorm._persistent_variant = lambda *a: True
         if callable(self.how):
             layernorm._persistent_config = self.how
-        layernorm._PLANS.clear()  # launch plans are kept per call signature: plan this variant's calls afresh
+        kernel_runtime.clear_plans(layernorm)  # plans are kept per call signature: plan this variant's calls afresh
         return self
 
     def __exit__(self, *exc):
         layernorm._PERSISTENT, layernorm._persistent_variant, layernorm._persistent_config = self.saved
-        layernorm._PLANS.clear()
+        kernel_runtime.clear_plans(layernorm)
 
 
 def _inputs(b, s, d, device, seed):

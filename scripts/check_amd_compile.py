@@ -568,14 +568,14 @@ def capture_launches(module, target: Tuple[str, object, int]):
         os.environ["TRITON_INTERPRET"] = "1"
         # launch plans are cached per call signature, not per target: start and leave with none, so each
         # target's launches are planned (and recorded) afresh
-        plans = getattr(module, "_PLANS", None)
-        if plans is not None:
-            plans.clear()
+        runtime = sys.modules.get("kernel_runtime")  # the bundle's launch runtime, where the module uses it
+        if runtime is not None:
+            runtime.clear_plans(module)
         try:
             yield launches
         finally:
-            if plans is not None:
-                plans.clear()
+            if runtime is not None:
+                runtime.clear_plans(module)
             if old_env is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:

@@ -43,15 +43,15 @@ Design (reasons beside each choice in the code):
   a bijection for any program count.
 
 The file depends on torch and triton only; copy it into another project as is. Run
-``python skinny_gemm.py --help`` (self-check against float64, and ``--bench`` on a GPU).
+``python skinny_gemm.py --help`` (self-check against float64, and ``--bench`` on a GPU). Inside this bundle,
+kernel_runtime.py adds cached launch plans and a torch.library op.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import math
 import os
-import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -340,7 +340,6 @@ def _skinny_gemm_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher helpers
 # --------------------------------------------------------------------------------------------
-# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -358,9 +357,6 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
-
-
-# ---- shared block device end ----
 
 
 def _compute_units(device: torch.device, target) -> int:
@@ -535,14 +531,13 @@ def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
     return y
 
 
-# ---- shared block checks begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
 def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
-    """Refuse t unless it is a tensor of one of dtypes that this file's kernels can run on (_check_device)
-    and, when device is given, on that device (ref: what the message calls the tensor that is there)."""
+    """Refuse t unless it is a tensor of one of dtypes and, when device is given, on that device (ref: what
+    the message calls the tensor that is there)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -550,16 +545,12 @@ def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, r
         raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
-    _check_device(name, t)
 
 
 def _check_last_contiguous(name: str, t: torch.Tensor):
     """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
     if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
-
-
-# ---- shared block checks end ----
 
 
 def _check_scale(name: str, s, device, allowed_numel, what: str):
@@ -573,124 +564,6 @@ def _check_scale(name: str, s, device, allowed_numel, what: str):
         raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {what}")
     if s.numel() > 1 and s.stride()[[i for i, d in enumerate(s.shape) if d != 1][0]] != 1:
         raise ValueError(f"{name} must be contiguous")
-
-
-_PLANS: dict = {}  # launch plans by call signature (see _launch)
-
-
-def _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
-    """Validate, pick the launch configuration and run the kernel. Returns y [..., N].
-
-    The checks and the configuration depend only on the call's signature (each tensor's type, shape,
-    strides, dtype and device, and the options), so they run once per signature: the plan they produce
-    is kept and later calls with the same signature only allocate the outputs (and the split-K
-    workspace and zeroed arrival counters) and launch. The dispatch back to torch
-    reads ``_KERNEL_MAX_M`` on every call, so a change to it applies at once.
-    """
-    # no backward: inputs requiring grad are refused in grad mode (per call: grad mode is not in the key;
-    # the registered op runs this under no_grad, and torch refuses to differentiate through it)
-    _check_no_grad(
-        "skinny_gemm", ("x", "weight", "bias", "weight_scale", "x_scale"), (x, weight, bias, weight_scale, x_scale)
-    )
-    try:
-        key = (
-            _sig(x),
-            _sig(weight),
-            bias if bias is None else _sig(bias),
-            weight_scale if weight_scale is None else _sig(weight_scale),
-            x_scale if x_scale is None else _sig(x_scale),
-            out_dtype,
-            type(split_k),
-            split_k,
-        )
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say what is wrong
-        key = plan = None
-    if plan is None:
-        plan = _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
-        if key is not None and not getattr(_TLS, "tracing", False):
-            _remember(_PLANS, key, plan)
-    return plan(x, weight, bias, weight_scale, x_scale)
-
-
-def _plan(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
-    """The checks and configuration of _launch; returns run(x, weight, bias, weight_scale, x_scale)."""
-    x_fp8, w_fp8, w_scale_mode, out_dtype = _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
-    device = x.device
-    n, k = weight.shape
-    lead = tuple(x.shape[:-1])
-    m = 1
-    for d in lead:
-        m *= d
-    if m > MAX_M:
-        raise ValueError(
-            f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
-            "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
-        )
-    _check_last_contiguous("x", x)
-    _check_last_contiguous("weight", weight)
-    shape = lead + (n,)
-    if m == 0 or n == 0:
-
-        def run_empty(x, weight, bias, weight_scale, x_scale):
-            return torch.empty(shape, dtype=out_dtype, device=device)
-
-        return run_empty
-    if k == 0:  # an empty sum: y = bias (or 0)
-
-        def run_bias(x, weight, bias, weight_scale, x_scale):
-            out = torch.empty(shape, dtype=out_dtype, device=device)
-            out.copy_(bias.to(out_dtype).expand_as(out) if bias is not None else torch.zeros_like(out))
-            return out
-
-        return run_bias
-    try:
-        x2 = x.view(m, k)
-    except RuntimeError:
-        raise ValueError(
-            f"x's leading dimensions (shape {tuple(x.shape)}, strides {x.stride()}) cannot be flattened to rows "
-            "with one stride; call .contiguous() on x"
-        ) from None
-    target = _device_target(device)
-    # Dispatch back to torch: possible for this signature, decided on each call by _kernel_max_m (so that
-    # a change to _KERNEL_MAX_M applies at once)
-    to_torch = split_k is None and (x_fp8 or not w_fp8)
-    cfg = _launch_config(m, n, k, weight.element_size(), target, _compute_units(device, target), split_k)
-    launch, x_bits, w_bits = _gemm_launch(x2, weight, bias, x_scale, w_scale_mode, cfg, target)
-    split = cfg.split_k > 1
-    ws_shape, n_tiles = (cfg.split_k, m, n), -(-n // cfg.block_n)
-
-    def run(x, weight, bias, weight_scale, x_scale):
-        if to_torch and m > _kernel_max_m(target, w_fp8):
-            y = _torch_linear(x.view(m, k), weight, bias, weight_scale, x_scale, out_dtype)
-            if y is not None:
-                return y.reshape(shape)
-        out = torch.empty(shape, dtype=out_dtype, device=device)
-        if split:
-            ws = torch.empty(ws_shape, dtype=torch.float32, device=device)
-            # Fresh zeroed arrival counters for every launch (one allocation and one fill, both ordered
-            # on the current stream). Counters kept across calls went stale: a launch that did not finish
-            # (an exception, an interrupt, a killed kernel) left them non-zero and every later launch
-            # then reduced unwritten partials, silently; and a buffer kept per stream was shared by
-            # every CUDA graph captured on that stream. Zeroing a kept buffer before each launch costs
-            # the same fill plus a current-stream lookup and still shares it between graphs; allocated
-            # here, a graph gets its counters from its own memory pool and replays the fill.
-            counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
-        else:
-            ws = counters = None  # not read
-        launch(
-            x.view(torch.uint8) if x_bits else x,
-            weight.view(torch.uint8) if w_bits else weight,
-            bias,
-            weight_scale,
-            x_scale,
-            out,
-            ws,
-            counters,
-        )
-        return out
-
-    return run
 
 
 def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
@@ -755,400 +628,102 @@ def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     return x_fp8, w_fp8, w_scale_mode, out_dtype
 
 
-def _gemm_launch(x2, weight, bias, x_scale, w_scale_mode: int, cfg: _Config, target):
-    """The kernel launch for x2 [M, K] and weight [N, K] under cfg; returns (launch, x_bits, w_bits): whether
-    x and W are passed as their uint8 bits (see _decode_fp8_bits)."""
-    (m, k), n = x2.shape, weight.shape[0]
-    x_fp8, w_fp8 = x2.dtype in _FP8_DTYPES, weight.dtype in _FP8_DTYPES
+def _torch_max_m(x, weight, split_k) -> int:
+    """Rows above which this call goes to torch's GEMM (MAX_M: never): where _KERNEL_MAX_M records torch as
+    faster, for calls torch can serve (no forced split, not FP8 W with 16-bit x). Read on every call, so that
+    a change to _KERNEL_MAX_M applies at once."""
+    if split_k is not None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return MAX_M
+    w_fp8 = weight.dtype in _FP8_DTYPES
+    if (w_fp8 and x.dtype not in _FP8_DTYPES) or x.device.type not in ("cuda", "cpu"):
+        return MAX_M
+    return _kernel_max_m(_device_target(x.device), w_fp8)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_scale: Optional[torch.Tensor],
+    x_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], split_k: Optional[int],
+    torch_max_m: int = MAX_M,
+) -> torch.Tensor:  # fmt: skip
+    """Check a call, pick the launch configuration, allocate the output (and the split-K workspace and zeroed
+    arrival counters) and launch _skinny_gemm_kernel; more than torch_max_m rows go to torch's GEMM."""
+    x_fp8, w_fp8, w_scale_mode, out_dtype = _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+    device = x.device
+    n, k = weight.shape
+    shape = tuple(x.shape[:-1]) + (n,)
+    m = math.prod(x.shape[:-1])
+    if m > MAX_M:
+        raise ValueError(
+            f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
+            "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
+        )
+    _check_last_contiguous("x", x)
+    _check_last_contiguous("weight", weight)
+    if m == 0 or n == 0:
+        return torch.empty(shape, dtype=out_dtype, device=device)
+    if k == 0:  # an empty sum: y = bias (or 0)
+        out = torch.zeros(shape, dtype=out_dtype, device=device)
+        return out.copy_(bias.to(out_dtype).expand_as(out)) if bias is not None else out
+    try:
+        x2 = x.view(m, k)
+    except RuntimeError:
+        raise ValueError(
+            f"x's leading dimensions (shape {tuple(x.shape)}, strides {x.stride()}) cannot be flattened to rows "
+            "with one stride; call .contiguous() on x"
+        ) from None
+    if m > torch_max_m:
+        y = _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype)
+        if y is not None:
+            return y.reshape(shape)
+    target = _device_target(device)
+    cfg = _launch_config(m, n, k, weight.element_size(), target, _compute_units(device, target), split_k)
     fnuz = weight.dtype == getattr(torch, "float8_e4m3fnuz", None)
+    # FP8 operands the GPU cannot convert natively go as their uint8 bits (see _decode_fp8_bits)
     w_bits = w_fp8 and _decode_fp8_bits(target, fnuz)
     x_bits = x_fp8 and _decode_fp8_bits(target, fnuz)
-    # operands of tl.dot: x's dtype, or bf16 for FP8 x (e4m3 values are exact in both); the
-    # interpreter's bf16 arithmetic is unreliable, so there the (equally exact) fp32 is used
-    dot_dt = tl.bfloat16 if (x_fp8 or x2.dtype == torch.bfloat16) else tl.float16
+    # operands of tl.dot: x's dtype, or bf16 for FP8 x (e4m3 values are exact in both); the interpreter's
+    # bf16 arithmetic is unreliable, so there the (equally exact) fp32 is used
+    dot_dt = tl.bfloat16 if (x_fp8 or x.dtype == torch.bfloat16) else tl.float16
     if target[0] == "interpreter":
         dot_dt = tl.float32
-    # FP8 x and W in an AMD GPU's own matrix FP8 format (e4m3fnuz on gfx94x, e4m3fn on gfx95x) feed
-    # tl.dot directly: an FP8 MFMA, no widening. Not on NVIDIA: at these tile sizes (M < 64, no wgmma)
-    # Triton 3.6 converts both operands to fp16 for mma.sync anyway, and that form spilled on sm_90.
+    # FP8 x and W in an AMD GPU's own matrix FP8 format (e4m3fnuz on gfx94x, e4m3fn on gfx95x) feed tl.dot
+    # directly: an FP8 MFMA, no widening. Not on NVIDIA: at these tile sizes (M < 64, no wgmma) Triton 3.6
+    # converts both operands to fp16 for mma.sync anyway, and that form spilled on sm_90.
     fp8_dot = cfg.use_dot and x_fp8 and not x_bits and not w_bits and target[0] in ("hip", "interpreter")
-    split = cfg.split_k > 1
+    out = torch.empty(shape, dtype=out_dtype, device=device)  # contiguous: rows n elements apart
+    ws = counters = None  # without a split: not read
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device)
+        # Fresh zeroed arrival counters for every launch (allocated and filled on the current stream).
+        # Counters kept across calls went stale: a launch that did not finish (an exception, an interrupt, a
+        # killed kernel) left them non-zero and every later launch reduced unwritten partials, silently; a
+        # buffer kept per stream was shared by every CUDA graph captured on it. Allocated here, a graph gets
+        # its counters from its own memory pool and replays the fill.
+        counters = torch.zeros(-(-n // cfg.block_n), dtype=torch.int32, device=device)
     num_programs = -(-n // cfg.block_n) * cfg.split_k
-    # x is passed as itself: x.view(m, k) (checked above) has its data pointer, and the row stride is
-    # fixed by the signature; the output [..., N] is contiguous, its rows n elements apart. Absent
-    # tensors (bias, scales, the split-K workspace and counters without a split) stay None: not read.
-    args, slots = _kernel_args(
-        [True, x2.stride(0)],
-        [True, weight.stride(0)],
-        [bias is not None],
-        [w_scale_mode != 0],  # W_SCALE
-        [x_scale is not None],
-        [True, n],  # OUT
-        [split],  # WS
-        [split],  # COUNTERS
-        m,
-        n,
-        k,
-        m * n,
-        cfg.k_per_split,
-        cfg.split_k,
-        num_programs,
-    )
-    config = dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        USE_DOT=cfg.use_dot,
-        DOT_DT=dot_dt,
-        FP8_DOT=fp8_dot,
-        EVEN_K=k % cfg.block_k == 0,
-        W_SCALE_MODE=w_scale_mode,
-        W_BITS=w_bits,
-        X_BITS=x_bits,
-        FNUZ=fnuz,
-        NUM_XCDS=cfg.num_xcds,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return _Launch(_skinny_gemm_kernel, (num_programs,), args, config, slots, x2.device), x_bits, w_bits
+    _skinny_gemm_kernel[(num_programs,)](
+        x2.view(torch.uint8) if x_bits else x2, x2.stride(0), weight.view(torch.uint8) if w_bits else weight,
+        weight.stride(0), bias, weight_scale, x_scale, out, n, ws, counters,
+        m, n, k, m * n, cfg.k_per_split, cfg.split_k, num_programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, DOT_DT=dot_dt,
+        FP8_DOT=fp8_dot, EVEN_K=k % cfg.block_k == 0, W_SCALE_MODE=w_scale_mode, W_BITS=w_bits, X_BITS=x_bits,
+        FNUZ=fnuz, NUM_XCDS=cfg.num_xcds, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
 
 
-# ---- launch block begin: the same in every kernel file (tests/test_launch.py compares the copies) ----
-# Launching with little host time. Triton's JIT binds and specialises every argument on every call,
-# which costs more host time than the launch itself. A launcher here checks a call and picks its
-# configuration once per call signature, keeps the result (a plan holding a _Launch), and later calls
-# with that signature only allocate their outputs and hand the data pointers to the compiled kernel.
-_PLAN_CACHE_SIZE = 4096  # plans kept per kernel file; the cache is emptied when it is full
-
-
-def _remember(plans: dict, key, plan):
-    if len(plans) >= _PLAN_CACHE_SIZE:
-        plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
-    plans[key] = plan
-    return plan
-
-
-def _sig(t):
-    """What a plan depends on about a tensor argument (None stays None)."""
-    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
-
-
-def _kernel_args(*operands):
-    """A kernel's positional arguments and the launch slots of its tensors, from its operands in order: a
-    scalar, or a list [present, *strides] for a tensor followed by its strides. Returns (args, slots):
-    args with None in every tensor position (the plan's calls pass the tensors), slots the positions of the
-    tensors in order, None for one that is not present (it stays None: the kernel leaves it out)."""
-    args, slots = [], []
-    for op in operands:
-        if type(op) is list:
-            slots.append(len(args) if op[0] else None)
-            args += [None, *op[1:]]
-        else:
-            args.append(op)
-    return tuple(args), slots
-
-
-# How @triton.jit decorated this file's kernels above: for Triton's interpreter, or compiled for a GPU, as
-# TRITON_INTERPRET said when the module was imported (the decoration cannot change afterwards).
-_KERNELS_INTERPRETED = _interpreting()
-
-
-def _check_device(name: str, t) -> None:
-    """Refuse a tensor that this file's kernels cannot run on, with a clear error: a meta tensor (no data);
-    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the import
-    (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
-    handed GPU tensors are not what the caller meant). Run while a plan is made: the device is part of the
-    plan's key, and a plan made while the two agreed keeps launching what it launched then. Exception: the
-    ahead-of-time capture of scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU
-    target for CPU tensors (``_device_target`` patched) to record launches without running them."""
-    device = t.device
-    if device.type == "meta":
-        raise ValueError(
-            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
-            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
-        )
-    interpreting = _interpreting()
-    if device.type == "cpu" and not interpreting:
-        raise ValueError(
-            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
-            + (
-                "; TRITON_INTERPRET was set when this module was imported and has been unset since"
-                if _KERNELS_INTERPRETED
-                else ""
-            )
-        )
-    if interpreting != _KERNELS_INTERPRETED and not (
-        device.type == "cpu" and _device_target(device)[0] != "interpreter"
-    ):
-        if interpreting:
-            raise RuntimeError(
-                f"TRITON_INTERPRET is set now but was not when {__name__} was imported: its kernels were "
-                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
-                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
-            )
-        raise RuntimeError(
-            f"TRITON_INTERPRET was set when {__name__} was imported but is not now: its kernels were decorated "
-            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
-            "before importing the module and leave it set, or unset it before importing the module to run "
-            "compiled kernels"
-        )
-
-
-def _check_no_grad(fn: str, names, tensors, ref=None) -> None:
-    """Refuse, in grad mode, a tensor input that requires grad: the kernels have no backward, so their
-    outputs would carry no grad_fn and gradients would stop there without a word. Called on every eager
-    call (grad mode is global state, not part of a plan's key): one call into torch, and in grad mode one
-    attribute read per tensor. Under torch.compile the public functions call the registered ops, which
-    have no autograd formula (torch refuses to differentiate through them) and run their launchers under
-    no_grad, where this check passes."""
+def _no_backward(names: str, *tensors) -> None:
+    """In grad mode, refuse an input that requires grad: the kernel has no backward, so its output would
+    carry no grad_fn and gradients would stop there without a word."""
     if torch.is_grad_enabled():
-        for name, t in zip(names, tensors):
-            if t is not None and getattr(t, "requires_grad", False):  # (None first: the common absent input)
+        for name, t in zip(names.split(","), tensors):
+            if getattr(t, "requires_grad", False):
                 raise RuntimeError(
-                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would "
-                    f"carry no grad_fn, and gradients would silently stop there); call {fn} under "
-                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference "
-                    f"({ref or fn + '_ref'}) where gradients are needed"
+                    f"skinny_gemm: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                    "carry no grad_fn, and gradients would silently stop there); call skinny_gemm under "
+                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference (skinny_gemm_ref) "
+                    "where gradients are needed"
                 )
-
-
-def _dense_like(x) -> bool:
-    """Whether torch.empty_like(x) makes what torch.empty(x.shape, dtype=x.dtype) makes, with less host
-    time: x is a plain tensor with exactly the contiguous strides (is_contiguous() allows any stride on
-    a size-1 dim, and empty_like would copy it)."""
-    if type(x) not in (torch.Tensor, torch.nn.Parameter) or not x.is_contiguous():
-        return False
-    expected, stride = [], 1
-    for size in reversed(x.shape):
-        expected.append(stride)
-        stride *= max(size, 1)
-    return x.stride() == tuple(reversed(expected))
-
-
-# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
-_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
-
-
-def _hooks_idle() -> bool:
-    """Whether no Triton launch hook (a profiler's, say) is installed: the direct launch skips them."""
-    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
-            return False
-    return True
-
-
-_DIRECT = {"ok": None}  # whether compiled kernels expose the runner interface used below (set once)
-
-
-class _Launch:
-    """``kernel[grid](*args, **kwargs)`` with everything but the tensors fixed.
-
-    Built once per call signature; each call passes that call's tensors for the positions ``slots``
-    of ``args``, in order (a slot of None: an argument this plan leaves as it is in ``args``, None for
-    a tensor the kernel does not read; the call may pass anything there, or nothing where no slot after it is
-    set). The first call goes through Triton's JIT, which compiles or finds the
-    kernel and returns it; later calls hand the data pointers straight to that compiled kernel's
-    runner, the call Triton's JIT itself ends with (Triton 3.3 to 3.9), without the JIT's per-call
-    binding and specialisation of every argument. That call is a small function generated for the
-    plan (``direct``), with every fixed argument written in as a constant.
-
-    That is only right while the JIT would pick the same compiled kernel. The signature fixes every
-    integer, dtype and constexpr the JIT specialises on; the one property of a tensor left is whether
-    its address is 16-byte aligned, checked on each call (a pointer compiled as aligned must still
-    be). AMD's buffer-load specialisation (storage under 2 GiB) needs no check: the offsets the
-    kernel computes depend on shapes, strides and dtypes only, so if they fit in 32 bits for the
-    first call they fit for every call with the same signature. Everything else goes through the JIT:
-    the interpreter, tracing for torch.compile, launch hooks, a current device other than the
-    tensors', a misaligned pointer, and a Triton whose compiled kernels lack the runner (a warning
-    says so, once).
-    """
-
-    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "unset", "device", "direct")
-
-    def __init__(self, kernel, grid, args, kwargs, slots, device):
-        slots = list(slots)
-        self.unset = 0
-        while slots and slots[-1] is None:  # trailing positions left as they are: a call need not pass them
-            slots.pop()
-            self.unset += 1
-        self.kernel, self.args, self.kwargs, self.slots = kernel, list(args), kwargs, tuple(slots)
-        self.grid = tuple(grid)
-        self.device = device.index if device.type == "cuda" else None
-        # the generated direct launch: set once, in one store, after the first call (see _adopt)
-        self.direct = None
-
-    def __call__(self, *tensors):
-        direct = self.direct
-        if direct is None or not direct(*tensors):
-            self._slow(tensors)
-
-    def _slow(self, tensors):
-        """Through Triton's JIT; the first such call also sets up the direct launch."""
-        if len(tensors) < len(self.slots):
-            raise TypeError(f"this launch takes {len(self.slots)} tensors, got {len(tensors)}")
-        args = self.args[:]
-        for i, t in zip(self.slots, tensors):
-            if i is not None:
-                args[i] = t
-        fn = _as_launched(self.kernel)
-        if self.device is None or fn is not self.kernel:
-            fn[self.grid](*args, **self.kwargs)
-            return
-        with torch.cuda.device(self.device):
-            compiled = fn[self.grid](*args, **self.kwargs)
-        if self.direct is None and hasattr(compiled, "run") and _DIRECT["ok"] is not False:
-            self._adopt(compiled, tensors)
-
-    def _adopt(self, compiled, tensors):
-        """Generate the direct launch of the compiled kernel the first call returned."""
-        if _DIRECT["ok"] is None:
-            _DIRECT["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
-            if not _DIRECT["ok"]:
-                import warnings
-
-                warnings.warn(
-                    f"Triton {triton.__version__}: compiled kernels lack the runner interface; "
-                    "kernels launch through the JIT (more host time per call)",
-                    stacklevel=4,
-                )
-        params = getattr(self.kernel, "params", None)  # None: not a JITFunction (a wrapper): keep the JIT path
-        if not _DIRECT["ok"] or params is None:
-            return
-        bound = dict(zip(self.kernel.arg_names, self.args))
-        full = [bound[p.name] if p.name in bound else self.kwargs.get(p.name, p.default) for p in params]
-        # a pointer compiled as 16-byte aligned must stay aligned (mask 15); others may have any address
-        masks = tuple(15 if i is not None and t.data_ptr() % 16 == 0 else 0 for i, t in zip(self.slots, tensors))
-        ns = {
-            "_run": compiled.run,
-            "_function": compiled.function,
-            "_metadata": compiled.packed_metadata,
-            "_current_device": _current_device,
-            "_current_stream": _current_stream,
-            "_hooks_idle": _hooks_idle,
-        }
-        slot_of = {i: j for j, i in enumerate(self.slots) if i is not None}
-        values = []
-        for i, v in enumerate(full):
-            if i in slot_of:
-                values.append(f"p{slot_of[i]}")
-            elif v is None or type(v) in (bool, int) or (type(v) is float and v == v and abs(v) != float("inf")):
-                values.append(repr(v))  # repr of these reads back as the same value
-            else:
-                ns[f"_a{i}"] = v
-                values.append(f"_a{i}")
-        grid = self.grid + (1,) * (3 - len(self.grid))
-        n = len(self.slots)
-        aligned = [f"p{j}" for j in range(n) if masks[j]]
-        src = "\n".join(
-            [
-                f"def direct({', '.join([f't{j}' for j in range(n)] + [f'_u{j}=None' for j in range(self.unset)])}):",
-                f"    if _current_device() != {self.device!r} or not _hooks_idle():",
-                "        return False",
-            ]
-            + [f"    p{j} = t{j}.data_ptr()" for j in range(n) if self.slots[j] is not None]
-            + ([f"    if ({' | '.join(aligned)}) & 15:", "        return False"] if aligned else [])
-            + [
-                f"    _run({grid[0]!r}, {grid[1]!r}, {grid[2]!r}, _current_stream({self.device!r}), _function, _metadata, "
-                f"None, None, None, {', '.join(values)})",
-                "    return True",
-                "",
-            ]
-        )
-        exec(compile(src, f"<direct launch of {getattr(self.kernel, '__name__', 'a kernel')}>", "exec"), ns)
-        direct = ns["direct"]
-        direct.compiled_function, direct.masks = compiled.function, masks  # for inspection
-        self.direct = direct
-
-
-def _no_gpu(*_):
-    return None
-
-
-_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
-# ---- launch block end ----
-
-
-# --------------------------------------------------------------------------------------------
-# torch.library custom op: torch.compile traces through it instead of breaking the graph.
-# --------------------------------------------------------------------------------------------
-# ---- shared block ops begin: copies are identical (scripts/sync_shared_blocks.py) ----
-# The ops' namespace comes from this file's module name (rtk_rmsnorm for rmsnorm.py), so a copy under another
-# name (my_rmsnorm.py: rtk_my_rmsnorm) registers ops of its own, and torch.compile calls what the copy computes.
-# A name is registered once per process: importing this very file again (importlib.reload) keeps the ops;
-# other code under the same module name (another file, or this one edited since it registered them) raises
-# (_claim) instead of leaving torch.compile to run the code registered first.
-_NS = "rtk_" + "".join(c if c.isalnum() else "_" for c in __name__)
-
-
-def _op_exists(name: str) -> bool:
-    return hasattr(getattr(torch.ops, _NS), name) if hasattr(torch.ops, _NS) else False
-
-
-def _source_digest():
-    path = globals().get("__file__")
-    if not path or not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-_SOURCE = _source_digest()
-
-
-def _claim(name: str) -> bool:
-    """Whether op NS::name is to be registered now: True if no op holds the name; False if this very file (the
-    same bytes) registered it earlier in the process. Raises if other code holds it. Which file registered an
-    op is kept beside the ops, on torch.ops.<namespace>."""
-    owners = vars(getattr(torch.ops, _NS)).setdefault("_rtk_sources", {})
-    if not _op_exists(name):
-        owners[name] = _SOURCE
-        return True
-    if _SOURCE is not None and owners.get(name) == _SOURCE:
-        return False
-    raise RuntimeError(
-        f"torch.library op {_NS}::{name} is registered already, by other code than {globals().get('__file__')} "
-        f"(another file imported as module {__name__!r}, or this file before an edit). The op namespace comes "
-        f"from the module's name: rename this file (e.g. my_{__name__.rsplit('.', 1)[-1]}.py) so that its ops get "
-        "a namespace of their own, or restart Python to load the edited file"
-    )
-
-
-# Kernels launch through torch.library.wrap_triton while a triton_op body is traced: _TLS.tracing is set,
-# in the tracing thread, by _triton_twin (registration block; a file without it never sets it).
-_TLS = threading.local()
-
-
-def _as_launched(fn):
-    return torch.library.wrap_triton(fn) if getattr(_TLS, "tracing", False) else fn
-
-
-# ---- shared block ops end ----
-
-
-# Registered with custom_op only (the other kernel files also register a torch.library.triton_op
-# twin for Inductor): rows above the measured per-architecture bound go to F.linear /
-# torch._scaled_mm.
-if _claim("skinny_gemm"):
-
-    @torch.library.custom_op(f"{_NS}::skinny_gemm", mutates_args=())
-    def _skinny_gemm_op(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        weight_scale: Optional[torch.Tensor],
-        x_scale: Optional[torch.Tensor],
-        out_dtype: Optional[torch.dtype],
-        split_k: Optional[int],
-    ) -> torch.Tensor:
-        return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
-
-    @_skinny_gemm_op.register_fake
-    def _(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
-        if out_dtype is None:
-            out_dtype = torch.bfloat16 if x.dtype in _FP8_DTYPES else x.dtype
-        return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1176,10 +751,8 @@ def skinny_gemm(
     No backward: in grad mode an input that requires grad raises RuntimeError (call it under
     torch.no_grad() or torch.inference_mode()).
     """
-    if torch.compiler.is_compiling():
-        return getattr(torch.ops, _NS).skinny_gemm(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
-    # Eager: call the launcher directly; the custom-op dispatcher costs microseconds per call.
-    return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
+    _no_backward("x,weight,bias,weight_scale,x_scale", x, weight, bias, weight_scale, x_scale)
+    return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k, _torch_max_m(x, weight, split_k))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1336,3 +909,13 @@ def _main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+# Inside this bundle (kernel_runtime.py beside this file): cached launch plans, a torch.library op and device
+# checks for the launcher. Copied alone, the file keeps its plain launcher. A custom op only (no triton_op
+# twin): rows above the measured per-architecture bound go to F.linear / torch._scaled_mm.
+try:
+    import kernel_runtime
+except ImportError:
+    pass
+else:
+    kernel_runtime.accelerate(globals(), custom_only=("skinny_gemm",), skinny_gemm="_launch")

@@ -89,7 +89,6 @@ def _xcd_remap_demo_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-# ---- shared block device begin: copies are identical (scripts/sync_shared_blocks.py) ----
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -107,9 +106,6 @@ def _gpu_target(index: int):
     with torch.cuda.device(index):
         target = triton.runtime.driver.active.get_current_target()
     return (target.backend, target.arch, target.warp_size)
-
-
-# ---- shared block device end ----
 
 
 def _check_int(name: str, v, lo: int, hi: Optional[int] = None) -> int:

@@ -76,10 +76,9 @@ KERNEL_MODULES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope
 def clear_launch_plans():
     """Forget every kernel file's launch plans (built from the module's settings when first seen), so a
     setting a test changes applies to the next call."""
-    for name in KERNEL_MODULES:
-        plans = getattr(sys.modules.get(name), "_PLANS", None)
-        if plans is not None:
-            plans.clear()
+    runtime = sys.modules.get("kernel_runtime")
+    if runtime is not None:
+        runtime.clear_plans()
 
 
 @pytest.fixture(autouse=True)
@@ -102,30 +101,14 @@ def _diffusers_attention_backend_restored():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _direct_launches_checked():
-    """Under the interpreter every plan still checks, at its first call, the direct launch a GPU would make
-    after it (kernel_testing.direct_launch_mismatch): a wrong argument or a crash there fails the test that
-    made the plan, on any machine."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        yield  # on a GPU the direct launches run for real
-        return
-    import importlib
+def _plans_verified():
+    """Under the interpreter a plan never launches (there is no compiled kernel): every call that has a plan
+    records the plain launcher again instead and checks that the plan would have handed each kernel exactly
+    what it did (kernel_runtime.VERIFY_PLANS). A plan that differs fails the test whose call made it, on any
+    machine."""
+    import kernel_runtime
 
-    from kernel_testing import direct_launch_mismatch
-
-    seen, originals = set(), {}
-    for name in KERNEL_MODULES:
-        module = importlib.import_module(name)
-        slow = originals[name] = module._Launch._slow
-
-        def checked(self, tensors, _slow=slow, _module=module):
-            _slow(self, tensors)
-            if self not in seen and type(self.kernel).__module__.startswith("triton."):  # not a test's fake
-                seen.add(self)  # kept: an id could be reused by a later plan once this one is freed
-                problem = direct_launch_mismatch(_module, self, tensors)
-                assert problem is None, f"{_module.__name__}: direct launch of {self.kernel}: {problem}"
-
-        module._Launch._slow = checked
+    old = kernel_runtime.VERIFY_PLANS
+    kernel_runtime.VERIFY_PLANS = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     yield
-    for name, slow in originals.items():
-        sys.modules[name]._Launch._slow = slow
+    kernel_runtime.VERIFY_PLANS = old

@@ -192,10 +192,12 @@ def test_triton_twin_defers_to_the_custom_op_on_symbolic_sizes():
     gen = make_generator()
     h, y = randn((2, 9, 64), torch.float32, gen), randn((2, 9, 64), torch.float32, gen)
     sc, sh = randn((2, 1, 64), torch.float32, gen, scale=0.2), randn((2, 1, 64), torch.float32, gen, scale=0.2)
-    old = rmsnorm._TRITON_OP
+    import kernel_runtime as kr
+
+    wrapper, old, old_op = rmsnorm._launch, kr.TRITON_OP, rmsnorm._launch.compile_op
     try:
-        rmsnorm._TRITON_OP = True
-        rmsnorm._register("rms_norm_fused", rmsnorm._rms_norm_fused_op, rmsnorm._rms_norm_fused_op_fake)
+        kr.TRITON_OP = True
+        kr._register(wrapper, rmsnorm._NS, "rms_norm_fused", kr._source_digest(rmsnorm.__file__), rmsnorm.__file__)
         seen: set = set()
         torch._dynamo.reset()
         compiled = torch.compile(
@@ -203,7 +205,7 @@ def test_triton_twin_defers_to_the_custom_op_on_symbolic_sizes():
         )
         got = compiled(h, y, None, sc, sh)
     finally:
-        rmsnorm._TRITON_OP = old
+        kr.TRITON_OP, wrapper.compile_op = old, old_op
         torch._dynamo.reset()
     assert {f"{rmsnorm._NS}.rms_norm_fused_triton", f"{rmsnorm._NS}.rms_norm_fused_triton.default"} & seen
     ref = rmsnorm.gated_residual_rms_norm_modulate_ref(h.double(), y.double(), None, sc.double(), sh.double())
@@ -213,17 +215,16 @@ def test_triton_twin_defers_to_the_custom_op_on_symbolic_sizes():
 
 def test_tracing_flag_is_per_thread():
     """While one thread traces a triton_op body (kernels through wrap_triton), eager launches in other
-    threads keep the plain kernel."""
+    threads keep the plain kernel: the runtime's launch mode is per thread."""
     import threading
 
-    kernel = rmsnorm._rms_norm_kernel
+    import kernel_runtime as kr
+
     seen = {}
-    rmsnorm._TLS.tracing = True
-    try:
-        t = threading.Thread(target=lambda: seen.setdefault("other", rmsnorm._as_launched(kernel)))
+    with kr._mode("trace"):
+        t = threading.Thread(target=lambda: seen.setdefault("other", getattr(kr._TLS, "mode", None)))
         t.start()
         t.join()
-    finally:
-        rmsnorm._TLS.tracing = False
-    assert seen["other"] is kernel
-    assert rmsnorm._as_launched(kernel) is kernel
+        assert kr._TLS.mode == "trace"
+    assert seen["other"] is None
+    assert getattr(kr._TLS, "mode", None) is None

@@ -65,3 +65,71 @@ def test_the_same_file_imported_again_keeps_its_ops(gen):
     x = torch.randn(3, 32, generator=gen).to(kt.DEVICE)
     with torch.no_grad():
         assert torch.equal(again.rms_norm(x, None, 1e-6), rmsnorm.rms_norm(x, None, 1e-6))
+
+
+# A kernel file copied alone (no kernel_runtime.py beside it) into an empty folder, imported by a fresh Python
+# whose only path is that folder: its plain launcher runs and matches the float64 reference, eagerly (on the
+# CPU under the Triton interpreter, as this process runs) and on a GPU also under torch.compile (Dynamo traces
+# the launcher and records its user-defined Triton kernel; Dynamo cannot trace the interpreter). Fails if the
+# file needs anything beside torch and triton (kernel_runtime included).
+_ALONE = {
+    "rmsnorm": "m.rms_norm(x, w), m.rms_norm_ref(x.double(), w.double())",
+    "layernorm": "m.layer_norm(x, w, w), m.layer_norm_ref(x.double(), w.double(), w.double())",
+    "rope": "m.ltx_rope(x[None], c[None], s[None]), m.ltx_rope_ref(x[None].double(), c[None].double(), s[None].double())",
+    "activations": "m.gelu(x), m.gelu_ref(x.double())",
+    "head_norm_rope": (
+        "m.head_rms_norm_rope(q, q, w, w, 1e-6)[0], m.head_rms_norm_rope_ref(q.double(), q.double(), w.double(), "
+        "w.double(), 1e-6)[0]"
+    ),
+    "skinny_gemm": "m.skinny_gemm(x, wm), m.skinny_gemm_ref(x, wm)",
+}
+_ALONE_SCRIPT = """
+import importlib, json, sys
+import torch
+m = importlib.import_module(sys.argv[1])
+dev = sys.argv[2]
+g = torch.Generator().manual_seed(0)
+x = torch.randn(3, 64, generator=g).to(dev)
+w = (1 + 0.1 * torch.randn(64, generator=g)).to(dev)
+ang = torch.randn(3, 64, generator=g).to(dev)
+c, s = ang.cos(), ang.sin()
+q = torch.randn(1, 3, 2, 64, generator=g).to(dev)
+wm = torch.randn(32, 64, generator=g).to(dev)
+if sys.argv[1] == "skinny_gemm":
+    x, wm = x.bfloat16(), wm.bfloat16()
+
+def f(x, w, c, s, q, wm):
+    return {expr}
+
+with torch.no_grad():
+    got, ref = f(x, w, c, s, q, wm)
+    outs = [got]
+    if dev == "cuda":
+        outs.append(torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, c, s, q, wm)[0])
+errs = [float((o.double() - ref.double()).abs().max() / (1 + ref.double().abs().max())) for o in outs]
+print("RESULT " + json.dumps({{"runtime": "kernel_runtime" in sys.modules, "errs": errs}}))
+"""
+
+
+@pytest.mark.parametrize("name", sorted(_ALONE))
+def test_kernel_file_copied_alone_runs_its_plain_launcher(tmp_path, name):
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    from conftest import SCRIPTS
+
+    shutil.copy(SCRIPTS / f"{name}.py", tmp_path / f"{name}.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env.update(PYTHONPATH=str(tmp_path), PYTHONWARNINGS="ignore")
+    script = _ALONE_SCRIPT.format(expr=_ALONE[name])
+    dev = "cpu" if kt.INTERPRET else "cuda"
+    r = subprocess.run(
+        [sys.executable, "-c", script, name, dev], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert result["runtime"] is False, "the copy imported kernel_runtime: it must run alone"
+    tol = 3e-2 if name == "skinny_gemm" else 1e-5  # skinny_gemm: bf16 inputs and output
+    assert max(result["errs"]) <= tol, result

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernel_testing import poisoned_outputs
@@ -88,28 +89,22 @@ def test_interpreter_bf16_rounding_matches_torch():
         assert ((y.view(torch.int16) != want.view(torch.int16)) & ~nan).any()
 
 
-def test_direct_launch_check_reports_a_wrong_argument(monkeypatch, gen):
-    """kernel_testing.direct_launch_mismatch (run on every plan under the interpreter by conftest) passes a
-    real plan's direct launch and names the parameter when that launch hands the runner a wrong value."""
+def test_plan_check_reports_a_plan_that_differs(monkeypatch, gen):
+    """kernel_runtime.VERIFY_PLANS (set under the interpreter by conftest): a call whose signature has a plan
+    records the plain launcher again, and a kept plan that would hand a kernel another argument fails."""
+    import kernel_runtime
     import rmsnorm as R
-    from kernel_testing import direct_launch_mismatch, randn
+    from kernel_testing import randn
 
-    captured = []
-    slow = R._Launch._slow
-    monkeypatch.setattr(R._Launch, "_slow", lambda self, t: (captured.append((self, t)), slow(self, t))[1])
-    R.rms_norm(randn((5, 64), torch.float32, gen), randn((64,), torch.float32, gen))
-    launch, tensors = captured[0]
-    assert direct_launch_mismatch(R, launch, tensors) is None
-    adopt = R._Launch._adopt
-
-    def off_by_one(self, compiled, tensors):  # the generated launch gets the first fixed integer + 1
-        i = next(i for i, v in enumerate(self.args) if type(v) is int)
-        self.args[i] += 1
-        try:
-            adopt(self, compiled, tensors)
-        finally:
-            self.args[i] -= 1
-
-    monkeypatch.setattr(R._Launch, "_adopt", off_by_one)
-    problem = direct_launch_mismatch(R, launch, tensors)
-    assert problem is not None and problem.startswith("parameter "), problem
+    monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", True)
+    kernel_runtime.clear_plans(R)
+    x, w = randn((5, 64), torch.float32, gen), randn((64,), torch.float32, gen)
+    R.rms_norm(x, w)
+    R.rms_norm(x, w)  # checked: the same plan
+    (plan,) = kernel_runtime.plans(R).values()
+    kernel, grid, compiled, values, slots = plan.launches[0]
+    i = next(i for i, v in enumerate(values) if type(v) is int)
+    wrong = values[:i] + (values[i] + 1,) + values[i + 1 :]
+    monkeypatch.setattr(plan, "launches", ((kernel, grid, compiled, wrong, slots),))
+    with pytest.raises(AssertionError, match="differs from the plan this call makes"):
+        R.rms_norm(x, w)

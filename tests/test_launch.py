@@ -1,56 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The launch path shared by the kernel files: plans cached per call signature, launched directly.
-
-Every kernel file carries the same launch block (so that each file stays copyable alone); these tests
-check that the copies are identical, that a plan is reused only for calls of the same signature, and
-that a cached plan computes what a fresh one computes for every call it serves.
-"""
+"""The launch runtime of the bundle (scripts/kernel_runtime.py): plans cached per call signature and
+launched directly, the checks every call still gets, and clear errors for tensors no kernel can run on.
+Under the interpreter every call with a plan also checks that the plan would hand each kernel what the
+plain launcher did (tests/conftest.py sets kernel_runtime.VERIFY_PLANS)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import KERNEL_MODULES, SCRIPTS
+import kernel_runtime
+from conftest import SCRIPTS
 from kernel_testing import DEVICE, INTERPRET, assert_close, poisoned_outputs, randn
-
-BEGIN = "# ---- launch block begin"
-END = "# ---- launch block end ----"
-
-
-def _block(name: str) -> str:
-    text = (SCRIPTS / f"{name}.py").read_text()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{name}.py must hold the launch block once"
-    return text[text.index(BEGIN) : text.index(END) + len(END)]
-
-
-class _Ptr:
-    """A stand-in tensor: _Launch reads only data_ptr."""
-
-    def __init__(self, p):
-        self.p = p
-
-    def data_ptr(self):
-        return self.p
-
-
-def _direct_stand_ins(monkeypatch, module, current_device, current_stream):
-    """What a direct launch needs of a GPU, faked: the runner interface taken as present, the current device
-    and stream, the JIT called as is, torch.cuda.device a no-op."""
-    import contextlib
-
-    monkeypatch.setitem(module._DIRECT, "ok", True)
-    monkeypatch.setattr(module, "_current_device", current_device)
-    monkeypatch.setattr(module, "_current_stream", current_stream)
-    monkeypatch.setattr(module, "_as_launched", lambda k: k)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
-
-
-def test_launch_block_copies_are_identical():
-    blocks = {name: _block(name) for name in KERNEL_MODULES}
-    first = blocks["rmsnorm"]
-    for name, text in blocks.items():
-        assert text == first, f"scripts/{name}.py's launch block differs from scripts/rmsnorm.py's"
 
 
 def test_plan_reused_only_for_the_same_signature(gen):
@@ -61,13 +22,13 @@ def test_plan_reused_only_for_the_same_signature(gen):
     x = randn((3, 5, 96), dtype, gen)
     base = randn((3, 5, 2 * 96), dtype, gen)
     strided = base[..., :96]  # same shape, other row stride
-    rmsnorm._PLANS.clear()
+    kernel_runtime.clear_plans(rmsnorm)
     for t in (x, randn((3, 5, 96), dtype, gen), strided, x.float(), x):
         with poisoned_outputs():
             out = rmsnorm.rms_norm(t, w if t.dtype == dtype else w.float())
         ref = rmsnorm.rms_norm_ref(t.double(), (w if t.dtype == dtype else w.float()).double())
         assert_close(out, ref.to(t.dtype), t.dtype, seed=gen.seed_value)
-    assert len(rmsnorm._PLANS) == 3  # contiguous bf16, strided bf16, fp32
+    assert len(kernel_runtime.plans(rmsnorm)) == 3  # contiguous bf16, strided bf16, fp32
 
 
 def test_bad_input_after_a_cached_plan_still_raises(gen):
@@ -87,26 +48,71 @@ def test_bad_input_after_a_cached_plan_still_raises(gen):
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="the direct launch exists for compiled kernels only")
 def test_direct_launch_serves_misaligned_and_aligned_pointers(gen):
-    """A plan compiled for 16-byte aligned pointers must not serve a misaligned one (it falls back to
-    the JIT, which compiles the unaligned variant), and the aligned case keeps working after that."""
+    """A plan compiled for 16-byte aligned pointers must not serve a misaligned one (it goes to the plain
+    launcher, whose JIT compiles the unaligned variant), and the aligned case keeps working after that."""
     import rmsnorm
 
     dtype = torch.bfloat16
     w = randn((128,), dtype, gen)
     big = randn((6, 129), dtype, gen)
     aligned, misaligned = big[:, :128], big[:, 1:]  # same shape and strides, address off by 2 bytes
-    rmsnorm._PLANS.clear()
+    kernel_runtime.clear_plans(rmsnorm)
     for t in (aligned, aligned, misaligned, misaligned, aligned):
         with poisoned_outputs():
             out = rmsnorm.rms_norm(t, w)
         assert_close(out, rmsnorm.rms_norm_ref(t.double(), w.double()).to(dtype), dtype, seed=gen.seed_value)
-    assert len(rmsnorm._PLANS) == 1
-    launch = next(
-        c.cell_contents
-        for c in next(iter(rmsnorm._PLANS.values())).__closure__
-        if isinstance(c.cell_contents, rmsnorm._Launch)
-    )
-    assert launch.direct is not None, "the plan should launch directly after its first call"
+    (plan,) = kernel_runtime.plans(rmsnorm).values()
+    assert plan.runnable, "the plan should launch directly after its first call"
+
+
+def test_plan_hands_the_runner_what_the_launcher_passed(gen, monkeypatch):
+    """A plan's direct launch: the runner gets the grid, the current stream, the compiled kernel's function
+    and metadata, then every kernel parameter in order (this call's pointers where the tensors go, the
+    recorded arguments elsewhere). A pointer compiled as aligned that is not, another current device or a
+    launch hook send the call to the plain launcher. A fake compiled kernel: any machine."""
+    import rmsnorm
+
+    ran = []
+
+    class Compiled:
+        function, packed_metadata = "the function", ("the", "metadata")
+
+        def run(self, *a):
+            ran.append(a)
+
+    monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", False)
+    kernel_runtime.clear_plans(rmsnorm)
+    big = randn((4 * 64 + 1,), torch.float32, gen)
+    w = randn((64,), torch.float32, gen)
+    rmsnorm.rms_norm(big[:256].view(4, 64), w)  # records the plan (aligned pointers)
+    (plan,) = kernel_runtime.plans(rmsnorm).values()
+    kernel, grid, _, values, slots = plan.launches[0]
+    monkeypatch.setattr(plan, "launches", ((kernel, grid, Compiled(), values, slots),))
+    monkeypatch.setattr(plan, "runnable", True)
+    device = {"index": plan.device}
+    monkeypatch.setattr(kernel_runtime, "_current_device", lambda: device["index"])
+    monkeypatch.setattr(kernel_runtime, "_current_stream", lambda d: 1000)
+    x = randn((4, 64), torch.float32, gen)
+    out = rmsnorm.rms_norm(x, w)
+    assert len(ran) == 1
+    got = ran[0]
+    assert got[:9] == (*grid, 1000, "the function", ("the", "metadata"), None, None, None)
+    assert len(got) == 9 + len(values)
+    pointers = {got[9 + i] for i, *_ in slots}
+    assert pointers == {x.data_ptr(), w.data_ptr(), out.data_ptr()}
+    for i, v in enumerate(values):
+        if i not in {s[0] for s in slots}:
+            assert got[9 + i] is v or got[9 + i] == v
+    # to the plain launcher: a misaligned pointer compiled as aligned; another current device; a launch hook
+    rmsnorm.rms_norm(big[1:].view(4, 64), w)  # 4 bytes off
+    assert len(ran) == 1
+    device["index"] = "another"
+    rmsnorm.rms_norm(x, w)
+    assert len(ran) == 1
+    device["index"] = plan.device
+    monkeypatch.setattr(kernel_runtime, "_hooks_idle", lambda: False)
+    rmsnorm.rms_norm(x, w)
+    assert len(ran) == 1
 
 
 def _public_calls(gen):
@@ -263,7 +269,7 @@ def _meta_calls():
             lambda: rope.ltx_qk_rmsnorm_rope(m(2, 3, 12), m(2, 3, 12), None, None, 1e-6, m(3, 12), m(3, 12)),
         ),
         "activations": ("x", lambda: activations.gelu(m(2, 64))),
-        "swiglu": ("gate", lambda: activations.swiglu(m(2, 64), m(2, 64))),
+        "swiglu": ("x", lambda: activations.swiglu(m(2, 64), m(2, 64))),
         "head_norm_rope": (
             "q",
             lambda: head_norm_rope.head_rms_norm_rope(m(1, 2, 2, 8), m(1, 2, 2, 8), None, None, 1e-6),
@@ -286,7 +292,7 @@ def test_meta_tensors_are_refused_clearly(case):
 
 _MODE_SCRIPT = r"""
 import json, os, sys, torch
-import activations, head_norm_rope, layernorm, rmsnorm, rope, skinny_gemm
+import activations, head_norm_rope, kernel_runtime, layernorm, rmsnorm, rope, skinny_gemm
 
 dev = sys.argv[1]
 def t(*shape, dtype=torch.float32):
@@ -316,8 +322,7 @@ for name, call in calls.items():
         except Exception as e:
             row[phase] = f"{type(e).__name__}: {e}"
         # the check runs when a plan is made: a plan made while the two agreed keeps serving its signature
-        for mod in (activations, head_norm_rope, layernorm, rmsnorm, rope, skinny_gemm):
-            mod._PLANS.clear()
+        kernel_runtime.clear_plans()
     out[name] = row
 print("RESULT " + json.dumps(out))
 """
@@ -399,61 +404,6 @@ def test_cpu_tensor_after_unsetting_triton_interpret(case, monkeypatch):
         call()
 
 
-def test_first_calls_from_two_threads_keep_one_kernel_with_its_own_masks(monkeypatch):
-    """Two threads making the first calls of one plan, one with a 16-byte aligned pointer and one
-    without, each get a compiled kernel from the JIT; whichever is kept must be kept with the alignment
-    masks of the call that compiled it (else misaligned pointers could later launch the aligned kernel).
-    Fake tensors and kernels: this tests the bookkeeping, on any machine."""
-    import contextlib
-    import inspect
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    import rmsnorm as R
-
-    class Compiled:
-        def __init__(self, name, slow):
-            self.name, self.slow, self.packed_metadata = name, slow, None
-
-        @property
-        def function(self):
-            if self.slow:
-                time.sleep(0.2)  # widens the window in which the other thread adopts its kernel
-            return self.name
-
-        def run(self, *a):
-            pass
-
-    sig = inspect.signature(getattr(R._rms_norm_kernel, "fn", R._rms_norm_kernel))
-
-    class Kernel:  # stands in for the JITFunction, with the real kernel's parameters
-        params = [SimpleNamespace(name=n, default=p.default) for n, p in sig.parameters.items()]
-        arg_names = list(sig.parameters)
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                aligned = args[0].p % 16 == 0
-                return Compiled("aligned kernel" if aligned else "unaligned kernel", slow=aligned)
-
-            return launch
-
-    monkeypatch.setitem(R._DIRECT, "ok", True)
-    monkeypatch.setattr(R, "_current_device", lambda: 0)
-    monkeypatch.setattr(R, "_as_launched", lambda k: k)
-    monkeypatch.setattr(torch.cuda, "device", lambda i: contextlib.nullcontext())
-    launch = R._Launch(Kernel(), (1,), [None] * len(sig.parameters), {}, [0], torch.device("cuda", 0))
-    ta = threading.Thread(target=launch, args=(_Ptr(4096),))
-    tb = threading.Thread(target=launch, args=(_Ptr(4098),))
-    ta.start()
-    time.sleep(0.05)
-    tb.start()
-    ta.join()
-    tb.join()
-    kept = (launch.direct.compiled_function, launch.direct.masks)
-    assert kept in {("aligned kernel", (15,)), ("unaligned kernel", (0,))}, kept
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="CUDA / HIP graphs need a GPU")
 def test_direct_launch_inside_graph_capture(gen):
@@ -482,115 +432,3 @@ def test_direct_launch_inside_graph_capture(gen):
         torch.cuda.synchronize()
         ref = rmsnorm.rms_norm_modulate_ref(fresh.double(), sc.double(), sh.double())
         assert_close(out, ref.to(dtype), dtype, seed=gen.seed_value)
-
-
-def test_direct_launch_hands_the_runner_what_the_jit_would(monkeypatch):
-    """The generated direct launch: the runner gets the grid, the current stream, the compiled kernel's
-    function and metadata, then every kernel parameter in order (this call's pointers where the tensors
-    go; the fixed arguments, keyword arguments and defaults elsewhere, constants of every kind kept as
-    they are). A pointer compiled as aligned that is not, another current device, or a launch hook
-    send the call back to the JIT. Fake tensors and kernels: any machine."""
-    import inspect
-    from types import SimpleNamespace
-
-    import rmsnorm as R
-
-    ran, jitted = [], []
-
-    class Compiled:
-        function, packed_metadata = "the function", ("the", "metadata")
-
-        def run(self, *a):
-            ran.append(a)
-
-    sig = inspect.signature(getattr(R._rms_norm_kernel, "fn", R._rms_norm_kernel))
-    names = list(sig.parameters)
-
-    class Kernel:
-        params = [SimpleNamespace(name=n, default=p.default) for n, p in sig.parameters.items()]
-        arg_names = names
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                jitted.append((grid, args, kw))
-                return Compiled()
-
-            return launch
-
-    device = {"index": 0}
-    _direct_stand_ins(monkeypatch, R, lambda: device["index"], lambda d: 1000 + d)
-    odd = object()  # a constant that has no literal form
-    n_pos = 12
-    fixed = [None, 7, -3, None, 2.5, float("inf"), True, odd, torch.float16, 1e-300, 0, False][:n_pos]
-    kwargs = {names[-1]: 64, names[-2]: odd}
-    slots = (0, 3)
-    launch = R._Launch(Kernel(), (5, 2), fixed, kwargs, slots, torch.device("cuda", 0))
-    launch(_Ptr(4096), _Ptr(8192))  # first call: the JIT
-    assert len(jitted) == 1 and not ran and launch.direct is not None
-    launch(_Ptr(4112), _Ptr(12288))
-    assert len(jitted) == 1 and len(ran) == 1
-    expected_params = []
-    for i, name in enumerate(names):
-        if i in slots:
-            expected_params.append({0: 4112, 3: 12288}[i])
-        elif i < n_pos:
-            expected_params.append(fixed[i])
-        else:
-            expected_params.append(kwargs.get(name, sig.parameters[name].default))
-    got = ran[0]
-    assert got[:9] == (5, 2, 1, 1000, "the function", ("the", "metadata"), None, None, None)
-    assert len(got) == 9 + len(names)
-    for name, g, e in zip(names, got[9:], expected_params):
-        assert g is e or (type(g) is type(e) and g == e), (name, g, e)
-    # back to the JIT: a misaligned pointer compiled as aligned; another current device; a launch hook
-    launch(_Ptr(4098), _Ptr(8192))
-    assert len(jitted) == 2 and len(ran) == 1
-    device["index"] = 1
-    launch(_Ptr(4096), _Ptr(8192))
-    assert len(jitted) == 3 and len(ran) == 1
-    device["index"] = 0
-    monkeypatch.setattr(R, "_hooks_idle", lambda: False)
-    launch.direct = None  # regenerated with the patched hook check on the next JIT call
-    launch(_Ptr(4096), _Ptr(8192))
-    launch(_Ptr(4096), _Ptr(8192))
-    assert len(jitted) == 5 and len(ran) == 1
-
-
-def test_direct_launch_of_a_plan_whose_last_slots_are_unset(monkeypatch):
-    """A plan may leave its last slots unset (None) and pass fewer tensors (GEGLU without FP8 passes
-    three tensors for four slots): the direct launch is adopted, takes the tensors passed and hands the
-    runner the fixed arguments elsewhere; a call passing fewer tensors than the set slots is refused.
-    Fake tensors and kernels: any machine."""
-    from types import SimpleNamespace
-
-    import activations as A
-
-    ran, jitted = [], []
-
-    class Compiled:
-        function, packed_metadata = "f", "m"
-
-        def run(self, *a):
-            ran.append(a)
-
-    class Kernel:
-        params = [SimpleNamespace(name=n, default=None) for n in ("x", "n", "out", "scale")]
-        arg_names = ["x", "n", "out", "scale"]
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                jitted.append(args)
-                return Compiled()
-
-            return launch
-
-    _direct_stand_ins(monkeypatch, A, lambda: 0, lambda d: 7)
-    launch = A._Launch(Kernel(), (3,), (None, 5, None, None), {}, (0, 2, None), torch.device("cuda", 0))
-    launch(_Ptr(4096), _Ptr(8192))  # the JIT, then the direct launch is generated
-    assert len(jitted) == 1 and launch.direct is not None
-    assert [getattr(a, "p", a) for a in jitted[0]] == [4096, 5, 8192, None]
-    launch(_Ptr(4112), _Ptr(12288))
-    assert len(jitted) == 1 and ran == [(3, 1, 1, 7, "f", "m", None, None, None, 4112, 5, 12288, None)]
-    fresh = A._Launch(Kernel(), (3,), (None, 5, None, None), {}, (0, 2, None), torch.device("cuda", 0))
-    with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
-        fresh(_Ptr(4096))

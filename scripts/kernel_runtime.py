@@ -1,0 +1,777 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The launch runtime of the bundle: what a kernel file gets when it is used inside this bundle.
+
+A kernel file (rmsnorm.py, layernorm.py, rope.py, activations.py, head_norm_rope.py, skinny_gemm.py)
+stands alone: it imports torch and triton, holds its @triton.jit kernels, one plain launcher per op
+(argument checks, launch heuristics, ``kernel[grid](...)``), its public functions and their PyTorch
+references. Its last lines hand its launchers to this module when it sits beside it:
+
+    try:
+        import kernel_runtime
+    except ImportError:  # copied alone: the plain launchers run
+        pass
+    else:
+        kernel_runtime.accelerate(globals(), rms_norm_fused="_launch")
+
+The hook sits in the kernel file rather than in the integrations (which could wrap the modules they import)
+so that every importer gets the same module whatever the import order (injections, benchmarks, tests,
+check_amd_compile.py), and so that a reader of the kernel file sees where its fast path comes from. A copy
+without this file beside it takes the ImportError branch: its launchers run as written, eagerly and under
+torch.compile (Dynamo traces the plain launcher and records ``kernel[grid](...)`` as a user-defined Triton
+kernel, which Inductor launches from its generated code).
+
+``accelerate(namespace, **ops)`` replaces each named launcher in the module with a wrapper that adds:
+
+1. Launch plans, for host time. Triton's JIT binds and specialises every argument on every launch, and a
+   launcher's checks and heuristics cost as much again: tens of microseconds a call, more than a small
+   kernel runs. The first call of each signature (every tensor's shape, strides, dtype and device; every
+   other argument's type and value) runs the plain launcher while recording what it does: the tensors it
+   allocates, the views it takes, the kernels it launches (the compiled kernel Triton's JIT returns, its
+   grid and arguments). The recording becomes a plan; a later call with that signature allocates the same
+   outputs and hands the data pointers straight to each compiled kernel's runner (the call Triton's JIT
+   ends with, Triton 3.3 to 3.9), then returns what the launcher returned. A plan is made only where the
+   recording shows that this is exact, else the call stays with the plain launcher (``unplanned`` on the
+   wrapper says why): the launcher did nothing but allocate, take views and launch (no computation with
+   torch, no reading of tensor values); every tensor a kernel got is an input, an allocation of the call
+   or a view of one of those; every tensor it returned is an input or an allocation. A launch argument that
+   is not a tensor is kept as it was: it is fixed by the signature, as a launcher's choices depend on the
+   signature only (its contract). What Triton specialises on beyond that is the 16-byte alignment of each
+   pointer: a pointer compiled as aligned must still be, checked on every call. AMD's buffer-load
+   specialisation (storage under 2 GiB) needs no check: the offsets a kernel computes depend on shapes,
+   strides and dtypes only. Everything else goes to the plain launcher: the interpreter (no compiled
+   kernel), launch hooks (a profiler's), a current device other than the plan's, a misaligned pointer.
+   No source text is generated or exec'd: the direct launch is a loop over the plan's pointer slots.
+2. torch.library ops, so that torch.compile traces through the launchers without a graph break: each
+   launcher becomes op ``rtk_<module>::<name>`` (a custom op, which torch.compile calls back at run time)
+   and, where torch has it, ``rtk_<module>::<name>_triton`` (a triton_op: Inductor traces the launcher once
+   and launches its kernels from its own generated code, about 11x less host time per call than the custom
+   op for chained small fused norms on an H200, examples/benchmark_launch_overhead_h200.json). The custom op
+   serves the Triton interpreter (Inductor cannot run interpreted kernels) and symbolic sizes (a launcher
+   picks its configuration from concrete sizes). The namespace comes from the module's name, so a copy
+   under another name (my_rmsnorm.py: rtk_my_rmsnorm) registers ops of its own. A name is registered once
+   per process: the same file imported again keeps its ops; other code under the same module name raises
+   (``_claim``) instead of leaving torch.compile to run the code registered first. A custom op cannot
+   return None: an absent output travels as an empty bool tensor and is None again at the call.
+3. Clear errors for tensors no kernel can run on (a meta tensor; a CPU tensor without the interpreter;
+   TRITON_INTERPRET changed since the module was imported), checked when a plan is made (the device is
+   part of its key). A copy without the runtime gets Triton's own errors there.
+
+Kept in the kernel files, and why. Each file must work alone, so what its launcher needs stays in it even
+where another file needs the same: ``_device_target`` (the GPU target from
+``triton.runtime.driver.active.get_current_target()``, five lines), the FP8 encode helpers and FP8 format
+table (rmsnorm.py and activations.py: both have kernels with FP8 output), the two-level row layout of
+broadcast operands (rmsnorm.py and layernorm.py). These few copies are the price of files that copy alone;
+they are short and each sits beside the only kernels that use it. Checks that a standalone file needs for
+correctness stay in it too: the refusal of inputs requiring grad (the kernels have no backward, so
+gradients would stop without a word).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import os
+import threading
+import typing
+import warnings
+
+import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["accelerate", "plans", "clear_plans", "own_plans", "use_triton_op", "TRITON_OP"]
+
+PLAN_CACHE_SIZE = 4096  # plans kept per launcher; the cache is emptied when it is full
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# torch.compile records the triton_op twins where torch has them, except under the interpreter.
+TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton") and not _interpreting()
+# Under the Triton interpreter a plan never launches (there is no compiled kernel); with VERIFY_PLANS set
+# (tests/conftest.py sets it there) every call that has a plan records the plain launcher again and checks
+# that the plan would have handed each kernel exactly those arguments.
+VERIFY_PLANS = False
+
+_TLS = threading.local()  # .mode: None (plain), _Recorder (making a plan), "fake" or "trace" (torch.compile)
+_WRAPPERS: list = []  # every accelerated launcher, for plans() and clear_plans()
+_MISS = object()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels as the launchers see them
+# --------------------------------------------------------------------------------------------
+class _Kernel:
+    """Stands in, in an accelerated module, for a @triton.jit kernel that its launchers launch.
+
+    ``kernel[grid](...)`` launches the kernel itself, recorded while a plan is made; in a fake run (the
+    fake implementation of an op) nothing is launched; while a triton_op body is traced the launch goes
+    through torch.library.wrap_triton. Attributes are the kernel's.
+    """
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        return functools.partial(_launch_kernel, self.kernel, grid)
+
+    def __repr__(self):
+        return f"<{self.kernel!r} launched through kernel_runtime>"
+
+
+def _launch_kernel(kernel, grid, *args, **kwargs):
+    mode = getattr(_TLS, "mode", None)
+    if mode is None:
+        return kernel[grid](*args, **kwargs)
+    if mode == "fake":
+        return None
+    if mode == "trace":
+        return torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    return mode.launch(kernel, grid, args, kwargs)
+
+
+@contextlib.contextmanager
+def _mode(mode):
+    outer, _TLS.mode = getattr(_TLS, "mode", None), mode
+    try:
+        yield mode
+    finally:
+        _TLS.mode = outer
+
+
+# --------------------------------------------------------------------------------------------
+# Recording a call of the plain launcher
+# --------------------------------------------------------------------------------------------
+_aten = torch.ops.aten
+_ALLOCATIONS = {
+    _aten.empty.memory_format: "empty",
+    _aten.empty_like.default: "empty",
+    _aten.empty_strided.default: "empty",
+    _aten.new_empty.default: "empty",
+    _aten.new_empty_strided.default: "empty",
+    _aten.zeros.default: "zeros",
+    _aten.zeros_like.default: "zeros",
+    _aten.new_zeros.default: "zeros",
+}
+
+
+class _Recorder(TorchDispatchMode):
+    """The torch operations and kernel launches of one call of a plain launcher.
+
+    Allocations and views are kept (each result with its parent), any other torch operation is noted as a
+    computation (which rules a plan out); kernel launches run, with the torch operations of the launch
+    itself (the interpreter's) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocs, self.parents, self.computes, self.launches, self.paused = {}, {}, [], [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        if func in _ALLOCATIONS:
+            self.allocs[id(out)] = (out, _ALLOCATIONS[func])
+        elif getattr(func, "is_view", False) and args and isinstance(args[0], torch.Tensor):
+            for o in out if isinstance(out, (list, tuple)) else (out,):
+                self.parents[id(o)] = (o, args[0])
+        else:
+            self.computes.append(str(func))
+        return out
+
+    def launch(self, kernel, grid, args, kwargs):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"), None)
+        self.paused = True
+        try:
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                compiled = kernel[grid](*args, **kwargs)
+        finally:
+            self.paused = False
+        self.launches.append((kernel, grid, args, kwargs, compiled))
+        return compiled
+
+    def root(self, t, inputs):
+        """(0, input index) or (1, allocation) that tensor t is, or is a view of; None if neither."""
+        for _ in range(64):
+            for i, inp in enumerate(inputs):
+                if t is inp:
+                    return 0, i
+            alloc = self.allocs.get(id(t))
+            if alloc is not None and alloc[0] is t:
+                return 1, t
+            parent = self.parents.get(id(t))
+            if parent is None or parent[0] is not t:
+                return None
+            t = parent[1]
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Plans
+# --------------------------------------------------------------------------------------------
+def _no_gpu(*_):
+    return None
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", _no_gpu)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _no_gpu)
+# Where Triton keeps its launch hooks: triton.knobs.runtime from Triton 3.4, CompiledKernel before.
+_HOOKS = getattr(getattr(triton, "knobs", None), "runtime", None) or triton.compiler.CompiledKernel
+_RUNNER = {"ok": None}  # whether compiled kernels expose the runner interface the plans use (set once)
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook (a profiler's, say) is installed: a plan's launch skips them."""
+    for hook in (_HOOKS.launch_enter_hook, _HOOKS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # Triton 3.5+: an empty HookChain is idle
+            return False
+    return True
+
+
+def _has_runner(compiled) -> bool:
+    if _RUNNER["ok"] is None and compiled is not None:
+        _RUNNER["ok"] = all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+        if not _RUNNER["ok"]:
+            warnings.warn(
+                f"Triton {triton.__version__}: compiled kernels lack the runner interface; kernels launch "
+                "through the JIT (more host time per call)",
+                stacklevel=3,
+            )
+    return bool(_RUNNER["ok"]) and compiled is not None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether torch.empty_like(t) makes a tensor of t's own shape and strides (t non-overlapping and dense,
+    a plain tensor)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    dims = sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1)
+    expected = 1
+    for st, s in dims:
+        if st != expected:
+            return False
+        expected *= s
+    return True
+
+
+class _Plan:
+    """The replay of one recorded call: its allocations, its launches with every argument fixed but the data
+    pointers, its result. See the module docstring for what makes a recording a plan."""
+
+    __slots__ = ("inputs", "allocs", "specs", "launches", "result", "single", "device", "runnable", "checks")
+
+    def __init__(self, rec, inputs, positions, result, device):
+        if rec.computes:
+            raise _Unplanned(f"the launcher computes with torch ({rec.computes[0]})")
+        self.inputs, self.device = positions, device
+        allocs, made = [], {}  # allocation specs; id(allocation) -> its index
+
+        def slot(t):
+            r = rec.root(t, inputs)
+            if r is None:
+                raise _Unplanned("a tensor that is neither an input, an allocation nor a view of one")
+            if r[0] == 0:
+                return r[1], t.data_ptr() - inputs[r[1]].data_ptr()
+            a = r[1]
+            if id(a) not in made:
+                made[id(a)] = len(allocs)
+                allocs.append((tuple(a.shape), a.stride(), a.dtype, a.device, rec.allocs[id(a)][1]))
+            return len(inputs) + made[id(a)], t.data_ptr() - a.data_ptr()
+
+        single = isinstance(result, torch.Tensor)
+        template = []
+        for r in (result,) if single else result:
+            if isinstance(r, torch.Tensor):
+                src, off = slot(r)
+                if off or (src >= len(inputs) and (r.shape, r.stride()) != allocs[src - len(inputs)][:2]):
+                    raise _Unplanned("the launcher returns a view")
+                template.append((src, None))
+            elif r is None or isinstance(r, (bool, int, float, str, torch.dtype)):
+                template.append((-1, r))
+            else:
+                raise _Unplanned(f"the launcher returns a {type(r).__name__}")
+        launches, runnable = [], True
+        for kernel, grid, args, kwargs, compiled in rec.launches:
+            if callable(grid):
+                raise _Unplanned("a grid given as a function")
+            fn = getattr(kernel, "fn", kernel)
+            params = inspect.signature(fn).parameters
+            bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+            bound.apply_defaults()
+            values, slots = list(bound.arguments.values()), []
+            for i, v in enumerate(values):
+                if isinstance(v, torch.Tensor):
+                    src, off = slot(v)
+                    slots.append((i, src, off, 15 if v.data_ptr() % 16 == 0 else 0))
+                    values[i] = None
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            runnable &= _has_runner(compiled)
+            launches.append((kernel, grid, compiled, tuple(values), tuple(slots)))
+        # each allocation: a callable making it (torch.empty_like of an input of the same layout costs the
+        # least host time; torch.empty for a contiguous one; torch.empty_strided otherwise)
+        self.specs = tuple(allocs)
+        self.allocs = tuple(self._maker(spec, inputs) for spec in allocs)
+        self.launches, self.result, self.single = tuple(launches), tuple(template), single
+        self.runnable = runnable and (not launches or device is not None)
+        self.checks = tuple((s[1], s[2], s[3]) for launch in launches for s in launch[4] if s[1] < len(inputs))
+
+    @staticmethod
+    def _maker(spec, inputs):
+        shape, stride, dtype, device, kind = spec
+        contiguous, step = [], 1
+        for s in reversed(shape):
+            contiguous.insert(0, step)
+            step *= max(s, 1)
+        contiguous = tuple(contiguous) == stride
+        if kind == "zeros":
+            if contiguous:
+                return lambda ins: torch.zeros(shape, dtype=dtype, device=device)
+            return lambda ins: torch.zeros_like(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        for i, t in enumerate(inputs):
+            if (tuple(t.shape), t.stride(), t.dtype, t.device) == spec[:4] and _dense(t):
+                return lambda ins, i=i: torch.empty_like(ins[i])
+        if contiguous:
+            return lambda ins: torch.empty(shape, dtype=dtype, device=device)
+        return lambda ins: torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+    def gather(self, args):
+        return [args[i] if j is None else args[i][j] for i, j in self.inputs]
+
+    def __call__(self, args):
+        """The launcher's result for args, or _MISS where this call must go to the plain launcher."""
+        if not self.runnable:
+            return _MISS
+        device = self.device
+        if self.launches and (_current_device() != device or not _hooks_idle()):
+            return _MISS
+        ins = self.gather(args)
+        ptrs = [t.data_ptr() for t in ins]
+        for src, off, mask in self.checks:
+            if (ptrs[src] + off) & mask:
+                return _MISS  # a pointer compiled as 16-byte aligned that is not
+        outs = [make(ins) for make in self.allocs]
+        if self.launches:
+            ptrs += [t.data_ptr() for t in outs]
+            stream = _current_stream(device)
+            for _, grid, compiled, values, slots in self.launches:
+                values = list(values)
+                for i, src, off, _ in slots:
+                    values[i] = ptrs[src] + off
+                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+        if self.single:
+            src = self.result[0][0]
+            return ins[src] if src < len(ins) else outs[src - len(ins)]
+        tensors = ins + outs
+        return tuple(value if src < 0 else tensors[src] for src, value in self.result)
+
+    def describe(self):
+        """What the plan fixes, alignment masks left out (a misaligned call is sent to the plain launcher):
+        for comparing two plans."""
+        launches = [(k, g, v, tuple(s[:3] for s in slots)) for k, g, _, v, slots in self.launches]
+        return self.inputs, self.result, launches, self.specs
+
+
+class _Unplanned(Exception):
+    pass
+
+
+def _plan_device(inputs):
+    """The GPU index a plan launches on (its first input's), None for the CPU (no plan launches there)."""
+    return inputs[0].device.index if inputs and inputs[0].device.type == "cuda" else None
+
+
+# --------------------------------------------------------------------------------------------
+# The wrapper of a launcher
+# --------------------------------------------------------------------------------------------
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _signature(args, kwargs):
+    """The plan key of a call, and where its tensors are ([(argument index, item index or None)]).
+    Raises TypeError for what no plan serves (a tensor subclass, an unhashable option)."""
+    key, where = [], []
+    for i, a in enumerate(args):
+        t = type(a)
+        if t in _TENSOR_TYPES:
+            key.append((a.shape, a.stride(), a.dtype, a.device))
+            where.append((i, None))
+        elif t is list or t is tuple:
+            item_keys = []
+            for j, b in enumerate(a):
+                if type(b) in _TENSOR_TYPES:
+                    item_keys.append((b.shape, b.stride(), b.dtype, b.device))
+                    where.append((i, j))
+                elif isinstance(b, torch.Tensor):
+                    raise TypeError("a tensor subclass")
+                else:
+                    item_keys.append((type(b), b))
+            key.append((t, tuple(item_keys)))
+        elif isinstance(a, torch.Tensor):
+            raise TypeError("a tensor subclass")
+        else:
+            key.append((t, a))
+    if kwargs:
+        for name, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                raise TypeError("a tensor passed by keyword")
+            key.append((name, type(v), v))
+    key = tuple(key)
+    hash(key)
+    return key, tuple(where)
+
+
+class _Accelerated:
+    """A launcher with plans, torch.library ops and device checks (see the module docstring)."""
+
+    def __init__(self, launcher, namespace, op, owner):
+        self.launcher, self.namespace, self.op_name, self.owner = launcher, namespace, op, owner
+        self.plans, self.unplanned = {}, {}
+        self.params = list(inspect.signature(launcher).parameters)
+        functools.update_wrapper(self, launcher)
+        self.compile_op, self.numbers = None, ()  # set by _register
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            for i, name, kind in self.numbers:  # the op would take True as 1: refuse it as the launcher does
+                value = args[i] if i < len(args) else kwargs.get(name)
+                if isinstance(value, bool):
+                    raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}")
+            return self._unpack(self.compile_op(*args, **kwargs))
+        if getattr(_TLS, "mode", None) is not None:  # called by a launcher being recorded, faked or traced
+            return self.launcher(*args, **kwargs)
+        try:
+            key, where = _signature(args, kwargs)
+        except TypeError:
+            return self._plain(args, kwargs)
+        plan = self.plans.get(key)
+        if plan is not None:
+            if VERIFY_PLANS:
+                return self._record(args, kwargs, key, where, verify=plan)
+            out = plan(args)
+            if out is not _MISS:
+                return out
+            return self._plain(args, kwargs)
+        return self._record(args, kwargs, key, where)
+
+    def _plain(self, args, kwargs):
+        self._check_devices(args, kwargs)
+        return self.launcher(*args, **kwargs)
+
+    def _record(self, args, kwargs, key, where, verify=None):
+        self._check_devices(args, kwargs)
+        inputs = [args[i] if j is None else args[i][j] for i, j in where]
+        rec = _Recorder()
+        with _mode(rec), rec:
+            result = self.launcher(*args, **kwargs)
+        try:
+            plan = _Plan(rec, inputs, where, result, _plan_device(inputs))
+        except _Unplanned as e:
+            self.unplanned[key] = str(e)
+            return result
+        if verify is not None:
+            _check_plan(self, verify, plan)
+        else:
+            if len(self.plans) >= PLAN_CACHE_SIZE:
+                self.plans.clear()  # many distinct shapes (dynamic sizes): a new plan costs one slow call
+            self.plans[key] = plan
+        return result
+
+    def _check_devices(self, args, kwargs):
+        """Refuse, with a clear error, a first tensor argument that no kernel of the module can run on (see
+        _check_device); the launcher itself refuses other tensors on another device than that one."""
+        for name, a in zip(self.params, args):
+            for j, t in enumerate(a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    label = name if not isinstance(a, (list, tuple)) or len(a) == 1 else f"{name} (part {j})"
+                    return _check_device(label, t, self.owner)
+
+    @staticmethod
+    def _unpack(out):
+        if isinstance(out, torch.Tensor):
+            return out
+        return tuple(None if _is_absent(t) else t for t in out)
+
+
+def _check_plan(wrapper, plan, fresh) -> None:
+    """VERIFY_PLANS: the plan kept for this call's signature must be the plan this call makes. Its pointer
+    slots are each kernel tensor's (input or allocation, byte offset) as this call's plain launcher passed it,
+    so equal plans mean the kept plan hands every kernel exactly what the plain launcher did."""
+    if plan.describe() != fresh.describe():
+        raise AssertionError(
+            f"{wrapper.owner['__name__']}.{wrapper.__name__}: the plan kept for this call's signature differs "
+            f"from the plan this call makes:\n  kept:  {plan.describe()}\n  fresh: {fresh.describe()}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Device checks
+# --------------------------------------------------------------------------------------------
+def _check_device(name: str, t: torch.Tensor, owner: dict) -> None:
+    """Refuse a tensor that the module's kernels cannot run on, with a clear error: a meta tensor (no data);
+    a CPU tensor without the interpreter; any tensor once TRITON_INTERPRET has changed since the module was
+    imported (compiled kernels handed CPU tensors fail deep inside Triton, "0 active drivers"; interpreted ones
+    handed GPU tensors are not what the caller meant). Exception: the ahead-of-time capture of
+    scripts/check_amd_compile.py, which sets TRITON_INTERPRET and reports a GPU target for CPU tensors (the
+    module's ``_device_target`` patched) to record launches without running them."""
+    device, module = t.device, owner["__name__"]
+    if device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors hold no data (only a shape and a dtype), so no kernel can "
+            "run on them; pass a tensor on the GPU (or on the CPU under the Triton interpreter)"
+        )
+    interpreting, at_import = _interpreting(), owner["_rtk_interpreted"]
+    if device.type == "cpu" and not interpreting:
+        raise ValueError(
+            f"{name} is a CPU tensor: Triton kernels run on a GPU (or on the CPU through the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before importing this module)"
+            + ("; TRITON_INTERPRET was set when this module was imported and has been unset since" if at_import else "")
+        )
+    target = owner.get("_device_target")
+    if interpreting != at_import and not (device.type == "cpu" and target and target(device)[0] != "interpreter"):
+        if interpreting:
+            raise RuntimeError(
+                f"TRITON_INTERPRET is set now but was not when {module} was imported: its kernels were "
+                f"compiled for a GPU, not decorated for the Triton interpreter ({name} is on {device}). Set "
+                "TRITON_INTERPRET=1 before importing the module, or unset it to run on a GPU"
+            )
+        raise RuntimeError(
+            f"TRITON_INTERPRET was set when {module} was imported but is not now: its kernels were decorated "
+            f"for the Triton interpreter, not compiled for a GPU ({name} is on {device}). Set TRITON_INTERPRET=1 "
+            "before importing the module and leave it set, or unset it before importing the module to run "
+            "compiled kernels"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library ops
+# --------------------------------------------------------------------------------------------
+def _is_absent(t) -> bool:
+    """Whether t is the stand-in for an absent (None) output: an empty 1-D bool tensor."""
+    return t.dtype == torch.bool and t.dim() == 1 and t.shape[0] == 0
+
+
+def _pack(out, like):
+    """A launcher's result as an op returns it: a tensor, or a list with None as an empty bool tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    packed = []
+    for t in out:
+        if t is None:
+            t = torch.empty(0, dtype=torch.bool, device=like.device)
+        elif _is_absent(t):
+            raise RuntimeError("a launcher returned an empty bool tensor, the stand-in for None")
+        packed.append(t)
+    return packed
+
+
+def _symbolic(args) -> bool:
+    """Whether a tensor among args (or in a list among args) has a symbolic size or stride."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride())):
+                return True
+    return False
+
+
+def _first_tensor(args):
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                return t
+    raise TypeError("an op needs at least one tensor argument")
+
+
+def _claim(ns: str, name: str, source, file) -> bool:
+    """Whether op ns::name is to be registered now: True if no op holds the name; False if the same file
+    (the same bytes) registered it earlier in the process. Raises if other code holds it. Which file
+    registered an op is kept beside the ops, on torch.ops.<namespace>."""
+    ops = getattr(torch.ops, ns)
+    owners = vars(ops).setdefault("_rtk_sources", {})
+    if not hasattr(ops, name):
+        owners[name] = source
+        return True
+    if source is not None and owners.get(name) == source:
+        return False
+    module = ns[len("rtk_") :]
+    raise RuntimeError(
+        f"torch.library op {ns}::{name} is registered already, by other code than {file} (another file "
+        f"imported as module {module!r}, or this file before an edit). The op namespace comes from the "
+        f"module's name: rename this file (e.g. my_{module.rsplit('_', 1)[-1]}.py) so that its ops get a "
+        "namespace of their own, or restart Python to load the edited file"
+    )
+
+
+def _register(wrapper: _Accelerated, ns: str, name: str, source, file, twin_op: bool = True) -> None:
+    """Register the launcher as custom op ns::name (its fake: the launcher run with no launch, on fake
+    tensors) and, where torch has it and twin_op, as triton op ns::name_triton; set wrapper.compile_op."""
+    launcher = wrapper.launcher
+    hints = typing.get_type_hints(launcher)
+    returns = torch.Tensor if hints.get("return") is torch.Tensor else list[torch.Tensor]
+    params = [p.replace(annotation=hints[p.name]) for p in inspect.signature(launcher).parameters.values()]
+    signature = inspect.Signature(params, return_annotation=returns)
+
+    def impl(*args, **kwargs):
+        with torch.no_grad():
+            return _pack(wrapper(*args, **kwargs), _first_tensor(args))
+
+    def fake(*args, **kwargs):
+        with _mode("fake"):
+            return _pack(launcher(*args, **kwargs), _first_tensor(args))
+
+    def twin(*args, **kwargs):
+        if _symbolic(args) or _symbolic(kwargs.values()):
+            return getattr(getattr(torch.ops, ns), name)(*args, **kwargs)
+        with _mode("trace"):
+            return _pack(launcher(*args, **kwargs), _first_tensor(args))
+
+    for f, suffix in ((impl, ""), (fake, "_fake"), (twin, "_triton")):
+        f.__signature__, f.__name__ = signature, f"{name}{suffix}"
+    if _claim(ns, name, source, file):
+        torch.library.custom_op(f"{ns}::{name}", mutates_args=())(impl).register_fake(fake)
+    twin_op = twin_op and TRITON_OP
+    if twin_op and _claim(ns, name + "_triton", source, file):
+        torch.library.triton_op(f"{ns}::{name}_triton", mutates_args=())(twin)
+    wrapper.numbers = tuple((i, p.name, p.annotation) for i, p in enumerate(params) if p.annotation in (int, float))
+    wrapper.compile_op = getattr(getattr(torch.ops, ns), name + "_triton" if twin_op else name)
+
+
+# --------------------------------------------------------------------------------------------
+# accelerate
+# --------------------------------------------------------------------------------------------
+def _launched_kernels(namespace: dict, launchers) -> set:
+    """Names of the module's @triton.jit kernels that its launchers (and the Python functions of the module
+    they call, and the functions nested in those) name."""
+    kernel_type = triton.runtime.jit.KernelInterface
+    seen, names = set(), set()
+    todo = [f.__code__ for f in launchers]
+    while todo:
+        code = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        todo += [c for c in code.co_consts if inspect.iscode(c)]
+        for n in code.co_names:
+            v = namespace.get(n)
+            if isinstance(v, kernel_type):
+                names.add(n)
+            elif inspect.isfunction(v) and v.__module__ == namespace["__name__"]:
+                todo.append(v.__code__)
+    return names
+
+
+def _source_digest(file):
+    if not file or not os.path.isfile(file):
+        return None
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def accelerate(namespace: dict, custom_only: tuple = (), **ops: str) -> None:
+    """Give the launchers of a kernel module plans, torch.library ops and device checks.
+
+    namespace: the module's globals(); ops: op name -> name of the launcher in the module
+    (``rms_norm_fused="_launch"``); custom_only: ops registered without a triton_op twin (a launcher that
+    may hand a call to a torch operator instead of its kernel, decided per call). Each launcher is replaced in the module by its accelerated wrapper (the
+    public functions call it by name), and the kernels it launches by stand-ins that route their launches
+    (see _Kernel). The module's op namespace is set as ``_NS``.
+    """
+    name = namespace["__name__"]
+    ns = "rtk_" + "".join(c if c.isalnum() else "_" for c in name)
+    file = namespace.get("__file__")
+    source = _source_digest(file)
+    namespace["_NS"] = ns
+    # how @triton.jit decorated the module's kernels: for the interpreter or compiled, as TRITON_INTERPRET
+    # said at import (the decoration cannot change afterwards)
+    namespace["_rtk_interpreted"] = _interpreting()
+    launchers = [namespace[launcher] for launcher in ops.values()]
+    for kernel in _launched_kernels(namespace, launchers):
+        namespace[kernel] = _Kernel(namespace[kernel])
+    for op, launcher in ops.items():
+        wrapper = _Accelerated(namespace[launcher], ns, op, namespace)
+        _register(wrapper, ns, op, source, file, op not in custom_only)
+        namespace[launcher] = wrapper
+        _WRAPPERS.append(wrapper)
+
+
+def plans(module=None) -> dict:
+    """The plans kept by every accelerated launcher (of one module, given its name or the module), by key."""
+    name = getattr(module, "__name__", module)
+    out = {}
+    for w in _WRAPPERS:
+        if name is None or w.owner["__name__"] == name:
+            out.update({(w.__name__,) + k: p for k, p in w.plans.items()})
+    return out
+
+
+def clear_plans(module=None) -> None:
+    """Forget the plans of every accelerated launcher (of one module), so the next call of each signature
+    records the plain launcher again (a setting that a launcher reads then applies)."""
+    name = getattr(module, "__name__", module)
+    for w in _WRAPPERS:
+        if name is None or w.owner["__name__"] == name:
+            w.plans.clear()
+            w.unplanned.clear()
+
+
+@contextlib.contextmanager
+def own_plans(module, store: dict):
+    """Within the block the module's launchers keep their plans in store instead of their own: for calls made
+    under a changed module setting (a benchmark's variant), which the plan keys (call signatures) do not see."""
+    name = getattr(module, "__name__", module)
+    saved = [(w, w.plans, w.unplanned) for w in _WRAPPERS if w.owner["__name__"] == name]
+    for w, _, _ in saved:
+        w.plans, w.unplanned = store.setdefault(id(w), ({}, {}))
+    try:
+        yield
+    finally:
+        for w, plans_, unplanned in saved:
+            w.plans, w.unplanned = plans_, unplanned
+
+
+def use_triton_op(module, on: bool = True) -> None:
+    """Which op torch.compile records for the module's launchers from now on: the triton_op twin (on, where
+    it is registered) or the custom op. Compiled code guards on the choice: set it before compiling."""
+    name = getattr(module, "__name__", module)
+    for w in _WRAPPERS:
+        if w.owner["__name__"] == name:
+            twin = on and hasattr(getattr(torch.ops, w.namespace), w.op_name + "_triton")
+            w.compile_op = getattr(getattr(torch.ops, w.namespace), w.op_name + ("_triton" if twin else ""))
+
+
+def _main(argv=None) -> int:
+    """python kernel_runtime.py: import the bundle's kernel files and list the ops each registered."""
+    import argparse
+    import importlib
+    import json
+
+    p = argparse.ArgumentParser(
+        description="The launch runtime of the bundle's kernel files (cached launch plans, torch.library ops, "
+        "device checks). Run alone, it imports the kernel files and prints the torch.library ops each registered."
+    )
+    p.add_argument("modules", nargs="*", default=list(KERNEL_FILES), help=f"kernel modules (default: {KERNEL_FILES})")
+    args = p.parse_args(argv)
+    for name in args.modules:
+        importlib.import_module(name)
+    ops = {}
+    for w in _WRAPPERS:
+        ops.setdefault(w.owner["__name__"], []).append(f"{w.namespace}::{w.op_name} (launcher {w.__name__})")
+    print(json.dumps({"triton_op_twins": TRITON_OP, "ops": ops}, indent=1))
+    return 0
+
+
+KERNEL_FILES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
+
+if __name__ == "__main__":
+    import sys
+
+    sys.modules.setdefault("kernel_runtime", sys.modules["__main__"])  # the kernel files import this module
+    raise SystemExit(_main())
