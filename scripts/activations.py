@@ -6,17 +6,20 @@
                u = sqrt(2 / pi) * (x + 0.044715 * x**3)                  (approximate="tanh")
     geglu(x) = hidden * gelu(gate), with hidden, gate = x.chunk(2, dim=-1)
     swiglu   = silu(gate) * up = gate * sigmoid(gate) * up               (optional FP8 output)
+    gelu_mul(gate, up) = gelu(gate) * up, of two tensors                 (tanh GELU by default)
 
 Public functions: ``gelu(x, approximate="tanh")`` (``F.gelu`` on any shape; LTX-Video's feed-forward uses
 the tanh form; ``gelu_tanh(x)`` is ``gelu(x, "tanh")``); ``geglu(x, approximate="none")`` (diffusers
 ``GEGLU`` after its projection: the FIRST half of the last dim is the value, the SECOND goes through the
 erf GELU); ``swiglu(x, gate_first=True)`` / ``swiglu(gate, up)`` (the gated MLP of Llama-family LLMs: a
-fused [..., 2H] gate/up projection or two [..., H] tensors); ``fp8_quantize(x)``. Contiguous GELU inputs
-are processed as one flat array; strided rows (a slice, a transpose of leading dims, a broadcast) are read
-in place. gelu, swiglu and fp8_quantize can write FP8 (``fp8="per_tensor"`` with a given scale, or
-``"per_token"`` with per-row scales computed in the kernel): float8_e4m3fnuz on gfx942, OCP float8_e4m3fn
-elsewhere, or ``fp8_dtype=``; saturated and rounded to nearest even, by Triton's cast where the GPU has a
-conversion instruction for the format, else by an integer encoder giving the same bytes (as in rmsnorm.py).
+fused [..., 2H] gate/up projection or two [..., H] tensors); ``gelu_mul(gate, up, approximate="tanh")``
+(GeGLU of two [..., H] tensors: Gemma 2 / 3's act_fn(gate_proj(x)) * up_proj(x)); ``fp8_quantize(x)``.
+Contiguous GELU inputs are processed as one flat array; strided rows (a slice, a transpose of leading dims,
+a broadcast) are read in place. gelu, swiglu and fp8_quantize can write FP8 (``fp8="per_tensor"`` with a
+given scale, or ``"per_token"`` with per-row scales computed in the kernel): float8_e4m3fnuz on gfx942, OCP
+float8_e4m3fn elsewhere, or ``fp8_dtype=``; saturated and rounded to nearest even, by Triton's cast where the
+GPU has a conversion instruction for the format, else by an integer encoder giving the same bytes (as in
+rmsnorm.py).
 
 All are overflow-safe: the output is finite and correct for any finite input in every dtype (gelu(x) == x
 and silu(x) == x for large positive x, -0.0 for large negative x). Each ``*_ref`` is the plain-PyTorch math
@@ -479,20 +482,31 @@ def _swiglu_launch(
         h = x.shape[-1] // 2
         gate, up = (x[..., :h], x[..., h:]) if gate_first else (x[..., h:], x[..., :h])
         return _rows_launch(gate, up, 2, fp8_mode, fp8_scale, fp8_dtype, parent=x)
-    _check("gate", x)
-    _check("up", up, x.device, ref="gate")
-    if up.dtype != x.dtype:
-        raise TypeError(f"up has dtype {up.dtype} but gate has dtype {x.dtype}; they must match")
-    if up.shape != x.shape:
-        raise ValueError(f"up has shape {tuple(up.shape)} but gate has shape {tuple(x.shape)}; they must match")
-    if x.dim() == 0:
+    _check_gate_up(x, up)
+    return _rows_launch(x, up, 2, fp8_mode, fp8_scale, fp8_dtype)
+
+
+def _check_gate_up(gate: Tensor, up: Tensor) -> None:
+    """Refuse gate and up unless they are two tensors of one shape, dtype and device with contiguous last dims."""
+    _check("gate", gate)
+    _check("up", up, gate.device, ref="gate")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up has dtype {up.dtype} but gate has dtype {gate.dtype}; they must match")
+    if up.shape != gate.shape:
+        raise ValueError(f"up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}; they must match")
+    if gate.dim() == 0:
         raise ValueError("gate and up must have at least one dimension")
-    for name, t in (("gate", x), ("up", up)):
+    for name, t in (("gate", gate), ("up", up)):
         if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(
                 f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
             )
-    return _rows_launch(x, up, 2, fp8_mode, fp8_scale, fp8_dtype)
+
+
+def _gelu_mul_launch(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    """Check and launch gelu(gate) * up of two [..., H] tensors (Gemma's gate_proj(x) and up_proj(x))."""
+    _check_gate_up(gate, up)
+    return _rows_launch(gate, up, int(_check_approximate(approximate)), 0, None, None)[0]
 
 
 def _act_fp8_launch(
@@ -635,6 +649,16 @@ def swiglu(x: Tensor, up: Optional[Tensor] = None, *, gate_first=None, fp8=None,
     return (out, scales) if mode == 2 else out
 
 
+def gelu_mul(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
+    """gelu(gate) * up of two [..., H] tensors of one shape, dtype and device (last dims contiguous, rows may be
+    strided), computed in fp32 and rounded once: the gated MLP of Gemma 2 / 3, act_fn(gate_proj(x)) *
+    up_proj(x) with the tanh GELU (the default here, as in gelu; "none": the erf form). The two-tensor
+    counterpart of geglu, as swiglu(gate, up) is for SiLU. Returns a contiguous [..., H] tensor of the input
+    dtype. No backward."""
+    _no_backward("gelu_mul", "gate,up", gate, up)
+    return _gelu_mul_launch(gate, up, approximate)
+
+
 def fp8_quantize(x: Tensor, fp8: str = "per_token", *, fp8_scale=None, fp8_dtype=None):
     """x quantised to FP8 in one pass (the input of an FP8 GEMM whose producer cannot emit FP8 itself, e.g. an
     attention output): fp8="per_token" returns (x_fp8, scales), fp8="per_tensor" returns x_fp8, as gelu's FP8
@@ -659,6 +683,11 @@ def geglu_ref(x: Tensor, approximate: str = "none") -> Tensor:
     """diffusers GEGLU.forward after self.proj: the second half of the last dim is the gate."""
     value, gate = x.chunk(2, dim=-1)
     return value * torch.nn.functional.gelu(gate, approximate=approximate)
+
+
+def gelu_mul_ref(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
+    """gelu(gate) * up in the inputs' precision (exact values when float64): Gemma's MLP before down_proj."""
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
 
 
 def swiglu_ref(x: Tensor, up: Optional[Tensor] = None, gate_first: bool = True) -> Tensor:
@@ -696,7 +725,9 @@ def _main(argv=None) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(description="Check gelu/geglu/swiglu against a float64 reference on random inputs.")
+    p = argparse.ArgumentParser(
+        description="Check gelu/geglu/swiglu/gelu_mul against a float64 reference on random inputs."
+    )
     p.add_argument("--rows", type=int, default=64, help="rows (default 64)")
     p.add_argument("--width", type=int, default=2048, help="row width; geglu/swiglu read 2 * width (default 2048)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
@@ -726,6 +757,7 @@ def _main(argv=None) -> int:
         "geglu_erf": (geglu(wide, "none"), geglu_ref(wide.double(), "none"), tol),
         "swiglu": (swiglu(wide), swiglu_ref(wide.double()), tol),
         "swiglu_two_tensors": (swiglu(wide[:, :w], wide[:, w:]), swiglu_ref(wide.double()), tol),
+        "gelu_mul_tanh": (gelu_mul(x[0], x[1]), gelu_mul_ref(x[0].double(), x[1].double()), tol),
         # FP8 after dequantisation: one FP8 step (2**-3 of the value) where the rounding differs
         "swiglu_fp8_per_token": (q.double() * s.double()[:, None], q_ref * s_ref[:, None], 0.13),
     }
@@ -751,4 +783,4 @@ except ImportError:
     pass
 else:
     kernel_runtime.accelerate(globals(), gelu="_gelu_launch", geglu="_geglu_launch", swiglu="_swiglu_launch",
-                              act_fp8="_act_fp8_launch")  # fmt: skip
+                              gelu_mul="_gelu_mul_launch", act_fp8="_act_fp8_launch")  # fmt: skip

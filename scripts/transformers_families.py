@@ -477,7 +477,7 @@ def _left_note(row) -> str:
     notes = []
     for kind, why in row["kernel_gaps"].items():
         n = row["coverage"][kind]["sites"] - row["coverage"][kind]["replaced"]
-        what = "GeGLU from two projections" if kind == "geglu" else why
+        what = "GeGLU from a fused projection with the gate first" if kind == "geglu" else why
         notes.append(f"{kind} x{n}: {what} (no kernel)")
     forms = row["layer_forms"]
     if forms.get("sandwich"):

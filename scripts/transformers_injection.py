@@ -22,9 +22,9 @@ one set of probes. What is replaced, per kind:
   pair: it is no site of this kind.
 * ``swiglu``: gated MLPs with SiLU -> ``activations.swiglu``: two projections (Llama: gate_proj, up_proj)
   or one fused gate/up projection split in halves (Phi-3's gate_up_proj, gate first).
-* ``geglu``: gated MLPs with tanh GELU. A fused [up | gate] projection -> ``activations.geglu``; Gemma's
-  two projections have no kernel (geglu reads one [..., 2H] tensor): left to PyTorch, named in the log
-  line and by ``kernel_gaps``.
+* ``geglu``: gated MLPs with tanh GELU -> ``activations.gelu_mul(gate, up)`` for two projections (Gemma 2 /
+  3: gate_proj, up_proj) or ``activations.geglu`` for a fused [up | gate] projection. A fused projection
+  with the gate first has no kernel: left to PyTorch, named in the log line and by ``kernel_gaps``.
 * ``moe_swiglu``: the SwiGLU of MoE experts (Mixtral, Qwen3-MoE) -> ``activations.swiglu`` on the fused
   [gate | up] output. transformers' grouped_mm / batched_mm / deepgemm expert implementations (grouped_mm
   is the default) call the experts module's ``_apply_gate`` on that output; the injection puts the
@@ -620,9 +620,10 @@ def _rmsnorm_plan(m):
 
 
 def _mlp_plan(m):
-    """(kind, plan) of a gated MLP: kind 'swiglu' (SiLU) or 'geglu' (tanh GELU) by what m's activation
-    computes, plan its probe's dict when a kernel computes m's forward, else the reason (a _Gap where the
-    function is known but no kernel has its form). (None, None) for anything else."""
+    """(kind, plan) of a gated MLP: kind 'swiglu' (SiLU) or 'geglu' (tanh GELU; the exact erf GELU is
+    neither) by what m's activation computes, plan its probe's dict when a kernel computes m's forward, else
+    the reason (a _Gap where the function is known but no kernel has its form: tanh GELU with the gate first
+    in a fused projection). (None, None) for anything else."""
     struct = _mlp_structure(m)
     if struct is None:
         return None, None
@@ -633,11 +634,11 @@ def _mlp_plan(m):
     plan = _probe("mlp", m, _mlp_probe, extra=lin)
     if not _recognised(plan):
         return kind, plan
-    if kind == "geglu" and (plan["form"] == "split" or plan["gate_first"]):
-        form = "two projections" if plan["form"] == "split" else "a fused projection with the gate first"
+    if kind == "geglu" and plan["form"] == "fused" and plan["gate_first"]:
         return kind, _Gap(
-            f"{type(m).__name__}: tanh-GELU gate times up from {form}; no kernel reads that form "
-            "(activations.geglu takes one [..., 2H] tensor, gate second)"
+            f"{type(m).__name__}: tanh-GELU gate times up from a fused projection with the gate first; no "
+            "kernel reads that form (activations.geglu takes one [..., 2H] tensor, gate second; "
+            "activations.gelu_mul two projections)"
         )
     return kind, plan
 
@@ -872,8 +873,9 @@ def _gated_ok(*ts) -> bool:
 
 
 def _mlp_forward(self, x):
-    """A gated MLP, down(act(gate) * up), with the activation and the product in one kernel: swiglu for two
-    projections or a fused one (either half first), geglu for a fused [up | gate] projection."""
+    """A gated MLP, down(act(gate) * up), with the activation and the product in one kernel: with SiLU swiglu
+    for two projections or a fused one (either half first); with tanh GELU gelu_mul for two projections,
+    geglu for a fused [up | gate] projection."""
     st = self.__dict__[_STATE]
     if not _act_ok(self, st):
         return _original_forward(self)(x)
@@ -882,7 +884,10 @@ def _mlp_forward(self, x):
         gate = getattr(self, st["gate"])(x)
         up = getattr(self, st["up"])(x)
         if gate.shape == up.shape and gate.dtype == up.dtype and _gated_ok(gate, up):
-            h = activations.swiglu(gate, up)
+            if st["kind"] == "swiglu":
+                h = activations.swiglu(gate, up)
+            else:  # geglu: the probe found the tanh GELU (the erf form is no site)
+                h = activations.gelu_mul(gate, up, approximate="tanh")
         else:
             h = act(gate) * up
         return getattr(self, st["down"])(h)
@@ -1187,6 +1192,7 @@ def count_kernel_calls():
         (rmsnorm, "fused_add_rms_norm"),
         (activations, "swiglu"),
         (activations, "geglu"),
+        (activations, "gelu_mul"),
         (rope_kernels, "rope_rotate_half"),
         (skinny_kernels, "skinny_gemm"),
     ):
@@ -1344,7 +1350,7 @@ def missing_kinds(model: torch.nn.Module, *, fuse_residual: bool = True, rope: b
 
 def kernel_gaps(model: torch.nn.Module) -> dict:
     """{kind: why} for each kind of which some sites compute a known function the bundle has no kernel for
-    (Gemma's GeGLU from two projections), with how many: those sites run PyTorch's code."""
+    (a tanh GeGLU with the gate first in a fused projection), with how many: those sites run PyTorch's code."""
     out = {}
     for kind, row in coverage(model).items():
         gaps = {r: n for r, n in row["left"].items() if isinstance(r, _Gap)}
@@ -1380,7 +1386,7 @@ def inject_optimized_kernels(
     skinny_gemm: bool = False,
     verbose: bool = True,
 ) -> dict:
-    """Replace the RMSNorms, residual add + norm, gated MLP activations (SwiGLU, fused GeGLU, MoE experts'
+    """Replace the RMSNorms, residual add + norm, gated MLP activations (SwiGLU, GeGLU, MoE experts'
     SwiGLU), RoPE (and optionally the decode-time linear layers) of a transformers decoder LLM with the
     kernels; see the module docstring for each kind and how sites are recognised.
 

@@ -44,9 +44,9 @@ vocabulary 256) on the CPU through Triton's interpreter, fp32, an 8-token prompt
 correctness run (no timing), seconds.
 
 Injected: every kind transformers_injection.inject_optimized_kernels finds in the model (RMSNorms, residual
-add + the following RMSNorm fused, SwiGLU / fused GeGLU / MoE experts' SwiGLU, RoPE); --skinny-gemm also
+add + the following RMSNorm fused, SwiGLU / GeGLU / MoE experts' SwiGLU, RoPE); --skinny-gemm also
 sends the decode-time linear layers (at most 32 rows) to the skinny GEMM. Sites with no kernel for their
-function (kernel_gaps: Gemma's GeGLU of two projections) are reported and keep PyTorch's code.
+function (kernel_gaps) are reported and keep PyTorch's code.
 
 Parity (exit status 1 when a check fails). The logits compared are those of the prompt (prefill) and of
 N decode steps teacher-forced with the fp32 unpatched model's greedy tokens, so every run sees the same
@@ -563,13 +563,17 @@ def kernels_ran(counts: dict, calls, half: bool) -> list:
         "rmsnorm": "rms_norm",
         "fused_add_rmsnorm": "fused_add_rms_norm",
         "swiglu": "swiglu",
-        "geglu": "geglu",
+        "geglu": ("geglu", "gelu_mul"),  # a fused [up | gate] projection, or two (Gemma's)
         "moe_swiglu": "swiglu",
         "rope": "rope_rotate_half",
     }
     if half:
         need["skinny_gemm"] = "skinny_gemm"  # the skinny GEMM takes fp16/bf16 only
-    return [kind for kind, fn in need.items() if counts.get(kind) and not calls.get(fn)]
+    return [
+        kind
+        for kind, fns in need.items()
+        if counts.get(kind) and not any(calls.get(fn) for fn in (fns if isinstance(fns, tuple) else (fns,)))
+    ]
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tests for scripts/activations.py: gelu (tanh and erf forms) and geglu against float64 references,
-torch.nn.functional.gelu and diffusers' GELU/GEGLU modules, on fresh random inputs."""
+"""Tests for scripts/activations.py: gelu (tanh and erf forms), geglu and gelu_mul (GeGLU of two tensors)
+against float64 references, torch.nn.functional.gelu, diffusers' GELU/GEGLU modules and transformers' Gemma
+MLP, on fresh random inputs."""
+
+import math
 
 import pytest
 import torch
@@ -233,6 +236,101 @@ def test_geglu_matches_diffusers_module(dtype):
 
 
 # ------------------------------------------------------------------------------------------
+# gelu_mul: gelu(gate) * up of two tensors
+# ------------------------------------------------------------------------------------------
+def _check_gelu_mul(gate, up, approximate, seed, name="gelu_mul"):
+    with poisoned_outputs():
+        out = act.gelu_mul(gate, up, approximate)
+    assert out.dtype == gate.dtype and out.shape == gate.shape and out.is_contiguous()
+    # independent float64 reference: torch's GELU formula on the gate, times up
+    g64, u64 = gate.double(), up.double()
+    if approximate == "tanh":
+        ref = 0.5 * g64 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64**3))) * u64
+    else:
+        ref = 0.5 * g64 * (1 + torch.erf(g64 / math.sqrt(2))) * u64
+    assert_close(out, ref, gate.dtype, name=f"{name}[{approximate}]", seed=seed)
+    return out
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (1, 127), (3, 2049), (2, 5, 96), (32, 64)])
+def test_gelu_mul(shape, dtype, approximate):
+    g = make_generator()
+    gate, up = randn(shape, dtype, g, scale=3.0), randn(shape, dtype, g, scale=2.0)
+    _check_gelu_mul(gate, up, approximate, g.seed_value)
+
+
+def test_gelu_mul_default_is_tanh_and_matches_geglu():
+    """The default is the tanh GELU (Gemma's); the numbers are geglu's with the halves concatenated [up | gate]
+    (one kernel, one rounding), and the operands are not interchangeable."""
+    g = make_generator()
+    gate, up = randn((7, 300), torch.bfloat16, g, scale=3.0), randn((7, 300), torch.bfloat16, g, scale=3.0)
+    with poisoned_outputs():
+        out = act.gelu_mul(gate, up)
+    assert_close(out, act.gelu_mul_ref(gate.double(), up.double(), "tanh"), torch.bfloat16, seed=g.seed_value)
+    assert torch.equal(out, act.geglu(torch.cat([up, gate], -1), "tanh"))
+    assert torch.equal(act.gelu_mul(gate, up, "none"), act.geglu(torch.cat([up, gate], -1), "none"))
+    assert not torch.allclose(act.gelu_mul(up, gate).float(), out.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_mul_strided_rows(dtype, approximate):
+    """Views read in place: halves of one buffer, rows of a wider buffer, transposed leading dims, a broadcast
+    up, and gate / up with different layouts sharing one row indexing."""
+    g = make_generator()
+    wide = randn((6, 2 * 131 + 5), dtype, g, scale=3.0)
+    a = randn((3, 5, 64), dtype, g, scale=3.0)
+    b = randn((5, 3, 64), dtype, g, scale=3.0).transpose(0, 1)
+    c = randn((3, 5, 128), dtype, g, scale=3.0)[..., 64:]
+    pairs = {
+        "halves of one buffer": (wide[:, 5 : 5 + 131], wide[:, 5 + 131 :]),
+        "every other row": (wide[::2, :100], wide[1::2, 100:200]),
+        "transposed up": (a, b),
+        "transposed gate, sliced up": (b, c),
+        "broadcast up (stride 0)": (a, randn((1, 1, 64), dtype, g, scale=3.0).expand(3, 5, 64)),
+    }
+    for what, (gate, up) in pairs.items():
+        assert gate.stride(-1) == 1 and up.stride(-1) == 1 and not (gate.is_contiguous() and up.is_contiguous())
+        _check_gelu_mul(gate, up, approximate, g.seed_value, name=f"gelu_mul {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_mul_large_magnitudes(dtype):
+    g = make_generator()
+    gate = _signed_logspace(600, 0.0, 4.0, g).to(DEVICE, dtype)  # |gate| in [1, 1e4]
+    up = randn((600,), dtype, g)
+    for approximate in APPROX:
+        out = _check_gelu_mul(gate[None], up[None], approximate, g.seed_value, name="gelu_mul large gate")
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_mul_matches_gemma_mlp(dtype):
+    """transformers' Gemma MLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)), act_fn the tanh GELU
+    (hidden_activation "gelu_pytorch_tanh"): down_proj(gelu_mul(gate_proj(x), up_proj(x))) gives its output.
+    In bf16 torch rounds the GELU and then the product, the kernel once: within twice the bf16 tolerance."""
+    from transformers.models.gemma2.configuration_gemma2 import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
+
+    g = make_generator()
+    torch.manual_seed(g.seed_value)
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=96, hidden_activation="gelu_pytorch_tanh")
+    mlp = Gemma2MLP(cfg).to(DEVICE, dtype).requires_grad_(False)
+    x = randn((2, 5, 64), dtype, g)
+    with torch.no_grad():
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        ref = mlp.act_fn(gate) * up
+        with poisoned_outputs():
+            h = act.gelu_mul(gate, up)
+        out, want = mlp.down_proj(h), mlp(x)
+    tol = {k: 2 * v for k, v in TOL[dtype].items()}
+    assert_close(h, ref, dtype, **tol, name="vs act_fn(gate) * up", seed=g.seed_value)
+    assert_close(out, want, dtype, **tol, name="vs Gemma2MLP", seed=g.seed_value)
+
+
+# ------------------------------------------------------------------------------------------
 # Empty inputs, errors, custom ops
 # ------------------------------------------------------------------------------------------
 def test_empty_inputs():
@@ -244,6 +342,9 @@ def test_empty_inputs():
     assert act.gelu(x).shape == (0, 3)
     assert act.geglu(torch.empty((0, 8), device=DEVICE)).shape == (0, 4)
     assert act.geglu(torch.empty((3, 0), device=DEVICE, dtype=torch.float16)).shape == (3, 0)
+    empty = torch.empty((0, 8), device=DEVICE)
+    assert act.gelu_mul(empty, empty).shape == (0, 8)
+    assert act.gelu_mul(empty[:, :4], empty[:, 4:]).shape == (0, 4)
 
 
 def _ones(*shape, dtype=None):
@@ -276,6 +377,66 @@ ERROR_CASES = [
 ] + [
     ("geglu odd last dim", ValueError, "last dim of x must be even", lambda: act.geglu(_ones(3, 7))),
     ("geglu x 0-d", ValueError, "at least one dimension", lambda: act.geglu(torch.ones((), device=DEVICE))),
+    ("gelu_mul gate not a tensor", TypeError, "gate must be a torch.Tensor", lambda: act.gelu_mul([1.0], _ones(1))),
+    ("gelu_mul up not a tensor", TypeError, "up must be a torch.Tensor", lambda: act.gelu_mul(_ones(4, 8), None)),
+    (
+        "gelu_mul gate int32",
+        TypeError,
+        "gate has dtype int32; expected one of",
+        lambda: act.gelu_mul(_ones(4, 8, dtype=torch.int32), _ones(4, 8)),
+    ),
+    (
+        "gelu_mul up float64",
+        TypeError,
+        "up has dtype float64; expected one of",
+        lambda: act.gelu_mul(_ones(4, 8), _ones(4, 8).double()),
+    ),
+    (
+        "gelu_mul dtypes differ",
+        TypeError,
+        "up has dtype torch.float16 but gate has dtype torch.float32",
+        lambda: act.gelu_mul(_ones(4, 8), _ones(4, 8).half()),
+    ),
+    (
+        "gelu_mul shapes differ",
+        ValueError,
+        r"up has shape \(4, 7\) but gate has shape \(4, 8\)",
+        lambda: act.gelu_mul(_ones(4, 8), _ones(4, 7)),
+    ),
+    (
+        "gelu_mul broadcastable up",
+        ValueError,
+        r"up has shape \(8,\) but gate has shape \(4, 8\)",
+        lambda: act.gelu_mul(_ones(4, 8), _ones(8)),
+    ),
+    ("gelu_mul 0-d", ValueError, "at least one dimension", lambda: act.gelu_mul(_ones(()), _ones(()))),
+    (
+        "gelu_mul gate last stride",
+        ValueError,
+        "gate must be contiguous in its last dimension",
+        lambda: act.gelu_mul(_ones(8, 4).t(), _ones(4, 8)),
+    ),
+    (
+        "gelu_mul up last stride 2",
+        ValueError,
+        "up must be contiguous in its last dimension",
+        lambda: act.gelu_mul(_ones(4, 8), _ones(4, 16)[:, ::2]),
+    ),
+    *[
+        (
+            f"gelu_mul approximate={bad!r}",
+            ValueError,
+            "approximate must be 'none' or 'tanh'",
+            lambda bad=bad: act.gelu_mul(_ones(4, 8), _ones(4, 8), bad),
+        )
+        for bad in ("Tanh", "exact", None)
+    ],
+    (
+        "gelu_mul rows need three strides",
+        ValueError,
+        "two strides",
+        lambda: act.gelu_mul(_ones(4, 6, 8, 10)[::2, ::2, ::2, :4], _ones(2, 3, 4, 4)),
+    ),
 ]
 
 
@@ -294,11 +455,11 @@ def test_cpu_tensor_without_interpreter():
 
     code = (
         "import torch, activations as a\n"
-        "for f in (a.gelu, a.geglu):\n"
+        "for f in (a.gelu, a.geglu, lambda t: a.gelu_mul(t, t)):\n"
         "    try:\n"
         "        f(torch.ones(3, 4))\n"
         "    except ValueError as e:\n"
-        "        assert 'x is a CPU tensor' in str(e), e\n"
+        "        assert 'x is a CPU tensor' in str(e) or 'gate is a CPU tensor' in str(e), e\n"
         "    else:\n"
         "        raise SystemExit('no error raised')\n"
     )
@@ -316,9 +477,16 @@ def test_custom_ops():
     with poisoned_outputs():
         y = ops.gelu(x, "tanh")
         z = ops.geglu(x, "none")
+        w = ops.gelu_mul(x[:, 45:], x[:, :45], "tanh")
     assert_close(y, act.gelu_ref(x.double(), "tanh"), torch.bfloat16, seed=g.seed_value)
     assert_close(z, act.geglu_ref(x.double(), "none"), torch.bfloat16, seed=g.seed_value)
-    for op, args in ((ops.gelu.default, (x, "tanh")), (ops.geglu.default, (x[:, 1:61], "none"))):
+    assert_close(w, act.geglu_ref(x.double(), "tanh"), torch.bfloat16, seed=g.seed_value)
+    for op, args in (
+        (ops.gelu.default, (x, "tanh")),
+        (ops.geglu.default, (x[:, 1:61], "none")),
+        (ops.gelu_mul.default, (x[:, 45:], x[:, :45], "tanh")),
+        (ops.gelu_mul.default, (x[:, 2:9], x[:, 11:18], "none")),
+    ):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -328,12 +496,13 @@ def test_torch_compile_traces_custom_ops():
     x = randn((4, 2 * 24), torch.float32, g, scale=3.0)
 
     def f(t):
-        return act.gelu(act.geglu(t, "tanh"), "none")
+        return act.gelu(act.geglu(t, "tanh"), "none") + act.gelu_mul(t[:, 24:], t[:, :24])
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     with poisoned_outputs():
         out = compiled(x)
-    ref = act.gelu_ref(act.geglu_ref(x.double(), "tanh"), "none")
+    x64 = x.double()
+    ref = act.gelu_ref(act.geglu_ref(x64, "tanh"), "none") + act.gelu_mul_ref(x64[:, 24:], x64[:, :24])
     assert_close(out, ref, torch.float32, seed=g.seed_value)
 
 
@@ -348,6 +517,7 @@ def _grad_cases(gen):
         "geglu": (lambda t: act.geglu(t["x"]), dict(x=x)),
         "swiglu": (lambda t: act.swiglu(t["x"]), dict(x=x)),
         "swiglu(gate, up)": (lambda t: act.swiglu(t["gate"], t["up"]), dict(gate=x, up=up)),
+        "gelu_mul": (lambda t: act.gelu_mul(t["gate"], t["up"]), dict(gate=x, up=up)),
         "swiglu(fp8)": (
             lambda t: act.swiglu(t["x"], fp8="per_tensor", fp8_scale=t["fp8_scale"]),
             dict(x=x, fp8_scale=torch.full((1,), 0.5, device=DEVICE)),
@@ -355,7 +525,9 @@ def _grad_cases(gen):
     }
 
 
-@pytest.mark.parametrize("case", ["gelu", "gelu_tanh", "geglu", "swiglu", "swiglu(gate, up)", "swiglu(fp8)"])
+@pytest.mark.parametrize(
+    "case", ["gelu", "gelu_tanh", "geglu", "swiglu", "swiglu(gate, up)", "swiglu(fp8)", "gelu_mul"]
+)
 def test_inputs_requiring_grad_are_refused_in_grad_mode(case):
     from test_launch import assert_refuses_inputs_requiring_grad
 

@@ -147,6 +147,16 @@ def _case_activations(gen, rows):
     return f, (x,), ref, "gelu"
 
 
+def _case_gelu_mul(gen, rows):
+    gate = randn((2, rows, 72), DT, gen, scale=2.0)
+    up = randn((rows, 2, 72), DT, gen).transpose(0, 1)  # rows of two layouts
+
+    def f(gate, up):
+        return act.gelu_mul(gate, up)
+
+    return f, (gate, up), act.gelu_mul_ref(gate.double(), up.double()), "gelu_mul"
+
+
 CASES = [
     _case_rmsnorm,
     _case_layernorm,
@@ -154,6 +164,7 @@ CASES = [
     _case_ltx_rope,
     _case_rope_rotate_half,
     _case_activations,
+    _case_gelu_mul,
 ]
 
 

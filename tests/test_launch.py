@@ -171,6 +171,7 @@ def _public_calls(gen):
         activations.gelu(x)
         activations.geglu(x)
         activations.swiglu(x)
+        activations.gelu_mul(x, x)
         return [x]
 
     def gemm():

@@ -37,7 +37,8 @@ BF16_FACTOR = 2.0 if DEVICE.type == "cpu" else 1.5
 # Per family, for the tiny model (2 decoder layers): counts per kind, the kernel calls of one forward, the
 # kinds with a kernel gap. rmsnorm counts every norm: the layers', the final one, q/k norms (Qwen3, Gemma 3
 # per head; OLMo 2 across heads). One forward: per layer RoPE for q and k; the norm after the first residual
-# add fused with it (none in OLMo 2's post-norm layer); Gemma's MLP is a kernel gap (GeGLU of two projections).
+# add fused with it (none in OLMo 2's post-norm layer); per layer the gated MLP (Gemma's: GeGLU of two
+# projections, activations.gelu_mul).
 EXPECTED = {
     "qwen3": (
         {"rmsnorm": 9, "fused_add_rmsnorm": 2, "swiglu": 2, "rope": 2},
@@ -45,14 +46,14 @@ EXPECTED = {
         set(),
     ),
     "gemma2": (
-        {"rmsnorm": 9, "fused_add_rmsnorm": 2, "rope": 2},
-        {"rms_norm": 7, "fused_add_rms_norm": 2, "rope_rotate_half": 4},
-        {"geglu"},
+        {"rmsnorm": 9, "fused_add_rmsnorm": 2, "geglu": 2, "rope": 2},
+        {"rms_norm": 7, "fused_add_rms_norm": 2, "gelu_mul": 2, "rope_rotate_half": 4},
+        set(),
     ),
     "gemma3": (
-        {"rmsnorm": 13, "fused_add_rmsnorm": 2, "rope": 2},
-        {"rms_norm": 11, "fused_add_rms_norm": 2, "rope_rotate_half": 4},
-        {"geglu"},
+        {"rmsnorm": 13, "fused_add_rmsnorm": 2, "geglu": 2, "rope": 2},
+        {"rms_norm": 11, "fused_add_rms_norm": 2, "gelu_mul": 2, "rope_rotate_half": 4},
+        set(),
     ),
     "phi3": (
         {"rmsnorm": 5, "fused_add_rmsnorm": 2, "swiglu": 2, "rope": 2},
@@ -175,13 +176,58 @@ def test_family_parity_greedy_and_exact_restore(family):
     assert ti.injected_counts(model) == ZERO
 
 
-def test_gemma_gap_is_named_in_the_log_line(caplog):
-    model = _model("gemma3", make_generator())
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_mlp_runs_gelu_mul(family, caplog):
+    """Gemma's MLP, down_proj(act_fn(gate_proj(x)) * up_proj(x)) with the tanh GELU, is a geglu site the
+    injection replaces (no kernel gap, nothing in the log line about it): each MLP's forward runs
+    activations.gelu_mul once, with its own output to fp32 accuracy, and gets its forward back on removal."""
+    gen = make_generator()
+    model = _model(family, gen)
+    mlps = [layer.mlp for layer in model.model.layers]
+    x = torch.randn(2, 7, model.config.hidden_size, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        ref = [mlp(x) for mlp in mlps]
     with caplog.at_level("INFO", logger="transformers_injection"):
-        ti.inject_optimized_kernels(model, verbose=False)
-    assert "no kernel for: Gemma3MLP: tanh-GELU gate times up from two projections" in caplog.text
-    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        counts = ti.inject_optimized_kernels(model, verbose=False)
+    assert counts["geglu"] == len(mlps) == 2 and ti.kernel_gaps(model) == {}
+    assert "no kernel for" not in caplog.text and not [r for r in caplog.records if r.levelname == "WARNING"]
+    cov = ti.coverage(model)["geglu"]
+    assert cov["sites"] == cov["replaced"] == 2 and not cov["left"], cov
+    for mlp, want in zip(mlps, ref):
+        assert mlp.__dict__[ti._STATE]["kind"] == "geglu"
+        with ti.count_kernel_calls() as calls, torch.no_grad():
+            out = mlp(x)
+        assert dict(calls) == {"gelu_mul": 1}
+        assert out.dtype == want.dtype and _rel_max(out, want) <= FP32_REL, f"seed {gen.seed_value}"
     ti.remove_optimized_kernels(model, verbose=False)
+    _nothing_left(model)
+    with torch.no_grad():
+        assert all(torch.equal(mlp(x), want) for mlp, want in zip(mlps, ref))
+
+
+def test_gemma_mlp_with_exact_gelu_is_no_site():
+    """The same MLP with the exact (erf) GELU (hidden_activation "gelu", within 1e-3 of the tanh form) computes
+    another function: no geglu site, left as it is, no gap and no warning; the rest is injected."""
+    model = _model("gemma2", make_generator(), hidden_activation="gelu")
+    assert ti._activation(model.model.layers[0].mlp.act_fn) == "gelu"
+    counts = ti.inject_optimized_kernels(model, verbose=False)
+    assert counts["geglu"] == 0 and counts["rmsnorm"] == 9
+    assert ti.coverage(model)["geglu"]["sites"] == 0 and ti.kernel_gaps(model) == {} and ti.missing_kinds(model) == {}
+    assert all(ti._STATE not in layer.mlp.__dict__ for layer in model.model.layers)
+    ti.remove_optimized_kernels(model, verbose=False)
+
+
+def test_gap_is_named_in_the_log_line(caplog):
+    """A known function with no kernel for its form (tanh GeGLU, the gate first in a fused projection) is left
+    to PyTorch and named in the log line and by kernel_gaps, without a warning."""
+    mlp = _FusedGeGLU(gate_first=True)
+    with caplog.at_level("INFO", logger="transformers_injection"):
+        assert ti.inject_optimized_kernels(mlp, verbose=False) == ZERO
+    assert "no kernel for: _FusedGeGLU: tanh-GELU gate times up from a fused projection with the gate first" in (
+        caplog.text
+    )
+    assert set(ti.kernel_gaps(mlp)) == {"geglu"} and ti.missing_kinds(mlp) == {}
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,7 +490,7 @@ def test_a_layer_computing_another_function_is_left_alone(caplog):
     ref = _logits(model, ids)
     with caplog.at_level("INFO", logger="transformers_injection"):
         counts = ti.inject_optimized_kernels(model, verbose=False)
-    assert counts == {**ZERO, "rmsnorm": 9, "fused_add_rmsnorm": 1, "rope": 2}
+    assert counts == {**ZERO, "rmsnorm": 9, "fused_add_rmsnorm": 1, "geglu": 2, "rope": 2}
     assert ti._STATE not in layer.__dict__
     assert "_NormAfterAddLayer.forward computes another function than a residual decoder layer" in caplog.text
     with ti.count_kernel_calls() as calls:
@@ -607,8 +653,8 @@ def test_bf16_accuracy_against_fp32(family):
 @pytest.mark.slow  # a Dynamo trace of a whole model: 15-20 s on a 2-core CPU
 @pytest.mark.parametrize("family", ["gemma3", "mixtral"])
 def test_compiled_fullgraph_calls_the_kernels(family):
-    """torch.compile(fullgraph=True) traces Gemma's norms with 1 + weight computed in the graph, and the experts'
-    SwiGLU, as the bundle's ops, with the eager output."""
+    """torch.compile(fullgraph=True) traces Gemma's norms with 1 + weight computed in the graph, Gemma's GeGLU and
+    the experts' SwiGLU, as the bundle's ops, with the eager output."""
     gen = make_generator()
     model = _model(family, gen)
     ids = _ids(gen)
@@ -617,6 +663,7 @@ def test_compiled_fullgraph_calls_the_kernels(family):
     with torch.no_grad():
         out, ops, _ = kt.run_compiled_fullgraph(model, {"input_ids": ids})
     assert {"rms_norm_fused", "rope_rotate_half"} <= ops and ("swiglu" in ops) == (family == "mixtral"), sorted(ops)
+    assert ("gelu_mul" in ops) == (family == "gemma3"), sorted(ops)
     assert _rel_max(out, eager) <= FP32_REL
     ti.remove_optimized_kernels(model, verbose=False)
 
@@ -656,7 +703,10 @@ def test_every_architecture_gets_its_kernels_and_loses_them(fresh):
                 continue
             assert c["replaced"] == c["sites"], f"{versions}: {row['arch']} {kind}: {c}"
     gaps = {r["arch"]: set(r["kernel_gaps"]) for r in fresh["rows"] if r["kernel_gaps"]}
-    assert gaps == {"gemma2-9b": {"geglu"}, "gemma3-12b": {"geglu"}}, gaps
+    assert gaps == {}, gaps
+    for arch in ("gemma2-9b", "gemma3-12b"):  # GeGLU of two projections: every layer's MLP
+        row = next(r for r in fresh["rows"] if r["arch"] == arch)
+        assert row["coverage"]["geglu"]["replaced"] == row["layers"] > 0, row["coverage"]["geglu"]
 
 
 def test_committed_table_is_current_and_coverage_does_not_drop(fresh):
@@ -697,5 +747,5 @@ def test_example_runs_a_family_on_cpu():
     summary = json.loads(r.stdout)
     assert summary["ok"] is True and summary["arch"] == "gemma3-12b"
     assert summary["replaced"] == {**ZERO, **EXPECTED["gemma3"][0]}
-    assert set(summary["kernel_gaps"]) == {"geglu"}
+    assert summary["kernel_gaps"] == {}
     assert summary["fp32"]["greedy_tokens_identical"] and summary["fp32"]["restored_bit_identical"]
