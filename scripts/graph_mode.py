@@ -109,6 +109,7 @@ class _Graphs:
         self.entries = collections.OrderedDict()
         self.seen = collections.Counter()
         self.refused = {}  # signature -> why it stays eager
+        self.recheck = {}  # signature -> the model's snapshot, for a refusal that holds only while it is unchanged
         self.reasons = collections.Counter()  # why calls ran eager (for graph_stats)
         self.replays = 0
         self.pool = None
@@ -137,8 +138,14 @@ def _elements_once(t):
     else:
         index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(t.stride(), t.shape))
         part = t[index]
-    overlap = getattr(torch, "_debug_has_internal_overlap", None)
-    return index, (overlap(part) != 0 if overlap is not None else not part.is_contiguous())
+    # No overlap if, taking the dimensions by increasing stride, each stride exceeds the reach of the smaller
+    # ones (a sufficient test: it may refuse an unusual layout that does not overlap, never pass one that does).
+    reach = 0
+    for st, n in sorted((st, n) for st, n in zip(part.stride(), part.shape) if n > 1):
+        if st <= reach:
+            return index, True
+        reach += st * (n - 1)
+    return index, False
 
 
 def _signature(args, kwargs):
@@ -156,7 +163,7 @@ def _signature(args, kwargs):
             key.append((type(leaf), leaf))
         else:
             return None, f"an argument of type {type(leaf).__name__}", None
-    return (str(spec), tuple(key)), tensors, (leaves, spec)
+    return (str(spec), tuple(key), torch.is_inference_mode_enabled()), tensors, (leaves, spec)
 
 
 _SETTINGS = (int, float, bool, str, type(None))
@@ -164,21 +171,40 @@ _SETTINGS = (int, float, bool, str, type(None))
 
 def _global_settings() -> tuple:
     """Process-wide settings a forward reads at capture: diffusers' attention backend, the FP8 GEMMs' fast
-    accumulation, TF32 and deterministic-algorithm switches."""
+    accumulation, autocast, matmul precision and reduced-precision switches, SDPA's backend switches, the
+    deterministic-algorithm switch."""
     reg = getattr(sys.modules.get("diffusers.models.attention_dispatch"), "_AttentionBackendRegistry", None)
     fp8 = sys.modules.get("fp8_linear")
+    cuda = torch.backends.cuda
     return (
         getattr(reg, "_active_backend", None),
         getattr(fp8, "FAST_ACCUMULATION", None),
-        torch.backends.cuda.matmul.allow_tf32,
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        torch.is_autocast_cache_enabled(),
+        torch.get_float32_matmul_precision(),
+        cuda.matmul.allow_tf32,
+        cuda.matmul.allow_bf16_reduced_precision_reduction,
+        cuda.matmul.allow_fp16_reduced_precision_reduction,
         torch.backends.cudnn.allow_tf32,
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
         torch.are_deterministic_algorithms_enabled(),
     )
 
 
 def _frozen(v):
-    """A comparable copy of a small container setting (a LoRA's scaling dict, its active adapters)."""
+    """A comparable copy of a small container setting (a LoRA's scaling dict, its active adapters); for a
+    value that is no longer a container (deleted, set to None), its type alone: unequal to any recorded copy."""
+    if type(v) not in (dict, list, tuple):
+        return (type(v),)
     return repr(v) if len(v) < 16 else (type(v), len(v))
+
+
+# settings of an attention processor that its forward reads (diffusers' per-processor backend and parallelism)
+_PROCESSOR_SETTINGS = ("_attention_backend", "_parallel_config")
 
 
 _DICT = operator.attrgetter("__dict__")
@@ -189,6 +215,7 @@ _VERSION, _GRAD, _PTR = (
     operator.attrgetter("requires_grad"),
     operator.methodcaller("data_ptr"),
 )
+_SHAPE, _STRIDE = operator.attrgetter("shape"), operator.methodcaller("stride")
 
 
 def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
@@ -196,10 +223,15 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
     map() over the modules, so that comparing two of them costs the host little per module."""
     chain, get, rep = itertools.chain.from_iterable, dict.get, itertools.repeat
     children, params, buffers = list(map(_CHILDREN, mods)), list(map(_PARAMS, mods)), list(map(_BUFFERS, mods))
+    hooks, pre_hooks = list(map(_HOOKS, mods)), list(map(_PRE_HOOKS, mods))
     tensors = [t for t in chain(map(dict.values, params + buffers)) if t is not None]
+    processors = [p for p in map(get, dicts, rep("processor")) if p is not None]
+    plain = list(map(get, plain_dicts, plain_keys, rep(_MISSING)))
     return (
+        list(map(type, mods)),
         list(map(get, dicts, rep("forward"))),
-        list(map(get, dicts, rep("processor"))),
+        processors,
+        [getattr(p, "_parallel_config", None) for p in processors],
         list(chain(map(dict.values, children))),
         list(chain(map(dict.values, params))),
         list(chain(map(dict.values, buffers))),
@@ -209,12 +241,18 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
         list(map(len, children)),
         list(map(len, params)),
         list(map(len, buffers)),
-        list(map(len, map(_HOOKS, mods))),
-        list(map(len, map(_PRE_HOOKS, mods))),
-        list(map(get, plain_dicts, plain_keys, rep(_MISSING))),
+        list(chain(map(dict.keys, children + params + buffers))),
+        list(map(len, hooks)),
+        list(map(len, pre_hooks)),
+        list(chain(map(dict.keys, hooks + pre_hooks))),  # (a handle's id: a hook swapped for another is seen)
+        [getattr(p, "_attention_backend", None) for p in processors],
+        plain,
+        list(map(type, plain)),
         list(map(_frozen, map(get, box_dicts, box_keys, rep(_MISSING)))),
         list(map(_VERSION, tensors)),
         list(map(_PTR, tensors)),
+        list(map(_SHAPE, tensors)),
+        list(map(_STRIDE, tensors)),
         list(map(_GRAD, tensors)),
     )
 
@@ -226,7 +264,12 @@ def _snapshot(model) -> tuple:
     mods = list(model.modules())
     dicts = list(map(_DICT, mods))
     plain = [(d, k) for d in dicts for k, v in d.items() if type(v) in _SETTINGS]
-    boxes = [(d, k) for d in dicts for k, v in d.items() if type(v) in (dict, list, tuple) and k[:1] != "_"]
+    boxes = [
+        (d, k)
+        for d in dicts
+        for k, v in d.items()
+        if type(v) in (dict, list, tuple) and (k[:1] != "_" or k == "_active_adapter")  # (peft's, a list)
+    ]
     where = (mods, dicts, [d for d, _ in plain], [k for _, k in plain], [d for d, _ in boxes], [k for _, k in boxes])
     return _global_settings(), where, _state(*where)
 
@@ -270,6 +313,9 @@ def _graph_forward(self, *args, **kwargs):
     why = tensors if key is None else _why_eager(self, tensors)
     if not why:
         why = graphs.refused.get(key, "")
+        if why and key in graphs.recheck and not _unchanged(self, graphs.recheck[key]):
+            del graphs.refused[key], graphs.recheck[key]  # refused for a hook the model had: it changed since
+            graphs.seen[key], why = 0, ""
     if why:
         return _eager(self, graphs, why, args, kwargs)
     entry = graphs.entries.get(key)
@@ -321,13 +367,14 @@ def _capture(model, graphs, key, tensors, tree):
     where it cannot be captured."""
     why = _offloaded(model, tensors[0].device)
     if why:
-        graphs.refused[key] = why
+        graphs.refused[key], graphs.recheck[key] = why, _snapshot(model)  # (until the model changes)
         return None
     layout = [_elements_once(t) for t in tensors]
     if any(overlap for _, overlap in layout):
         graphs.refused[key] = "an input whose elements overlap in memory"
         return None
-    static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
+    with torch.inference_mode(False):  # static copies with version counters, also for a call in inference mode
+        static = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in tensors]
     writes = [(s if index is None else s[index], index) for s, (index, _) in zip(static, layout)]
     for (part, index), t in zip(writes, tensors):
         part.copy_(t if index is None else t[index])
@@ -343,6 +390,10 @@ def _capture(model, graphs, key, tensors, tree):
         return None
     if [s._version for s in static] != versions:
         graphs.refused[key] = "the forward writes into one of its inputs"
+        return None
+    odd = [type(x).__name__ for x in pytree.tree_leaves(out) if not isinstance(x, (torch.Tensor, *_PLAIN))]
+    if odd:  # a replay could not hand each caller fresh tensors inside it
+        graphs.refused[key] = f"an output graph mode cannot copy (a {odd[0]})"
         return None
     entry = _Entry(replay, static, out, _snapshot(model), writes)  # (after the forwards: their state is the steady one)
     graphs.entries[key] = entry

@@ -198,7 +198,6 @@ def main() -> int:
     from diffusers.utils import logging as diffusers_logging
 
     import diffusers_injection as di
-    import graph_mode
     import injection_common as ic
 
     diffusers_logging.set_verbosity_error()  # no dtype-cast advice in the output
@@ -223,7 +222,7 @@ def main() -> int:
     # the unpatched run's first-call inputs
     patched, patched_ms, _, patched_graph_ms, warm_s = _timed_run(pipe, args, device, gpu, call)
     # whether the timed run's transformer calls were replays (graph mode), and why any ran eager
-    replayed = graph_mode.graph_stats(pipe.transformer) if graphs else None
+    replayed = dict(_TIMED_GRAPHS) if graphs else None
     rounds = [(stock_ms, patched_ms)]
     for r in range(1, args.rounds):  # patched first in odd rounds: the kernels stay in across a round's turn
         times = {}
@@ -289,6 +288,23 @@ def _warm_up(pipe, args, device) -> None:
     generate(pipe, argparse.Namespace(**{**vars(args), "steps": 2}), device)
 
 
+_TIMED_GRAPHS: dict = {}  # graph mode's counts over the last timed run (_timed_run)
+
+
+def _graph_counts(model, before=None):
+    """Graph mode's replays and eager calls of model so far (None where it is off), or since `before`."""
+    import graph_mode
+
+    if not graph_mode.enabled(model):
+        return None
+    st = graph_mode.graph_stats(model)
+    now = {"graphs": st["graphs"], "replays": st["replays"], "eager": dict(st["eager"])}
+    if before is None:
+        return now
+    eager = {k: v - before["eager"].get(k, 0) for k, v in now["eager"].items()}
+    return {**now, "replays": now["replays"] - before["replays"], "eager": {k: v for k, v in eager.items() if v}}
+
+
 def _timed_run(pipe, args, device, gpu: bool, call=None):
     """On a GPU a 2-step warm-up run first (its wall time is returned: compiles, plans, captures); then a timed
     run. Returns (final latents, step times in ms, the keyword arguments of one transformer call: `call` if
@@ -300,7 +316,9 @@ def _timed_run(pipe, args, device, gpu: bool, call=None):
         _warm_up(pipe, args, device)
         torch.cuda.synchronize()
         warm_s = time.perf_counter() - t0
+    before = _graph_counts(pipe.transformer)
     latents, step_ms, _ = generate(pipe, args, device, timed=True)
+    _TIMED_GRAPHS.update(_graph_counts(pipe.transformer, before) or {})
     if call is None:
         call = generate(pipe, argparse.Namespace(**{**vars(args), "steps": 2}), device, record_call=True)[2]
     graph_ms = cuda_graph_ms(pipe.transformer, call) if gpu else None

@@ -5,6 +5,8 @@ the CUDA graph itself is exercised: signatures, warm-up, static inputs, fresh ou
 the refusals. On a GPU the same tests run with real CUDA graphs."""
 
 import copy
+import dataclasses
+import types
 
 import pytest
 import torch
@@ -64,6 +66,7 @@ class Net(nn.Module):
         self.register_buffer("offset", torch.zeros(16))
         self.scale = 1.0  # a plain setting its forward reads
         self.options = {"mult": 1.0}  # a container setting its forward reads
+        self.tags = ["a", "b"]  # a container setting its forward does not read
 
     def forward(self, x, cond=None, flag=True):
         y = self.post(self.norm(self.lin(x)) + self.offset) * (self.scale * self.options["mult"])
@@ -116,6 +119,8 @@ def test_returned_outputs_are_fresh_tensors(backend):
         "weight_in_place", "weight_replaced", "weight_data_swapped", "requires_grad", "buffer_replaced",
         "module_replaced", "grandchild_replaced", "module_added", "hook_added", "forward_replaced", "setting",
         "container_setting", "train_mode", "processor",
+        "container_deleted", "hook_swapped", "class_swapped", "weight_layout", "processor_backend",
+        "active_adapter", "matmul_precision",
     ],
 )  # fmt: skip
 def test_a_model_changed_after_capture_is_captured_again(change, backend):
@@ -124,6 +129,12 @@ def test_a_model_changed_after_capture_is_captured_again(change, backend):
     norm = net.norm
     if change == "forward_replaced":  # an instance forward (as an injection sets) replaced by another
         norm.forward = lambda h: RMSNorm.forward(norm, h)
+    hook = net.lin.register_forward_hook(lambda m, a, o: o * 0.5) if change == "hook_swapped" else None
+    if change == "processor_backend":
+        net.lin.__dict__["processor"] = types.SimpleNamespace(_attention_backend=None, _parallel_config=None)
+    if change == "active_adapter":
+        net.lin._active_adapter = ["a"]  # (peft's BaseTunerLayer keeps its active adapters here)
+    precision = torch.get_float32_matmul_precision()
     graph_mode.enable(net)
     x = _x(gen, 2, 2, 16)
     with torch.no_grad():
@@ -149,6 +160,21 @@ def test_a_model_changed_after_capture_is_captured_again(change, backend):
             norm.forward = lambda h: RMSNorm.forward(norm, h) * 2
         elif change == "container_setting":
             net.options["mult"] = 0.5
+        elif change == "container_deleted":
+            del net.tags
+        elif change == "hook_swapped":  # as many hooks as before, another one
+            hook.remove()
+            net.lin.register_forward_hook(lambda m, a, o: o * 0.25)
+        elif change == "class_swapped":
+            norm.__class__ = type("OtherNorm", (RMSNorm,), {"forward": lambda self, h: RMSNorm.forward(self, h) * 3})
+        elif change == "weight_layout":  # the same storage read as its transpose
+            net.lin.weight.data = net.lin.weight.data.t()
+        elif change == "processor_backend":
+            net.lin.processor._attention_backend = "_native_math"
+        elif change == "active_adapter":
+            net.lin._active_adapter = ["b"]
+        elif change == "matmul_precision":
+            torch.set_float32_matmul_precision("medium" if precision != "medium" else "high")
         elif change == "hook_added":
             net.lin.register_forward_hook(lambda m, a, o: o * 0.5)
         elif change == "setting":
@@ -159,6 +185,7 @@ def test_a_model_changed_after_capture_is_captured_again(change, backend):
             net.lin.__dict__["processor"] = object()
         got = net(x)
         stats = graph_mode.graph_stats(net)
+    torch.set_float32_matmul_precision(precision)
     assert stats["eager"].get("model changed since capture") == 1, stats
     graph_mode.disable(net)
     with torch.no_grad():
@@ -300,3 +327,48 @@ def test_the_ltx_pipeline_replays_its_transformer(backend):
     assert stats["graphs"] == 1 and stats["replays"] >= 3, stats  # (first run: warm-up, capture, one replay)
     assert all(torch.equal(r, want) for r in runs)
     di.remove_optimized_kernels(pipe, verbose=False)
+
+
+def test_inference_mode_sliced_inputs_odd_outputs_and_a_hook_removed(backend):
+    """Calls in torch.inference_mode() are captured and replayed; an input that is a slice of a larger tensor
+    (strided, not overlapping) is captured; an output that is not a tensor container graph mode can copy stays
+    eager; a signature refused for an offloading hook is captured once the hook is gone."""
+    gen = make_generator()
+    net = _net(gen)
+    graph_mode.enable(net)
+    wide = _x(gen, 2, 2, 32)
+    x = wide[..., :16]  # rows strided by 32
+    with torch.inference_mode():
+        outs = [net(x) for _ in range(3)]
+    stats = graph_mode.graph_stats(net)
+    assert stats["graphs"] == 1 and stats["replays"] == 2 and not stats["eager"], stats
+    graph_mode.disable(net)
+    with torch.no_grad():
+        want = net(x)
+    assert all(torch.equal(a, b) for o in outs for a, b in zip(o, want))
+
+    @dataclasses.dataclass
+    class Out:  # not a pytree node: a replay would hand every caller the same tensor
+        y: torch.Tensor
+
+    class Odd(nn.Module):
+        def forward(self, h):
+            return Out(h * 2)
+
+    odd = Odd()
+    graph_mode.enable(odd)
+    with torch.no_grad():
+        ys = [odd(x).y for _ in range(3)]
+    assert ys[0] is not ys[1] and torch.equal(ys[2], x * 2)
+    stats = graph_mode.graph_stats(odd)
+    assert stats["graphs"] == 0 and any("an output graph mode cannot copy" in r for r in stats["eager"]), stats
+
+    net = _net(gen)
+    net.lin.__dict__["_hf_hook"] = object()
+    graph_mode.enable(net)
+    with torch.no_grad():
+        net(x), net(x), net(x)
+        assert graph_mode.graph_stats(net)["graphs"] == 0
+        del net.lin.__dict__["_hf_hook"]
+        net(x), net(x), net(x)
+    assert graph_mode.graph_stats(net)["graphs"] == 1 and graph_mode.graph_stats(net)["replays"] == 2
