@@ -244,7 +244,7 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
         list(chain(map(dict.keys, children + params + buffers))),
         list(map(len, hooks)),
         list(map(len, pre_hooks)),
-        list(chain(map(dict.keys, hooks + pre_hooks))),  # (a handle's id: a hook swapped for another is seen)
+        list(chain(map(dict.keys, filter(None, hooks + pre_hooks)))),  # handle ids: a hook swapped is seen
         [getattr(p, "_attention_backend", None) for p in processors],
         plain,
         list(map(type, plain)),
