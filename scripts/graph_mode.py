@@ -20,16 +20,22 @@ not compute what the forward computes:
 * autograd (grad mode with an input or parameter that requires grad); a model not on a CUDA device, or an input
   on another device; an argument that is neither a tensor nor a plain value (it could change what the forward
   does without changing the signature);
-* the model changed since the capture: a parameter or buffer replaced or written in place (a LoRA loaded or
-  fused, new weights loaded), a module added, removed or replaced, a hook added or removed, a forward or
-  attention processor replaced, kernels injected or removed, a module's plain setting changed (train/eval, a
-  LoRA's scale or active adapters), or diffusers' attention backend, the FP8 GEMMs' fast accumulation or
-  torch's TF32 / deterministic switches changed. A fingerprint of all of this is taken at capture and
-  compared on every call (one pass over the modules, on the host); after a change the signature's graph is
-  dropped and captured again;
+* the model changed since the capture: a parameter or buffer replaced, re-laid or written in place (a LoRA
+  loaded or fused, new weights loaded), a module added, removed, renamed or replaced (or its class swapped), a
+  hook added, removed or swapped, a forward or attention processor replaced (or a processor's backend or
+  parallel setting), kernels injected or removed, a module's plain or container setting changed (train/eval,
+  a LoRA's scale, peft's active adapters), or a process-wide setting: diffusers' attention backend, the FP8
+  GEMMs' fast accumulation, autocast, matmul precision, TF32 and reduced-precision switches, SDPA's backend
+  switches, deterministic algorithms. A fingerprint of all of this is taken at capture and compared on every
+  call (flat lists over the modules, on the host: about 1.6 ms for LTX-Video's 775 modules on a 2-core CPU,
+  overlapped with the previous replay on the GPU); after a change the signature's graph is dropped and
+  captured again;
 * accelerate's hooks or a diffusers hook (offloading, caching and parallelism hooks change what a call does or
   move weights between calls; the empty HookRegistry a pipeline puts on its transformer is no hook), global
-  module hooks;
+  module hooks; a signature refused for such a hook is tried again once the model changed (the hook removed);
+* an input whose elements overlap in memory (other than a broadcast, which is copied once per element), or an
+  output that is not made of tensors and plain values in containers torch's pytree knows (a replay could not
+  hand each caller fresh tensors);
 * a forward that synchronises with the host (a value read back, a data-dependent shape: found by a run with
   torch.cuda's sync debug mode set to "error" before the capture, since a capture that fails that way would
   leave the CUDA generator unusable) or whose capture fails: that signature stays eager; a forward that writes into one of its inputs: that signature stays eager (the replay would write
