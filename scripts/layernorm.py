@@ -5,26 +5,12 @@
     out = ((x - mean(x)) / sqrt(var(x) + eps) [* w] [+ b]) * (1 + scale) + shift   (parts optional)
     with the biased variance over the last dim, all arithmetic in fp32, one rounding per output.
 
-One Triton kernel implements every variant; an operand a call leaves out is passed as None, which removes
-every use of it when the kernel is compiled. This is the norm of the MMDiT models in diffusers (SD3
-``JointTransformerBlock``, FLUX ``FluxTransformerBlock`` / ``FluxSingleTransformerBlock``):
-``nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)`` then ``* (1 + scale) + shift`` with one row per
-sample. Public functions: ``layer_norm`` (``F.layer_norm`` over the last dim), ``layer_norm_modulate``
-(diffusers ``AdaLayerNormZero`` / ``...ZeroSingle`` / ``...Continuous`` after their linear layer),
-``layer_norm_modulate_dual`` (two modulations of one normalised row: ``SD35AdaLayerNormZeroX``),
-``gated_residual_layer_norm_modulate`` (``h = h + gate * y`` then the modulated norm: "attention output
-into the residual stream, then norm2 + MLP modulation") and ``..._dual``; each ``*_ref`` is the
-plain-PyTorch math the kernel replaces (with the same reading of a 2-D scale/shift/gate).
-
-scale / shift / gate: anything that broadcasts to x as in torch ([D], [S, D], [B, 1, D], [B, S, D]), and
-[B, D] for a 3-D x [B, S, D] where B != S, meaning one row per sample ([B, 1, D]): the form of
-``emb.chunk(6, dim=1)`` in diffusers' AdaLN modules, whose views (row stride 6 * D) are read in place, and
-where torch broadcasting would fail. A 2-D [X, D] with X == B == S > 1 could be either and is refused:
-pass ``scale[:, None]`` for one row per sample or ``scale[None]`` for one row per token.
-
-The file depends on torch and triton only: copy it into another project as is. ``python layernorm.py
---help`` runs its self-check. Inside this bundle, kernel_runtime.py adds cached launch plans and
-torch.library ops.
+One Triton kernel serves every variant (an absent operand is passed as None and compiled out): the norm of
+diffusers' MMDiT models (SD3, FLUX). Public: layer_norm, layer_norm_modulate (AdaLN), layer_norm_modulate_dual,
+gated_residual_layer_norm_modulate and ..._dual, each with a plain-PyTorch ``*_ref``. scale / shift / gate
+broadcast to x as in torch, and a 2-D [B, D] for x [B, S, D] with B != S is one row per sample (diffusers'
+``emb.chunk(6, dim=1)`` views, read in place); [X, D] with X == B == S > 1 is ambiguous and refused.
+Depends on torch and triton only; ``python layernorm.py --help`` runs its self-check.
 """
 
 from __future__ import annotations
@@ -40,20 +26,15 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows up to this many elements are normalised from registers in one pass (one read, one write). Wider
-# rows go in chunks of _CHUNK_N: a pass for the mean, one for the variance around it (no cancellation,
-# unlike a single sum-of-squares pass), one that normalises. The cap bounds the registers per lane.
+# Rows up to _MAX_FUSED_N elements are normalised from registers in one pass; wider rows in _CHUNK_N chunks:
+# mean, then variance around it (no cancellation, unlike a sum of squares), then normalise.
 _MAX_FUSED_N = 16384
 _CHUNK_N = 4096
-# LayerNorm + one modulation (no residual) over single-pass rows runs on a persistent grid when there
-# are more row blocks than programs (_persistent_config says why); False: one program per row block.
+# LayerNorm + one modulation over single-pass rows runs on a persistent grid (see _persistent_config)
 _PERSISTENT = True
 _INTERPRETER_PROGRAMS = 3  # the persistent grid under the interpreter: CPU tests run its row loop
 
 
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
 @triton.jit
 def _row_block(rows, M, INNER):
     """A block's rows kept in bounds (masked-off rows address row 0), their mask, and their outer and inner
@@ -344,9 +325,6 @@ def _layer_norm_kernel(
             )  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------
-# Launcher
-# --------------------------------------------------------------------------------------------
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -354,8 +332,7 @@ def _interpreting() -> bool:
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
-    """(backend, arch, warp size) of the device's GPU, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32);
-    ("interpreter", None, 32) on the CPU. Cached: asking the driver costs microseconds."""
+    """(backend, arch, warp size), e.g. ("hip", "gfx942", 64); ("interpreter", None, 32) on the CPU."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
     with torch.cuda.device(device):
@@ -382,10 +359,8 @@ def _check(name: str, t, device=None) -> None:
 
 
 def _per_sample(t: Tensor, shape, name: str = "scale") -> Tensor:
-    """How a modulation tensor t reads against an input of shape ``shape``: a 2-D [X, D] tensor for a 3-D
-    input [B, S, D] is one row per sample (viewed as [B, 1, D]) where X == B != S, as diffusers' AdaLN
-    modules chunk it and where torch broadcasting would fail; where X == S != B (or X == 1) it broadcasts
-    as in torch (one row per token), as in rmsnorm.py. X == B == S > 1 could mean either: refused."""
+    """t as read against x of ``shape``: 2-D [X, D] for [B, S, D] is one row per sample ([B, 1, D]) where
+    X == B != S, else torch broadcasting (one row per token); X == B == S > 1 is ambiguous: refused."""
     if len(shape) != 3 or t.dim() != 2:
         return t
     rows, batch, tokens = t.shape[0], shape[0], shape[1]
@@ -420,10 +395,8 @@ def _bcast_strides(name: str, t: Tensor, shape) -> tuple:
 
 
 def _row_layout(stride_sets, lead):
-    """(INNER, [(stride_o, stride_i) per operand]): row r of the flattened leading dims sits at
-    (r // INNER) * stride_o + (r % INNER) * stride_i in every operand (stride_sets: their leading strides),
-    with no copy. Up to two leading dims map directly ([M, D], [B, S, D]); more are split in two groups that
-    every operand addresses with one stride each, else refused."""
+    """(INNER, [(stride_o, stride_i) per operand]): row r sits at (r // INNER) * stride_o + (r % INNER) *
+    stride_i in every operand, with no copy; more than two leading dims are split in two groups, else refused."""
     if len(lead) <= 2:
         pad = (0,) * (2 - len(lead))
         return ([1, 1] + list(lead))[-1], [pad + tuple(st) for st in stride_sets]
@@ -451,12 +424,10 @@ def _next_pow2(n: int) -> int:
 def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = False):
     """(BLOCK_M, BLOCK_N, single pass, chunks per row, num_warps).
 
-    About 32 elements of a row per lane (warps from the lane count, 32 or 64): LayerNorm reduces twice and
-    fewer warps per row shorten each cross-warp reduction; 12-31 % faster than 8 per lane at SD3's and
-    FLUX's shapes on an H200. Rows under 2048 elements are packed to about 2048 per program. Rows of
-    3 * 2**k (SD3's 1536, FLUX's 3072) are three chunks of 2**k (one 16-byte vector per lane each), not one
-    of 4 * 2**k a quarter masked off: 72-75 % -> 80-87 % of copy bandwidth for the modulated norm; not with
-    a residual (x, y, gate, h), where the chunks tied or lost 2-3 %.
+    About 32 elements per lane: fewer warps shorten LayerNorm's two reductions (12-31 % faster than 8 on an H200).
+    Rows under 2048 elements are packed to about 2048 per program (scheduling overhead per row).
+    Rows of 3 * 2**k are three chunks of 2**k, not one a quarter masked off (72-75 % -> 80-87 % of copy bandwidth);
+    not with a residual, where the chunks tied or lost 2-3 %.
     """
     single, third = n_cols <= _MAX_FUSED_N, n_cols // 3
     if single and not residual and n_cols % 3 == 0 and third >= 64 and third & (third - 1) == 0:
@@ -469,18 +440,15 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = Fa
 
 
 def _persistent_variant(has_residual: bool, has_mod: bool, has_mod2: bool) -> bool:
-    """Which variants may use the persistent grid: LayerNorm + one modulation without a residual. The plain
-    norm gains nothing on it; two modulations or a residual are 8-39 % slower at SD3's and FLUX's shapes on
-    an H200 (examples/layernorm_grid_h200.json)."""
+    """LayerNorm + one modulation only: the plain norm gains nothing on the persistent grid; two modulations
+    or a residual are 8-39 % slower there on an H200 (examples/layernorm_grid_h200.json)."""
     return has_mod and not has_mod2 and not has_residual
 
 
 def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int, n_sms: int):
-    """(programs, num_warps) for the persistent single-pass kernel, or (0, 0) for one program per row block
-    when there are no more row blocks than programs (nothing to prefetch). At most 24 elements of a row block
-    per lane and about 1024 lanes per SM (half its warp slots: each lane holds two row blocks, the one it
-    reduces and the next): about 10 % faster than one program per row for LayerNorm + modulation on an H200
-    (examples/layernorm_grid_h200.json, from scripts/benchmark_layernorm_grid.py). Untuned on AMD."""
+    """(programs, num_warps) of the persistent grid, or (0, 0) when there are no more row blocks than programs.
+    At most 24 elements per lane, about 1024 lanes per SM (each lane holds this row block and the next): about
+    10 % faster than one program per row on an H200 (examples/layernorm_grid_h200.json). Untuned on AMD."""
     num_warps = min(_next_pow2(max(1, -(-block_m * n_cols // (warp_size * 24)))), 16)
     programs = n_sms * max(1, 1024 // (num_warps * warp_size)) if n_sms else _INTERPRETER_PROGRAMS
     return (0, 0) if n_blocks <= programs else (programs, num_warps)
@@ -491,9 +459,7 @@ def _launch(
     scale: Optional[Tensor], shift: Optional[Tensor], scale2: Optional[Tensor], shift2: Optional[Tensor], eps: float,
 ) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:  # fmt: skip
     """Check a call, pick the launch configuration, allocate the outputs and launch _layer_norm_kernel.
-
-    Returns (h, out, out2): h = x + gate * y rounded to x's dtype (None without y; x is then the residual
-    stream h), out the normalised and modulated rows, out2 the second modulation's (None without scale2).
+    Returns (h, out, out2): h = x + gate * y (None without y), out2 the second modulation's (None without scale2).
     """
     _check("x", x)
     device, shape = x.device, x.shape
@@ -529,7 +495,6 @@ def _launch(
             strides += [_bcast_strides(sc_name, sc, shape)[:-1], _bcast_strides(sh_name, sh, shape)[:-1]]
     if scale2 is not None and scale is None:
         raise ValueError("scale2/shift2 need scale/shift (the first modulation)")
-    # the outputs: contiguous, of x's dtype
     out = torch.empty(shape, dtype=x.dtype, device=device)
     out2 = torch.empty(shape, dtype=x.dtype, device=device) if scale2 is not None else None
     h_out = torch.empty(shape, dtype=x.dtype, device=device) if y is not None else None
@@ -550,21 +515,15 @@ def _launch(
     # absent operands go as None: the kernel leaves out every use of them
     _layer_norm_kernel[(programs or n_blocks,)](
         x, *xs, y, *ys, gate, *gs, h_out, weight, bias, scale, *ss, shift, *ts, scale2, *s2, shift2, *t2,
-        out, out2, m, n, inner, float(eps),
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
+        out, out2, m, n, inner, float(eps), BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
         X_DENSE=m <= inner or xs[0] == inner * xs[1],  # row r of x starts at r * x_stride_i
-        Y_DENSE=y is not None and (m <= inner or ys[0] == inner * ys[1]),
-        PERSISTENT=programs > 0, num_warps=num_warps,
+        Y_DENSE=y is not None and (m <= inner or ys[0] == inner * ys[1]), PERSISTENT=programs > 0, num_warps=num_warps,
     )  # fmt: skip
     return h_out, out, out2
 
 
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
 def _no_backward(fn: str, *tensors, names="x,y,gate,weight,bias,scale,shift,scale2,shift2") -> None:
-    """In grad mode, refuse an input that requires grad: the kernel has no backward, so its outputs would
-    carry no grad_fn and gradients would stop there without a word."""
+    """In grad mode, refuse an input that requires grad: the kernel has no backward, so gradients would stop."""
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
         if getattr(t, "requires_grad", False):
             raise RuntimeError(
@@ -626,9 +585,6 @@ def gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2, sh
     return _launch(h, y, gate, None, None, scale, shift, scale2, shift2, eps)
 
 
-# --------------------------------------------------------------------------------------------
-# References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
-# --------------------------------------------------------------------------------------------
 def _f(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -666,9 +622,6 @@ def gated_residual_layer_norm_modulate_dual_ref(h, y, gate, scale, shift, scale2
     return (h_new, *layer_norm_modulate_dual_ref(h_new, scale, shift, scale2, shift2, eps))
 
 
-# --------------------------------------------------------------------------------------------
-# Self-check: python layernorm.py [--rows R] [--width N] [--dtype bf16]
-# --------------------------------------------------------------------------------------------
 def _main(argv=None) -> int:
     import argparse
     import json
@@ -691,10 +644,8 @@ def _main(argv=None) -> int:
     y = torch.randn(2, args.rows, d, generator=g).to(device, dtype)
     emb = (0.3 * torch.randn(2, 6 * d, generator=g)).to(device, dtype)  # diffusers AdaLN: chunks of [B, 6D]
     shift, scale, gate, shift2, scale2, _ = emb.chunk(6, dim=1)
-    w, b = (
-        (1 + 0.2 * torch.randn(d, generator=g)).to(device, dtype),
-        (0.2 * torch.randn(d, generator=g)).to(device, dtype),
-    )
+    w = (1 + 0.2 * torch.randn(d, generator=g)).to(device, dtype)
+    b = (0.2 * torch.randn(d, generator=g)).to(device, dtype)
     x64, y64, sc, sh, gt, sc2, sh2, w64, b64 = (t.double() for t in (x, y, scale, shift, gate, scale2, shift2, w, b))
     h_new, out = gated_residual_layer_norm_modulate(x, y, gate, scale, shift)
     checks = {  # name: (output, float64 reference)
@@ -720,9 +671,7 @@ def _main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# Inside this bundle (kernel_runtime.py beside this file): cached launch plans, torch.library ops and device
-# checks for the launcher. Copied alone, the file keeps its plain launcher.
-try:
+try:  # kernel_runtime.py beside this file adds launch plans, torch.library ops and device checks
     import kernel_runtime
 except ImportError:
     pass

@@ -7,23 +7,10 @@
     FP8 output: out8 = fp8(clamp(out / s, -fp8_max, fp8_max)), s given (per tensor) or
     s[row] = max|out[row]| / fp8_max computed in the kernel (per token).
 
-One Triton kernel implements every variant; an operand a call leaves out is passed as None, which removes
-every use of it when the kernel is compiled. Public functions: ``rms_norm`` (diffusers ``RMSNorm``,
-Llama's ``LlamaRMSNorm``, ``torch.nn.RMSNorm``), ``rms_norm_modulate`` (AdaLN), ``gated_residual_rms_norm_modulate``
-(``h = h + y * gate`` then the modulated norm), ``gated_residual_add`` (the gated residual alone),
-``fused_add_rms_norm`` (an LLM decoder layer's residual add + RMSNorm, optionally with FP8 output); each
-``*_ref`` beside them is the plain-PyTorch math the kernel replaces (run it in float64 for testing).
-
-FP8 format: float8_e4m3fnuz (max 240) on gfx942 (MI300X, whose matrix cores use it), the OCP
-float8_e4m3fn (max 448) everywhere else; ``fp8_dtype=`` forces one. Values saturate to +-fp8_max and round
-to nearest even: a finite input never gives NaN. Where the GPU has an FP8 conversion instruction that Triton
-emits for the format (NVIDIA sm_89+ e4m3fn, gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.6) the kernel uses
-Triton's cast, 7-35 % faster on an H200 (examples/benchmark_fp8_native_vs_integer_h200.json); elsewhere,
-and in the interpreter, an integer encoder stored through a uint8 view (tests/test_fp8_native.py checks that
-both give the same bytes).
-
-The file depends on torch and triton only: copy it into another project as is. ``python rmsnorm.py --help``
-runs its self-check. Inside this bundle, kernel_runtime.py adds cached launch plans and torch.library ops.
+One Triton kernel serves every variant (an absent operand is passed as None and compiled out). Public:
+rms_norm, rms_norm_modulate (AdaLN), gated_residual_rms_norm_modulate, gated_residual_add, fused_add_rms_norm,
+each with a plain-PyTorch ``*_ref``. FP8: e4m3fnuz (max 240) on gfx942, e4m3fn (max 448) elsewhere.
+Depends on torch and triton only; ``python rmsnorm.py --help`` runs its self-check.
 """
 
 from __future__ import annotations
@@ -39,22 +26,17 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows up to this many elements are normalised from registers in one pass (one read, one write). Wider
-# rows go in chunks of _CHUNK_N: a pass accumulates the sum of squares, a second re-reads and normalises.
-# The cap bounds the registers per lane (16384 fp32 values over 16 warps of 32 or 64 lanes: 32 or 16).
+# Rows up to _MAX_FUSED_N elements are normalised from registers in one pass (the cap bounds registers per
+# lane); wider rows go in _CHUNK_N chunks: one pass for the sum of squares, one that normalises.
 _MAX_FUSED_N = 16384
 _CHUNK_N = 4096
-# FP8 formats: dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code).
-# e4m3fn (OCP): bias 7, max 448, smallest normal 2**-6; e4m3fnuz (AMD CDNA3): bias 8, max 240, 2**-7.
+# FP8 dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code)
 _FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F), torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80)}
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
 _MIN_DYNAMIC_SCALE = 1e-12  # per-token scales never go below it: a zero row stays finite (no 0 * inf)
 _TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
 @triton.jit
 def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr):
     """The e4m3 code (0..255, int32) of fp32 v: saturated to +-FP8_MAX, rounded to nearest, ties to even.
@@ -342,9 +324,6 @@ def _rms_norm_kernel(
         )  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------
-# Launcher
-# --------------------------------------------------------------------------------------------
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -352,8 +331,7 @@ def _interpreting() -> bool:
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
-    """(backend, arch, warp size), e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32): launch parameters are keyed
-    on these (by arch, never by product name); ("interpreter", None, 32) on the CPU. Cached per device."""
+    """(backend, arch, warp size), e.g. ("hip", "gfx942", 64); ("interpreter", None, 32) on the CPU."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
     with torch.cuda.device(device):
@@ -369,10 +347,8 @@ def _fp8_dtype_for(device: torch.device) -> torch.dtype:
 
 
 def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
-    """Whether the kernel converts to FP8 with Triton's cast (one hardware instruction per two values) rather
-    than _fp8_encode: only where Triton 3.6 and 3.9 were seen to emit a conversion instruction for the format
-    (NVIDIA sm_89+ e4m3fn, gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.6). Not on gfx1201 (Triton's lowering
-    is a software sequence there) nor in the interpreter (whose FP8 casts round otherwise)."""
+    """Whether to use Triton's FP8 cast: only where Triton emits a conversion instruction (NVIDIA sm_89+ e4m3fn,
+    gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.6); not on gfx1201 nor in the interpreter."""
     backend, arch, _ = _device_target(device)
     if backend == "interpreter" or (device.type != "cpu" and _interpreting()):
         return False  # (the ahead-of-time check compiles CPU tensors for a GPU target: not excluded here)
@@ -416,9 +392,8 @@ def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
 
 def _row_layout(stride_sets, lead):
     """(INNER, [(stride_o, stride_i) per operand]): row r of the flattened leading dims sits at
-    (r // INNER) * stride_o + (r % INNER) * stride_i in every operand (stride_sets: their leading strides),
-    with no copy. Up to two leading dims map directly ([M, D], [B, S, D]); more are split in two groups that
-    every operand addresses with one stride each, else refused."""
+    (r // INNER) * stride_o + (r % INNER) * stride_i in every operand, with no copy; more than two leading
+    dims are split in two groups that every operand addresses with one stride each, else refused."""
     if len(lead) <= 2:
         pad = (0,) * (2 - len(lead))
         return ([1, 1] + list(lead))[-1], [pad + tuple(st) for st in stride_sets]
@@ -444,10 +419,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _launch_config(n_cols: int, n_rows: int, warp_size: int):
-    """(BLOCK_M, BLOCK_N, single pass, warps): 16 elements per lane (two 16-byte loads per tensor in flight,
-    fewer warps to reduce across); short rows packed to about 2048 elements per program (small programs pay
-    scheduling overhead per row); rows wider than _MAX_FUSED_N in _CHUNK_N-wide chunks. One row x 4 warps ran
-    10-20 % faster than 2 rows x 16 warps at [12288, 2048] bf16 on an H200 (references/results-h200.md)."""
+    """(BLOCK_M, BLOCK_N, single pass, warps). 16 elements per lane: two 16-byte loads in flight, few warps to
+    reduce across (1 row x 4 warps: 10-20 % faster than 2 x 16 at [12288, 2048] bf16 on an H200).
+    Short rows packed to about 2048 elements per program: small programs pay scheduling overhead per row."""
     single = n_cols <= _MAX_FUSED_N
     block_n = _next_pow2(n_cols) if single else _CHUNK_N
     block_m = max(1, min(16, 2048 // block_n, _next_pow2(max(n_rows, 1))))
@@ -455,12 +429,8 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int):
     return block_m, block_n, single, num_warps
 
 
-# The fused residual add + RMSNorm (LLM decoder layer) marks its two inputs "evict_first" in L2 (both are
-# dead after the call) when the call moves at most this many bytes: 2-5 % faster at 1,024 x 4096-8192
-# with inputs from DRAM on an H200 (examples/benchmark_decode_fusions_h200.json, "triton(no evict hint)"
-# rows), 3.5-8.3 % slower from 128 MiB a call (unrecorded), hence the cut-off. It costs 3-17 % only when
-# the same inputs are replayed from L2, which a decoder layer's residual (written several GEMMs before) is not.
-# On AMD, Triton 3.6 and 3.9 emit the same code with and without it (tests/test_amd_compile.py).
+# fused_add_rms_norm marks its dead-after-the-call inputs evict_first up to this size: 2-5 % faster from DRAM
+# on an H200 (examples/benchmark_decode_fusions_h200.json), 3.5-8.3 % slower from 128 MiB a call.
 _EVICT_FIRST_MAX_BYTES = 64 << 20
 
 
@@ -473,13 +443,9 @@ def _launch(
     shift: Optional[Tensor], eps: float, cast_before_weight: bool, out_dtype: Optional[torch.dtype],
     fp8_mode: int = 0, fp8_scale: Optional[Tensor] = None, norm: bool = True, names: str = "x,y,h",
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:  # fmt: skip
-    """Check a call, pick the launch configuration, allocate the outputs and launch _rms_norm_kernel.
-
-    Returns (h, out, scales): h = x + y * gate rounded to x's dtype (None without y); out the norm (None when
-    not norm) of out_dtype (default x's), or with fp8_mode 1 FP8 (out_dtype, default the device's format)
-    scaled by 1 / fp8_scale, with fp8_mode 2 FP8 with per-row scales (returned as scales, else None) computed
-    in the kernel. names: how the messages call x, y, and x beside y.
-    """
+    """Check a call, pick the launch configuration, allocate the outputs and launch _rms_norm_kernel. Returns
+    (h, out, scales): h = x + y * gate (None without y), out the norm (None when not norm; FP8 with fp8_mode 1
+    or 2), scales the per-row FP8 scales of fp8_mode 2. names: how the messages call x, y, and x beside y."""
     x_name, y_name, h_name = names.split(",")
     _check(x_name, x)
     device, shape = x.device, x.shape
@@ -532,7 +498,6 @@ def _launch(
     if fp8_mode != 1 and fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
     out_dtype = out_dtype or x.dtype
-    # the outputs: contiguous
     h_out = torch.empty(shape, dtype=x.dtype, device=device) if y is not None else None
     out = torch.empty(shape, dtype=out_dtype, device=device) if norm else None
     row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
@@ -547,37 +512,28 @@ def _launch(
     fused_add = y is not None and gate is None and scale is None and norm
     nbytes = m * n * (3 * x.element_size() + out_dtype.itemsize)
     fp8_max, fp8_min_exp, fp8_nan = fp8_format
-    # absent operands go as None: the kernel leaves out every use of them
     _rms_norm_kernel[(-(-m // block_m),)](
         x, *xs, y, *ys, gate, *gs, h_out, weight, scale, *ss, shift, *ts,
         out.view(torch.uint8) if fp8_mode and not native else out,  # _fp8_encode's codes go through a uint8 view
-        fp8_scale if fp8_mode == 1 else row_scales,
-        m, n, inner, float(eps),
+        fp8_scale if fp8_mode == 1 else row_scales, m, n, inner, float(eps),
         CAST_BEFORE_WEIGHT=bool(cast_before_weight), FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
         FP8_NAN=fp8_nan, MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native, BLOCK_M=block_m, BLOCK_N=block_n,
-        SINGLE_PASS=single,
-        X_DENSE=m <= inner or xs[0] == inner * xs[1],  # row r of x starts at r * x_stride_i
+        SINGLE_PASS=single, X_DENSE=m <= inner or xs[0] == inner * xs[1],  # row r of x starts at r * x_stride_i
         Y_DENSE=y is not None and (m <= inner or ys[0] == inner * ys[1]),
-        INPUT_EVICT=_input_evict(single, fused_add, nbytes),
-        num_warps=num_warps,
+        INPUT_EVICT=_input_evict(single, fused_add, nbytes), num_warps=num_warps,
     )  # fmt: skip
     return h_out, out, row_scales
 
 
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
 def _no_backward(fn: str, names: str, *tensors) -> None:
-    """In grad mode, refuse an input that requires grad: the kernel has no backward, so its outputs would
-    carry no grad_fn and gradients would stop there without a word."""
-    if torch.is_grad_enabled():
-        for name, t in zip(names.split(","), tensors):
-            if getattr(t, "requires_grad", False):
-                raise RuntimeError(
-                    f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would carry "
-                    f"no grad_fn, and gradients would silently stop there); call {fn} under torch.no_grad() or "
-                    f"torch.inference_mode(), or use the PyTorch reference ({fn}_ref) where gradients are needed"
-                )
+    """In grad mode, refuse an input that requires grad: the kernel has no backward, so gradients would stop."""
+    for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
+        if getattr(t, "requires_grad", False):
+            raise RuntimeError(
+                f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would carry no "
+                f"grad_fn, and gradients would silently stop there); call {fn} under torch.no_grad() or "
+                f"torch.inference_mode(), or use the PyTorch reference ({fn}_ref) where gradients are needed"
+            )
 
 
 def _fp8_mode(fp8, fp8_scale=None, fp8_dtype=None) -> int:
@@ -591,22 +547,14 @@ def _fp8_mode(fp8, fp8_scale=None, fp8_dtype=None) -> int:
     return _FP8_MODES[fp8]
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: Optional[torch.Tensor] = None,
-    eps: float = 1e-6,
-    *,
-    cast_before_weight: bool = True,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6, *,
+             cast_before_weight: bool = True, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
     """RMSNorm over the last dim of x (any leading shape, rows may be strided).
 
-    cast_before_weight=True rounds x * rsqrt(mean(x^2) + eps) to x's dtype before multiplying by the weight:
-    LlamaRMSNorm, and diffusers RMSNorm with an fp16 or bf16 weight. False multiplies the weight in fp32 and
-    rounds once: torch.nn.RMSNorm / F.rms_norm (whose eps=None means torch.finfo(torch.float32).eps), and
-    diffusers RMSNorm with an fp32 weight (which returns fp32: pass out_dtype=torch.float32). The output
-    dtype defaults to x's. The kernel has no backward: in grad mode an input that requires grad raises
-    RuntimeError (call it under torch.no_grad() / torch.inference_mode(), or use rms_norm_ref).
+    cast_before_weight=True rounds x * rsqrt(mean(x^2) + eps) to x's dtype before the weight (LlamaRMSNorm,
+    diffusers RMSNorm with an fp16/bf16 weight); False multiplies in fp32 and rounds once (torch.nn.RMSNorm,
+    diffusers RMSNorm with an fp32 weight: pass out_dtype=torch.float32). The output dtype defaults to x's.
+    No backward: in grad mode an input that requires grad raises RuntimeError (use torch.no_grad() or rms_norm_ref).
     """
     _no_backward("rms_norm", "x,weight", x, weight)
     return _launch(x, None, None, weight, None, None, eps, cast_before_weight, out_dtype)[1]
@@ -614,13 +562,10 @@ def rms_norm(
 
 def rms_norm_modulate(x, scale, shift, weight=None, eps=1e-6, *, cast_before_weight=True, fp8=None, fp8_scale=None,
                       fp8_dtype=None):  # fmt: skip
-    """AdaLN: rms_norm(x, weight) * (1 + scale) + shift in one pass, fp32 math, one rounding.
-
-    scale and shift broadcast to x: [D], [B, 1, D] (LTX-Video, DiT: one per sample) or [B, S, D]. FP8 output
-    (the input of an FP8 GEMM), quantised from fp32: fp8="per_tensor" returns fp8(clamp(out / fp8_scale,
-    +-fp8_max)), fp8_scale a one-element float32 tensor on x's device; fp8="per_token" returns (out_fp8,
-    scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12) (float32, x.shape[:-1]; dequantise as
-    out_fp8.float() * scales[..., None]). fp8_dtype: None picks the device's format. No backward (see rms_norm).
+    """AdaLN: rms_norm(x, weight) * (1 + scale) + shift in one pass; scale/shift broadcast to x ([D], [B, 1, D],
+    [B, S, D]). fp8="per_tensor": fp8(clamp(out / fp8_scale)), fp8_scale a one-element float32 tensor on x's
+    device; fp8="per_token": (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12) (float32,
+    x.shape[:-1]; out_fp8.float() * scales[..., None] dequantises). fp8_dtype None: the device's format.
     """
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use rms_norm() for a plain norm")
@@ -632,12 +577,8 @@ def rms_norm_modulate(x, scale, shift, weight=None, eps=1e-6, *, cast_before_wei
 
 def gated_residual_rms_norm_modulate(h, y, gate, scale, shift, weight=None, eps=1e-6, *, cast_before_weight=True,
                                      fp8=None, fp8_scale=None, fp8_dtype=None):  # fmt: skip
-    """h_new = h + y * gate (gate None: h + y), rounded to h's dtype; out = rms_norm_modulate(h_new).
-
-    Returns (h_new, out); with fp8="per_token" (h_new, out_fp8, scales), with fp8="per_tensor" (h_new,
-    out_fp8): FP8 output as in rms_norm_modulate. scale/shift may both be None (a plain fused residual add +
-    RMSNorm). No backward (see rms_norm).
-    """
+    """h_new = h + y * gate (gate None: h + y), rounded to h's dtype; out = rms_norm_modulate(h_new). Returns
+    (h_new, out), or (h_new, out_fp8[, scales]) with FP8 as in rms_norm_modulate; scale/shift may be None."""
     if y is None:
         raise ValueError("y is required; use rms_norm_modulate() without a residual")
     mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
@@ -648,17 +589,11 @@ def gated_residual_rms_norm_modulate(h, y, gate, scale, shift, weight=None, eps=
 
 
 def gated_residual_add(h: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
-    """h + y * gate (gate None: h + y) in fp32, rounded once to h's dtype: the gated residual of DiT/LTX blocks
-    (``torch.addcmul(h, y, gate)``; gate broadcasts like scale). The fused norms' kernel with the norm
-    switched off: torch's addcmul with a broadcast gate takes an unvectorised path that reaches about half
-    the memory bandwidth on an H200. Under torch.compile the PyTorch expression is returned instead (the same
-    math), so that the compiler fuses it with its neighbours. No backward (see rms_norm).
-    """
+    """h + y * gate (gate None: h + y) in fp32, rounded once to h's dtype (``torch.addcmul(h, y, gate)``, whose
+    broadcast-gate path reaches about half the bandwidth on an H200). Under torch.compile: the PyTorch math."""
     if y is None:
         raise ValueError("y is required")
-    if torch.compiler.is_compiling():
-        # as the kernel: fp32 math, one rounding to h's dtype (torch's type promotion would return fp32 for
-        # a bf16 h with an fp32 gate, and round y * gate to bf16 before the add with a bf16 gate)
+    if torch.compiler.is_compiling():  # as the kernel: fp32 math, one rounding to h's dtype
         return (h.float() + (y.float() if gate is None else y.float() * gate.float())).to(h.dtype)
     _no_backward("gated_residual_add", "h,y,gate", h, y, gate)
     return _add_launch(h, y, gate)
@@ -671,16 +606,9 @@ def _add_launch(h: Tensor, y: Tensor, gate: Optional[Tensor]) -> Tensor:
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True, fp8=None, fp8_scale=None,
                        fp8_dtype=None):  # fmt: skip
-    """Residual add + RMSNorm of an LLM decoder layer, optionally with FP8 output, in one kernel.
-
-        r = x + residual          (fp32 sum rounded once to x's dtype; returned, inputs untouched)
-        y = rms_norm(r, weight)   (Llama numerics by default: see rms_norm's cast_before_weight)
-
-    x and residual: same shape and dtype, last dim contiguous, rows may be strided. Returns (y, r), or with
-    FP8 output (y_fp8, r) for fp8="per_tensor" (fp8_scale: a one-element float32 tensor on x's device, read
-    by the kernel: no host synchronisation) and (y_fp8, r, scales) for fp8="per_token" (scales as in
-    rms_norm_modulate). y is quantised from its fp32 value. No backward (see rms_norm).
-    """
+    """r = x + residual (rounded once to x's dtype), y = rms_norm(r, weight), in one kernel. x and residual:
+    same shape and dtype, last dim contiguous. Returns (y, r), or (y_fp8, r) for fp8="per_tensor" and
+    (y_fp8, r, scales) for fp8="per_token" (as in rms_norm_modulate)."""
     mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
     if residual is None:
         raise ValueError("residual is required; use rms_norm() without a residual")
@@ -691,12 +619,8 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True
     return (out, r, scales) if mode == 2 else (out, r)
 
 
-# --------------------------------------------------------------------------------------------
-# References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
-# --------------------------------------------------------------------------------------------
 def rms_norm_ref(x, weight=None, eps=1e-6, cast_before_weight=True, out_dtype=None):
-    """diffusers/torch RMSNorm math. In float64 it is the exact value; in low precision it rounds where the
-    modules round (after normalising when cast_before_weight, and at the end)."""
+    """diffusers/torch RMSNorm math: exact in float64; in low precision it rounds where the modules round."""
     xf = x.double() if x.dtype == torch.float64 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -725,8 +649,7 @@ def gated_residual_rms_norm_modulate_ref(h, y, gate, scale, shift, weight=None, 
 
 
 def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """2**k (integer k in the normal range) from its exponent bits: exact on every device (torch.ldexp on
-    CUDA multiplies by a computed power and can be one ulp off in float64)."""
+    """2**k from its exponent bits: exact on every device (CUDA's torch.ldexp can be one ulp off in float64)."""
     k = k.to(torch.int64)
     if dtype == torch.float64:
         return ((k + 1023) << 52).view(torch.float64)
@@ -734,12 +657,8 @@ def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
-    """Saturating round-to-nearest-even FP8 quantisation, computed in y's precision (use float64).
-
-    scale None: one dynamic scale per row (last dim), s = max(max|y_row| / fp8_max, 1e-12), shape
-    y.shape[:-1]; else the given per-tensor scale (one element). Returns (q, s): q holds the FP8 values (each
-    exactly representable in fp8_dtype) in y's dtype, so that y ~ q * s (q * s[..., None] per row).
-    """
+    """Saturating round-to-nearest-even FP8 quantisation in y's precision (use float64). scale None: per row,
+    s = max(max|y_row| / fp8_max, 1e-12); else the given per-tensor scale. Returns (q, s), y ~ q * s."""
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
     s = (y.abs().amax(-1) / fp8_max).clamp_min(_MIN_DYNAMIC_SCALE) if scale is None else scale.to(y.dtype).reshape(())
     v = (y / (s[..., None] if scale is None else s)).clamp(-fp8_max, fp8_max)
@@ -750,10 +669,8 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
 
 def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=True, fp8=None, fp8_scale=None,
                            fp8_dtype=torch.float8_e4m3fn, dtype=None):  # fmt: skip
-    """The unfused math of fused_add_rms_norm, with its return structure. dtype: where the model rounds (the
-    residual sum, and rms(r) before the weight when cast_before_weight); default x's dtype. Call it on float64
-    inputs with dtype=torch.bfloat16 for the exact value of what a bf16 model computes. With FP8 the values
-    are the FP8 grid values held in the working precision (see fp8_quantize_ref)."""
+    """The unfused math of fused_add_rms_norm, with its return structure; dtype: where the model rounds
+    (default x's; float64 inputs with dtype=torch.bfloat16 give the exact value of a bf16 model)."""
     dtype = dtype or x.dtype
     f = torch.float64 if x.dtype == torch.float64 else torch.float32
     r = (x.to(f) + residual.to(f)).to(dtype)
@@ -768,9 +685,6 @@ def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=Tru
     return (q, r) if mode == 1 else (q, r, s)
 
 
-# --------------------------------------------------------------------------------------------
-# Self-check: python rmsnorm.py [--rows R] [--width N] [--dtype bf16]
-# --------------------------------------------------------------------------------------------
 def _main(argv=None) -> int:
     import argparse
     import json
@@ -819,9 +733,7 @@ def _main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# Inside this bundle (kernel_runtime.py beside this file): cached launch plans, torch.library ops and device
-# checks for the launcher. Copied alone, the file keeps its plain launcher.
-try:
+try:  # kernel_runtime.py beside this file adds launch plans, torch.library ops and device checks
     import kernel_runtime
 except ImportError:
     pass
