@@ -2,30 +2,16 @@
 """GELU, GEGLU and SwiGLU activations, elementwise, with fp32 math and one rounding to the output dtype.
 
     gelu(x)  = x * Phi(x) = 0.5 * x * (1 + erf(x / sqrt(2)))            (approximate="none")
-    gelu(x) ~= 0.5 * x * (1 + tanh(u)) = x * sigmoid(2 * u),
-               u = sqrt(2 / pi) * (x + 0.044715 * x**3)                  (approximate="tanh")
+    gelu(x) ~= x * sigmoid(2 * u), u = sqrt(2 / pi) * (x + 0.044715 * x**3)  (approximate="tanh")
     geglu(x) = hidden * gelu(gate), with hidden, gate = x.chunk(2, dim=-1)
     swiglu   = silu(gate) * up = gate * sigmoid(gate) * up               (optional FP8 output)
     gelu_mul(gate, up) = gelu(gate) * up, of two tensors                 (tanh GELU by default)
 
-Public functions: ``gelu(x, approximate="tanh")`` (``F.gelu`` on any shape; LTX-Video's feed-forward uses
-the tanh form; ``gelu_tanh(x)`` is ``gelu(x, "tanh")``); ``geglu(x, approximate="none")`` (diffusers
-``GEGLU`` after its projection: the FIRST half of the last dim is the value, the SECOND goes through the
-erf GELU); ``swiglu(x, gate_first=True)`` / ``swiglu(gate, up)`` (the gated MLP of Llama-family LLMs: a
-fused [..., 2H] gate/up projection or two [..., H] tensors); ``gelu_mul(gate, up, approximate="tanh")``
-(GeGLU of two [..., H] tensors: Gemma 2 / 3's act_fn(gate_proj(x)) * up_proj(x)); ``fp8_quantize(x)``.
-Contiguous GELU inputs are processed as one flat array; strided rows (a slice, a transpose of leading dims,
-a broadcast) are read in place. gelu, swiglu and fp8_quantize can write FP8 (``fp8="per_tensor"`` with a
-given scale, or ``"per_token"`` with per-row scales computed in the kernel): float8_e4m3fnuz on gfx942, OCP
-float8_e4m3fn elsewhere, or ``fp8_dtype=``; saturated and rounded to nearest even, by Triton's cast where the
-GPU has a conversion instruction for the format, else by an integer encoder giving the same bytes (as in
-rmsnorm.py).
-
-All are overflow-safe: the output is finite and correct for any finite input in every dtype (gelu(x) == x
-and silu(x) == x for large positive x, -0.0 for large negative x). Each ``*_ref`` is the plain-PyTorch math
-the kernels replace (run it on float64 inputs to test). The file depends on torch and triton only: copy it
-into another project as is. ``python activations.py --help`` runs its self-check. Inside this bundle,
-kernel_runtime.py adds cached launch plans and torch.library ops.
+Public: gelu, gelu_tanh, geglu, swiglu, gelu_mul, fp8_quantize; each ``*_ref`` is the plain-PyTorch math
+(run it on float64 inputs to test). Strided rows are read in place. FP8 output (``fp8="per_tensor"`` or
+``"per_token"``): e4m3fnuz on gfx942, OCP e4m3fn elsewhere, saturated and rounded to nearest even. All are
+overflow-safe: the output is finite for any finite input. Depends on torch and triton only: copy it into
+another project as is. ``python activations.py --help`` runs its self-check.
 """
 
 from __future__ import annotations
@@ -42,17 +28,13 @@ from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _APPROXIMATIONS = ("none", "tanh")
-# FP8 formats: dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code).
-# e4m3fn (OCP): bias 7, max 448, smallest normal 2**-6; e4m3fnuz (AMD CDNA3): bias 8, max 240, 2**-7.
+# FP8 dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code)
 _FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F), torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80)}
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
 _MIN_DYNAMIC_SCALE = 1e-12  # per-token scales never go below it: a zero row stays finite (no 0 * inf)
 _TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
 @triton.jit
 def _gelu_f32(x, APPROX_TANH: tl.constexpr):
     """GELU of an fp32 block. Finite for every finite x; NaN in, NaN out."""
@@ -279,9 +261,6 @@ def _act_rows_kernel(
                 _store_tile(OUT + out_row[:, None] + cols[None, :], q, mask, EVEN)
 
 
-# --------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -289,8 +268,7 @@ def _interpreting() -> bool:
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
-    """(backend, arch, warp size) of the device's GPU, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32) (launch
-    parameters are keyed by arch, never by product name); ("interpreter", None, 32) on the CPU."""
+    """(backend, arch, warp size), e.g. ("hip", "gfx942", 64); ("interpreter", None, 32) on the CPU."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
     with torch.cuda.device(device):
@@ -306,8 +284,7 @@ def _fp8_dtype_for(device: torch.device) -> torch.dtype:
 
 
 def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
-    """Whether the kernel converts to FP8 with Triton's cast rather than _fp8_encode: where Triton 3.6 and
-    3.9 were seen to emit a conversion instruction for the format (see rmsnorm.py's _native_fp8)."""
+    """Whether Triton's cast converts to FP8 (a conversion instruction exists), else _fp8_encode."""
     backend, arch, _ = _device_target(device)
     if backend == "interpreter" or (device.type != "cpu" and _interpreting()):
         return False  # (the ahead-of-time check compiles CPU tensors for a GPU target: not excluded here)
@@ -331,17 +308,26 @@ def _check(name: str, t, device=None, ref="x", dtypes=_SUPPORTED_DTYPES) -> None
 
 
 def _check_approximate(approximate) -> bool:
-    """Returns True for the tanh approximation."""
     if not isinstance(approximate, str) or approximate not in _APPROXIMATIONS:
         raise ValueError(f"approximate must be 'none' or 'tanh' (as in torch.nn.functional.gelu), got {approximate!r}")
     return approximate == "tanh"
 
 
+def _halves(x: Tensor, first: str, second: str) -> int:
+    """Check a fused [..., 2H] input; returns H."""
+    _check("x", x)
+    if x.dim() == 0:
+        raise ValueError(f"x must have at least one dimension (the last one is split into {first} and {second})")
+    if x.shape[-1] % 2:
+        raise ValueError(
+            f"the last dim of x must be even ({first} and {second} halves of width H each), got {x.shape[-1]}"
+        )
+    return x.shape[-1] // 2
+
+
 def _row_layouts(*tensors):
-    """(inner, [(stride_o, stride_i) per tensor]) for tensors of one shape with contiguous last dims: row r of
-    the flattened leading dims starts at (r // inner) * stride_o + (r % inner) * stride_i in each, with no
-    copy. Each tensor gets its own split of the leading dims into two groups it addresses with one stride
-    each; where two tensors' splits disagree, one split that serves both."""
+    """(inner, [(stride_o, stride_i) per tensor]): row r of the flattened leading dims starts at
+    (r // inner) * stride_o + (r % inner) * stride_i in each tensor, with no copy (one split serving all)."""
     for t in tensors:
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"x must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
@@ -374,20 +360,12 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
 
 
-# Lanes (threads) per program: 8 warps of 32 or 4 wavefronts of 64. 256 lanes with two 16-byte vectors each
-# keep 8 KiB of loads in flight per program; with several programs resident per compute unit that covers
-# HBM latency. GELU-tanh reaches 92.8 % of copy bandwidth at [2, 6144, 8192] bf16 on an H200
-# (examples/benchmark_kernels_ltx_h200.json); blocks of 1024-8192 elements x 2-16 warps were within ~5 % of
-# each other there (unrecorded).
+# 256 lanes (8 warps of 32, 4 of 64) with two 16-byte vectors each: 8 KiB in flight per program hides HBM latency.
 _LANES = 256
 _VECTORS_PER_LANE = 2
 _MIN_ROW_PROGRAMS = 256  # row kernel: the smallest grid worth keeping before shrinking blocks further
-# Largest second grid dimension: CUDA's gridDim.y limit, applied on every backend (HIP's is not assumed
-# larger). Beyond it the row kernel runs on a one-dimensional grid and divides the program id instead.
-_MAX_GRID_Y = 65535
-# Per-row FP8 scales need a row's maximum before any of it is quantised, so each program covers whole rows:
-# rows up to _MAX_WHOLE_ROW elements are held in registers (one read), wider ones read twice in _ROW_CHUNK
-# steps (maximum, then quantise).
+_MAX_GRID_Y = 65535  # CUDA's gridDim.y limit, on every backend; beyond it a 1-D grid divides the program id
+# Per-row FP8 scales: rows up to _MAX_WHOLE_ROW are held in registers, wider ones read twice in _ROW_CHUNK steps.
 _MAX_WHOLE_ROW = 16384
 _ROW_CHUNK = 4096
 
@@ -395,14 +373,9 @@ _ROW_CHUNK = 4096
 def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: int, flat: bool):
     """(BLOCK_M, BLOCK_N, num_warps); BLOCK_M is 1 for the flat kernel.
 
-    Flat kernel (GELU of a contiguous input): every lane loads _VECTORS_PER_LANE 16-byte vectors, so a
-    full-size program covers 8 KiB of input; small inputs get smaller blocks (fewer warps) so that several
-    programs share the work, keeping about 1024 programs where the input allows (4-8 per compute unit).
-    Row kernel (GEGLU, SwiGLU, GELU of strided rows), budgeted on the output: one 16-byte vector per lane and
-    operand (2048 bf16 outputs per program of 8 warps) and, while that leaves fewer than _MIN_ROW_PROGRAMS
-    programs, down to 4 bytes per lane: at decode sizes the time is latency, and spreading a row over more
-    programs shortens it. Narrow rows are packed several to a program to the same budget. SwiGLU got 13-22 %
-    faster at 1-1,024 rows on an H200 this way (references/kernel-rope-activations.md); untuned on AMD.
+    Flat: 8 KiB per program, smaller blocks for small inputs to keep ~1024 programs (4-8 per compute unit).
+    Rows: one 16-byte vector per lane and operand, down to 4 bytes while under _MIN_ROW_PROGRAMS programs
+    (decode sizes are latency-bound; SwiGLU 13-22 % faster at 1-1,024 rows on an H200).
     """
     vec = max(1, 16 // elem_bytes)
     num_warps = max(1, _LANES // warp_size)
@@ -421,10 +394,8 @@ def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: 
 
 
 def _whole_row_config(n_cols: int, n_rows: int, warp_size: int, max_whole: int, chunk: int):
-    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for whole-row programs (per-row FP8 scales). About 16
-    elements per lane per operand, so that fewer warps shorten the row maximum's cross-warp reduction: 1-11 %
-    faster than 8 per lane at 4096- and 16384-wide rows with FP8 output on an H200. Short rows are packed
-    several to a program; at most 1024 lanes (a workgroup's limit: 16 wave64 warps on CDNA)."""
+    """(BLOCK_M, BLOCK_N, SINGLE_PASS, num_warps) for per-row FP8 scales: ~16 elements per lane (fewer warps,
+    shorter cross-warp max: 1-11 % faster than 8 on an H200); at most 1024 lanes (a workgroup's limit)."""
     single = n_cols <= max_whole
     block_n = _next_pow2(n_cols) if single else chunk
     block_m = max(1, min(16, 4096 // block_n, _next_pow2(max(n_rows, 1))))
@@ -432,8 +403,7 @@ def _whole_row_config(n_cols: int, n_rows: int, warp_size: int, max_whole: int, 
 
 
 def _row_grid(m: int, n: int, block_m: int, block_n: int, whole_rows: bool = False):
-    """(grid, GRID_2D, n_col_blocks, EVEN) of _act_rows_kernel over m rows of n outputs. whole_rows: each
-    program walks its rows in BLOCK_N steps (one column block)."""
+    """(grid, GRID_2D, n_col_blocks, EVEN) of _act_rows_kernel over m rows of n outputs."""
     n_row_blocks, n_col_blocks = -(-m // block_m), 1 if whole_rows else -(-n // block_n)
     even = m % block_m == 0 and n % block_n == 0
     if n_row_blocks <= _MAX_GRID_Y:
@@ -442,29 +412,22 @@ def _row_grid(m: int, n: int, block_m: int, block_n: int, whole_rows: bool = Fal
 
 
 def _gelu_launch(x: Tensor, approximate: str) -> Tensor:
-    """Check, configure and launch GELU: the flat kernel for a contiguous x, else the row kernel."""
+    """GELU: the flat kernel for a contiguous x, else the row kernel."""
     _check("x", x)
     approx_tanh = _check_approximate(approximate)
     if not x.is_contiguous() and x.numel() > 0:
         return _rows_launch(x, None, int(approx_tanh), 0, None, None)[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() > 0:
-        _, block, warps = _launch_config(x.numel(), x.numel(), x.element_size(), _device_target(x.device)[2], True)
-        _gelu_flat_kernel[(-(-x.numel() // block),)](
-            x, out, x.numel(), APPROX_TANH=approx_tanh, BLOCK=block, num_warps=warps
-        )
+    if (n := x.numel()) > 0:
+        _, block, warps = _launch_config(n, n, x.element_size(), _device_target(x.device)[2], True)
+        _gelu_flat_kernel[(-(-n // block),)](x, out, n, APPROX_TANH=approx_tanh, BLOCK=block, num_warps=warps)
     return out
 
 
 def _geglu_launch(x: Tensor, approximate: str) -> Tensor:
-    """Check and launch GEGLU (diffusers: value first, gate second)."""
     _check("x", x)
     approx_tanh = _check_approximate(approximate)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the last one is split into value and gate)")
-    if x.shape[-1] % 2:
-        raise ValueError(f"the last dim of x must be even (value and gate halves of width H each), got {x.shape[-1]}")
-    h = x.shape[-1] // 2
+    h = _halves(x, "value", "gate")
     return _rows_launch(x[..., h:], x[..., :h], int(approx_tanh), 0, None, None, parent=x)[0]
 
 
@@ -472,14 +435,8 @@ def _swiglu_launch(
     x: Tensor, up: Optional[Tensor], gate_first: bool, fp8_mode: int, fp8_scale: Optional[Tensor],
     fp8_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
-    """Check and launch SwiGLU of a fused [..., 2H] x (halves as gate_first says) or of gate x and up."""
     if up is None:
-        _check("x", x)
-        if x.dim() == 0:
-            raise ValueError("x must have at least one dimension (the last one is split into gate and up)")
-        if x.shape[-1] % 2:
-            raise ValueError(f"the last dim of x must be even (gate and up halves of width H each), got {x.shape[-1]}")
-        h = x.shape[-1] // 2
+        h = _halves(x, "gate", "up")
         gate, up = (x[..., :h], x[..., h:]) if gate_first else (x[..., h:], x[..., :h])
         return _rows_launch(gate, up, 2, fp8_mode, fp8_scale, fp8_dtype, parent=x)
     _check_gate_up(x, up)
@@ -497,14 +454,11 @@ def _check_gate_up(gate: Tensor, up: Tensor) -> None:
     if gate.dim() == 0:
         raise ValueError("gate and up must have at least one dimension")
     for name, t in (("gate", gate), ("up", up)):
-        if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()"
-            )
+        if t.numel() > 0 and t.shape[-1] > 1 and (st := t.stride(-1)) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {st}); call .contiguous()")
 
 
 def _gelu_mul_launch(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
-    """Check and launch gelu(gate) * up of two [..., H] tensors (Gemma's gate_proj(x) and up_proj(x))."""
     _check_gate_up(gate, up)
     return _rows_launch(gate, up, int(_check_approximate(approximate)), 0, None, None)[0]
 
@@ -512,7 +466,7 @@ def _gelu_mul_launch(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
 def _act_fp8_launch(
     x: Tensor, act: int, fp8_mode: int, fp8_scale: Optional[Tensor], fp8_dtype: Optional[torch.dtype]
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """Check and launch act(x) with FP8 output (act 0 / 1: GELU erf / tanh, 3: x itself)."""
+    """act(x) with FP8 output (act 0 / 1: GELU erf / tanh, 3: x itself)."""
     _check("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (its last one is a row)")
@@ -522,9 +476,8 @@ def _act_fp8_launch(
 
 
 def _rows_launch(gate, up, act: int, fp8_mode: int, fp8_scale, fp8_dtype, parent=None):
-    """out = up * act(gate) (up None: act(gate); act 0 / 1: GELU erf / tanh, 2: SiLU, 3: identity) over rows of
-    the views gate, up of one shape [..., H], on _act_rows_kernel; returns (out, per-row FP8 scales or None).
-    parent: the [..., 2H] tensor both are halves of (one row layout for both)."""
+    """out = up * act(gate) (up None: act(gate)) over rows of views of one shape [..., H] on _act_rows_kernel;
+    returns (out, per-row FP8 scales or None). parent: the [..., 2H] tensor both are halves of."""
     device = gate.device
     out_dtype, fp8_format, native = gate.dtype, (0.0, 0, 0), False
     if fp8_mode:
@@ -548,18 +501,14 @@ def _rows_launch(gate, up, act: int, fp8_mode: int, fp8_scale, fp8_dtype, parent
         return out, scales
     h = gate.shape[-1]
     m = gate.numel() // h
-    inner, layouts = (
-        _row_layouts(parent) if parent is not None else _row_layouts(*(t for t in (gate, up) if t is not None))
-    )
+    inner, layouts = _row_layouts(*((parent,) if parent is not None else (t for t in (gate, up) if t is not None)))
     (g_o, g_i), (u_o, u_i) = layouts[0], layouts[-1] if up is not None else (0, 0)
     warp_size = _device_target(device)[2]
     if fp8_mode == 2:
         block_m, block_n, single, warps = _whole_row_config(h, m, warp_size, _MAX_WHOLE_ROW, _ROW_CHUNK)
     else:  # the tile is budgeted on the output: each output element reads two inputs
-        (block_m, block_n, warps), single = (
-            _launch_config(gate.numel(), h, gate.element_size(), warp_size, False),
-            False,
-        )
+        block_m, block_n, warps = _launch_config(gate.numel(), h, gate.element_size(), warp_size, False)
+        single = False
     grid, grid_2d, n_col_blocks, even = _row_grid(m, h, block_m, block_n, whole_rows=fp8_mode == 2)
     fp8_max, fp8_min_exp, fp8_nan = fp8_format
     _act_rows_kernel[grid](
@@ -574,12 +523,8 @@ def _rows_launch(gate, up, act: int, fp8_mode: int, fp8_scale, fp8_dtype, parent
     return out, scales
 
 
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
 def _no_backward(fn: str, names: str, *tensors, ref=None) -> None:
-    """In grad mode, refuse an input that requires grad: the kernels have no backward, so their outputs would
-    carry no grad_fn and gradients would stop there without a word."""
+    """In grad mode, refuse an input that requires grad: the kernels have no backward."""
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
         if getattr(t, "requires_grad", False):
             raise RuntimeError(
@@ -601,15 +546,11 @@ def _fp8_mode(fp8, fp8_scale=None, fp8_dtype=None) -> int:
 
 
 def gelu(x: Tensor, approximate: str = "tanh", *, fp8=None, fp8_scale=None, fp8_dtype=None):
-    """torch.nn.functional.gelu(x, approximate) for fp32/fp16/bf16 x of any shape (rows may be strided, the
-    last dim contiguous); the result is contiguous, of x's shape and dtype. The default is "tanh" (LTX-Video,
-    diffusers "gelu-approximate"); torch's is "none". FP8 output (the input of an FP8 GEMM), quantised from
-    fp32: fp8="per_tensor" gives fp8(clamp(out / fp8_scale, +-fp8_max)) (fp8_scale: a one-element float32
-    tensor on x's device); fp8="per_token" gives (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max,
-    1e-12) (float32, x.shape[:-1]; dequantise as out_fp8.float() * scales[..., None]). fp8_dtype: None picks
-    the device's format. The kernels have no backward: in grad mode an input that requires grad raises
-    RuntimeError (call it under torch.no_grad() / torch.inference_mode(), or use gelu_ref).
-    """
+    """torch.nn.functional.gelu(x, approximate) for fp32/fp16/bf16 x of any shape (last dim contiguous); returns
+    a contiguous tensor of x's shape and dtype. Default "tanh" (LTX-Video); torch's is "none". FP8 output:
+    fp8="per_tensor" gives fp8(clamp(out / fp8_scale)) (fp8_scale: one-element float32 tensor); "per_token"
+    gives (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12). fp8_dtype None: the device's.
+    No backward: in grad mode an input that requires grad raises RuntimeError (use gelu_ref)."""
     if fp8 is not None or fp8_scale is not None or fp8_dtype is not None:
         mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
         _no_backward("gelu", "x,fp8_scale", x, fp8_scale)
@@ -626,21 +567,16 @@ def gelu_tanh(x: Tensor) -> Tensor:
 
 
 def geglu(x: Tensor, approximate: str = "none") -> Tensor:
-    """diffusers GEGLU after its projection: value, gate = x.chunk(2, -1); value * gelu(gate). x is [..., 2H]
-    with a contiguous last dim (rows may be strided); the result is a contiguous [..., H] of x's dtype,
-    computed in fp32 and rounded once. The default "none" (erf) is what diffusers' GEGLU uses. No backward."""
+    """diffusers GEGLU after its projection: value, gate = x.chunk(2, -1); value * gelu(gate). x: [..., 2H];
+    returns a contiguous [..., H] of x's dtype. Default "none" (erf), as diffusers. No backward."""
     _no_backward("geglu", "x", x)
     return _geglu_launch(x, approximate)
 
 
 def swiglu(x: Tensor, up: Optional[Tensor] = None, *, gate_first=None, fp8=None, fp8_scale=None, fp8_dtype=None):
-    """SwiGLU of an LLM MLP: silu(gate) * up, computed in fp32 and rounded once.
-
-    swiglu(x): x is a fused gate/up projection [..., 2H]; gate_first (default True): the FIRST half is the gate,
-    as in transformers' Phi-3 and vLLM's SiluAndMul (False for checkpoints storing [up | gate]).
-    swiglu(gate, up): two [..., H] tensors of one shape and dtype, e.g. Llama's gate_proj(x) and up_proj(x).
-    Returns a contiguous [..., H] tensor of the input dtype, or FP8 output as gelu's. No backward.
-    """
+    """silu(gate) * up of an LLM MLP. swiglu(x): fused [..., 2H], gate_first (default True): the FIRST half is the
+    gate (False for [up | gate]); swiglu(gate, up): two [..., H] tensors. Returns [..., H] of the input dtype, or
+    FP8 output as gelu's. No backward."""
     mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
     if up is not None and gate_first is not None:
         raise ValueError("gate_first applies to the fused [..., 2H] input only; with two tensors the first is the gate")
@@ -650,19 +586,15 @@ def swiglu(x: Tensor, up: Optional[Tensor] = None, *, gate_first=None, fp8=None,
 
 
 def gelu_mul(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
-    """gelu(gate) * up of two [..., H] tensors of one shape, dtype and device (last dims contiguous, rows may be
-    strided), computed in fp32 and rounded once: the gated MLP of Gemma 2 / 3, act_fn(gate_proj(x)) *
-    up_proj(x) with the tanh GELU (the default here, as in gelu; "none": the erf form). The two-tensor
-    counterpart of geglu, as swiglu(gate, up) is for SiLU. Returns a contiguous [..., H] tensor of the input
-    dtype. No backward."""
+    """gelu(gate) * up of two [..., H] tensors of one shape, dtype and device: Gemma 2 / 3's gated MLP (tanh
+    GELU by default). Returns a contiguous [..., H] tensor of the input dtype. No backward."""
     _no_backward("gelu_mul", "gate,up", gate, up)
     return _gelu_mul_launch(gate, up, approximate)
 
 
 def fp8_quantize(x: Tensor, fp8: str = "per_token", *, fp8_scale=None, fp8_dtype=None):
-    """x quantised to FP8 in one pass (the input of an FP8 GEMM whose producer cannot emit FP8 itself, e.g. an
-    attention output): fp8="per_token" returns (x_fp8, scales), fp8="per_tensor" returns x_fp8, as gelu's FP8
-    output. fp32/fp16/bf16 x, rows may be strided (last dim contiguous). No backward."""
+    """x quantised to FP8 in one pass: "per_token" returns (x_fp8, scales), "per_tensor" x_fp8, as gelu's FP8
+    output. No backward."""
     if fp8 is None:
         raise ValueError("fp8 must be 'per_tensor' or 'per_token'")
     mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
@@ -671,27 +603,20 @@ def fp8_quantize(x: Tensor, fp8: str = "per_token", *, fp8_scale=None, fp8_dtype
     return (out, scales) if mode == 2 else out
 
 
-# --------------------------------------------------------------------------------------------
-# References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
-# --------------------------------------------------------------------------------------------
 def gelu_ref(x: Tensor, approximate: str = "tanh") -> Tensor:
-    """torch.nn.functional.gelu; exact values when x is float64."""
     return torch.nn.functional.gelu(x, approximate=approximate)
 
 
 def geglu_ref(x: Tensor, approximate: str = "none") -> Tensor:
-    """diffusers GEGLU.forward after self.proj: the second half of the last dim is the gate."""
     value, gate = x.chunk(2, dim=-1)
     return value * torch.nn.functional.gelu(gate, approximate=approximate)
 
 
 def gelu_mul_ref(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
-    """gelu(gate) * up in the inputs' precision (exact values when float64): Gemma's MLP before down_proj."""
     return torch.nn.functional.gelu(gate, approximate=approximate) * up
 
 
 def swiglu_ref(x: Tensor, up: Optional[Tensor] = None, gate_first: bool = True) -> Tensor:
-    """silu(gate) * up in x's precision (exact values when float64); x is [..., 2H] when up is None."""
     if up is None:
         first, second = x.chunk(2, dim=-1)
         x, up = (first, second) if gate_first else (second, first)
@@ -707,9 +632,8 @@ def _exact_pow2(k: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
-    """Saturating round-to-nearest-even FP8 quantisation in y's precision (use float64): (q, s) with q the FP8
-    values held in y's dtype and s the per-row scales (scale None: max(max|y_row| / fp8_max, 1e-12)) or the
-    given per-tensor scale, so that y ~ q * s."""
+    """Saturating round-to-nearest-even FP8 quantisation in y's precision: (q, s), y ~ q * s, s per row (scale
+    None) or the given per-tensor scale."""
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
     s = (y.abs().amax(-1) / fp8_max).clamp_min(_MIN_DYNAMIC_SCALE) if scale is None else scale.to(y.dtype).reshape(())
     v = (y / (s[..., None] if scale is None else s)).clamp(-fp8_max, fp8_max)
@@ -718,16 +642,11 @@ def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
     return torch.round(v / step) * step, s  # torch.round rounds half to even
 
 
-# --------------------------------------------------------------------------------------------
-# Self-check: python activations.py [--rows R] [--width N] [--dtype bf16]
-# --------------------------------------------------------------------------------------------
 def _main(argv=None) -> int:
     import argparse
     import json
 
-    p = argparse.ArgumentParser(
-        description="Check gelu/geglu/swiglu/gelu_mul against a float64 reference on random inputs."
-    )
+    p = argparse.ArgumentParser(description="Check gelu/geglu/swiglu/gelu_mul against a float64 reference.")
     p.add_argument("--rows", type=int, default=64, help="rows (default 64)")
     p.add_argument("--width", type=int, default=2048, help="row width; geglu/swiglu read 2 * width (default 2048)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
@@ -775,8 +694,7 @@ def _main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# Inside this bundle (kernel_runtime.py beside this file): cached launch plans, torch.library ops and device
-# checks for the launchers. Copied alone, the file keeps its plain launchers.
+# With kernel_runtime.py beside this file: cached launch plans, torch.library ops and device checks.
 try:
     import kernel_runtime
 except ImportError:

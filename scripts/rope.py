@@ -6,21 +6,10 @@
     rotate-half (Llama/HF):  out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
     all arithmetic in fp32, one rounding to the input dtype at the end.
 
-Public functions: ``ltx_rope(x, cos, sin)`` (diffusers' ``apply_rotary_emb`` of ``transformer_ltx.py`` on
-x [B, S, C]; rows may be strided, e.g. a slice of a fused qkv projection); ``rope_rotate_half(x, cos, sin)``
-(transformers' ``apply_rotary_pos_emb`` for one tensor x [B, H, S, D]; also diffusers' split RoPE, tables of
-width D / 2); ``rope_interleaved(x, cos, sin)``
-(diffusers' ``apply_rotary_emb`` with pairs, ``use_real_unbind_dim=-1``, or a complex table, for x [B, H, S,
-D]); ``ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, eps, cos, sin)`` (LTX self-attention's
-``apply_rotary_emb(norm_q(q))`` and ``apply_rotary_emb(norm_k(k))`` in one launch, the RMSNorm over the whole
-C-wide row); ``ltx_qk_rmsnorm_rope_coords(..., coords, freqs)`` (the same with cos/sin computed in the kernel
-from the per-token grid coordinates, so the 8 bytes per channel of fp32 cos/sin are never read);
-``ltx_rope_freqs`` and ``ltx_cos_sin_from_coords`` (the frequencies and the (cos, sin) pair exactly as
-diffusers' ``LTXVideoRotaryPosEmbed`` computes them). Each ``*_ref`` is the plain-PyTorch math a kernel
-replaces (run it on float64 inputs to test).
-
-The file depends on torch and triton only: copy it into another project as is. ``python rope.py --help``
-runs its self-check. Inside this bundle, kernel_runtime.py adds cached launch plans and torch.library ops.
+Public: ltx_rope, rope_rotate_half, rope_interleaved, ltx_qk_rmsnorm_rope(_coords), ltx_rope_freqs,
+ltx_cos_sin_from_coords; each ``*_ref`` is the plain-PyTorch math a kernel replaces (run it on float64).
+Depends on torch and triton only: copy it into another project as is. ``python rope.py --help`` runs its
+self-check.
 """
 
 from __future__ import annotations
@@ -36,22 +25,12 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# cos/sin, weights, coords and freqs are read and converted to fp32 in the kernel: any float dtype.
-_ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# The fused RMSNorm + RoPE kernels keep a whole row in registers (the norm needs the full row before
-# anything can be written). 16384 channels over 16 warps is at most 32 fp32 values per lane and tensor;
-# LTX-Video uses 2048.
-_MAX_NORM_WIDTH = 16384
-# The plain RoPE kernels are elementwise over pairs, so wide rows are split over a second grid axis in
-# column chunks of at most this many elements (pairs never straddle a chunk: it is even).
-_MAX_CHUNK = 4096
-# Target elements per program and tensor: 2048 is one LTX row; bf16 in + out is 8 KiB per program.
-_ELEMS_PER_PROGRAM = 2048
+_ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # cos/sin, weights, coords, freqs
+_MAX_NORM_WIDTH = 16384  # fused RMSNorm + RoPE holds a whole row in registers: <= 32 fp32 per lane over 16 warps
+_MAX_CHUNK = 4096  # plain RoPE splits wide rows over a second grid axis in even chunks of at most this
+_ELEMS_PER_PROGRAM = 2048  # per program and tensor: one LTX row; bf16 in + out is 8 KiB
 
 
-# --------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------
 @triton.jit
 def _rotate_pairs(x, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """[BLOCK_M, BLOCK_C] -> the interleaved partner of every channel: (-x[2i+1], x[2i]).
@@ -354,9 +333,6 @@ def _ltx_qk_norm_rope_kernel(
     tl.store(KO + out_row[:, None] + cols[None, :], ko.to(KO.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -364,8 +340,7 @@ def _interpreting() -> bool:
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
-    """(backend, arch, warp size) of the device's GPU, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32);
-    ("interpreter", None, 32) on the CPU. Launch parameters are keyed on these (by arch, not product name)."""
+    """(backend, arch, warp size), e.g. ("hip", "gfx942", 64); ("interpreter", None, 32) on the CPU."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
     with torch.cuda.device(device):
@@ -374,7 +349,6 @@ def _device_target(device: torch.device):
 
 
 def _check(name: str, t, dtypes, device=None) -> None:
-    """Refuse t unless it is a tensor of one of dtypes and, when given, on device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -384,14 +358,15 @@ def _check(name: str, t, dtypes, device=None) -> None:
         raise ValueError(f"{name} is on {t.device} but the input is on {device}; move them to one device")
 
 
-def _contiguous_last(name: str, t: Tensor) -> None:
-    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+def _contiguous_last(**tensors) -> None:
+    for name, t in tensors.items():
+        if t.numel() > 0 and t.shape[-1] > 1 and (st := t.stride(-1)) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {st}); call .contiguous()")
 
 
 def _table(name: str, t: Tensor, shape, what: str) -> Tensor:
-    """A cos/sin (or coords) table checked and viewed at shape ([B, S, W] or [B, H, S, W]) without a copy:
-    [S, W], [B or 1, S, W] or, for a 4-D shape, [B or 1, H or 1, S, W] (stride 0 on broadcast dims)."""
+    """t viewed at shape ([B, S, W] or [B, H, S, W]) without a copy; accepts [S, W], [B or 1, S, W] or
+    [B or 1, H or 1, S, W]."""
     orig, b, s, w = tuple(t.shape), shape[0], shape[-2], shape[-1]
     t = t[(None,) * (len(shape) - t.dim())] if t.dim() == 2 else t  # [S, W]: every leading dim broadcast
     if len(shape) == 4 and t.dim() == 3:  # [B, S, W] for x [B, H, S, D]: transformers unsqueezes the head dim
@@ -410,21 +385,14 @@ def _next_pow2(n: int) -> int:
 def _launch_config(
     width: int, n_rows: int, warp_size: int, max_block: int, elems: int = _ELEMS_PER_PROGRAM, per_lane: int = 8
 ):
-    """(BLOCK_M, BLOCK_C, num_warps) for row-wise kernels over `width`-wide rows.
-
-    A program should move about `elems` elements per tensor (2048: one LTX row; narrower rows are packed
-    several to a program, up to 64, so that a program still moves a few KiB and the per-program overhead is
-    amortised). Each lane should hold `per_lane` consecutive elements of a tensor: 8 is one 16-byte vector of
-    bf16/fp16 (two of fp32), which makes the loads full-width; the warp count follows from the lane count (32
-    on NVIDIA and RDNA wave32, 64 on CDNA wave64), so a wave64 GPU gets half the warps for the same tile.
-    """
+    """(BLOCK_M, BLOCK_C, num_warps): about `elems` elements per program (narrow rows packed, up to 64, to
+    amortise per-program overhead), `per_lane` consecutive elements per lane (8: one 16-byte bf16 vector)."""
     block_c = min(_next_pow2(max(width, 2)), max_block)
     block_m = max(1, min(64, elems // block_c, _next_pow2(max(n_rows, 1))))
     return block_m, block_c, _next_pow2(max(1, min(16, (block_m * block_c) // (warp_size * per_lane))))
 
 
 def _rope_checks(x: Tensor, cos, sin, dims: int, kind: str) -> None:
-    """The checks every plain RoPE launcher starts with: tensor types, devices, x's rank, an even last dim."""
     _check("x", x, _SUPPORTED_DTYPES)
     _check("cos", cos, _ANY_FLOAT, x.device)
     _check("sin", sin, _ANY_FLOAT, x.device)
@@ -438,13 +406,11 @@ def _rope_checks(x: Tensor, cos, sin, dims: int, kind: str) -> None:
 
 
 def _ltx_rope_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Check, configure and launch _ltx_rope_kernel over x [B, S, C]; returns the contiguous output."""
     _rope_checks(x, cos, sin, 3, "interleaved")
     (bsz, seq, ch), out = x.shape, torch.empty(x.shape, dtype=x.dtype, device=x.device)
     cos = _table("cos", cos, x.shape, "one row of C cos values per token")  # [B, S, C] views: no copy
     sin = _table("sin", sin, x.shape, "one row of C sin values per token")
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        _contiguous_last(name, t)
+    _contiguous_last(x=x, cos=cos, sin=sin)
     if x.numel() > 0:
         m = bsz * seq
         block_m, block_c, num_warps = _launch_config(ch, m, _device_target(x.device)[2], _MAX_CHUNK)
@@ -456,8 +422,7 @@ def _ltx_rope_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _rope_rotate_half_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Check, configure and launch _rope_rotate_half_kernel over x [B, H, S, D]; the output has x's layout
-    when x is dense (torch.empty_like), as the eager expression returns it."""
+    """The output has x's layout when x is dense (torch.empty_like), as the eager expression returns it."""
     _rope_checks(x, cos, sin, 4, "rotate-half")
     (bsz, heads, seq, dim), out = x.shape, torch.empty_like(x)
     # one value per channel (width D) or per channel pair (c, c + D / 2) (width D / 2: diffusers' split RoPE)
@@ -470,15 +435,12 @@ def _rope_rotate_half_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         )
     cos = _table("cos", cos, (bsz, heads, seq, width), "")  # [B, H, S, width] views: no copy
     sin = _table("sin", sin, (bsz, heads, seq, width), "")
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        _contiguous_last(name, t)
+    _contiguous_last(x=x, cos=cos, sin=sin)
     if x.numel() > 0:
-        # a program covers BLOCK_H columns of both halves: the tile is sized on the half width (each element is
-        # paired with one from the other half), so each lane holds one 16-byte bf16 vector of each half
+        # tile sized on the half width (each element pairs with one of the other half): one bf16 vector per half
         m, half = bsz * heads * seq, dim // 2
-        block_m, block_h, num_warps = _launch_config(
-            half, m, _device_target(x.device)[2], _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2
-        )
+        warp = _device_target(x.device)[2]
+        block_m, block_h, num_warps = _launch_config(half, m, warp, _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2)
         _rope_rotate_half_kernel[(-(-m // block_m), -(-half // block_h))](
             x, *x.stride()[:3], cos, *cos.stride()[:3], sin, *sin.stride()[:3], out, *out.stride()[:3],
             m, heads, seq, half, HALF_TABLES=half_tables, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
@@ -487,10 +449,9 @@ def _rope_rotate_half_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _rope_interleaved_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Check, configure and launch _rope_interleaved_kernel over x [B, H, S, D], tables per channel (D wide) or
-    per pair (D // 2 wide); the output has x's layout when x is dense."""
+    """Tables per channel (D wide) or per pair (D // 2 wide); the output has x's layout when x is dense."""
     _rope_checks(x, cos, sin, 4, "interleaved")
-    _contiguous_last("x", x)
+    _contiguous_last(x=x)
     dim = x.shape[-1]
     if cos.shape[-1] != sin.shape[-1] or cos.shape[-1] not in (dim, dim // 2):
         raise ValueError(
@@ -515,7 +476,6 @@ def _qk_launch(
     q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, cos: Tensor,
     sin: Tensor, cast_before_weight: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """RMSNorm of q and k over their C-wide rows, then interleaved RoPE with cos/sin tables, in one launch."""
     return _qk(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
 
 
@@ -523,7 +483,6 @@ def _qk_coords_launch(
     q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, coords: Tensor,
     freqs: Tensor, cast_before_weight: bool,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """_qk_launch with cos/sin computed in the kernel from the grid coordinates and frequencies."""
     return _qk(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
 
 
@@ -552,11 +511,10 @@ def _qk(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weig
             _check(name, w, _ANY_FLOAT, dev)
             if w.dim() != 1 or w.shape[0] != ch:
                 raise ValueError(f"{name} must have shape [{ch}] (the channel count of q), got {tuple(w.shape)}")
-            _contiguous_last(name, w)
+            _contiguous_last(**{name: w})
     if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:  # NaN fails eps >= 0
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    _contiguous_last("q", q)
-    _contiguous_last("k", k)
+    _contiguous_last(q=q, k=k)
     strides = [(0, 0), (0, 0), (0, 0, 0), (0,)]  # of cos, sin, coords, freqs ([B, S, W] views); 0 for absent ones
     table_w = ch
     if coords is not None:
@@ -571,8 +529,7 @@ def _qk(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weig
     else:
         _check("cos", cos, _ANY_FLOAT, dev)
         _check("sin", sin, _ANY_FLOAT, dev)
-        # a table one head wide (an even width dividing C: Wan's [1, S, 1, D] tables viewed as [1, S, D]) is
-        # read in place by every head; any other width must be C
+        # a table one head wide (an even width dividing C: Wan's [1, S, 1, D] viewed as [1, S, D]) is read by every head
         table_w = cos.shape[-1] if cos.dim() in (2, 3) else ch
         if table_w != ch and not (table_w > 0 and table_w % 2 == 0 and ch % table_w == 0):
             table_w = ch  # the check below says what is expected
@@ -581,22 +538,17 @@ def _qk(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weig
         )
         cos = _table("cos", cos, (bsz, seq, table_w), what)
         sin = _table("sin", sin, (bsz, seq, table_w), what.replace("cos", "sin"))
-        _contiguous_last("cos", cos)
-        _contiguous_last("sin", sin)
+        _contiguous_last(cos=cos, sin=sin)
         strides[:2] = [cos.stride()[:2], sin.stride()[:2]]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=dev)  # contiguous
     k_out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     if q.numel() > 0:
-        # About 4096 elements of each of q and k per program (two LTX rows), 16 per lane (two 16-byte vectors
-        # of each): 12-16 % faster than 2048 per program, 15-45 % faster than 8 or 32 per lane or 8192-16384
-        # per program, at LTX shapes on an H200.
+        # ~4096 elements of q and k per program, 16 per lane: 12-45 % faster than the alternatives at LTX shapes (H200)
         m = bsz * seq
-        block_m, block_c, num_warps = _launch_config(
-            ch, m, _device_target(dev)[2], _MAX_NORM_WIDTH, 2 * _ELEMS_PER_PROGRAM, per_lane=16
-        )
+        warp = _device_target(dev)[2]
+        block_m, block_c, num_warps = _launch_config(ch, m, warp, _MAX_NORM_WIDTH, 2 * _ELEMS_PER_PROGRAM, per_lane=16)
         (c_sb, c_ss), (s_sb, s_ss), (g_sb, g_ss, g_sa), (f_s,) = strides
-        # absent operands go as None: the kernel leaves out every use of them
-        _ltx_qk_norm_rope_kernel[(-(-m // block_m),)](
+        _ltx_qk_norm_rope_kernel[(-(-m // block_m),)](  # absent operands go as None: the kernel leaves them out
             q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), q_weight, k_weight,
             cos, c_sb, c_ss, sin, s_sb, s_ss, coords, g_sb, g_ss, g_sa, freqs, f_s, q_out, k_out,
             m, bsz, ch, (ch % 6) // 2, 3 * (ch // 6), float(eps),
@@ -606,12 +558,8 @@ def _qk(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weig
     return q_out, k_out
 
 
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
 def _no_backward(fn: str, names: str, *tensors) -> None:
-    """In grad mode, refuse an input that requires grad: the kernels have no backward, so their outputs would
-    carry no grad_fn and gradients would stop there without a word."""
+    """In grad mode, refuse an input that requires grad: the kernels have no backward."""
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
         if getattr(t, "requires_grad", False):
             raise RuntimeError(
@@ -622,30 +570,24 @@ def _no_backward(fn: str, names: str, *tensors) -> None:
 
 
 def ltx_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """diffusers LTX-Video ``apply_rotary_emb(x, (cos, sin))``: interleaved-pair RoPE, fp32 math. x: [B, S, C]
-    fp16/bf16/fp32, C even, channels contiguous (rows may be strided: a slice of a fused qkv output is read in
-    place); cos/sin: [B or 1, S, C] or [S, C], any float dtype. Returns a contiguous [B, S, C] tensor of x's
-    dtype. The kernels have no backward: in grad mode an input that requires grad raises RuntimeError (call
-    it under torch.no_grad() / torch.inference_mode(), or use ltx_rope_ref)."""
+    """diffusers LTX-Video ``apply_rotary_emb(x, (cos, sin))``. x: [B, S, C], C even, channels contiguous (rows
+    may be strided); cos/sin: [B or 1, S, C] or [S, C], any float dtype. Returns a contiguous [B, S, C] of x's
+    dtype. No backward: in grad mode an input that requires grad raises RuntimeError (use ltx_rope_ref)."""
     _no_backward("ltx_rope", "x,cos,sin", x, cos, sin)
     return _ltx_rope_launch(x, cos, sin)
 
 
 def rope_rotate_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """transformers ``x * cos + rotate_half(x) * sin`` with fp32 math and one rounding. x: [B, H, S, D], any
-    strides with a contiguous last dim (e.g. the [B, S, H, D] -> [B, H, S, D] transpose of a projection);
-    cos/sin: [S, D], [B or 1, S, D] (the head dim broadcast) or [B or 1, H or 1, S, D], any float dtype; or the
-    same with last dim D / 2, one value for channels c and c + D / 2 (diffusers' apply_split_rotary_emb tables:
-    read in place, never doubled). The output has x's dtype, and x's layout when x is dense. No backward."""
+    """transformers ``x * cos + rotate_half(x) * sin``. x: [B, H, S, D], last dim contiguous; cos/sin: [S, W],
+    [B or 1, S, W] or [B or 1, H or 1, S, W], W = D or D / 2 (diffusers' split RoPE tables, read in place).
+    The output has x's dtype, and x's layout when x is dense. No backward."""
     _no_backward("rope_rotate_half", "x,cos,sin", x, cos, sin)
     return _rope_rotate_half_launch(x, cos, sin)
 
 
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """diffusers ``apply_rotary_emb`` for x [B, H, S, D]: channel pairs (2i, 2i+1) rotated, fp32 math, one
-    rounding. cos/sin: [S, W], [B or 1, S, W] or [B or 1, H or 1, S, W], any float dtype and strides, with
-    W = D (one value per channel, as use_real=True tables hold them) or D // 2 (one per pair: the real and
-    imaginary parts of a complex table). The output has x's dtype, and x's layout when x is dense. No backward."""
+    """diffusers ``apply_rotary_emb`` for x [B, H, S, D]: pairs (2i, 2i+1) rotated. cos/sin as rope_rotate_half's,
+    W = D (per channel) or D // 2 (per pair: a complex table's parts). Output as rope_rotate_half's. No backward."""
     _no_backward("rope_interleaved", "x,cos,sin", x, cos, sin)
     return _rope_interleaved_launch(x, cos, sin)
 
@@ -653,32 +595,25 @@ def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, eps, cos, sin, *, cast_before_weight=False):
     """LTX self-attention's ``apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))`` in one launch.
 
-    norm_q/norm_k: ``torch.nn.RMSNorm(C, eps)`` over the whole row (all heads) with weights [C] (or both None).
-    The norm's output is rounded to q's dtype, then RoPE runs in fp32 and rounds once. cast_before_weight
-    False (default) multiplies the weight in fp32 and rounds once, as current PyTorch's fused
-    ``F.rms_norm``; True also rounds the normalised row before the weight (the older composite form).
-    q, k: [B, S, C] of one shape and dtype, each with its own row strides. cos/sin: [B or 1, S, C] or [S, C];
-    or one head wide ([B or 1, S, D] or [S, D], D even dividing C), read in place by each of the C / D heads
-    (Wan's [1, S, 1, D] tables viewed as [1, S, D]). Returns contiguous (q_out, k_out). No backward.
+    norm: ``torch.nn.RMSNorm(C, eps)`` over the whole row, weights [C] (or both None), output rounded to q's
+    dtype; cast_before_weight True also rounds before the weight (the older composite form). q, k: [B, S, C];
+    cos/sin: [B or 1, S, C] or [S, C], or one head wide (D even dividing C). Returns contiguous (q_out, k_out).
+    No backward.
     """
     _no_backward("ltx_qk_rmsnorm_rope", "q,k,q_weight,k_weight,cos,sin", q, k, q_weight, k_weight, cos, sin)
     return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
 
 
 def ltx_qk_rmsnorm_rope_coords(q, k, q_weight, k_weight, eps, coords, freqs, *, cast_before_weight=False):
-    """``ltx_qk_rmsnorm_rope`` with cos/sin computed in the kernel. coords: [B or 1, S, 3] or [S, 3], the
-    per-token (frame, height, width) coordinates as diffusers' LTXVideoRotaryPosEmbed builds its ``grid``
-    (after rope_interpolation_scale and the base sizes, before ``* 2 - 1``); freqs: [C // 6],
-    ``ltx_rope_freqs(C, theta)``. The first C % 6 channels are identity (cos 1, sin 0); channel pair p after
-    them uses freqs[p // 3] on axis p % 3. No backward."""
+    """``ltx_qk_rmsnorm_rope`` with cos/sin computed in the kernel. coords: [B or 1, S, 3] or [S, 3], diffusers'
+    LTXVideoRotaryPosEmbed ``grid`` before ``* 2 - 1``; freqs: ``ltx_rope_freqs(C, theta)``. No backward."""
     names = "q,k,q_weight,k_weight,coords,freqs"
     _no_backward("ltx_qk_rmsnorm_rope_coords", names, q, k, q_weight, k_weight, coords, freqs)
     return _qk_coords_launch(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight)
 
 
 def ltx_rope_freqs(dim: int, theta: float = 10000.0, device=None) -> Tensor:
-    """The fp32 frequency vector [dim // 6] of LTXVideoRotaryPosEmbed (already times pi / 2), computed with the
-    same operations in the same order, so the values are identical."""
+    """LTXVideoRotaryPosEmbed's fp32 frequencies [dim // 6] (times pi / 2), computed identically."""
     exponents = torch.linspace(
         math.log(1.0, theta), math.log(theta, theta), dim // 6, device=device, dtype=torch.float32
     )
@@ -686,9 +621,8 @@ def ltx_rope_freqs(dim: int, theta: float = 10000.0, device=None) -> Tensor:
 
 
 def ltx_cos_sin_from_coords(coords: Tensor, freqs: Tensor, dim: int, out_dtype: torch.dtype = torch.float32):
-    """(cos, sin), each [B, S, dim], as LTXVideoRotaryPosEmbed returns them for this grid: coords [B, S, 3] (or
-    [S, 3]) before ``* 2 - 1``, freqs [dim // 6]. The angles are computed in fp32 as diffusers does (pair p =
-    frequency p // 3 on axis p % 3); cos and sin are evaluated in out_dtype (float64: exact, for testing)."""
+    """(cos, sin), each [B, S, dim], as LTXVideoRotaryPosEmbed returns them: fp32 angles, pair p = frequency
+    p // 3 on axis p % 3, first dim % 6 channels identity; cos and sin evaluated in out_dtype."""
     coords = coords.unsqueeze(0) if coords.dim() == 2 else coords
     angles = freqs.float() * (coords.float().unsqueeze(-1) * 2 - 1)  # [B, S, 3, F]
     angles = angles.transpose(-1, -2).flatten(2).to(out_dtype)  # [B, S, 3F], frequency-major
@@ -700,24 +634,18 @@ def ltx_cos_sin_from_coords(coords: Tensor, freqs: Tensor, dim: int, out_dtype: 
     return cos, sin
 
 
-# --------------------------------------------------------------------------------------------
-# References: the plain-PyTorch math each kernel replaces (run them in float64 for testing)
-# --------------------------------------------------------------------------------------------
 def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def ltx_rope_ref(x, cos, sin):
-    """diffusers' apply_rotary_emb: pairs (2i, 2i+1) rotated, math in fp32 (float64 for float64 x)."""
     xf = x.to(_compute_dtype(x))
     even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
     return (xf * cos.to(xf.dtype) + torch.stack([-odd, even], dim=-1).flatten(-2) * sin.to(xf.dtype)).to(x.dtype)
 
 
 def rope_rotate_half_ref(x, cos, sin):
-    """transformers' q * cos + rotate_half(q) * sin for x [B, H, S, D] (cos [B, S, D] gets the head dim; tables
-    of width D / 2 hold one value per channel pair (c, c + D / 2): doubled)."""
-    if x.shape[-1] and cos.shape[-1] * 2 == x.shape[-1]:
+    if x.shape[-1] and cos.shape[-1] * 2 == x.shape[-1]:  # one value per channel pair (c, c + D / 2)
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     cos, sin = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 3 else (cos, sin)
     xf = x.to(_compute_dtype(x))
@@ -726,7 +654,6 @@ def rope_rotate_half_ref(x, cos, sin):
 
 
 def rope_interleaved_ref(x, cos, sin):
-    """diffusers' apply_rotary_emb (use_real_unbind_dim=-1) for x [B, H, S, D]; cos/sin per channel or pair."""
     if cos.shape[-1] * 2 == x.shape[-1]:
         cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
     if cos.dim() < 4:  # [B, S, W]: the head dim is broadcast; [S, W]: batch and heads
@@ -735,7 +662,6 @@ def rope_interleaved_ref(x, cos, sin):
 
 
 def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
-    """torch.nn.RMSNorm(C, eps) forward: fp32 math (float64 for float64 x), output in x's dtype."""
     xf = x.to(_compute_dtype(x))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -744,27 +670,18 @@ def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
 
 
 def ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight=False):
-    """(apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))) as LTX's attention processor does (a
-    per-head cos/sin table is repeated over the heads first)."""
-    reps = q.shape[-1] // cos.shape[-1]
+    reps = q.shape[-1] // cos.shape[-1]  # a per-head cos/sin table is repeated over the heads
     if reps > 1:
         cos, sin = (t.repeat(*((1,) * (t.dim() - 1)), reps) for t in (cos, sin))
-    return (
-        ltx_rope_ref(_rms_norm_module_ref(q, q_weight, eps, cast_before_weight), cos, sin),
-        ltx_rope_ref(_rms_norm_module_ref(k, k_weight, eps, cast_before_weight), cos, sin),
-    )
+    q, k = (_rms_norm_module_ref(t, w, eps, cast_before_weight) for t, w in ((q, q_weight), (k, k_weight)))
+    return ltx_rope_ref(q, cos, sin), ltx_rope_ref(k, cos, sin)
 
 
 def ltx_qk_rmsnorm_rope_coords_ref(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight=False):
-    """ltx_qk_rmsnorm_rope_ref with cos/sin from ltx_cos_sin_from_coords (fp32 angles as diffusers computes
-    them; cos/sin themselves evaluated in float64 when q is float64)."""
     cos, sin = ltx_cos_sin_from_coords(coords, freqs, q.shape[-1], out_dtype=_compute_dtype(q))
     return ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
 
 
-# --------------------------------------------------------------------------------------------
-# Self-check: python rope.py [--tokens S] [--width C] [--dtype bf16]
-# --------------------------------------------------------------------------------------------
 def _main(argv=None) -> int:
     import argparse
     import json
@@ -795,19 +712,14 @@ def _main(argv=None) -> int:
     checks = {  # name: (output, float64 reference)
         "ltx_rope": (ltx_rope(q, on(cos), on(sin)), ltx_rope_ref(q64, cos, sin)),
         "rope_rotate_half": (rope_rotate_half(x4, on(cos_h), on(sin_h)), rope_rotate_half_ref(x64, cos_h, sin_h)),
-        "ltx_qk_rmsnorm_rope": (
-            torch.cat(ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-5, on(cos), on(sin))),
-            torch.cat(ltx_qk_rmsnorm_rope_ref(q64, k64, qw64, kw64, 1e-5, cos, sin)),
-        ),
-        "ltx_qk_rmsnorm_rope_coords": (
-            torch.cat(ltx_qk_rmsnorm_rope_coords(q, k, qw, kw, 1e-5, on(coords), on(freqs))),
-            torch.cat(ltx_qk_rmsnorm_rope_coords_ref(q64, k64, qw64, kw64, 1e-5, coords, freqs)),
-        ),
-    }
+        "ltx_qk_rmsnorm_rope": (ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-5, on(cos), on(sin)), ltx_qk_rmsnorm_rope_ref(q64, k64, qw64, kw64, 1e-5, cos, sin)),
+        "ltx_qk_rmsnorm_rope_coords": (ltx_qk_rmsnorm_rope_coords(q, k, qw, kw, 1e-5, on(coords), on(freqs)), ltx_qk_rmsnorm_rope_coords_ref(q64, k64, qw64, kw64, 1e-5, coords, freqs)),
+    }  # fmt: skip
     # error budget relative to the values: a few roundings of the dtype plus the fp32 cos/sin of large angles
     tol = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}[dtype]
     report = {}
     for name, (out, ref) in checks.items():
+        out, ref = (torch.cat(out), torch.cat(ref)) if isinstance(out, tuple) else (out, ref)
         err = ((out.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
         report[name] = {"max_rel_err": err, "ok": err <= tol and bool(torch.isfinite(out).all())}
     ok = all(v["ok"] for v in report.values())
@@ -820,8 +732,7 @@ def _main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# Inside this bundle (kernel_runtime.py beside this file): cached launch plans, torch.library ops and device
-# checks for the launchers. Copied alone, the file keeps its plain launchers.
+# With kernel_runtime.py beside this file: cached launch plans, torch.library ops and device checks.
 try:
     import kernel_runtime
 except ImportError:
