@@ -6,28 +6,21 @@
     out[2i+1] = y[2i+1] * cos[s, 2i+1] + y[2i]   * sin[s, 2i+1]
     all arithmetic in fp32; y is rounded to the input dtype (the norm module's output), out once more.
 
-This is the q/k step of the MMDiT attention processors in diffusers: FLUX (``FluxAttnProcessor``:
-``torch.nn.RMSNorm(head_dim)`` on ``[B, S, H, D]`` rows, text and image streams concatenated along the
-tokens, then ``apply_rotary_emb(..., sequence_dim=1)`` with fp32 cos/sin ``[S, D]`` from ``FluxPosEmbed``),
-and SD3 with ``qk_norm="rms_norm"`` (``JointAttnProcessor2_0``: diffusers ``RMSNorm(head_dim)``, image
-then text, no RoPE). Public functions:
+The q/k step of diffusers' MMDiT attention processors: FLUX (``FluxAttnProcessor``: ``torch.nn.RMSNorm(head_dim)``
+on ``[B, S, H, D]`` rows, text then image tokens, then ``apply_rotary_emb(..., sequence_dim=1)`` with fp32 cos/sin
+``[S, D]``) and SD3 with ``qk_norm="rms_norm"`` (``JointAttnProcessor2_0``: image then text, no RoPE). Public:
 
-* ``head_rms_norm_rope(q, k, q_weight, k_weight, eps, cos=None, sin=None)``: q, k ``[B, S, H, D]`` (any
-  strides with a contiguous last dim: a view of a projection, or a slice of a fused qkv projection);
-  returns contiguous ``[B, S, H, D]`` (q_out, k_out), the layout diffusers' ``dispatch_attention_fn``
-  takes (its native backend hands ``out.transpose(1, 2)`` views to SDPA, whose flash and efficient kernels
-  read ``[B, S, H, D]`` memory natively).
-* ``joint_head_rms_norm_rope(parts, eps, cos=None, sin=None)``: several token segments, each
-  ``(q, k, q_weight, k_weight)`` with its own norm weights (FLUX's text stream uses ``norm_added_q/k``),
-  written one after the other along the token dim of ONE output pair: the ``torch.cat`` of the
-  processor is free. cos/sin ``[S_total, D]`` index the concatenated tokens.
+* ``head_rms_norm_rope(q, k, q_weight, k_weight, eps, cos=None, sin=None)``: q, k ``[B, S, H, D]`` (any strides
+  with a contiguous last dim, e.g. a slice of a fused qkv projection); returns contiguous ``[B, S, H, D]``
+  (q_out, k_out), the layout diffusers' ``dispatch_attention_fn`` and SDPA's flash kernels read natively.
+* ``joint_head_rms_norm_rope(parts, eps, cos=None, sin=None)``: token segments ``(q, k, q_weight, k_weight)``
+  with their own norm weights, written one after the other into ONE output pair (the processor's ``torch.cat``
+  is free); cos/sin ``[S_total, D]`` index the concatenated tokens.
 
-``cast_before_weight`` selects where the norm rounds: True rounds the normalised value to the input
-dtype before the weight multiply (diffusers ``RMSNorm`` with a half/bf16 weight); False multiplies in
-fp32 and rounds once (``torch.nn.RMSNorm`` / ``F.rms_norm`` of current PyTorch). Each ``*_ref`` function
-is the plain-PyTorch math the kernel replaces. The file depends on torch and triton only; copy it into
-another project as is. Run ``python head_norm_rope.py --help``. Inside this bundle, kernel_runtime.py adds
-cached launch plans and torch.library ops.
+``cast_before_weight``: True rounds the normalised value to the input dtype before the weight multiply
+(diffusers ``RMSNorm``); False multiplies in fp32 and rounds once (``torch.nn.RMSNorm``). Each ``*_ref`` is the
+plain-PyTorch math the kernel replaces. Depends on torch and triton only; ``python head_norm_rope.py --help``.
+Inside this bundle, kernel_runtime.py adds cached launch plans and torch.library ops.
 """
 
 from __future__ import annotations

@@ -3,56 +3,27 @@
 
     y[m, n] = (sum_k x[m, k] * W[n, k]) * w_scale[n or 0] * x_scale + bias[n]   (fp32 accumulation)
 
-At M <= 32 a linear layer is memory-bound: the time is the time to read W once. The kernel streams W
-exactly once with 16-byte vector loads along K, splits K over several programs when N alone does not
-give every CU enough work, and reduces the split-K partial sums in a fixed order (bit-identical
-results run to run). Public functions:
-
-* ``skinny_gemm(x, weight, bias=None, *, weight_scale=None, x_scale=None, out_dtype=None, split_k=None)``:
-  ``torch.nn.functional.linear(x, weight, bias)`` for x [..., K] with at most 32 rows in all (more rows
-  raise ValueError: use torch.matmul / torch._scaled_mm there, where the GEMM is compute-bound).
-  weight [N, K] (nn.Linear layout, last dim contiguous, rows may be strided) in bf16/fp16 (x's dtype),
-  or FP8 (``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``) with a float32 ``weight_scale``: one
-  value (per tensor) or [N] (per output channel). x is bf16/fp16, or FP8 of the weight's FP8 dtype
-  with a one-value float32 ``x_scale`` (the ``torch._scaled_mm`` convention). bias [N], any float dtype.
-  The output has x's dtype (bf16 when x is FP8) unless ``out_dtype`` (fp16, bf16, fp32) says otherwise.
-* ``skinny_gemm_ref(...)``: the same math in float64 with the FP8 values dequantized by their scales.
-* ``xcd_remap`` / ``xcd_remap_ref``: the program-id remap for 8-XCD GPUs (Triton helper / plain Python).
-
-Where a measurement shows torch's own GEMM faster for some M (typically near M = 32), ``_KERNEL_MAX_M``
-records it per architecture and skinny_gemm dispatches those calls back to F.linear / torch._scaled_mm.
-
-Design (reasons beside each choice in the code):
-* M <= 4 ("GEMV"): broadcast multiply-add into an fp32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, one
-  reduction over K at the end; no matrix instruction (AMD MFMA/WMMA and NVIDIA MMA need M >= 16, so
-  padding M = 1 to 16 would waste 15/16 of each instruction and route W through shared memory).
-* 4 < M <= 32: ``tl.dot`` with M padded to 16 or 32 (16 is the smallest M of the matrix-instruction
-  tiles Triton emits: 16x16 MFMA on CDNA, 16x16 WMMA on RDNA4, m16n8 MMA on NVIDIA), fp32 accumulation.
-  FP8 weights are widened to x's dtype in registers (exact: every e4m3 value is a bf16 and an fp16 value).
-  FP8 x with FP8 W in the GPU's own FP8 format go to ``tl.dot`` as they are: in the ahead-of-time check (Triton 3.9)
-  an FP8 matrix instruction (gfx942 ``v_mfma_f32_32x32x16_fp8_fp8``, gfx950 ``v_mfma_f32_32x32x64_f8f6f4``)
-  with no conversions, where widening took about 100 conversion instructions beside the bf16 MFMAs. Not on
-  NVIDIA: at M < 64 (no wgmma) Triton converts FP8 operands to fp16 for ``mma.sync`` anyway, and
-  that form spilled 4 bytes on sm_90, so the widening stays there.
-* split-K: programs = N tiles x SPLIT_K, enough to fill every CU; each program writes its fp32 partial to
-  a [SPLIT_K, M, N] workspace, and the last program of an N tile to arrive (an atomic counter per tile)
-  sums the partials in split order 0, 1, ..., SPLIT_K - 1 and applies scales, bias and the cast. One
-  launch, deterministic; every launch gets its own zeroed counters (none kept across calls).
-* 8-XCD GPUs (MI300X, MI355X: workgroups go round-robin to 8 XCDs, each with its own L2): program ids
-  are remapped so that each XCD runs a contiguous range of tiles (all K splits of neighbouring W rows),
-  a bijection for any program count.
-
-The file depends on torch and triton only; copy it into another project as is. Run
-``python skinny_gemm.py --help`` (self-check against float64, and ``--bench`` on a GPU). Inside this bundle,
-kernel_runtime.py adds cached launch plans and a torch.library op.
+At M <= 32 a linear layer is memory-bound (the time to read W once): the kernel streams W once in 16-byte
+vectors along K, splits K when N alone does not fill every CU, and sums the split partials in a fixed order
+(bit-identical run to run). Public: ``skinny_gemm`` (F.linear; FP8 W / x with float32 scales as in
+``torch._scaled_mm``), ``skinny_gemm_ref`` (float64), ``xcd_remap`` / ``xcd_remap_ref`` (8-XCD program order).
+Design: M <= 4 multiply-adds into an fp32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator (matrix instructions need
+M >= 16; padding M = 1 wastes 15/16). 4 < M <= 32 uses ``tl.dot`` with M padded to 16 or 32, FP8 W widened to
+x's dtype in registers (exact); FP8 x and W in an AMD GPU's own FP8 format go to ``tl.dot`` as they are (not on
+NVIDIA: at M < 64 Triton converts them for ``mma.sync`` anyway, and that form spilled on sm_90). Split-K: each
+program writes an fp32 partial to a [SPLIT_K, M, N] workspace; the last of a tile to arrive (an atomic counter,
+fresh per launch) sums them in split order and applies scales, bias and cast. On 8-XCD GPUs (MI300X, MI355X)
+program ids are remapped so that each XCD (own L2) runs a contiguous range of tiles.
+Depends on torch and triton only; ``python skinny_gemm.py --help`` (self-check; ``--bench`` on a GPU).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -62,31 +33,18 @@ __all__ = ["skinny_gemm", "skinny_gemm_ref", "xcd_remap", "xcd_remap_ref", "MAX_
 
 MAX_M = 32  # rows (x.numel() // K) the kernel accepts
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
-_FP8_DTYPES = tuple(
-    d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e4m3fnuz", None)) if d is not None
-)
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows up to this many use the multiply-add path; more use tl.dot with M padded to 16 or 32. At M = 4 a
-# lane of the multiply-add path is down to one 16-byte bf16 W vector per iteration beside 32 fp32
-# accumulators (64 for FP8, whose vector holds 16 values); past that the matrix path keeps more W bytes
-# in flight per lane. An estimate from register counts: confirm the crossover with --bench.
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
+_OUT_DTYPES = _BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# multiply-add up to M = 4: past it a lane holds < one 16-byte W vector per 32 accumulators (confirm: --bench)
 _FMA_MAX_M = 4
-# Programs per CU the split-K choice aims for: with 4 warps per program, four programs give a CU
-# 16 waves (AMD) / 16 warps (NVIDIA) and 32-64 KiB of W loads in flight, above what latency x per-CU
-# bandwidth needs (MI300X: 5.3 TB/s x ~1.5 us loaded latency, an estimate, / 304 CUs ~ 26 KiB); more
-# splits only add partial-sum traffic and reductions.
+# 4 programs x 4 warps per CU keep 32-64 KiB of W in flight, above latency x bandwidth (MI300X ~26 KiB)
 _PROGRAMS_PER_CU = 4
-# Largest split count: the reduction reads SPLIT_K partials of every output.
-_MAX_SPLIT_K = 64
-# Used only without a GPU (interpreter, ahead-of-time compile checks), where no device can be asked.
+_MAX_SPLIT_K = 64  # the reduction reads SPLIT_K partials of every output
+# used only without a GPU (interpreter, ahead-of-time compile checks), where no device can be asked
 _NOMINAL_CUS = {"gfx942": 304, "gfx950": 256, "gfx1201": 64, 90: 132, 100: 148}
 _INTERPRETER_CUS = 8
 
 
-# --------------------------------------------------------------------------------------------
-# Kernel helpers
-# --------------------------------------------------------------------------------------------
 @triton.jit
 def xcd_remap(pid, num_programs, NUM_XCDS: tl.constexpr):
     """Logical tile id of hardware program id ``pid`` so that each XCD runs a contiguous tile range.
@@ -108,9 +66,8 @@ def xcd_remap_ref(pid: int, num_programs: int, num_xcds: int) -> int:
     """``xcd_remap`` in plain Python (the same formula), for tests and tools."""
     if num_xcds == 1:
         return pid
-    xcd, j = pid % num_xcds, pid // num_xcds
     q, r = divmod(num_programs, num_xcds)
-    return xcd * q + min(xcd, r) + j
+    return pid % num_xcds * q + min(pid % num_xcds, r) + pid // num_xcds
 
 
 @triton.jit
@@ -337,9 +294,7 @@ def _skinny_gemm_kernel(
         _epilogue(acc, offs_m, offs_n, M, N, OUT, stride_om, BIAS, W_SCALE, X_SCALE, W_SCALE_MODE)
 
 
-# --------------------------------------------------------------------------------------------
-# Launcher helpers
-# --------------------------------------------------------------------------------------------
+# ---- launcher ---------------------------------------------------------------------------------------------
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -352,20 +307,17 @@ def _device_target(device: torch.device):
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_target(index: int):
-    # cached: asking the driver costs microseconds of host time on every launch
+def _gpu_target(index: int):  # cached: asking the driver costs microseconds of host time per launch
     with torch.cuda.device(index):
-        target = triton.runtime.driver.active.get_current_target()
-    return (target.backend, target.arch, target.warp_size)
+        t = triton.runtime.driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
 
 
 def _compute_units(device: torch.device, target) -> int:
-    """CUs (AMD) / SMs (NVIDIA) of the device; torch reports either as multi_processor_count."""
+    """CUs (AMD) / SMs (NVIDIA) of the device; nominal counts where there is no device to ask."""
     if device.type == "cuda":
         return _gpu_cus(device.index if device.index is not None else torch.cuda.current_device())
-    if target[0] == "interpreter":
-        return _INTERPRETER_CUS
-    return _NOMINAL_CUS.get(target[1], 64)  # ahead-of-time checks: no device to ask
+    return _INTERPRETER_CUS if target[0] == "interpreter" else _NOMINAL_CUS.get(target[1], 64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,10 +326,8 @@ def _gpu_cus(index: int) -> int:
 
 
 def _num_xcds(target, cus: int) -> int:
-    """XCDs the dispatcher round-robins over. CDNA3/CDNA4 (gfx94x/gfx95x) GPUs in their usual single
-    partition have 8 (MI300X 8 x 38 CUs, MI355X 8 x 32); a CU count that is not a multiple of 8
-    (a CPX partition, an APU with 6 XCDs) gets no remap, which costs locality, never correctness.
-    The interpreter uses 8 so that the tests run the remap."""
+    """8 on CDNA3/CDNA4 (gfx94x/gfx95x) when the CU count is a multiple of 8 (a CPX partition or a 6-XCD APU
+    gets no remap: locality lost, never correctness), and in the interpreter so that tests run the remap."""
     backend, arch = target[0], target[1]
     if backend == "interpreter":
         return 8
@@ -387,33 +337,17 @@ def _num_xcds(target, cus: int) -> int:
 
 
 def _decode_fp8_bits(target, fnuz: bool) -> bool:
-    """True where the kernel decodes FP8 from its bits (the tensor passed as uint8, a free
-    reinterpretation) instead of Triton's conversion. Triton converts with a hardware instruction
-    only e4m3fnuz on gfx94x (v_cvt_pk_f32_fp8), e4m3fn on gfx95x (v_cvt_scalef32_pk_f32_fp8) and
-    e4m3fn on NVIDIA; elsewhere (e4m3fn on gfx94x, e4m3fnuz on gfx95x, both on gfx12) it emits a
-    software conversion about twice the size of the bit decoding (1230-1430 against 540-670
-    instructions for the M = 1 kernel, Triton 3.9), which on gfx942 also spills SGPRs at M = 2..4,
-    and it has no e4m3fnuz type at all on NVIDIA. The interpreter converts both formats."""
-    backend, arch = target[0], target[1]
-    if backend == "interpreter":
-        return False
-    arch = arch if isinstance(arch, str) else ""
-    native = (backend == "cuda" and not fnuz) or (
-        backend == "hip" and (arch.startswith("gfx94") if fnuz else arch.startswith("gfx95"))
-    )
-    return not native
+    """True where the kernel decodes FP8 from its bits (passed as uint8): Triton's conversion is one instruction
+    only for e4m3fnuz on gfx94x and e4m3fn on gfx95x / NVIDIA, elsewhere twice the bit decoding's size (SGPR
+    spills on gfx942 at M = 2..4, Triton 3.9), and NVIDIA has no e4m3fnuz. The interpreter converts both."""
+    backend, arch = target[0], target[1] if isinstance(target[1], str) else ""
+    fast = (backend == "cuda" and not fnuz) or (backend == "hip" and arch.startswith("gfx94" if fnuz else "gfx95"))
+    return backend != "interpreter" and not fast
 
 
-class _Config(NamedTuple):
-    use_dot: bool
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    k_per_split: int
-    num_warps: int
-    num_stages: int
-    num_xcds: int
+_Config = collections.namedtuple(
+    "_Config", "use_dot block_m block_n block_k split_k k_per_split num_warps num_stages num_xcds"
+)
 
 
 def _launch_config(m: int, n: int, k: int, w_bytes: int, target, cus: int, split_k: Optional[int] = None) -> _Config:
@@ -421,35 +355,19 @@ def _launch_config(m: int, n: int, k: int, w_bytes: int, target, cus: int, split
 
 
 def _split_cap(m: int, k: int, w_bytes: int, k_tiles: int) -> int:
-    """Most K splits worth using: each split needs at least one BLOCK_K of its own, the reduction
-    loop stays short (_MAX_SPLIT_K), and the partial sums (8 * M bytes per split and output column,
-    written then read back, mostly through L2 / the memory-side cache) stay under half the W bytes
-    of that column (K * w_bytes) -- a bound that only binds at larger M."""
+    """Most K splits worth using: one BLOCK_K each at least, a short reduction (_MAX_SPLIT_K), and partials
+    (8 * M bytes per split and column, written and read back) under half the column's W bytes (K * w_bytes)."""
     return max(1, min(k_tiles, _MAX_SPLIT_K, (k * w_bytes) // (16 * m)))
 
 
 @functools.lru_cache(maxsize=4096)
 def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, programs_per_cu) -> _Config:
-    """Tile shape, split count and warps.
-
-    * Every lane loads 16 bytes of a W row per vector (BLOCK_K >= 16 / w_bytes elements per lane) and a
-      W row segment of one block is 128-256 (dot) or 512 (multiply-add) bytes: whole 128-byte lines.
-    * Multiply-add path: a lane holds BLOCK_M x (elements per lane) fp32 accumulators; keep that at 32
-      (64 for FP8 at M = 4, the least that still gives a lane one whole 16-byte vector), which leaves
-      the compiler enough registers for ~6-8 resident waves per SIMD on CDNA. At M = 1 a lane has 64
-      bytes of bf16 W (4 vectors) in flight per iteration.
-    * tl.dot path: BLOCK_M = 16 or 32 (the smallest matrix-instruction M and the next size; M pads up),
-      BLOCK_N = 64, BLOCK_K = 128 (16 KiB of bf16 W or 8 KiB of FP8 W per iteration; larger blocks
-      drop gfx942 to one wave per SIMD at M = 32). Two pipeline stages prefetch the next W block while
-      the matrix unit consumes the current one (gfx950 and NVIDIA copy it straight to LDS/shared);
-      FP8 weights on AMD use one stage: the widening between load and dot doubles the registers the
-      prefetched block holds (2 stages: up to 232 VGPRs on gfx942 and SGPR spills on gfx950). FP8 x
-      with FP8 W skips the widening there but keeps the one stage (two not measured).
-    * SPLIT_K: enough programs to give each CU _PROGRAMS_PER_CU of them, up to ``_split_cap``. When
-      even the cap leaves CUs idle on the tl.dot path (small N), BLOCK_N drops to 32 for more tiles.
-    * 4 warps: enough lanes for a 16 KiB tile at 4 vectors per lane (wave64) and small programs, so
-      the split count, not the program size, sets the parallelism.
-    """
+    """Tile shape, split count and warps. 16-byte W vectors per lane, block rows of whole 128-byte lines.
+    Multiply-add: <= 32 fp32 accumulators per lane (64 for FP8 at M = 4), ~6-8 waves per SIMD on CDNA.
+    tl.dot: BLOCK_K 128 (larger drops gfx942 to one wave per SIMD at M = 32); 2 stages prefetch W, 1 for FP8 W
+    on AMD (widening doubles the prefetch registers: 232 VGPRs on gfx942, SGPR spills on gfx950). SPLIT_K:
+    _PROGRAMS_PER_CU per CU up to ``_split_cap``; CUs still idle on the dot path (small N): BLOCK_N 32.
+    4 warps: small programs, so the split count sets the parallelism."""
     backend, _, warp_size = target
     num_warps = 4
     lanes = num_warps * warp_size
@@ -461,10 +379,7 @@ def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, pro
         block_n = max(1, (lanes * per_lane) // block_k)
         use_dot, num_stages = False, 1
     else:
-        block_m = 16 if m <= 16 else 32
-        block_k = 128
-        block_n = 64
-        use_dot = True
+        block_m, block_k, block_n, use_dot = (16 if m <= 16 else 32), 128, 64, True
         num_stages = 1 if (w_bytes == 1 and backend == "hip") else 2
     block_n = min(block_n, max(16 if use_dot else 1, triton.next_power_of_2(n)))
     k_tiles = max(1, -(-k // block_k))
@@ -477,25 +392,18 @@ def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, pro
     split_k = max(1, min(int(split_k), k_tiles))
     tiles_per_split = -(-k_tiles // split_k)
     split_k = -(-k_tiles // tiles_per_split)  # no empty split
-    k_per_split = tiles_per_split * block_k
-    return _Config(
-        use_dot, block_m, block_n, block_k, split_k, k_per_split, num_warps, num_stages, _num_xcds(target, cus)
-    )
+    k_per_split, xcds = tiles_per_split * block_k, _num_xcds(target, cus)
+    return _Config(use_dot, block_m, block_n, block_k, split_k, k_per_split, num_warps, num_stages, xcds)
 
 
-# Dispatch back to torch: the largest M for which the kernel is used, per (backend, arch, weight kind:
-# "16-bit" or "fp8"). Above it skinny_gemm calls torch's GEMM for the same math (F.linear; for FP8 x and
-# FP8 W torch._scaled_mm). Entries come from measurements (``python skinny_gemm.py --bench`` at M = 1..32);
-# a missing entry means the kernel for every M <= 32. FP8 weights with 16-bit x have no torch equivalent
-# and always use the kernel, as does any call that forces split_k.
+# The largest M that uses the kernel, per (backend, arch, "16-bit" or "fp8" weights), from ``--bench`` runs at
+# M = 1..32; above it torch's GEMM (F.linear, or torch._scaled_mm for FP8 x and W). Missing: the kernel for
+# every M. FP8 W with 16-bit x (no torch equivalent) and calls that force split_k always use the kernel.
 _KERNEL_MAX_M: dict = {
-    # NVIDIA H200 (sm_90; examples/benchmark_skinny_gemm_h200.json). bf16: the kernel is 0.86-1.18x cuBLAS
-    # at M = 1 (ahead on 6 of the 8 Llama-3 8B/70B shapes) and behind on most shapes from M = 8 on.
+    # H200 (examples/benchmark_skinny_gemm_h200.json): bf16 0.86-1.18x cuBLAS at M = 1, behind from M = 8
     ("cuda", 90, "16-bit"): 1,
-    # FP8 x and W: torch._scaled_mm is ahead on 6 of 8 shapes at M = 1 and on every shape from M = 8 on.
-    ("cuda", 90, "fp8"): 0,
-    # No AMD entry: not measured, so every M <= 32 runs the kernel there.
-}
+    ("cuda", 90, "fp8"): 0,  # torch._scaled_mm ahead on 6 of 8 shapes at M = 1, on all from M = 8
+}  # no AMD entry: not measured
 
 
 def _kernel_max_m(target, w_fp8: bool) -> int:
@@ -503,17 +411,11 @@ def _kernel_max_m(target, w_fp8: bool) -> int:
 
 
 def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
-    """torch's own GEMM for y = x2 @ W^T (scaled, + bias), or None where torch has none for these inputs.
-
-    16-bit: F.linear, rounded to x's dtype (then converted when out_dtype differs; a bias of another dtype is
-    added to the rounded product in fp32). FP8 x and W:
-    torch._scaled_mm, tensor-wise or, for per-channel weight scales, row-wise scaling.
-    """
+    """torch's GEMM for y = x2 @ W^T (scaled, + bias): F.linear (16-bit), torch._scaled_mm (FP8), else None."""
     if weight.dtype not in _FP8_DTYPES:
         if bias is not None and bias.dtype != x2.dtype:  # F.linear takes one dtype: add this bias in fp32
             return (torch.nn.functional.linear(x2, weight).float() + bias.float()).to(out_dtype)
-        y = torch.nn.functional.linear(x2, weight, bias)
-        return y if y.dtype == out_dtype else y.to(out_dtype)
+        return torch.nn.functional.linear(x2, weight, bias).to(out_dtype)
     if x2.dtype not in _FP8_DTYPES or not hasattr(torch, "_scaled_mm"):
         return None
     m, n = x2.shape[0], weight.shape[0]
@@ -526,9 +428,7 @@ def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
         y = torch._scaled_mm(x2, weight.t(), scale_a=sa, scale_b=sb, bias=fused, out_dtype=out_dtype)
     except (RuntimeError, NotImplementedError):
         return None  # a layout, shape or scaling this torch build's FP8 GEMM rejects: use the kernel
-    if bias is not None and fused is None:
-        y = (y.float() + bias.float()).to(out_dtype)
-    return y
+    return y if bias is None or fused is not None else (y.float() + bias.float()).to(out_dtype)
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -536,34 +436,32 @@ def _dtype_name(d: torch.dtype) -> str:
 
 
 def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
-    """Refuse t unless it is a tensor of one of dtypes and, when device is given, on that device (ref: what
-    the message calls the tensor that is there)."""
+    """Refuse t unless it is a tensor of one of dtypes and (device given) on the device of ``ref``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        kind = "float32 " if dtypes == (torch.float32,) else ""
+        raise TypeError(f"{name} must be a {kind}torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         names = ", ".join(_dtype_name(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {names}")
+        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected {'one of ' * (len(dtypes) > 1)}{names}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
 
 
-def _check_last_contiguous(name: str, t: torch.Tensor):
-    """Refuse a non-empty tensor whose last dimension (of more than one element) has a stride other than 1."""
-    if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
-
-
-def _check_scale(name: str, s, device, allowed_numel, what: str):
-    if not isinstance(s, torch.Tensor):
-        raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(s).__name__}")
-    if s.dtype != torch.float32:
-        raise TypeError(f"{name} has dtype {_dtype_name(s.dtype)}; expected float32")
-    if s.device != device:
-        raise ValueError(f"{name} is on {s.device} but x is on {device}; move them to one device")
+def _check_scale(name: str, s, t, fp8: bool, device, allowed_numel, what: str, need: str, only: str) -> int:
+    """Check the scale ``name`` of tensor t (required exactly where t is FP8); returns the W_SCALE_MODE."""
+    owner = name[: -len("_scale")]
+    if not fp8:
+        if s is not None:
+            raise ValueError(f"{name} is only for {only}; {owner} is {_dtype_name(t.dtype)}")
+        return 0
+    if s is None:
+        raise ValueError(f"{owner} is {_dtype_name(t.dtype)}: {name} (float32, {need}) is required")
+    _check_tensor(name, s, (torch.float32,), device)
     if s.numel() not in allowed_numel or sum(d != 1 for d in s.shape) > 1:
         raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {what}")
     if s.numel() > 1 and s.stride()[[i for i, d in enumerate(s.shape) if d != 1][0]] != 1:
         raise ValueError(f"{name} must be contiguous")
+    return 1 if s.numel() == 1 else 2
 
 
 def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
@@ -580,39 +478,16 @@ def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has K = {x.shape[-1]} (last dim) but weight [N, K] has K = {k}; they must match")
-    if w_fp8:
-        if x_fp8 and x.dtype != weight.dtype:
-            raise TypeError(
-                f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; "
-                "FP8 x must have the weight's FP8 dtype"
-            )
-    elif x_fp8:
-        raise TypeError(
-            f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; FP8 x needs FP8 weights"
-        )
-    elif x.dtype != weight.dtype:
-        raise TypeError(
-            f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; 16-bit weights must have x's dtype"
-        )
-    # scales: required exactly where a tensor is FP8
-    w_scale_mode = 0
-    if w_fp8:
-        if weight_scale is None:
-            raise ValueError(
-                f"weight is {_dtype_name(weight.dtype)}: weight_scale (float32, 1 value or [N]) is required"
-            )
-        _check_scale(
-            "weight_scale", weight_scale, device, (1, n), f"1 value (per tensor) or [N] = [{n}] (per output channel)"
-        )
-        w_scale_mode = 1 if weight_scale.numel() == 1 else 2
-    elif weight_scale is not None:
-        raise ValueError(f"weight_scale is only for FP8 weights; weight is {_dtype_name(weight.dtype)}")
-    if x_fp8:
-        if x_scale is None:
-            raise ValueError(f"x is {_dtype_name(x.dtype)}: x_scale (float32, 1 value) is required")
-        _check_scale("x_scale", x_scale, device, (1,), "1 value (a per-tensor scale)")
-    elif x_scale is not None:
-        raise ValueError(f"x_scale is only for FP8 x; x is {_dtype_name(x.dtype)}")
+    why = None
+    if x_fp8 and not w_fp8:
+        why = "FP8 x needs FP8 weights"
+    elif x.dtype != weight.dtype and (x_fp8 or not w_fp8):
+        why = "FP8 x must have the weight's FP8 dtype" if x_fp8 else "16-bit weights must have x's dtype"
+    if why:
+        raise TypeError(f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; {why}")
+    what = f"1 value (per tensor) or [N] = [{n}] (per output channel)"
+    w_scale_mode = _check_scale("weight_scale", weight_scale, weight, w_fp8, device, (1, n), what, "1 value or [N]", "FP8 weights")  # fmt: skip
+    _check_scale("x_scale", x_scale, x, x_fp8, device, (1,), "1 value (a per-tensor scale)", "1 value", "FP8 x")
     if bias is not None:
         _check_tensor("bias", bias, _BIAS_DTYPES, device)
         if bias.shape != (n,):
@@ -629,14 +504,12 @@ def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
 
 
 def _torch_max_m(x, weight, split_k) -> int:
-    """Rows above which this call goes to torch's GEMM (MAX_M: never): where _KERNEL_MAX_M records torch as
-    faster, for calls torch can serve (no forced split, not FP8 W with 16-bit x). Read on every call, so that
-    a change to _KERNEL_MAX_M applies at once."""
+    """Rows above which this call goes to torch's GEMM (MAX_M: never), from _KERNEL_MAX_M at every call."""
     if split_k is not None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return MAX_M
     w_fp8 = weight.dtype in _FP8_DTYPES
     if (w_fp8 and x.dtype not in _FP8_DTYPES) or x.device.type not in ("cuda", "cpu"):
-        return MAX_M
+        return MAX_M  # FP8 W with 16-bit x: no torch equivalent
     return _kernel_max_m(_device_target(x.device), w_fp8)
 
 
@@ -645,8 +518,7 @@ def _launch(
     x_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], split_k: Optional[int],
     torch_max_m: int = MAX_M,
 ) -> torch.Tensor:  # fmt: skip
-    """Check a call, pick the launch configuration, allocate the output (and the split-K workspace and zeroed
-    arrival counters) and launch _skinny_gemm_kernel; more than torch_max_m rows go to torch's GEMM."""
+    """Check a call, pick the configuration and launch _skinny_gemm_kernel (over torch_max_m rows: torch)."""
     x_fp8, w_fp8, w_scale_mode, out_dtype = _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
     device = x.device
     n, k = weight.shape
@@ -657,8 +529,9 @@ def _launch(
             f"x has {m} rows (x.numel() // K); skinny_gemm handles at most {MAX_M}. Larger M is compute-bound: "
             "use torch.matmul / torch.nn.functional.linear (or torch._scaled_mm for FP8)"
         )
-    _check_last_contiguous("x", x)
-    _check_last_contiguous("weight", weight)
+    for name, t in (("x", x), ("weight", weight)):
+        if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")  # fmt: skip
     if m == 0 or n == 0:
         return torch.empty(shape, dtype=out_dtype, device=device)
     if k == 0:  # an empty sum: y = bias (or 0)
@@ -678,27 +551,17 @@ def _launch(
     target = _device_target(device)
     cfg = _launch_config(m, n, k, weight.element_size(), target, _compute_units(device, target), split_k)
     fnuz = weight.dtype == getattr(torch, "float8_e4m3fnuz", None)
-    # FP8 operands the GPU cannot convert natively go as their uint8 bits (see _decode_fp8_bits)
-    w_bits = w_fp8 and _decode_fp8_bits(target, fnuz)
+    w_bits = w_fp8 and _decode_fp8_bits(target, fnuz)  # FP8 without a fast conversion goes as uint8 bits
     x_bits = x_fp8 and _decode_fp8_bits(target, fnuz)
-    # operands of tl.dot: x's dtype, or bf16 for FP8 x (e4m3 values are exact in both); the interpreter's
-    # bf16 arithmetic is unreliable, so there the (equally exact) fp32 is used
+    # tl.dot operands: x's dtype, bf16 for FP8 x (e4m3 is exact in both); fp32 in the interpreter (bf16 unreliable)
     dot_dt = tl.bfloat16 if (x_fp8 or x.dtype == torch.bfloat16) else tl.float16
-    if target[0] == "interpreter":
-        dot_dt = tl.float32
-    # FP8 x and W in an AMD GPU's own matrix FP8 format (e4m3fnuz on gfx94x, e4m3fn on gfx95x) feed tl.dot
-    # directly: an FP8 MFMA, no widening. Not on NVIDIA: at these tile sizes (M < 64, no wgmma) Triton 3.6
-    # converts both operands to fp16 for mma.sync anyway, and that form spilled on sm_90.
+    dot_dt = tl.float32 if target[0] == "interpreter" else dot_dt
+    # FP8 x and W in an AMD GPU's own FP8 format feed tl.dot directly (see the module docstring for NVIDIA)
     fp8_dot = cfg.use_dot and x_fp8 and not x_bits and not w_bits and target[0] in ("hip", "interpreter")
     out = torch.empty(shape, dtype=out_dtype, device=device)  # contiguous: rows n elements apart
     ws = counters = None  # without a split: not read
-    if cfg.split_k > 1:
-        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device)
-        # Fresh zeroed arrival counters for every launch (allocated and filled on the current stream).
-        # Counters kept across calls went stale: a launch that did not finish (an exception, an interrupt, a
-        # killed kernel) left them non-zero and every later launch reduced unwritten partials, silently; a
-        # buffer kept per stream was shared by every CUDA graph captured on it. Allocated here, a graph gets
-        # its counters from its own memory pool and replays the fill.
+    if cfg.split_k > 1:  # fresh zeroed counters per launch: kept ones went stale after an unfinished launch
+        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=device)  # and were shared by CUDA graphs
         counters = torch.zeros(-(-n // cfg.block_n), dtype=torch.int32, device=device)
     num_programs = -(-n // cfg.block_n) * cfg.split_k
     _skinny_gemm_kernel[(num_programs,)](
@@ -713,58 +576,39 @@ def _launch(
 
 
 def _no_backward(names: str, *tensors) -> None:
-    """In grad mode, refuse an input that requires grad: the kernel has no backward, so its output would
-    carry no grad_fn and gradients would stop there without a word."""
-    if torch.is_grad_enabled():
-        for name, t in zip(names.split(","), tensors):
-            if getattr(t, "requires_grad", False):
-                raise RuntimeError(
-                    f"skinny_gemm: {name} requires grad, but this Triton kernel has no backward (its outputs would "
-                    "carry no grad_fn, and gradients would silently stop there); call skinny_gemm under "
-                    "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference (skinny_gemm_ref) "
-                    "where gradients are needed"
-                )
+    """In grad mode, refuse an input that requires grad: the kernel has no backward."""
+    for name, t in zip(names.split(","), tensors):
+        if torch.is_grad_enabled() and getattr(t, "requires_grad", False):
+            raise RuntimeError(
+                f"skinny_gemm: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                "carry no grad_fn, and gradients would silently stop there); call skinny_gemm under "
+                "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference (skinny_gemm_ref) "
+                "where gradients are needed"
+            )
 
 
-# --------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------
+# ---- public API and float64 reference ---------------------------------------------------------------------
 def skinny_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    weight_scale: Optional[torch.Tensor] = None,
-    x_scale: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    split_k: Optional[int] = None,
-) -> torch.Tensor:
-    """y = (x @ weight^T) * weight_scale * x_scale + bias for x [..., K] with at most 32 rows.
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+    weight_scale: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None, split_k: Optional[int] = None,
+) -> torch.Tensor:  # fmt: skip
+    """y = (x @ weight^T) * weight_scale * x_scale + bias for x [..., K] with at most 32 rows (more: ValueError).
 
-    weight [N, K]: x's 16-bit dtype, or FP8 (e4m3fn / e4m3fnuz) with a float32 weight_scale of one value
-    or [N]. x: fp16/bf16, or FP8 of the weight's dtype with a one-value float32 x_scale. bias [N].
-    Returns [..., N] in out_dtype (default: x's dtype; bf16 for FP8 x). split_k forces the number of
-    K splits (default: chosen to fill the GPU; a forced value is capped at the number of BLOCK_K
-    blocks in K and rounded down so that no split is empty); any value gives the same result up to fp32 rounding,
-    and a given value gives bit-identical results run to run. More than 32 rows raise ValueError.
-    Where measurements put torch ahead (``_KERNEL_MAX_M``), rows above that bound go to torch's GEMM.
-    No backward: in grad mode an input that requires grad raises RuntimeError (call it under
-    torch.no_grad() or torch.inference_mode()).
+    weight [N, K] (last dim contiguous): x's 16-bit dtype, or FP8 (e4m3fn / e4m3fnuz) with a float32
+    weight_scale of one value or [N]. x: fp16/bf16, or FP8 of the weight's dtype with a one-value float32
+    x_scale. bias [N]. Returns [..., N] in out_dtype (default x's dtype; bf16 for FP8 x). split_k forces
+    the number of K splits (capped at the K blocks, no split empty); results are bit-identical run to run.
+    Rows above ``_KERNEL_MAX_M`` go to torch's GEMM. No backward: in grad mode an input that requires grad
+    raises RuntimeError.
     """
     _no_backward("x,weight,bias,weight_scale,x_scale", x, weight, bias, weight_scale, x_scale)
     return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k, _torch_max_m(x, weight, split_k))
 
 
-# --------------------------------------------------------------------------------------------
-# Reference: the exact value, in float64
-# --------------------------------------------------------------------------------------------
 def skinny_gemm_ref(x, weight, bias=None, *, weight_scale=None, x_scale=None, out_dtype=None):
-    """float64 x @ weight^T with FP8 values dequantized (value * scale), plus bias.
-
-    Returns float64 (the exact value up to float64 rounding) unless out_dtype is given.
-    """
-    xd = x.to(torch.float64)
-    wd = weight.to(torch.float64)
+    """float64 x @ weight^T with FP8 values dequantized (value * scale), plus bias; float64 unless out_dtype."""
+    xd, wd = x.to(torch.float64), weight.to(torch.float64)
     if x_scale is not None:
         xd = xd * x_scale.to(torch.float64).reshape(())
     if weight_scale is not None:
@@ -776,19 +620,16 @@ def skinny_gemm_ref(x, weight, bias=None, *, weight_scale=None, x_scale=None, ou
     return y if out_dtype is None else y.to(out_dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# Self-check: python skinny_gemm.py [--m 1] [--n 4096] [--k 4096] [--weight bf16|fp8] [--bench]
-# --------------------------------------------------------------------------------------------
+# ---- self-check: python skinny_gemm.py [--m 1] [--n 1000] [--k 1024] [--weight bf16|fp16|fp8] [--bench] ----
 def _bench(x, w, bias, ws, xs, torch_fn) -> dict:
-    """Median times (do_bench) of the kernel and of the torch baseline, and the kernel's W bandwidth."""
+    """Median times (do_bench) of the kernel and the torch baseline; W bandwidth against a device copy."""
     from triton.testing import do_bench
 
     t_kernel = do_bench(lambda: skinny_gemm(x, w, bias, weight_scale=ws, x_scale=xs), return_mode="median")
     t_torch = do_bench(torch_fn, return_mode="median") if torch_fn is not None else None
     src = torch.empty(64 << 20, dtype=torch.uint8, device=w.device)
     dst = torch.empty_like(src)
-    t_copy = do_bench(lambda: dst.copy_(src), return_mode="median")
-    copy_gbs = 2 * src.numel() / t_copy / 1e6
+    copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
     w_gbs = w.numel() * w.element_size() / t_kernel / 1e6
     return {
         "kernel_us": round(t_kernel * 1e3, 2),
@@ -811,97 +652,62 @@ def _main(argv=None) -> int:
     p.add_argument("--m", type=int, default=1, help=f"rows of x, 1..{MAX_M} (default 1)")
     p.add_argument("--n", type=int, default=1000, help="output features N (default 1000)")
     p.add_argument("--k", type=int, default=1024, help="input features K (default 1024)")
-    p.add_argument(
-        "--weight",
-        choices=["bf16", "fp16", "fp8"],
-        default="bf16",
-        help="weight format; fp8 uses e4m3fnuz on gfx942, e4m3fn elsewhere, with per-channel scales",
-    )
+    fp8_help = "weight format; fp8 uses e4m3fnuz on gfx942, e4m3fn elsewhere, with per-channel scales"
+    p.add_argument("--weight", choices=["bf16", "fp16", "fp8"], default="bf16", help=fp8_help)
     p.add_argument("--fp8-x", action="store_true", help="with --weight fp8: FP8 x with a per-tensor scale")
-    p.add_argument(
-        "--scale",
-        choices=["per-channel", "per-tensor"],
-        default="per-channel",
-        help="FP8 weight scale granularity (default per-channel)",
-    )
+    scale_help = "FP8 weight scale granularity (default per-channel)"
+    p.add_argument("--scale", choices=["per-channel", "per-tensor"], default="per-channel", help=scale_help)
     p.add_argument("--bias", action="store_true")
     p.add_argument("--split-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench", action="store_true", help="GPU only: time against torch.matmul / torch._scaled_mm")
-    args = p.parse_args(argv)
-    if not 1 <= args.m <= MAX_M:
-        p.error(f"--m must be 1..{MAX_M}, got {args.m}")
-    if args.n < 1 or args.k < 1:
+    a = p.parse_args(argv)
+    if not 1 <= a.m <= MAX_M:
+        p.error(f"--m must be 1..{MAX_M}, got {a.m}")
+    if a.n < 1 or a.k < 1:
         p.error("--n and --k must be positive")
-    if args.split_k is not None and args.split_k < 1:
-        p.error(f"--split-k must be positive, got {args.split_k}")
+    if a.split_k is not None and a.split_k < 1:
+        p.error(f"--split-k must be positive, got {a.split_k}")
     device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
-    if device == "cpu" and not _interpreting():
-        print("no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter", file=sys.stderr)
+    if device == "cpu" and (not _interpreting() or a.bench):
+        no_gpu = "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter"
+        print("--bench needs a GPU" if _interpreting() else no_gpu, file=sys.stderr)
         return 2
-    if args.bench and device == "cpu":
-        print("--bench needs a GPU", file=sys.stderr)
-        return 2
-    if args.fp8_x and args.weight != "fp8":
+    if a.fp8_x and a.weight != "fp8":
         p.error("--fp8-x needs --weight fp8")
-    g = torch.Generator(device="cpu").manual_seed(args.seed)
-    act = torch.float16 if args.weight == "fp16" else torch.bfloat16
-    x = torch.randn(args.m, args.k, generator=g).to(device, act)
-    w32 = torch.randn(args.n, args.k, generator=g) / args.k**0.5
-    bias = (0.1 * torch.randn(args.n, generator=g)).to(device, act) if args.bias else None
-    ws = xs = None
-    if args.weight == "fp8":
-        arch = _device_target(torch.device(device))[1]
-        f8 = torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn
-        fmax = torch.finfo(f8).max
-        if args.scale == "per-channel":
-            ws = (w32.abs().amax(dim=1) / fmax).clamp_min(1e-12).float()
-            w = (w32 / ws[:, None]).to(f8).to(device)
-        else:
-            ws = (w32.abs().amax() / fmax).clamp_min(1e-12).float().reshape(1)
-            w = (w32 / ws).to(f8).to(device)
-        ws = ws.to(device)
-        if args.fp8_x:
+    g = torch.Generator(device="cpu").manual_seed(a.seed)
+    act = torch.float16 if a.weight == "fp16" else torch.bfloat16
+    x = torch.randn(a.m, a.k, generator=g).to(device, act)
+    w32 = torch.randn(a.n, a.k, generator=g) / a.k**0.5
+    bias = (0.1 * torch.randn(a.n, generator=g)).to(device, act) if a.bias else None
+    w, ws, xs = w32.to(device, act), None, None
+    if a.weight == "fp8":
+        f8 = torch.float8_e4m3fnuz if _device_target(torch.device(device))[1] == "gfx942" else torch.float8_e4m3fn
+        fmax, per_channel = torch.finfo(f8).max, a.scale == "per-channel"
+        ws = ((w32.abs().amax(dim=1) if per_channel else w32.abs().amax().reshape(1)) / fmax).clamp_min(1e-12).float()
+        w, ws = (w32 / (ws[:, None] if per_channel else ws)).to(f8).to(device), ws.to(device)
+        if a.fp8_x:
             xs = (x.float().abs().max() / fmax).reshape(1).float()
             x = (x.float() / xs).to(f8)
-    else:
-        w = w32.to(device, act)
-    y = skinny_gemm(x, w, bias, weight_scale=ws, x_scale=xs, split_k=args.split_k)
+    y = skinny_gemm(x, w, bias, weight_scale=ws, x_scale=xs, split_k=a.split_k)
     ref = skinny_gemm_ref(x, w, bias, weight_scale=ws, x_scale=xs)
-    # bf16 output rounding (1 ulp = 2^-7 relative, the interpreter truncates) dominates the fp32
-    # accumulation error; scale the absolute part by the size of the terms summed.
+    # bf16 output rounding (2^-7 relative; the interpreter truncates) dominates the fp32 accumulation error;
+    # the absolute part is scaled by the size of the terms summed.
     mag = skinny_gemm_ref(x.float().abs(), w.float().abs(), weight_scale=ws, x_scale=xs)
     rtol = 2.0**-7 if y.dtype == torch.bfloat16 else 2.0**-10
-    err = ((y.double() - ref).abs() - rtol * ref.abs()) / mag.clamp_min(1e-30)
-    worst = float(err.max())
+    worst = float((((y.double() - ref).abs() - rtol * ref.abs()) / mag.clamp_min(1e-30)).max())
     ok = bool(torch.isfinite(y).all()) and worst <= 1e-4
-    report = {
-        "device": device,
-        "m": args.m,
-        "n": args.n,
-        "k": args.k,
-        "weight": _dtype_name(w.dtype),
-        "x": _dtype_name(x.dtype),
-        "max_excess_err_over_magnitude": worst,
-        "ok": ok,
-    }
-    if args.bench:
-        if args.weight == "fp8" and args.fp8_x:
-            x2d = x.reshape(-1, x.shape[-1])
-
-            def torch_fn():
-                return _torch_linear(x2d, w, bias, ws, xs, torch.bfloat16)
-
+    report = dict(device=device, m=a.m, n=a.n, k=a.k, weight=_dtype_name(w.dtype), x=_dtype_name(x.dtype))
+    report.update(max_excess_err_over_magnitude=worst, ok=ok)
+    if a.bench:
+        torch_fn = None  # FP8 W with bf16 x: torch has no such GEMM (compare with --fp8-x)
+        if a.weight != "fp8":
+            torch_fn = lambda: torch.nn.functional.linear(x, w, bias)
+        elif a.fp8_x:
+            torch_fn = lambda: _torch_linear(x.reshape(-1, x.shape[-1]), w, bias, ws, xs, torch.bfloat16)
             if torch_fn() is None:  # shapes/scales this torch build's _scaled_mm rejects
                 report["torch_baseline_error"] = "torch._scaled_mm rejected these inputs"
                 torch_fn = None
-        elif args.weight == "fp8":
-            torch_fn = None  # torch has no bf16 x FP8-weight GEMM; compare with --fp8-x
-        else:
-
-            def torch_fn():
-                return torch.nn.functional.linear(x, w, bias)
-
         report["bench"] = _bench(x, w, bias, ws, xs, torch_fn)
     print(json.dumps(report))
     return 0 if ok else 1
@@ -911,8 +717,8 @@ if __name__ == "__main__":
     raise SystemExit(_main())
 
 # Inside this bundle (kernel_runtime.py beside this file): cached launch plans, a torch.library op and device
-# checks for the launcher. Copied alone, the file keeps its plain launcher. A custom op only (no triton_op
-# twin): rows above the measured per-architecture bound go to F.linear / torch._scaled_mm.
+# checks for the launcher; copied alone, the file keeps its plain launcher. A custom op only (no triton_op twin):
+# rows above the measured bound go to F.linear / torch._scaled_mm.
 try:
     import kernel_runtime
 except ImportError:
