@@ -27,9 +27,8 @@ not compute what the forward computes:
   a LoRA's scale, peft's active adapters), or a process-wide setting: diffusers' attention backend, the FP8
   GEMMs' fast accumulation, autocast, matmul precision, TF32 and reduced-precision switches, SDPA's backend
   switches, deterministic algorithms. A fingerprint of all of this is taken at capture and compared on every
-  call (flat lists over the modules, on the host: about 1.6 ms for LTX-Video's 775 modules on a 2-core CPU,
-  overlapped with the previous replay on the GPU); after a change the signature's graph is dropped and
-  captured again;
+  call (flat lists over the modules, on the host, while the GPU still runs the previous replay); after a
+  change the signature's graph is dropped and captured again;
 * accelerate's hooks or a diffusers hook (offloading, caching and parallelism hooks change what a call does or
   move weights between calls; the empty HookRegistry a pipeline puts on its transformer is no hook), global
   module hooks; a signature refused for such a hook is tried again once the model changed (the hook removed);
