@@ -386,10 +386,9 @@ _ROW_CHUNK = 4096
 
 
 def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: int, flat: bool):
-    """(BLOCK_M, BLOCK_N, num_warps); BLOCK_M is 1 for the flat kernel. Flat: 8 KiB per program, smaller blocks
-    for small inputs to keep ~1024 programs (4-8 per compute unit). Rows: one 16-byte vector per lane and operand,
-    down to 4 bytes while under _MIN_ROW_PROGRAMS programs (decode sizes are latency-bound; SwiGLU 13-22 % faster
-    at 1-1,024 rows on an H200)."""
+    """(BLOCK_M, BLOCK_N, num_warps). Flat (BLOCK_M 1): 8 KiB per program, halved for small inputs to keep ~1024
+    programs (4-8 per compute unit). Rows: a 16-byte vector per lane and operand, down to 4 bytes while under
+    _MIN_ROW_PROGRAMS programs (decode sizes are latency-bound; SwiGLU 13-22 % faster at 1-1,024 rows, H200)."""
     vec = max(1, 16 // elem_bytes)
     num_warps = max(1, _LANES // warp_size)
     if flat:

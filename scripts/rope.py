@@ -344,8 +344,7 @@ def _device_target(device: torch.device):
 
 
 def _check(names: str, dtypes, device, *tensors, dims=None, kind=None) -> None:
-    """Refuse each tensor unless it is a torch.Tensor of one of dtypes (on device, unless that is None); with dims:
-    a [B, S, C] (3) or [B, H, S, D] (4) input of an even last dim, rotated by kind RoPE."""
+    """Refuse each tensor unless it is a torch.Tensor of dtypes (on device if given); dims: an x of kind RoPE."""
     for name, t in zip(names.split(","), tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -394,8 +393,7 @@ def _launch_config(width, n_rows, warp_size, max_block, elems=_ELEMS_PER_PROGRAM
 
 
 def _rope_inputs(x: Tensor, cos, sin, dims: int, kind: str) -> list:
-    """Check x ([B, S, C] or [B, H, S, D]) and cos/sin; returns cos and sin viewed at x's shape, or for 4 dims at
-    [B, H, S, W], W = D (one value per channel) or D // 2 (one per channel pair)."""
+    """Check x and cos/sin; returns the tables viewed at x's shape, or at [B, H, S, D // 2] for per-pair tables."""
     _check("x", _SUPPORTED_DTYPES, None, x, dims=dims, kind=kind)
     _check("cos,sin", _ANY_FLOAT, x.device, cos, sin)
     if dims == 3:
