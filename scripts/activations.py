@@ -7,11 +7,10 @@
     swiglu   = silu(gate) * up = gate * sigmoid(gate) * up               (optional FP8 output)
     gelu_mul(gate, up) = gelu(gate) * up, of two tensors                 (tanh GELU by default)
 
-Public: gelu, gelu_tanh, geglu, swiglu, gelu_mul, fp8_quantize; each ``*_ref`` is the plain-PyTorch math
-(run it on float64 inputs to test). Strided rows are read in place. FP8 output (``fp8="per_tensor"`` or
-``"per_token"``): e4m3fnuz on gfx942, OCP e4m3fn elsewhere, saturated and rounded to nearest even. All are
-overflow-safe: the output is finite for any finite input. Depends on torch and triton only: copy it into
-another project as is. ``python activations.py --help`` runs its self-check.
+Public: gelu, gelu_tanh, geglu, swiglu, gelu_mul, fp8_quantize, each with a plain-PyTorch ``*_ref`` (run it on
+float64). Strided rows are read in place; the output is finite for any finite input. FP8 output (``fp8=
+"per_tensor"`` or ``"per_token"``): e4m3fnuz on gfx942, OCP e4m3fn elsewhere, saturated and rounded to nearest
+even. Depends on torch and triton only; ``python activations.py --help`` runs its self-check.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_APPROXIMATIONS = ("none", "tanh")
 # FP8 dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code)
 _FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F), torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80)}
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
@@ -290,10 +288,10 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
         return False  # (the ahead-of-time check compiles CPU tensors for a GPU target: not excluded here)
     if backend == "cuda":
         return fp8_dtype == torch.float8_e4m3fn and isinstance(arch, int) and arch >= 89
-    gfx = str(arch).split(":")[0]
-    if backend == "hip" and gfx in ("gfx940", "gfx941", "gfx942"):
+    gfx = str(arch).split(":")[0] if backend == "hip" else None
+    if gfx in ("gfx940", "gfx941", "gfx942"):
         return fp8_dtype == torch.float8_e4m3fnuz
-    return backend == "hip" and gfx == "gfx950" and fp8_dtype == torch.float8_e4m3fn and _TRITON_VERSION >= (3, 6)
+    return gfx == "gfx950" and fp8_dtype == torch.float8_e4m3fn and _TRITON_VERSION >= (3, 6)
 
 
 def _check(name: str, t, device=None, ref="x", dtypes=_SUPPORTED_DTYPES) -> None:
@@ -307,22 +305,39 @@ def _check(name: str, t, device=None, ref="x", dtypes=_SUPPORTED_DTYPES) -> None
         raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
 
 
-def _check_approximate(approximate) -> bool:
-    if not isinstance(approximate, str) or approximate not in _APPROXIMATIONS:
+def _check_approximate(approximate) -> int:
+    """The kernels' ACT of a GELU approximation: 0 for "none" (erf), 1 for "tanh"."""
+    if not isinstance(approximate, str) or approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh' (as in torch.nn.functional.gelu), got {approximate!r}")
-    return approximate == "tanh"
+    return int(approximate == "tanh")
 
 
-def _halves(x: Tensor, first: str, second: str) -> int:
-    """Check a fused [..., 2H] input; returns H."""
-    _check("x", x)
+def _gated(x: Tensor, up: Optional[Tensor], halves: Optional[str], gate_first: bool = True):
+    """(gate, up, parent) of up * act(gate). halves "first,second": x is a [..., 2H] parent, the gate its first half
+    (the second unless gate_first); halves None: x is the gate, up a tensor of its shape, dtype and device."""
+    if halves is not None:
+        _check("x", x)
+        first, second = halves.split(",")
+        if x.dim() == 0:
+            raise ValueError(f"x must have at least one dimension (the last one is split into {first} and {second})")
+        if x.shape[-1] % 2:
+            raise ValueError(
+                f"the last dim of x must be even ({first} and {second} halves of width H each), got {x.shape[-1]}"
+            )
+        a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return (a, b, x) if gate_first else (b, a, x)
+    _check("gate", x)
+    _check("up", up, x.device, ref="gate")
+    if up.dtype != x.dtype:
+        raise TypeError(f"up has dtype {up.dtype} but gate has dtype {x.dtype}; they must match")
+    if up.shape != x.shape:
+        raise ValueError(f"up has shape {tuple(up.shape)} but gate has shape {tuple(x.shape)}; they must match")
     if x.dim() == 0:
-        raise ValueError(f"x must have at least one dimension (the last one is split into {first} and {second})")
-    if x.shape[-1] % 2:
-        raise ValueError(
-            f"the last dim of x must be even ({first} and {second} halves of width H each), got {x.shape[-1]}"
-        )
-    return x.shape[-1] // 2
+        raise ValueError("gate and up must have at least one dimension")
+    for name, t in (("gate", x), ("up", up)):
+        if t.numel() > 0 and t.shape[-1] > 1 and (st := t.stride(-1)) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (stride {st}); call .contiguous()")
+    return x, up, None
 
 
 def _row_layouts(*tensors):
@@ -371,12 +386,9 @@ _ROW_CHUNK = 4096
 
 
 def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: int, flat: bool):
-    """(BLOCK_M, BLOCK_N, num_warps); BLOCK_M is 1 for the flat kernel.
-
-    Flat: 8 KiB per program, smaller blocks for small inputs to keep ~1024 programs (4-8 per compute unit).
-    Rows: one 16-byte vector per lane and operand, down to 4 bytes while under _MIN_ROW_PROGRAMS programs
-    (decode sizes are latency-bound; SwiGLU 13-22 % faster at 1-1,024 rows on an H200).
-    """
+    """(BLOCK_M, BLOCK_N, num_warps). Flat (BLOCK_M 1): 8 KiB per program, halved for small inputs to keep ~1024
+    programs (4-8 per compute unit). Rows: a 16-byte vector per lane and operand, down to 4 bytes while under
+    _MIN_ROW_PROGRAMS programs (decode sizes are latency-bound; SwiGLU 13-22 % faster at 1-1,024 rows, H200)."""
     vec = max(1, 16 // elem_bytes)
     num_warps = max(1, _LANES // warp_size)
     if flat:
@@ -414,72 +426,47 @@ def _row_grid(m: int, n: int, block_m: int, block_n: int, whole_rows: bool = Fal
 def _gelu_launch(x: Tensor, approximate: str) -> Tensor:
     """GELU: the flat kernel for a contiguous x, else the row kernel."""
     _check("x", x)
-    approx_tanh = _check_approximate(approximate)
+    act = _check_approximate(approximate)
     if not x.is_contiguous() and x.numel() > 0:
-        return _rows_launch(x, None, int(approx_tanh), 0, None, None)[0]
+        return _rows_launch(x, None, None, act, 0, None, None)[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if (n := x.numel()) > 0:
         _, block, warps = _launch_config(n, n, x.element_size(), _device_target(x.device)[2], True)
-        _gelu_flat_kernel[(-(-n // block),)](x, out, n, APPROX_TANH=approx_tanh, BLOCK=block, num_warps=warps)
+        _gelu_flat_kernel[(-(-n // block),)](x, out, n, APPROX_TANH=act == 1, BLOCK=block, num_warps=warps)
     return out
 
 
 def _geglu_launch(x: Tensor, approximate: str) -> Tensor:
-    _check("x", x)
-    approx_tanh = _check_approximate(approximate)
-    h = _halves(x, "value", "gate")
-    return _rows_launch(x[..., h:], x[..., :h], int(approx_tanh), 0, None, None, parent=x)[0]
+    gate, up, parent = _gated(x, None, "value,gate", gate_first=False)
+    return _rows_launch(gate, up, parent, _check_approximate(approximate), 0, None, None)[0]
 
 
-def _swiglu_launch(
-    x: Tensor, up: Optional[Tensor], gate_first: bool, fp8_mode: int, fp8_scale: Optional[Tensor],
-    fp8_dtype: Optional[torch.dtype],
-) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
-    if up is None:
-        h = _halves(x, "gate", "up")
-        gate, up = (x[..., :h], x[..., h:]) if gate_first else (x[..., h:], x[..., :h])
-        return _rows_launch(gate, up, 2, fp8_mode, fp8_scale, fp8_dtype, parent=x)
-    _check_gate_up(x, up)
-    return _rows_launch(x, up, 2, fp8_mode, fp8_scale, fp8_dtype)
-
-
-def _check_gate_up(gate: Tensor, up: Tensor) -> None:
-    """Refuse gate and up unless they are two tensors of one shape, dtype and device with contiguous last dims."""
-    _check("gate", gate)
-    _check("up", up, gate.device, ref="gate")
-    if up.dtype != gate.dtype:
-        raise TypeError(f"up has dtype {up.dtype} but gate has dtype {gate.dtype}; they must match")
-    if up.shape != gate.shape:
-        raise ValueError(f"up has shape {tuple(up.shape)} but gate has shape {tuple(gate.shape)}; they must match")
-    if gate.dim() == 0:
-        raise ValueError("gate and up must have at least one dimension")
-    for name, t in (("gate", gate), ("up", up)):
-        if t.numel() > 0 and t.shape[-1] > 1 and (st := t.stride(-1)) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (stride {st}); call .contiguous()")
+def _swiglu_launch(x: Tensor, up: Optional[Tensor], gate_first: bool, fp8_mode: int, fp8_scale: Optional[Tensor],
+                   fp8_dtype: Optional[torch.dtype]) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
+    gate, up, parent = _gated(x, up, "gate,up" if up is None else None, gate_first)
+    return _rows_launch(gate, up, parent, 2, fp8_mode, fp8_scale, fp8_dtype)
 
 
 def _gelu_mul_launch(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
-    _check_gate_up(gate, up)
-    return _rows_launch(gate, up, int(_check_approximate(approximate)), 0, None, None)[0]
+    gate, up, _ = _gated(gate, up, None)
+    return _rows_launch(gate, up, None, _check_approximate(approximate), 0, None, None)[0]
 
 
-def _act_fp8_launch(
-    x: Tensor, act: int, fp8_mode: int, fp8_scale: Optional[Tensor], fp8_dtype: Optional[torch.dtype]
-) -> tuple[Tensor, Optional[Tensor]]:
+def _act_fp8_launch(x: Tensor, act: int, fp8_mode: int, fp8_scale: Optional[Tensor], fp8_dtype: Optional[torch.dtype]
+                    ) -> tuple[Tensor, Optional[Tensor]]:  # fmt: skip
     """act(x) with FP8 output (act 0 / 1: GELU erf / tanh, 3: x itself)."""
     _check("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (its last one is a row)")
     if fp8_mode not in (1, 2):
         raise ValueError(f"fp8 must be 'per_tensor' or 'per_token' here, got mode {fp8_mode!r}")
-    return _rows_launch(x, None, act, fp8_mode, fp8_scale, fp8_dtype)
+    return _rows_launch(x, None, None, act, fp8_mode, fp8_scale, fp8_dtype)
 
 
-def _rows_launch(gate, up, act: int, fp8_mode: int, fp8_scale, fp8_dtype, parent=None):
+def _rows_launch(gate, up, parent, act: int, fp8_mode: int, fp8_scale, fp8_dtype):
     """out = up * act(gate) (up None: act(gate)) over rows of views of one shape [..., H] on _act_rows_kernel;
-    returns (out, per-row FP8 scales or None). parent: the [..., 2H] tensor both are halves of."""
-    device = gate.device
-    out_dtype, fp8_format, native = gate.dtype, (0.0, 0, 0), False
+    returns (out, per-row FP8 scales or None). parent: the [..., 2H] tensor both are halves of, or None."""
+    device, out_dtype, fp8_format, native = gate.device, gate.dtype, (0.0, 0, 0), False
     if fp8_mode:
         out_dtype = _fp8_dtype_for(device) if fp8_dtype is None else fp8_dtype
         if out_dtype not in _FP8_FORMATS:
@@ -489,9 +476,8 @@ def _rows_launch(gate, up, act: int, fp8_mode: int, fp8_scale, fp8_dtype, parent
         if fp8_mode == 1:
             _check("fp8_scale", fp8_scale, device, "the input", (torch.float32,))
             if fp8_scale.numel() != 1:
-                raise ValueError(
-                    f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}"
-                )
+                shape = tuple(fp8_scale.shape)
+                raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {shape}")
         fp8_format, native = _FP8_FORMATS[out_dtype], _native_fp8(device, out_dtype)
     if fp8_mode != 1 and fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
@@ -499,23 +485,21 @@ def _rows_launch(gate, up, act: int, fp8_mode: int, fp8_scale, fp8_dtype, parent
     scales = torch.empty(gate.shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
     if gate.numel() == 0:
         return out, scales
-    h = gate.shape[-1]
+    h, warp_size = gate.shape[-1], _device_target(device)[2]
     m = gate.numel() // h
     inner, layouts = _row_layouts(*((parent,) if parent is not None else (t for t in (gate, up) if t is not None)))
     (g_o, g_i), (u_o, u_i) = layouts[0], layouts[-1] if up is not None else (0, 0)
-    warp_size = _device_target(device)[2]
+    single = False
     if fp8_mode == 2:
         block_m, block_n, single, warps = _whole_row_config(h, m, warp_size, _MAX_WHOLE_ROW, _ROW_CHUNK)
     else:  # the tile is budgeted on the output: each output element reads two inputs
         block_m, block_n, warps = _launch_config(gate.numel(), h, gate.element_size(), warp_size, False)
-        single = False
     grid, grid_2d, n_col_blocks, even = _row_grid(m, h, block_m, block_n, whole_rows=fp8_mode == 2)
     fp8_max, fp8_min_exp, fp8_nan = fp8_format
     _act_rows_kernel[grid](
         gate, g_o, g_i, up, u_o, u_i,
         out.view(torch.uint8) if fp8_mode and not native else out,  # _fp8_encode's codes go through a uint8 view
-        fp8_scale if fp8_mode == 1 else scales,
-        m, h, inner, n_col_blocks,
+        fp8_scale if fp8_mode == 1 else scales, m, h, inner, n_col_blocks,
         ACT=act, FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp, FP8_NAN=fp8_nan,
         MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single,
         GRID_2D=grid_2d, EVEN=even, num_warps=warps,
@@ -554,7 +538,7 @@ def gelu(x: Tensor, approximate: str = "tanh", *, fp8=None, fp8_scale=None, fp8_
     if fp8 is not None or fp8_scale is not None or fp8_dtype is not None:
         mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
         _no_backward("gelu", "x,fp8_scale", x, fp8_scale)
-        out, scales = _act_fp8_launch(x, int(_check_approximate(approximate)), mode, fp8_scale, fp8_dtype)
+        out, scales = _act_fp8_launch(x, _check_approximate(approximate), mode, fp8_scale, fp8_dtype)
         return (out, scales) if mode == 2 else out
     _no_backward("gelu", "x", x)
     return _gelu_launch(x, approximate)
@@ -623,23 +607,17 @@ def swiglu_ref(x: Tensor, up: Optional[Tensor] = None, gate_first: bool = True) 
     return torch.nn.functional.silu(x) * up
 
 
-def _exact_pow2(k: Tensor, dtype: torch.dtype) -> Tensor:
-    """2**k (integer k in the normal range) from its exponent bits: exact on every device."""
-    k = k.to(torch.int64)
-    if dtype == torch.float64:
-        return ((k + 1023) << 52).view(torch.float64)
-    return ((k + 127) << 23).to(torch.int32).view(torch.float32).to(dtype)
-
-
 def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
     """Saturating round-to-nearest-even FP8 quantisation in y's precision: (q, s), y ~ q * s, s per row (scale
-    None) or the given per-tensor scale."""
+    None) or the given per-tensor scale. The step 2**k comes from its exponent bits: exact on every device."""
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
     s = (y.abs().amax(-1) / fp8_max).clamp_min(_MIN_DYNAMIC_SCALE) if scale is None else scale.to(y.dtype).reshape(())
     v = (y / (s[..., None] if scale is None else s)).clamp(-fp8_max, fp8_max)
     _, e = torch.frexp(v)  # v = m * 2**e with 0.5 <= |m| < 1
-    step = _exact_pow2((e - 1).clamp_min(min_exp - 127) - 3, v.dtype)  # 3 mantissa bits in v's binade
-    return torch.round(v / step) * step, s  # torch.round rounds half to even
+    k = ((e - 1).clamp_min(min_exp - 127) - 3).to(torch.int64)  # 3 mantissa bits in v's binade
+    f64 = v.dtype == torch.float64
+    step = ((k + 1023) << 52).view(torch.float64) if f64 else ((k + 127) << 23).to(torch.int32).view(torch.float32)
+    return torch.round(v / step.to(v.dtype)) * step.to(v.dtype), s  # torch.round rounds half to even
 
 
 def _main(argv=None) -> int:
@@ -694,8 +672,7 @@ def _main(argv=None) -> int:
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# With kernel_runtime.py beside this file: cached launch plans, torch.library ops and device checks.
-try:
+try:  # kernel_runtime.py beside this file adds launch plans, torch.library ops and device checks
     import kernel_runtime
 except ImportError:
     pass

@@ -8,8 +8,7 @@
 
 Public: ltx_rope, rope_rotate_half, rope_interleaved, ltx_qk_rmsnorm_rope(_coords), ltx_rope_freqs,
 ltx_cos_sin_from_coords; each ``*_ref`` is the plain-PyTorch math a kernel replaces (run it on float64).
-Depends on torch and triton only: copy it into another project as is. ``python rope.py --help`` runs its
-self-check.
+Depends on torch and triton only; ``python rope.py --help`` runs its self-check.
 """
 
 from __future__ import annotations
@@ -333,10 +332,6 @@ def _ltx_qk_norm_rope_kernel(
     tl.store(KO + out_row[:, None] + cols[None, :], ko.to(KO.dtype.element_ty), mask=mask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
@@ -348,14 +343,22 @@ def _device_target(device: torch.device):
     return (target.backend, target.arch, target.warp_size)
 
 
-def _check(name: str, t, dtypes, device=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {expected}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the input is on {device}; move them to one device")
+def _check(names: str, dtypes, device, *tensors, dims=None, kind=None) -> None:
+    """Refuse each tensor unless it is a torch.Tensor of dtypes (on device if given); dims: an x of kind RoPE."""
+    for name, t in zip(names.split(","), tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            expected = ", ".join(str(d)[6:] for d in dtypes)
+            raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected one of {expected}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the input is on {device}; move them to one device")
+        if dims is not None and t.dim() != dims:
+            shape = "B, S, C" if dims == 3 else "B, H, S, D"
+            raise ValueError(f"{name} must be [{shape}] ({dims} dims), got shape {tuple(t.shape)}")
+        if dims is not None and t.shape[-1] % 2:
+            what = ("channels", "channel count") if dims == 3 else ("head dim", "head dim")
+            raise ValueError(f"{name} has {what[0]} {t.shape[-1]}; {kind} RoPE needs an even {what[1]}")
 
 
 def _contiguous_last(**tensors) -> None:
@@ -364,53 +367,50 @@ def _contiguous_last(**tensors) -> None:
             raise ValueError(f"{name} must be contiguous in its last dimension (stride {st}); call .contiguous()")
 
 
-def _table(name: str, t: Tensor, shape, what: str) -> Tensor:
-    """t viewed at shape ([B, S, W] or [B, H, S, W]) without a copy; accepts [S, W], [B or 1, S, W] or
-    [B or 1, H or 1, S, W]."""
-    orig, b, s, w = tuple(t.shape), shape[0], shape[-2], shape[-1]
-    t = t[(None,) * (len(shape) - t.dim())] if t.dim() == 2 else t  # [S, W]: every leading dim broadcast
-    if len(shape) == 4 and t.dim() == 3:  # [B, S, W] for x [B, H, S, D]: transformers unsqueezes the head dim
-        t = t.unsqueeze(1)
-    ok = t.dim() == len(shape) and t.shape[0] in (1, b) and t.shape[-2:] == (s, w)
-    if not ok or (len(shape) == 4 and t.shape[1] not in (1, shape[1])):
-        heads = f"{shape[1]} or 1, " if len(shape) == 4 else ""
-        raise ValueError(f"{name} has shape {orig}; expected [{s}, {w}] or [{b} or 1, {heads}{s}, {w}] ({what})")
-    return t.expand(shape)
+def _views(names: str, shape, what: str, *tensors) -> list:
+    """Each tensor ([S, W], [B or 1, S, W] or [B or 1, H or 1, S, W]) viewed at shape ([B, S, W] or [B, H, S, W])
+    without a copy; what: what a row holds, for the error ("cos" in it is replaced by the tensor's name)."""
+    b, s, w, views = shape[0], shape[-2], shape[-1], []
+    for name, t in zip(names.split(","), tensors):
+        orig = tuple(t.shape)
+        t = t[(None,) * (len(shape) - 2)] if t.dim() == 2 else t  # [S, W]: every leading dim broadcast
+        t = t.unsqueeze(1) if len(shape) == 4 and t.dim() == 3 else t  # [B, S, W]: transformers' unsqueeze(1)
+        ok = t.dim() == len(shape) and t.shape[0] in (1, b) and t.shape[-2:] == (s, w)
+        if not ok or (len(shape) == 4 and t.shape[1] not in (1, shape[1])):
+            heads, row = f"{shape[1]} or 1, " if len(shape) == 4 else "", what.replace("cos", name)
+            raise ValueError(f"{name} has shape {orig}; expected [{s}, {w}] or [{b} or 1, {heads}{s}, {w}] ({row})")
+        views.append(t.expand(shape))
+    return views
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
-
-
-def _launch_config(
-    width: int, n_rows: int, warp_size: int, max_block: int, elems: int = _ELEMS_PER_PROGRAM, per_lane: int = 8
-):
+def _launch_config(width, n_rows, warp_size, max_block, elems=_ELEMS_PER_PROGRAM, per_lane=8):
     """(BLOCK_M, BLOCK_C, num_warps): about `elems` elements per program (narrow rows packed, up to 64, to
     amortise per-program overhead), `per_lane` consecutive elements per lane (8: one 16-byte bf16 vector)."""
-    block_c = min(_next_pow2(max(width, 2)), max_block)
-    block_m = max(1, min(64, elems // block_c, _next_pow2(max(n_rows, 1))))
-    return block_m, block_c, _next_pow2(max(1, min(16, (block_m * block_c) // (warp_size * per_lane))))
+    pow2 = lambda n: 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds
+    block_c = min(pow2(max(width, 2)), max_block)
+    block_m = max(1, min(64, elems // block_c, pow2(max(n_rows, 1))))
+    return block_m, block_c, pow2(max(1, min(16, (block_m * block_c) // (warp_size * per_lane))))
 
 
-def _rope_checks(x: Tensor, cos, sin, dims: int, kind: str) -> None:
-    _check("x", x, _SUPPORTED_DTYPES)
-    _check("cos", cos, _ANY_FLOAT, x.device)
-    _check("sin", sin, _ANY_FLOAT, x.device)
-    if x.dim() != dims:
+def _rope_inputs(x: Tensor, cos, sin, dims: int, kind: str) -> list:
+    """Check x and cos/sin; returns the tables viewed at x's shape, or at [B, H, S, D // 2] for per-pair tables."""
+    _check("x", _SUPPORTED_DTYPES, None, x, dims=dims, kind=kind)
+    _check("cos,sin", _ANY_FLOAT, x.device, cos, sin)
+    if dims == 3:
+        return _views("cos,sin", x.shape, "one row of C cos values per token", cos, sin)
+    dim = x.shape[-1]
+    if cos.shape[-1:] != sin.shape[-1:] or cos.shape[-1:] not in ((dim,), (dim // 2,)):
         raise ValueError(
-            f"x must be [{'B, S, C' if dims == 3 else 'B, H, S, D'}] ({dims} dims), got shape {tuple(x.shape)}"
+            f"cos and sin have shapes {tuple(cos.shape)} and {tuple(sin.shape)}; expected {dim} (one value per "
+            f"channel) or {dim // 2} (one per channel pair) as their last dim for x of shape {tuple(x.shape)}"
         )
-    if x.shape[-1] % 2:
-        what = ("channels", "channel count") if dims == 3 else ("head dim", "head dim")
-        raise ValueError(f"x has {what[0]} {x.shape[-1]}; {kind} RoPE needs an even {what[1]}")
+    return _views("cos,sin", (*x.shape[:3], cos.shape[-1]), "one row per token", cos, sin)
 
 
 def _ltx_rope_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    _rope_checks(x, cos, sin, 3, "interleaved")
-    (bsz, seq, ch), out = x.shape, torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cos = _table("cos", cos, x.shape, "one row of C cos values per token")  # [B, S, C] views: no copy
-    sin = _table("sin", sin, x.shape, "one row of C sin values per token")
+    cos, sin = _rope_inputs(x, cos, sin, 3, "interleaved")
     _contiguous_last(x=x, cos=cos, sin=sin)
+    (bsz, seq, ch), out = x.shape, torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() > 0:
         m = bsz * seq
         block_m, block_c, num_warps = _launch_config(ch, m, _device_target(x.device)[2], _MAX_CHUNK)
@@ -423,134 +423,92 @@ def _ltx_rope_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rope_rotate_half_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """The output has x's layout when x is dense (torch.empty_like), as the eager expression returns it."""
-    _rope_checks(x, cos, sin, 4, "rotate-half")
-    (bsz, heads, seq, dim), out = x.shape, torch.empty_like(x)
-    # one value per channel (width D) or per channel pair (c, c + D / 2) (width D / 2: diffusers' split RoPE)
-    half_tables = dim > 0 and cos.dim() > 0 and cos.shape[-1] == dim // 2
-    width = dim // 2 if half_tables else dim
-    if half_tables and (sin.dim() == 0 or sin.shape[-1] != width):
-        raise ValueError(
-            f"cos and sin have shapes {tuple(cos.shape)} and {tuple(sin.shape)}; expected last dims {dim} (one "
-            f"value per channel) or {dim // 2} (one per channel pair) for x of shape {tuple(x.shape)}"
-        )
-    cos = _table("cos", cos, (bsz, heads, seq, width), "")  # [B, H, S, width] views: no copy
-    sin = _table("sin", sin, (bsz, heads, seq, width), "")
+    cos, sin = _rope_inputs(x, cos, sin, 4, "rotate-half")
     _contiguous_last(x=x, cos=cos, sin=sin)
+    (bsz, heads, seq, dim), out = x.shape, torch.empty_like(x)
     if x.numel() > 0:
         # tile sized on the half width (each element pairs with one of the other half): one bf16 vector per half
-        m, half = bsz * heads * seq, dim // 2
-        warp = _device_target(x.device)[2]
+        m, half, warp = bsz * heads * seq, dim // 2, _device_target(x.device)[2]
         block_m, block_h, num_warps = _launch_config(half, m, warp, _MAX_CHUNK // 2, _ELEMS_PER_PROGRAM // 2)
         _rope_rotate_half_kernel[(-(-m // block_m), -(-half // block_h))](
-            x, *x.stride()[:3], cos, *cos.stride()[:3], sin, *sin.stride()[:3], out, *out.stride()[:3],
-            m, heads, seq, half, HALF_TABLES=half_tables, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
+            x, *x.stride()[:3], cos, *cos.stride()[:3], sin, *sin.stride()[:3], out, *out.stride()[:3], m, heads,
+            seq, half, HALF_TABLES=cos.shape[-1] != dim, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=num_warps,
         )  # fmt: skip
     return out
 
 
 def _rope_interleaved_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Tables per channel (D wide) or per pair (D // 2 wide); the output has x's layout when x is dense."""
-    _rope_checks(x, cos, sin, 4, "interleaved")
+    """cos/sin may be strided (a complex table's parts); the output has x's layout when x is dense."""
+    cos, sin = _rope_inputs(x, cos, sin, 4, "interleaved")
     _contiguous_last(x=x)
-    dim = x.shape[-1]
-    if cos.shape[-1] != sin.shape[-1] or cos.shape[-1] not in (dim, dim // 2):
-        raise ValueError(
-            f"cos and sin have last dims {cos.shape[-1]} and {sin.shape[-1]}; expected {dim} (one value per "
-            f"channel) or {dim // 2} (one per channel pair) for x of shape {tuple(x.shape)}"
-        )
-    width = cos.shape[-1]
-    cos = _table("cos", cos, (*x.shape[:3], width), "")  # [B, H, S, width] views: no copy
-    sin = _table("sin", sin, (*x.shape[:3], width), "")
-    (bsz, heads, seq, _), out = x.shape, torch.empty_like(x)
+    (bsz, heads, seq, dim), out = x.shape, torch.empty_like(x)
     if x.numel() > 0:
         m = bsz * heads * seq
         block_m, block_c, num_warps = _launch_config(dim, m, _device_target(x.device)[2], _MAX_CHUNK)
         _rope_interleaved_kernel[(-(-m // block_m), -(-dim // block_c))](
             x, *x.stride()[:3], cos, *cos.stride(), sin, *sin.stride(), out, *out.stride()[:3], m, heads, seq, dim,
-            PAIR_TABLES=width != dim or dim == 0, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
+            PAIR_TABLES=cos.shape[-1] != dim or dim == 0, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
         )  # fmt: skip
     return out
 
 
-def _qk_launch(
-    q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, cos: Tensor,
-    sin: Tensor, cast_before_weight: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _qk_launch(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, cos: Tensor,
+               sin: Tensor, cast_before_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     return _qk(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
 
 
-def _qk_coords_launch(
-    q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, coords: Tensor,
-    freqs: Tensor, cast_before_weight: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _qk_coords_launch(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float,
+                      coords: Tensor, freqs: Tensor, cast_before_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     return _qk(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
 
 
 def _qk(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weight):
     """Check, configure and launch _ltx_qk_norm_rope_kernel (tables cos/sin, or coords/freqs)."""
-    _check("q", q, _SUPPORTED_DTYPES)
-    _check("k", k, _SUPPORTED_DTYPES, q.device)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, S, C] (3 dims), got shape {tuple(q.shape)}")
+    _check("q", _SUPPORTED_DTYPES, None, q, dims=3, kind="interleaved")
+    _check("k", _SUPPORTED_DTYPES, q.device, k)
     if k.shape != q.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; they must match")
     if k.dtype != q.dtype:
         raise TypeError(f"k has dtype {str(k.dtype)[6:]} but q has dtype {str(q.dtype)[6:]}; they must match")
     (bsz, seq, ch), dev = q.shape, q.device
-    if ch % 2:
-        raise ValueError(f"q has {ch} channels; interleaved RoPE needs an even channel count")
     if ch > _MAX_NORM_WIDTH:
-        raise ValueError(
-            f"q has {ch} channels; the fused RMSNorm + RoPE kernels support at most {_MAX_NORM_WIDTH} "
-            "(unsupported width: use an RMSNorm kernel followed by ltx_rope)"
-        )
+        raise ValueError(f"q has {ch} channels; the fused RMSNorm + RoPE kernels support at most {_MAX_NORM_WIDTH} "
+                         "(unsupported width: use an RMSNorm kernel followed by ltx_rope)")  # fmt: skip
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight must both be tensors or both be None")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w is not None:
-            _check(name, w, _ANY_FLOAT, dev)
-            if w.dim() != 1 or w.shape[0] != ch:
-                raise ValueError(f"{name} must have shape [{ch}] (the channel count of q), got {tuple(w.shape)}")
-            _contiguous_last(**{name: w})
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)) if q_weight is not None else ():
+        _check(name, _ANY_FLOAT, dev, w)
+        if w.shape != (ch,):
+            raise ValueError(f"{name} must have shape [{ch}] (the channel count of q), got {tuple(w.shape)}")
+        _contiguous_last(**{name: w})
     if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:  # NaN fails eps >= 0
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     _contiguous_last(q=q, k=k)
-    strides = [(0, 0), (0, 0), (0, 0, 0), (0,)]  # of cos, sin, coords, freqs ([B, S, W] views); 0 for absent ones
-    table_w = ch
+    table_w, tables, grid = ch, (None, 0, 0, None, 0, 0), (None, 0, 0, 0, None, 0)  # absent operands: None, strides 0
     if coords is not None:
-        _check("coords", coords, _ANY_FLOAT, dev)
-        _check("freqs", freqs, _ANY_FLOAT, dev)
-        coords = _table("coords", coords, (bsz, seq, 3), "the (frame, height, width) grid coordinate per token")
-        if freqs.dim() != 1 or freqs.shape[0] != ch // 6:
-            raise ValueError(
-                f"freqs has shape {tuple(freqs.shape)}; expected [{ch // 6}] (C // 6 frequencies for C = {ch})"
-            )
-        strides[2:] = [coords.stride(), freqs.stride()]
+        _check("coords,freqs", _ANY_FLOAT, dev, coords, freqs)
+        (coords,) = _views("coords", (bsz, seq, 3), "the (frame, height, width) grid coordinate per token", coords)
+        if freqs.shape != (ch // 6,):
+            msg = f"freqs has shape {tuple(freqs.shape)}; expected [{ch // 6}] (C // 6 frequencies for C = {ch})"
+            raise ValueError(msg)
+        grid = (coords, *coords.stride(), freqs, freqs.stride(0))
     else:
-        _check("cos", cos, _ANY_FLOAT, dev)
-        _check("sin", sin, _ANY_FLOAT, dev)
+        _check("cos,sin", _ANY_FLOAT, dev, cos, sin)
         # a table one head wide (an even width dividing C: Wan's [1, S, 1, D] viewed as [1, S, D]) is read by every head
         table_w = cos.shape[-1] if cos.dim() in (2, 3) else ch
         if table_w != ch and not (table_w > 0 and table_w % 2 == 0 and ch % table_w == 0):
             table_w = ch  # the check below says what is expected
-        what = (
-            "one row of C cos values per token, or of D values per token shared by the C / D heads (D even, dividing C)"
-        )
-        cos = _table("cos", cos, (bsz, seq, table_w), what)
-        sin = _table("sin", sin, (bsz, seq, table_w), what.replace("cos", "sin"))
+        what = "one row of C cos values per token, or of D per token shared by the C / D heads (D even, dividing C)"
+        cos, sin = _views("cos,sin", (bsz, seq, table_w), what, cos, sin)
         _contiguous_last(cos=cos, sin=sin)
-        strides[:2] = [cos.stride()[:2], sin.stride()[:2]]
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=dev)  # contiguous
-    k_out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+        tables = (cos, *cos.stride()[:2], sin, *sin.stride()[:2])
+    q_out, k_out = (torch.empty(q.shape, dtype=q.dtype, device=dev) for _ in range(2))  # contiguous
     if q.numel() > 0:
         # ~4096 elements of q and k per program, 16 per lane: 12-45 % faster than the alternatives at LTX shapes (H200)
-        m = bsz * seq
-        warp = _device_target(dev)[2]
+        m, warp = bsz * seq, _device_target(dev)[2]
         block_m, block_c, num_warps = _launch_config(ch, m, warp, _MAX_NORM_WIDTH, 2 * _ELEMS_PER_PROGRAM, per_lane=16)
-        (c_sb, c_ss), (s_sb, s_ss), (g_sb, g_ss, g_sa), (f_s,) = strides
         _ltx_qk_norm_rope_kernel[(-(-m // block_m),)](  # absent operands go as None: the kernel leaves them out
-            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), q_weight, k_weight,
-            cos, c_sb, c_ss, sin, s_sb, s_ss, coords, g_sb, g_ss, g_sa, freqs, f_s, q_out, k_out,
+            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), q_weight, k_weight, *tables, *grid, q_out, k_out,
             m, bsz, ch, (ch % 6) // 2, 3 * (ch // 6), float(eps),
             CAST_BEFORE_WEIGHT=bool(cast_before_weight), TABLE_W=0 if coords is not None or table_w == ch else table_w,
             BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
@@ -570,9 +528,9 @@ def _no_backward(fn: str, names: str, *tensors) -> None:
 
 
 def ltx_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """diffusers LTX-Video ``apply_rotary_emb(x, (cos, sin))``. x: [B, S, C], C even, channels contiguous (rows
-    may be strided); cos/sin: [B or 1, S, C] or [S, C], any float dtype. Returns a contiguous [B, S, C] of x's
-    dtype. No backward: in grad mode an input that requires grad raises RuntimeError (use ltx_rope_ref)."""
+    """diffusers LTX-Video ``apply_rotary_emb(x, (cos, sin))``. x: [B, S, C], C even, channels contiguous (rows may
+    be strided); cos/sin: [B or 1, S, C] or [S, C], any float dtype. Returns a contiguous [B, S, C] of x's dtype.
+    No backward: in grad mode an input that requires grad raises RuntimeError (use ltx_rope_ref)."""
     _no_backward("ltx_rope", "x,cos,sin", x, cos, sin)
     return _ltx_rope_launch(x, cos, sin)
 
@@ -593,13 +551,10 @@ def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, eps, cos, sin, *, cast_before_weight=False):
-    """LTX self-attention's ``apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))`` in one launch.
-
-    norm: ``torch.nn.RMSNorm(C, eps)`` over the whole row, weights [C] (or both None), output rounded to q's
-    dtype; cast_before_weight True also rounds before the weight (the older composite form). q, k: [B, S, C];
-    cos/sin: [B or 1, S, C] or [S, C], or one head wide (D even dividing C). Returns contiguous (q_out, k_out).
-    No backward.
-    """
+    """LTX self-attention's ``apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))`` in one launch. norm:
+    ``torch.nn.RMSNorm(C, eps)`` over the whole row, weights [C] (or both None), output rounded to q's dtype;
+    cast_before_weight True also rounds before the weight (the older composite form). q, k: [B, S, C]; cos/sin:
+    [B or 1, S, C] or [S, C], or one head wide (D even dividing C). Returns contiguous (q_out, k_out). No backward."""
     _no_backward("ltx_qk_rmsnorm_rope", "q,k,q_weight,k_weight,cos,sin", q, k, q_weight, k_weight, cos, sin)
     return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
 
@@ -614,9 +569,8 @@ def ltx_qk_rmsnorm_rope_coords(q, k, q_weight, k_weight, eps, coords, freqs, *, 
 
 def ltx_rope_freqs(dim: int, theta: float = 10000.0, device=None) -> Tensor:
     """LTXVideoRotaryPosEmbed's fp32 frequencies [dim // 6] (times pi / 2), computed identically."""
-    exponents = torch.linspace(
-        math.log(1.0, theta), math.log(theta, theta), dim // 6, device=device, dtype=torch.float32
-    )
+    lo, hi = math.log(1.0, theta), math.log(theta, theta)  # 0 and 1, as diffusers computes them
+    exponents = torch.linspace(lo, hi, dim // 6, device=device, dtype=torch.float32)
     return theta**exponents * math.pi / 2.0
 
 
@@ -627,19 +581,13 @@ def ltx_cos_sin_from_coords(coords: Tensor, freqs: Tensor, dim: int, out_dtype: 
     angles = freqs.float() * (coords.float().unsqueeze(-1) * 2 - 1)  # [B, S, 3, F]
     angles = angles.transpose(-1, -2).flatten(2).to(out_dtype)  # [B, S, 3F], frequency-major
     cos, sin = angles.cos().repeat_interleave(2, dim=-1), angles.sin().repeat_interleave(2, dim=-1)
-    if dim % 6:
-        pad = (*cos.shape[:-1], dim % 6)
-        cos = torch.cat([torch.ones(pad, dtype=cos.dtype, device=cos.device), cos], dim=-1)
-        sin = torch.cat([torch.zeros(pad, dtype=sin.dtype, device=sin.device), sin], dim=-1)
-    return cos, sin
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    pad = (*cos.shape[:-1], dim % 6)  # the first dim % 6 channels: cos 1, sin 0
+    cos = torch.cat([torch.ones(pad, dtype=cos.dtype, device=cos.device), cos], dim=-1)
+    return cos, torch.cat([torch.zeros(pad, dtype=sin.dtype, device=sin.device), sin], dim=-1)
 
 
 def ltx_rope_ref(x, cos, sin):
-    xf = x.to(_compute_dtype(x))
+    xf = x.double() if x.dtype == torch.float64 else x.float()
     even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
     return (xf * cos.to(xf.dtype) + torch.stack([-odd, even], dim=-1).flatten(-2) * sin.to(xf.dtype)).to(x.dtype)
 
@@ -648,7 +596,7 @@ def rope_rotate_half_ref(x, cos, sin):
     if x.shape[-1] and cos.shape[-1] * 2 == x.shape[-1]:  # one value per channel pair (c, c + D / 2)
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     cos, sin = (cos.unsqueeze(1), sin.unsqueeze(1)) if cos.dim() == 3 else (cos, sin)
-    xf = x.to(_compute_dtype(x))
+    xf = x.double() if x.dtype == torch.float64 else x.float()
     first, second = xf.chunk(2, dim=-1)
     return (xf * cos.to(xf.dtype) + torch.cat([-second, first], dim=-1) * sin.to(xf.dtype)).to(x.dtype)
 
@@ -662,7 +610,7 @@ def rope_interleaved_ref(x, cos, sin):
 
 
 def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
-    xf = x.to(_compute_dtype(x))
+    xf = x.double() if x.dtype == torch.float64 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = (y.to(x.dtype).to(xf.dtype) if cast_before_weight else y) * weight.to(xf.dtype)
@@ -678,7 +626,9 @@ def ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before
 
 
 def ltx_qk_rmsnorm_rope_coords_ref(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight=False):
-    cos, sin = ltx_cos_sin_from_coords(coords, freqs, q.shape[-1], out_dtype=_compute_dtype(q))
+    cos, sin = ltx_cos_sin_from_coords(
+        coords, freqs, q.shape[-1], torch.float64 if q.dtype == torch.float64 else torch.float32
+    )
     return ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
 
 
@@ -689,51 +639,48 @@ def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Check the RoPE kernels against float64 references on random inputs.")
     p.add_argument("--tokens", type=int, default=12, help="tokens per sample S (default 12; batch is 2)")
     p.add_argument("--width", type=int, default=2048, help="channels C of q/k (default 2048, LTX-Video)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim of the rotate-half check (default 64)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim D of the [B, H, S, D] checks (default 64)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    if args.width % 2 or args.head_dim % 2 or args.width < 2 or args.tokens < 1:
+    a = p.parse_args(argv)
+    if a.width % 2 or a.head_dim % 2 or min(a.width, a.head_dim, a.tokens) < 1:
         p.error("--width and --head-dim must be even and positive, --tokens positive")
-    if not (torch.cuda.is_available() or _interpreting()):
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not (torch.cuda.is_available() or interpreting):
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
-    device, ch = ("cpu" if _interpreting() else "cuda"), args.width
-    g = torch.Generator().manual_seed(args.seed)
-    q, k = ((2 * torch.randn(2, args.tokens, ch, generator=g)).to(device, dtype) for _ in range(2))
-    qw, kw = ((1 + 0.2 * torch.randn(ch, generator=g)).to(device, dtype) for _ in range(2))
-    coords, freqs = torch.rand(2, args.tokens, 3, generator=g), ltx_rope_freqs(ch)
-    cos, sin = ltx_cos_sin_from_coords(coords, freqs, ch)
-    x4 = torch.randn(2, args.tokens, 4, args.head_dim, generator=g).transpose(1, 2).to(device, dtype)  # [B, H, S, D]
-    ang = 3 * torch.randn(2, args.tokens, args.head_dim // 2, generator=g)
-    cos_h, sin_h = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    q64, k64, qw64, kw64, x64 = (t.double().cpu() for t in (q, k, qw, kw, x4))
-    on = functools.partial(torch.Tensor.to, device=device)
-    checks = {  # name: (output, float64 reference)
-        "ltx_rope": (ltx_rope(q, on(cos), on(sin)), ltx_rope_ref(q64, cos, sin)),
-        "rope_rotate_half": (rope_rotate_half(x4, on(cos_h), on(sin_h)), rope_rotate_half_ref(x64, cos_h, sin_h)),
-        "ltx_qk_rmsnorm_rope": (ltx_qk_rmsnorm_rope(q, k, qw, kw, 1e-5, on(cos), on(sin)), ltx_qk_rmsnorm_rope_ref(q64, k64, qw64, kw64, 1e-5, cos, sin)),
-        "ltx_qk_rmsnorm_rope_coords": (ltx_qk_rmsnorm_rope_coords(q, k, qw, kw, 1e-5, on(coords), on(freqs)), ltx_qk_rmsnorm_rope_coords_ref(q64, k64, qw64, kw64, 1e-5, coords, freqs)),
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
+    g, (b, s, c, d) = torch.Generator().manual_seed(a.seed), (2, a.tokens, a.width, a.head_dim)
+    q, k = (2 * torch.randn(2, b, s, c, generator=g)).to(dtype)
+    qw, kw = (1 + 0.2 * torch.randn(2, c, generator=g)).to(dtype)
+    coords, freqs = torch.rand(b, s, 3, generator=g), ltx_rope_freqs(c)
+    cos, sin = ltx_cos_sin_from_coords(coords, freqs, c)
+    x = torch.randn(b, s, 4, d, generator=g).transpose(1, 2).to(dtype)  # [B, H, S, D], strided
+    ang = 3 * torch.randn(b, s, d // 2, generator=g)  # tables of one value per channel pair
+    checks = {  # name: (kernel, float64 reference, arguments)
+        "ltx_rope": (ltx_rope, ltx_rope_ref, (q, cos, sin)),
+        "rope_rotate_half": (rope_rotate_half, rope_rotate_half_ref, (x, ang.cos(), ang.sin())),
+        "rope_interleaved": (rope_interleaved, rope_interleaved_ref, (x, ang.cos(), ang.sin())),
+        "ltx_qk_rmsnorm_rope": (ltx_qk_rmsnorm_rope, ltx_qk_rmsnorm_rope_ref, (q, k, qw, kw, 1e-5, cos, sin)),
+        "ltx_qk_rmsnorm_rope_coords": (ltx_qk_rmsnorm_rope_coords, ltx_qk_rmsnorm_rope_coords_ref, (q, k, qw, kw, 1e-5, coords, freqs)),
     }  # fmt: skip
     # error budget relative to the values: a few roundings of the dtype plus the fp32 cos/sin of large angles
     tol = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}[dtype]
-    report = {}
-    for name, (out, ref) in checks.items():
+    device, report = "cpu" if interpreting else "cuda", {}
+    for name, (fn, ref_fn, args) in checks.items():
+        out = fn(*(t.to(device) if isinstance(t, Tensor) else t for t in args))
+        ref = ref_fn(*(t.double() if isinstance(t, Tensor) else t for t in args))
         out, ref = (torch.cat(out), torch.cat(ref)) if isinstance(out, tuple) else (out, ref)
         err = ((out.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
         report[name] = {"max_rel_err": err, "ok": err <= tol and bool(torch.isfinite(out).all())}
     ok = all(v["ok"] for v in report.values())
-    print(
-        json.dumps({"device": device, "dtype": args.dtype, "shape": [2, args.tokens, ch], "checks": report, "ok": ok})
-    )
+    print(json.dumps({"device": device, "dtype": a.dtype, "shape": [b, s, c], "checks": report, "ok": ok}))
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# With kernel_runtime.py beside this file: cached launch plans, torch.library ops and device checks.
-try:
+try:  # kernel_runtime.py beside this file adds launch plans, torch.library ops and device checks
     import kernel_runtime
 except ImportError:
     pass
