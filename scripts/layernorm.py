@@ -10,8 +10,7 @@ diffusers' MMDiT models (SD3, FLUX). Public: layer_norm, layer_norm_modulate (Ad
 gated_residual_layer_norm_modulate and ..._dual, each with a plain-PyTorch ``*_ref``. scale / shift / gate
 broadcast to x as in torch, and a 2-D [B, D] for x [B, S, D] with B != S is one row per sample (diffusers'
 ``emb.chunk(6, dim=1)`` views, read in place); [X, D] with X == B == S > 1 is ambiguous and refused.
-Depends on torch and triton only; ``python layernorm.py --help`` runs its self-check.
-"""
+Depends on torch and triton only; ``python layernorm.py --help`` runs its self-check."""
 
 from __future__ import annotations
 
@@ -325,10 +324,6 @@ def _layer_norm_kernel(
             )  # fmt: skip
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
@@ -346,8 +341,9 @@ def _num_sms(device: torch.device) -> int:
     return 0 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check(name: str, t, device=None) -> None:
-    """Refuse t unless it is a tensor of a supported dtype, on device (when given), contiguous in its last dim."""
+def _check(name: str, t, device=None, shape=None):
+    """Refuse t unless it is a tensor of a supported dtype, on device (when given), contiguous in its last dim.
+    With shape: t's row strides (read as _per_sample says) broadcast to shape, 0 along broadcast and size-1 dims."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _SUPPORTED_DTYPES:
@@ -356,6 +352,19 @@ def _check(name: str, t, device=None) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
     if t.numel() > 0 and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+    if shape is None:
+        return None
+    try:
+        strides = _per_sample(t, shape, name).expand(shape).stride()  # (a RuntimeError too for more dims)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; expected "
+            "[D], [B, D] (one row per sample of a [B, S, D] input), [S, D], [B, 1, D] or [B, S, D]"
+        ) from None
+    strides = tuple(0 if s == 1 else st for s, st in zip(shape, strides))
+    if shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {strides[-1]})")
+    return strides[:-1]
 
 
 def _per_sample(t: Tensor, shape, name: str = "scale") -> Tensor:
@@ -376,36 +385,15 @@ def _per_sample(t: Tensor, shape, name: str = "scale") -> Tensor:
     return t
 
 
-def _bcast_strides(name: str, t: Tensor, shape) -> tuple:
-    """Strides of t (read as _per_sample says) broadcast to shape, 0 along broadcast and size-1 dims."""
-    try:
-        per_sample = _per_sample(t, shape, name)
-        if per_sample.dim() > len(shape):
-            raise RuntimeError
-        strides = per_sample.expand(shape).stride()
-    except RuntimeError:
-        raise ValueError(
-            f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; expected "
-            "[D], [B, D] (one row per sample of a [B, S, D] input), [S, D], [B, 1, D] or [B, S, D]"
-        ) from None
-    strides = tuple(0 if s == 1 else st for s, st in zip(shape, strides))
-    if shape[-1] > 1 and strides[-1] != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension (stride {strides[-1]})")
-    return strides
-
-
 def _row_layout(stride_sets, lead):
-    """(INNER, [(stride_o, stride_i) per operand]): row r sits at (r // INNER) * stride_o + (r % INNER) *
-    stride_i in every operand, with no copy; more than two leading dims are split in two groups, else refused."""
+    """(INNER, [(stride_o, stride_i) per operand]): row r sits at (r // INNER) * stride_o + (r % INNER) * stride_i
+    in every operand, no copy; more than two leading dims are split in two groups of one stride each, else refused."""
     if len(lead) <= 2:
-        pad = (0,) * (2 - len(lead))
-        return ([1, 1] + list(lead))[-1], [pad + tuple(st) for st in stride_sets]
+        return ([1, 1] + list(lead))[-1], [(0,) * (2 - len(lead)) + tuple(st) for st in stride_sets]
 
     def flat(sizes, strides):  # the one stride addressing these dims as one index, or None
         dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
-        if any(a[1] != b[1] * b[0] for a, b in zip(dims, dims[1:])):
-            return None
-        return dims[-1][1] if dims else 0
+        return (dims[-1][1] if dims else 0) if all(a[1] == b[1] * b[0] for a, b in zip(dims, dims[1:])) else None
 
     for k in range(len(lead), -1, -1):
         layouts = [(flat(lead[:k], st[:k]), flat(lead[k:], st[k:])) for st in stride_sets]
@@ -422,13 +410,10 @@ def _next_pow2(n: int) -> int:
 
 
 def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = False):
-    """(BLOCK_M, BLOCK_N, single pass, chunks per row, num_warps).
-
-    About 32 elements per lane: fewer warps shorten LayerNorm's two reductions (12-31 % faster than 8 on an H200).
-    Rows under 2048 elements are packed to about 2048 per program (scheduling overhead per row).
-    Rows of 3 * 2**k are three chunks of 2**k, not one a quarter masked off (72-75 % -> 80-87 % of copy bandwidth);
-    not with a residual, where the chunks tied or lost 2-3 %.
-    """
+    """(BLOCK_M, BLOCK_N, single pass, chunks per row, num_warps). About 32 elements per lane: fewer warps
+    shorten LayerNorm's two reductions (12-31 % faster than 8 on an H200). Rows under 2048 elements are packed
+    to about 2048 per program (scheduling overhead per row). Rows of 3 * 2**k are three chunks of 2**k, not one
+    a quarter masked off (72-75 % -> 80-87 % of copy bandwidth); not with a residual (the chunks tied or lost 2-3 %)."""
     single, third = n_cols <= _MAX_FUSED_N, n_cols // 3
     if single and not residual and n_cols % 3 == 0 and third >= 64 and third & (third - 1) == 0:
         per_program = 1 << max(0, (2048 // n_cols).bit_length() - 1)  # a power of two, <= 2048 / n_cols
@@ -458,9 +443,8 @@ def _launch(
     x: Tensor, y: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
     scale: Optional[Tensor], shift: Optional[Tensor], scale2: Optional[Tensor], shift2: Optional[Tensor], eps: float,
 ) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:  # fmt: skip
-    """Check a call, pick the launch configuration, allocate the outputs and launch _layer_norm_kernel.
-    Returns (h, out, out2): h = x + gate * y (None without y), out2 the second modulation's (None without scale2).
-    """
+    """Check a call, pick the launch configuration, allocate the outputs and launch _layer_norm_kernel. Returns
+    (h, out, out2): h = x + gate * y (None without y), out2 the second modulation's (None without scale2)."""
     _check("x", x)
     device, shape = x.device, x.shape
     if x.dim() == 0:
@@ -468,6 +452,13 @@ def _launch(
     n = shape[-1]
     if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:  # NaN fails eps >= 0
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    for sc_name, sh_name, sc, sh in (("scale", "shift", scale, shift), ("scale2", "shift2", scale2, shift2)):
+        if (sc is None) != (sh is None):
+            raise ValueError(f"{sc_name} and {sh_name} must be given together")
+    if scale2 is not None and scale is None:
+        raise ValueError("scale2/shift2 need scale/shift (the first modulation)")
+    if y is None and gate is not None:
+        raise ValueError("gate is only used with a residual branch y")
     strides = [x.stride()[:-1]]  # of every operand, broadcast to x's shape, for the row layout
     if y is not None:
         _check("y", y, device)
@@ -476,25 +467,14 @@ def _launch(
         if y.dtype != x.dtype:
             raise TypeError(f"y has dtype {str(y.dtype)[6:]} but h has dtype {str(x.dtype)[6:]}; they must match")
         strides.append(y.stride()[:-1])
-    elif gate is not None:
-        raise ValueError("gate is only used with a residual branch y")
-    if gate is not None:
-        _check("gate", gate, device)
-        strides.append(_bcast_strides("gate", gate, shape)[:-1])
+    for name, t in (("gate", gate), ("scale", scale), ("shift", shift), ("scale2", scale2), ("shift2", shift2)):
+        if t is not None:
+            strides.append(_check(name, t, device, shape))
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
             _check(name, p, device)
             if p.dim() != 1 or p.shape[0] != n:
                 raise ValueError(f"{name} must have shape [{n}] (the last dim of x), got {tuple(p.shape)}")
-    for sc_name, sh_name, sc, sh in (("scale", "shift", scale, shift), ("scale2", "shift2", scale2, shift2)):
-        if (sc is None) != (sh is None):
-            raise ValueError(f"{sc_name} and {sh_name} must be given together")
-        if sc is not None:
-            _check(sc_name, sc, device)
-            _check(sh_name, sh, device)
-            strides += [_bcast_strides(sc_name, sc, shape)[:-1], _bcast_strides(sh_name, sh, shape)[:-1]]
-    if scale2 is not None and scale is None:
-        raise ValueError("scale2/shift2 need scale/shift (the first modulation)")
     out = torch.empty(shape, dtype=x.dtype, device=device)
     out2 = torch.empty(shape, dtype=x.dtype, device=device) if scale2 is not None else None
     h_out = torch.empty(shape, dtype=x.dtype, device=device) if y is not None else None
@@ -503,17 +483,16 @@ def _launch(
     m = x.numel() // n
     inner, layouts = _row_layout(strides, list(shape[:-1]))
     it = iter(layouts)  # (stride_o, stride_i) of x, then of each operand given; (0, 0) for one absent
-    xs, ys, gs = next(it), next(it) if y is not None else (0, 0), next(it) if gate is not None else (0, 0)
-    ss, ts = (next(it), next(it)) if scale is not None else ((0, 0), (0, 0))
-    s2, t2 = (next(it), next(it)) if scale2 is not None else ((0, 0), (0, 0))
+    xs, ys, gs, ss, ts, s2, t2 = (
+        next(it) if t is not None else (0, 0) for t in (x, y, gate, scale, shift, scale2, shift2)
+    )
     warp_size = _device_target(device)[2]
     block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, y is not None)
     n_blocks, programs = -(-m // block_m), 0
     if single and _PERSISTENT and _persistent_variant(y is not None, scale is not None, scale2 is not None):
         programs, p_warps = _persistent_config(n_blocks, block_m, n, warp_size, _num_sms(device))
         num_warps = p_warps if programs else num_warps
-    # absent operands go as None: the kernel leaves out every use of them
-    _layer_norm_kernel[(programs or n_blocks,)](
+    _layer_norm_kernel[(programs or n_blocks,)](  # absent operands go as None: the kernel leaves out their uses
         x, *xs, y, *ys, gate, *gs, h_out, weight, bias, scale, *ss, shift, *ts, scale2, *s2, shift2, *t2,
         out, out2, m, n, inner, float(eps), BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=single, NCH=nch,
         X_DENSE=m <= inner or xs[0] == inner * xs[1],  # row r of x starts at r * x_stride_i
@@ -522,7 +501,7 @@ def _launch(
     return h_out, out, out2
 
 
-def _no_backward(fn: str, *tensors, names="x,y,gate,weight,bias,scale,shift,scale2,shift2") -> None:
+def _no_backward(fn: str, names: str, *tensors) -> None:
     """In grad mode, refuse an input that requires grad: the kernel has no backward, so gradients would stop."""
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
         if getattr(t, "requires_grad", False):
@@ -535,10 +514,9 @@ def _no_backward(fn: str, *tensors, names="x,y,gate,weight,bias,scale,shift,scal
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
     """``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``: fp32 math, one rounding. x: any leading
-    shape, last dim contiguous (rows may be strided); weight/bias: [D] or None; the output has x's dtype and
-    shape, contiguous. The kernel has no backward: in grad mode an input that requires grad raises
-    RuntimeError (call it under torch.no_grad() / torch.inference_mode(), or use layer_norm_ref)."""
-    _no_backward("layer_norm", x, None, None, weight, bias)
+    shape, last dim contiguous (rows may be strided); weight/bias: [D] or None; the output has x's dtype and shape,
+    contiguous. No backward: call it under torch.no_grad() / torch.inference_mode(), or use layer_norm_ref."""
+    _no_backward("layer_norm", "x,weight,bias", x, weight, bias)
     return _launch(x, None, None, weight, bias, None, None, None, None, eps)[1]
 
 
@@ -548,7 +526,7 @@ def layer_norm_modulate(x, scale, shift, eps=1e-6, *, weight=None, bias=None) ->
     broadcastable to x as in torch (see the module docstring); strided views are read in place. No backward."""
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use layer_norm() for a plain norm")
-    _no_backward("layer_norm_modulate", x, None, None, weight, bias, scale, shift)
+    _no_backward("layer_norm_modulate", "x,weight,bias,scale,shift", x, weight, bias, scale, shift)
     return _launch(x, None, None, weight, bias, scale, shift, None, None, eps)[1]
 
 
@@ -557,7 +535,7 @@ def layer_norm_modulate_dual(x, scale, shift, scale2, shift2, eps=1e-6):
     shift2)`` with ``n = layer_norm(x)`` (diffusers ``SD35AdaLayerNormZeroX``). Returns (out, out2)."""
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
-    _no_backward("layer_norm_modulate_dual", x, None, None, None, None, scale, shift, scale2, shift2)
+    _no_backward("layer_norm_modulate_dual", "x,scale,shift,scale2,shift2", x, scale, shift, scale2, shift2)
     return _launch(x, None, None, None, None, scale, shift, scale2, shift2, eps)[1:]
 
 
@@ -568,7 +546,7 @@ def gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps=1e-6, *, we
     if y is None:
         raise ValueError("y is required; use layer_norm_modulate() without a residual")
     names = "h,y,gate,weight,bias,scale,shift"
-    _no_backward("gated_residual_layer_norm_modulate", h, y, gate, weight, bias, scale, shift, names=names)
+    _no_backward("gated_residual_layer_norm_modulate", names, h, y, gate, weight, bias, scale, shift)
     return _launch(h, y, gate, weight, bias, scale, shift, None, None, eps)[:2]
 
 
@@ -579,19 +557,14 @@ def gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2, sh
         raise ValueError("y is required; use layer_norm_modulate_dual() without a residual")
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
-    names = "h,y,gate,weight,bias,scale,shift,scale2,shift2"
-    fn = "gated_residual_layer_norm_modulate_dual"
-    _no_backward(fn, h, y, gate, None, None, scale, shift, scale2, shift2, names=names)
+    names = "h,y,gate,scale,shift,scale2,shift2"
+    _no_backward("gated_residual_layer_norm_modulate_dual", names, h, y, gate, scale, shift, scale2, shift2)
     return _launch(h, y, gate, None, None, scale, shift, scale2, shift2, eps)
-
-
-def _f(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def layer_norm_ref(x, weight=None, bias=None, eps=1e-5):
     """F.layer_norm math: in float64 for float64 input, else fp32 then rounded to x's dtype."""
-    xf = x.to(_f(x))
+    xf = x.double() if x.dtype == torch.float64 else x.float()
     mean = xf.mean(-1, keepdim=True)
     y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + eps)
     y = y * weight.to(xf.dtype) if weight is not None else y
@@ -599,7 +572,7 @@ def layer_norm_ref(x, weight=None, bias=None, eps=1e-5):
 
 
 def layer_norm_modulate_ref(x, scale, shift, eps=1e-6, weight=None, bias=None):
-    f = _f(x)
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
     sc, sh = _per_sample(scale, x.shape, "scale").to(f), _per_sample(shift, x.shape, "shift").to(f)
     return (layer_norm_ref(x.to(f), weight, bias, eps) * (1 + sc) + sh).to(x.dtype)
 
@@ -609,7 +582,7 @@ def layer_norm_modulate_dual_ref(x, scale, shift, scale2, shift2, eps=1e-6):
 
 
 def gated_residual_layer_norm_modulate_ref(h, y, gate, scale, shift, eps=1e-6, weight=None, bias=None):
-    f = _f(h)
+    f = torch.float64 if h.dtype == torch.float64 else torch.float32
     upd = y.to(f) if gate is None else _per_sample(gate, h.shape, "gate").to(f) * y.to(f)
     h_new = (h.to(f) + upd).to(h.dtype)
     if scale is None:
@@ -635,11 +608,11 @@ def _main(argv=None) -> int:
     for name in ("rows", "width"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    if not (torch.cuda.is_available() or _interpreting()):
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not (torch.cuda.is_available() or interpret):
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
-    device, d = ("cpu" if _interpreting() else "cuda"), args.width
-    g = torch.Generator().manual_seed(args.seed)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    device, d, g = ("cpu" if interpret else "cuda"), args.width, torch.Generator().manual_seed(args.seed)
     x = (2 * torch.randn(2, args.rows, d, generator=g) + 0.3).to(device, dtype)
     y = torch.randn(2, args.rows, d, generator=g).to(device, dtype)
     emb = (0.3 * torch.randn(2, 6 * d, generator=g)).to(device, dtype)  # diffusers AdaLN: chunks of [B, 6D]

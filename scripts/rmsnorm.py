@@ -4,14 +4,13 @@
     h   = h + y * gate                                   (optional: gated residual, h returned too)
     out = cast(rms(x) [cast] * w) * (1 + scale) + shift  (weight and modulation optional)
     with rms(x) = x / sqrt(mean(x**2) + eps), all arithmetic in fp32;
-    FP8 output: out8 = fp8(clamp(out / s, -fp8_max, fp8_max)), s given (per tensor) or
-    s[row] = max|out[row]| / fp8_max computed in the kernel (per token).
+    FP8 output: out8 = fp8(clamp(out / s, -fp8_max, fp8_max)), s given (per tensor) or computed in the
+    kernel, s[row] = max|out[row]| / fp8_max (per token).
 
 One Triton kernel serves every variant (an absent operand is passed as None and compiled out). Public:
 rms_norm, rms_norm_modulate (AdaLN), gated_residual_rms_norm_modulate, gated_residual_add, fused_add_rms_norm,
 each with a plain-PyTorch ``*_ref``. FP8: e4m3fnuz (max 240) on gfx942, e4m3fn (max 448) elsewhere.
-Depends on torch and triton only; ``python rmsnorm.py --help`` runs its self-check.
-"""
+Depends on torch and triton only; ``python rmsnorm.py --help`` runs its self-check."""
 
 from __future__ import annotations
 
@@ -35,6 +34,9 @@ _FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F), torch.float8_e4m3fn
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
 _MIN_DYNAMIC_SCALE = 1e-12  # per-token scales never go below it: a zero row stays finite (no 0 * inf)
 _TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
+# fused_add_rms_norm marks its dead-after-the-call inputs evict_first up to this size: 2-5 % faster from DRAM
+# on an H200 (examples/benchmark_decode_fusions_h200.json), 3.5-8.3 % slower from 128 MiB a call.
+_EVICT_FIRST_MAX_BYTES = 64 << 20
 
 
 @triton.jit
@@ -355,30 +357,25 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
     if backend == "cuda":
         return fp8_dtype == torch.float8_e4m3fn and isinstance(arch, int) and arch >= 89
     gfx = str(arch).split(":")[0]
-    if backend == "hip" and gfx in ("gfx940", "gfx941", "gfx942"):
-        return fp8_dtype == torch.float8_e4m3fnuz
-    return backend == "hip" and gfx == "gfx950" and fp8_dtype == torch.float8_e4m3fn and _TRITON_VERSION >= (3, 6)
+    lowered = gfx in ("gfx940", "gfx941", "gfx942") or (gfx == "gfx950" and _TRITON_VERSION >= (3, 6))
+    return backend == "hip" and lowered and fp8_dtype == _fp8_dtype_for(device)  # the device's own format
 
 
-def _check(name: str, t, device=None, dtypes=_SUPPORTED_DTYPES) -> None:
-    """Refuse t unless it is a tensor of one of dtypes, on device (when given), contiguous in its last dim."""
+def _check(name: str, t, device=None, dtypes=_SUPPORTED_DTYPES, shape=None):
+    """Refuse t unless it is a tensor of one of dtypes, on device (when given), contiguous in its last dim. With
+    shape: return t's row strides broadcast to shape (0 along broadcast and size-1 dims), copying nothing."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {expected}")
+        raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected one of {', '.join(str(d)[6:] for d in dtypes)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
     if t.numel() > 0 and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
-
-
-def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
-    """Strides of t broadcast to shape (0 along broadcast and size-1 dims), without materialising anything."""
+    if shape is None:
+        return None
     try:
-        if t.dim() > len(shape):
-            raise RuntimeError
-        strides = t.expand(shape).stride()
+        strides = t.expand(shape).stride()  # (a RuntimeError too where t has more dims than shape)
     except RuntimeError:
         raise ValueError(
             f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; "
@@ -387,22 +384,18 @@ def _bcast_strides(name: str, t: torch.Tensor, shape) -> tuple:
     strides = tuple(0 if s == 1 else st for s, st in zip(shape, strides))
     if shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {strides[-1]})")
-    return strides
+    return strides[:-1]
 
 
 def _row_layout(stride_sets, lead):
-    """(INNER, [(stride_o, stride_i) per operand]): row r of the flattened leading dims sits at
-    (r // INNER) * stride_o + (r % INNER) * stride_i in every operand, with no copy; more than two leading
-    dims are split in two groups that every operand addresses with one stride each, else refused."""
+    """(INNER, [(stride_o, stride_i) per operand]): row r sits at (r // INNER) * stride_o + (r % INNER) * stride_i
+    in every operand, no copy; more than two leading dims are split in two groups of one stride each, else refused."""
     if len(lead) <= 2:
-        pad = (0,) * (2 - len(lead))
-        return ([1, 1] + list(lead))[-1], [pad + tuple(st) for st in stride_sets]
+        return ([1, 1] + list(lead))[-1], [(0,) * (2 - len(lead)) + tuple(st) for st in stride_sets]
 
     def flat(sizes, strides):  # the one stride addressing these dims as one index, or None
         dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
-        if any(a[1] != b[1] * b[0] for a, b in zip(dims, dims[1:])):
-            return None
-        return dims[-1][1] if dims else 0
+        return (dims[-1][1] if dims else 0) if all(a[1] == b[1] * b[0] for a, b in zip(dims, dims[1:])) else None
 
     for k in range(len(lead), -1, -1):
         layouts = [(flat(lead[:k], st[:k]), flat(lead[k:], st[k:])) for st in stride_sets]
@@ -425,13 +418,7 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int):
     single = n_cols <= _MAX_FUSED_N
     block_n = _next_pow2(n_cols) if single else _CHUNK_N
     block_m = max(1, min(16, 2048 // block_n, _next_pow2(max(n_rows, 1))))
-    num_warps = _next_pow2(max(1, min(16, block_m * block_n // (warp_size * 16))))
-    return block_m, block_n, single, num_warps
-
-
-# fused_add_rms_norm marks its dead-after-the-call inputs evict_first up to this size: 2-5 % faster from DRAM
-# on an H200 (examples/benchmark_decode_fusions_h200.json), 3.5-8.3 % slower from 128 MiB a call.
-_EVICT_FIRST_MAX_BYTES = 64 << 20
+    return block_m, block_n, single, _next_pow2(max(1, min(16, block_m * block_n // (warp_size * 16))))
 
 
 def _input_evict(single_pass: bool, fused_add: bool, nbytes: int) -> str:
@@ -443,9 +430,9 @@ def _launch(
     shift: Optional[Tensor], eps: float, cast_before_weight: bool, out_dtype: Optional[torch.dtype],
     fp8_mode: int = 0, fp8_scale: Optional[Tensor] = None, norm: bool = True, names: str = "x,y,h",
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:  # fmt: skip
-    """Check a call, pick the launch configuration, allocate the outputs and launch _rms_norm_kernel. Returns
-    (h, out, scales): h = x + y * gate (None without y), out the norm (None when not norm; FP8 with fp8_mode 1
-    or 2), scales the per-row FP8 scales of fp8_mode 2. names: how the messages call x, y, and x beside y."""
+    """Check a call, pick the launch configuration, allocate the outputs, launch _rms_norm_kernel. Returns (h, out,
+    scales): h = x + y * gate, out the norm (FP8 for fp8_mode 1, 2), the per-row FP8 scales of fp8_mode 2, each None
+    where absent (no y, not norm, fp8_mode 0 or 1). names: how the messages call x, y, and x beside y."""
     x_name, y_name, h_name = names.split(",")
     _check(x_name, x)
     device, shape = x.device, x.shape
@@ -454,50 +441,41 @@ def _launch(
     n = shape[-1]
     if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:  # NaN fails eps >= 0
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if (scale is None) != (shift is None):
+        raise ValueError("scale and shift must be given together")
     strides = [x.stride()[:-1]]  # of every operand, broadcast to x's shape, for the row layout
     if y is not None:
         _check(y_name, y, device)
         if y.shape != shape:
             raise ValueError(
-                f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(shape)}; they must match"
+                f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(x.shape)}; they must match"
             )
         if y.dtype != x.dtype:
             raise TypeError(f"{y_name} has dtype {y.dtype} but {h_name} has dtype {x.dtype}; they must match")
         strides.append(y.stride()[:-1])
-    if gate is not None:
-        _check("gate", gate, device)
-        strides.append(_bcast_strides("gate", gate, shape)[:-1])
+    for name, t in (("gate", gate), ("scale", scale), ("shift", shift)):
+        if t is not None:
+            strides.append(_check(name, t, device, shape=shape))
     if weight is not None:
         _check("weight", weight, device)
         if weight.dim() != 1 or weight.shape[0] != n:
             raise ValueError(f"weight must have shape [{n}] (the last dim of {x_name}), got {tuple(weight.shape)}")
-    if (scale is None) != (shift is None):
-        raise ValueError("scale and shift must be given together")
-    if scale is not None:
-        _check("scale", scale, device)
-        _check("shift", shift, device)
-        strides += [_bcast_strides("scale", scale, shape)[:-1], _bcast_strides("shift", shift, shape)[:-1]]
     if fp8_mode not in (0, 1, 2):
         raise ValueError(f"fp8_mode must be 0, 1 or 2, got {fp8_mode!r}")
-    fp8_format, native = (0.0, 0, 0), False
-    if fp8_mode:
-        out_dtype = _fp8_dtype_for(device) if out_dtype is None else out_dtype
-        if out_dtype not in _FP8_FORMATS:
-            raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {out_dtype}")
-        if fp8_mode == 1 and fp8_scale is None:
-            raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
-        if fp8_mode == 1:
-            _check("fp8_scale", fp8_scale, device, (torch.float32,))
-            if fp8_scale.numel() != 1:
-                raise ValueError(
-                    f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}"
-                )
-        fp8_format, native = _FP8_FORMATS[out_dtype], _native_fp8(device, out_dtype)
-    elif out_dtype is not None and out_dtype not in _SUPPORTED_DTYPES:
+    if out_dtype is None:
+        out_dtype = _fp8_dtype_for(device) if fp8_mode else x.dtype
+    if fp8_mode and out_dtype not in _FP8_FORMATS:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {out_dtype}")
+    if not fp8_mode and out_dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
+    if fp8_mode == 1 and fp8_scale is None:
+        raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
     if fp8_mode != 1 and fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
-    out_dtype = out_dtype or x.dtype
+    if fp8_scale is not None:
+        _check("fp8_scale", fp8_scale, device, (torch.float32,))
+        if fp8_scale.numel() != 1:
+            raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
     h_out = torch.empty(shape, dtype=x.dtype, device=device) if y is not None else None
     out = torch.empty(shape, dtype=out_dtype, device=device) if norm else None
     row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
@@ -506,12 +484,11 @@ def _launch(
     m = x.numel() // n
     inner, layouts = _row_layout(strides, list(shape[:-1]))
     it = iter(layouts)  # (stride_o, stride_i) of x, then of each operand given; (0, 0) for one absent
-    xs, ys, gs = next(it), next(it) if y is not None else (0, 0), next(it) if gate is not None else (0, 0)
-    ss, ts = (next(it), next(it)) if scale is not None else ((0, 0), (0, 0))
+    xs, ys, gs, ss, ts = (next(it) if t is not None else (0, 0) for t in (x, y, gate, scale, shift))
     block_m, block_n, single, num_warps = _launch_config(n, m, _device_target(device)[2])
     fused_add = y is not None and gate is None and scale is None and norm
-    nbytes = m * n * (3 * x.element_size() + out_dtype.itemsize)
-    fp8_max, fp8_min_exp, fp8_nan = fp8_format
+    fp8_max, fp8_min_exp, fp8_nan = _FP8_FORMATS[out_dtype] if fp8_mode else (0.0, 0, 0)
+    native = bool(fp8_mode) and _native_fp8(device, out_dtype)
     _rms_norm_kernel[(-(-m // block_m),)](
         x, *xs, y, *ys, gate, *gs, h_out, weight, scale, *ss, shift, *ts,
         out.view(torch.uint8) if fp8_mode and not native else out,  # _fp8_encode's codes go through a uint8 view
@@ -519,8 +496,8 @@ def _launch(
         CAST_BEFORE_WEIGHT=bool(cast_before_weight), FP8_MODE=fp8_mode, FP8_MAX=fp8_max, FP8_MIN_EXP=fp8_min_exp,
         FP8_NAN=fp8_nan, MIN_SCALE=_MIN_DYNAMIC_SCALE, NATIVE_FP8=native, BLOCK_M=block_m, BLOCK_N=block_n,
         SINGLE_PASS=single, X_DENSE=m <= inner or xs[0] == inner * xs[1],  # row r of x starts at r * x_stride_i
-        Y_DENSE=y is not None and (m <= inner or ys[0] == inner * ys[1]),
-        INPUT_EVICT=_input_evict(single, fused_add, nbytes), num_warps=num_warps,
+        Y_DENSE=y is not None and (m <= inner or ys[0] == inner * ys[1]), num_warps=num_warps,
+        INPUT_EVICT=_input_evict(single, fused_add, m * n * (3 * x.element_size() + out_dtype.itemsize)),
     )  # fmt: skip
     return h_out, out, row_scales
 
@@ -536,26 +513,21 @@ def _no_backward(fn: str, names: str, *tensors) -> None:
             )
 
 
-def _fp8_mode(fp8, fp8_scale=None, fp8_dtype=None) -> int:
-    """The FP8 mode of fp8= (0: none, 1: per tensor, 2: per token), refusing options the mode does not use."""
+def _fp8_mode(fp8, fp8_dtype=None) -> int:
+    """The FP8 mode of fp8= (0: none, 1: per tensor, 2: per token); fp8_dtype only with one (fp8_scale: _launch)."""
     if not (fp8 is None or isinstance(fp8, str)) or fp8 not in _FP8_MODES:
         raise ValueError(f"fp8 must be None, 'per_tensor' or 'per_token', got {fp8!r}")
     if fp8_dtype is not None and fp8 is None:
         raise ValueError("fp8_dtype is only used with fp8='per_tensor' or fp8='per_token'")
-    if fp8 != "per_tensor" and fp8_scale is not None:
-        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
     return _FP8_MODES[fp8]
 
 
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6, *,
-             cast_before_weight: bool = True, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # fmt: skip
-    """RMSNorm over the last dim of x (any leading shape, rows may be strided).
-
-    cast_before_weight=True rounds x * rsqrt(mean(x^2) + eps) to x's dtype before the weight (LlamaRMSNorm,
-    diffusers RMSNorm with an fp16/bf16 weight); False multiplies in fp32 and rounds once (torch.nn.RMSNorm,
-    diffusers RMSNorm with an fp32 weight: pass out_dtype=torch.float32). The output dtype defaults to x's.
-    No backward: in grad mode an input that requires grad raises RuntimeError (use torch.no_grad() or rms_norm_ref).
-    """
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, cast_before_weight: bool = True,
+             out_dtype: Optional[torch.dtype] = None) -> Tensor:  # fmt: skip
+    """RMSNorm over the last dim of x (any leading shape, rows may be strided), output in out_dtype (default x's).
+    cast_before_weight=True rounds x * rsqrt(mean(x^2) + eps) to x's dtype before the weight (LlamaRMSNorm, diffusers
+    RMSNorm with an fp16/bf16 weight); False multiplies in fp32 and rounds once (torch.nn.RMSNorm, diffusers RMSNorm
+    with an fp32 weight: pass out_dtype=torch.float32). No backward: an input requiring grad raises in grad mode."""
     _no_backward("rms_norm", "x,weight", x, weight)
     return _launch(x, None, None, weight, None, None, eps, cast_before_weight, out_dtype)[1]
 
@@ -565,11 +537,10 @@ def rms_norm_modulate(x, scale, shift, weight=None, eps=1e-6, *, cast_before_wei
     """AdaLN: rms_norm(x, weight) * (1 + scale) + shift in one pass; scale/shift broadcast to x ([D], [B, 1, D],
     [B, S, D]). fp8="per_tensor": fp8(clamp(out / fp8_scale)), fp8_scale a one-element float32 tensor on x's
     device; fp8="per_token": (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12) (float32,
-    x.shape[:-1]; out_fp8.float() * scales[..., None] dequantises). fp8_dtype None: the device's format.
-    """
+    x.shape[:-1]; out_fp8.float() * scales[..., None] dequantises). fp8_dtype None: the device's format."""
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use rms_norm() for a plain norm")
-    mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
+    mode = _fp8_mode(fp8, fp8_dtype)
     _no_backward("rms_norm_modulate", "x,weight,scale,shift,fp8_scale", x, weight, scale, shift, fp8_scale)
     _, out, scales = _launch(x, None, None, weight, scale, shift, eps, cast_before_weight, fp8_dtype, mode, fp8_scale)
     return (out, scales) if mode == 2 else out
@@ -581,14 +552,14 @@ def gated_residual_rms_norm_modulate(h, y, gate, scale, shift, weight=None, eps=
     (h_new, out), or (h_new, out_fp8[, scales]) with FP8 as in rms_norm_modulate; scale/shift may be None."""
     if y is None:
         raise ValueError("y is required; use rms_norm_modulate() without a residual")
-    mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
+    mode = _fp8_mode(fp8, fp8_dtype)
     names = "h,y,gate,weight,scale,shift,fp8_scale"
     _no_backward("gated_residual_rms_norm_modulate", names, h, y, gate, weight, scale, shift, fp8_scale)
     h_out, out, scales = _launch(h, y, gate, weight, scale, shift, eps, cast_before_weight, fp8_dtype, mode, fp8_scale)
     return (h_out, out, scales) if mode == 2 else (h_out, out)
 
 
-def gated_residual_add(h: torch.Tensor, y: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+def gated_residual_add(h: Tensor, y: Tensor, gate: Optional[Tensor]) -> Tensor:
     """h + y * gate (gate None: h + y) in fp32, rounded once to h's dtype (``torch.addcmul(h, y, gate)``, whose
     broadcast-gate path reaches about half the bandwidth on an H200). Under torch.compile: the PyTorch math."""
     if y is None:
@@ -606,10 +577,9 @@ def _add_launch(h: Tensor, y: Tensor, gate: Optional[Tensor]) -> Tensor:
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True, fp8=None, fp8_scale=None,
                        fp8_dtype=None):  # fmt: skip
-    """r = x + residual (rounded once to x's dtype), y = rms_norm(r, weight), in one kernel. x and residual:
-    same shape and dtype, last dim contiguous. Returns (y, r), or (y_fp8, r) for fp8="per_tensor" and
-    (y_fp8, r, scales) for fp8="per_token" (as in rms_norm_modulate)."""
-    mode = _fp8_mode(fp8, fp8_scale, fp8_dtype)
+    """r = x + residual (rounded once to x's dtype), y = rms_norm(r, weight), in one kernel. Returns (y, r), or
+    (y_fp8, r) for fp8="per_tensor" and (y_fp8, r, scales) for fp8="per_token" (as in rms_norm_modulate)."""
+    mode = _fp8_mode(fp8, fp8_dtype)
     if residual is None:
         raise ValueError("residual is required; use rms_norm() without a residual")
     _no_backward("fused_add_rms_norm", "x,residual,weight,fp8_scale", x, residual, weight, fp8_scale)
@@ -619,21 +589,21 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True
     return (out, r, scales) if mode == 2 else (out, r)
 
 
-def rms_norm_ref(x, weight=None, eps=1e-6, cast_before_weight=True, out_dtype=None):
-    """diffusers/torch RMSNorm math: exact in float64; in low precision it rounds where the modules round."""
+def rms_norm_ref(x, weight=None, eps=1e-6, cast_before_weight=True, out_dtype=None, *, round_dtype=None):
+    """diffusers/torch RMSNorm math: exact in float64; in low precision it rounds where the modules round (before
+    the weight: to round_dtype, default x's dtype; a model's dtype where x is a float64 copy of its input)."""
     xf = x.double() if x.dtype == torch.float64 else x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         if cast_before_weight:
-            y = y.to(x.dtype).to(xf.dtype)
+            y = y.to(round_dtype or x.dtype).to(xf.dtype)
         y = y * weight.to(xf.dtype)
     return y.to(out_dtype or x.dtype)
 
 
 def rms_norm_modulate_ref(x, scale, shift, weight=None, eps=1e-6, cast_before_weight=True):
-    xf = x.double() if x.dtype == torch.float64 else x.float()
-    n = rms_norm_ref(x, weight, eps, cast_before_weight, out_dtype=xf.dtype)
-    return (n * (1 + scale.to(xf.dtype)) + shift.to(xf.dtype)).to(x.dtype)
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (rms_norm_ref(x, weight, eps, cast_before_weight, f) * (1 + scale.to(f)) + shift.to(f)).to(x.dtype)
 
 
 def gated_residual_add_ref(h, y, gate):
@@ -648,7 +618,7 @@ def gated_residual_rms_norm_modulate_ref(h, y, gate, scale, shift, weight=None, 
     return h_new, rms_norm_modulate_ref(h_new, scale, shift, weight, eps, cast_before_weight)
 
 
-def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _exact_pow2(k: Tensor, dtype: torch.dtype) -> Tensor:
     """2**k from its exponent bits: exact on every device (CUDA's torch.ldexp can be one ulp off in float64)."""
     k = k.to(torch.int64)
     if dtype == torch.float64:
@@ -656,7 +626,7 @@ def _exact_pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ((k + 127) << 23).to(torch.int32).view(torch.float32).to(dtype)
 
 
-def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
+def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
     """Saturating round-to-nearest-even FP8 quantisation in y's precision (use float64). scale None: per row,
     s = max(max|y_row| / fp8_max, 1e-12); else the given per-tensor scale. Returns (q, s), y ~ q * s."""
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
@@ -669,20 +639,15 @@ def fp8_quantize_ref(y: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None)
 
 def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=True, fp8=None, fp8_scale=None,
                            fp8_dtype=torch.float8_e4m3fn, dtype=None):  # fmt: skip
-    """The unfused math of fused_add_rms_norm, with its return structure; dtype: where the model rounds
-    (default x's; float64 inputs with dtype=torch.bfloat16 give the exact value of a bf16 model)."""
-    dtype = dtype or x.dtype
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    """The unfused math of fused_add_rms_norm, with its return structure; dtype: where the model rounds (default
+    x's; float64 inputs with dtype=torch.bfloat16 give the exact value of a bf16 model)."""
+    dtype, f = dtype or x.dtype, torch.float64 if x.dtype == torch.float64 else torch.float32
     r = (x.to(f) + residual.to(f)).to(dtype)
-    y = rms_norm_ref(r.to(f), weight, eps, False, f) if not cast_before_weight or weight is None else None
-    if y is None:
-        rf = r.to(f)
-        y = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).to(f) * weight.to(f)
-    mode = _fp8_mode(fp8)
-    if mode == 0:
+    y = rms_norm_ref(r.to(f), weight, eps, cast_before_weight, f, round_dtype=dtype)
+    if _fp8_mode(fp8) == 0:
         return y.to(dtype), r
-    q, s = fp8_quantize_ref(y, fp8_dtype, fp8_scale if mode == 1 else None)
-    return (q, r) if mode == 1 else (q, r, s)
+    q, s = fp8_quantize_ref(y, fp8_dtype, fp8_scale if fp8 == "per_tensor" else None)
+    return (q, r) if fp8 == "per_tensor" else (q, r, s)
 
 
 def _main(argv=None) -> int:
@@ -698,17 +663,15 @@ def _main(argv=None) -> int:
     for name in ("rows", "width"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     if not (torch.cuda.is_available() or _interpreting()):
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
-    device = "cpu" if _interpreting() else "cuda"
-    g = torch.Generator().manual_seed(args.seed)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    device, g = ("cpu" if _interpreting() else "cuda"), torch.Generator().manual_seed(args.seed)
     x, res = (torch.randn(2, args.rows, args.width, generator=g).to(device, dtype) for _ in range(2))
     w = (1 + 0.1 * torch.randn(args.width, generator=g)).to(device, dtype)
     sc, sh = (0.1 * torch.randn(2, 1, args.width, generator=g).to(device, dtype) for _ in range(2))
     x64, res64, w64, sc64, sh64 = (t.double() for t in (x, res, w, sc, sh))
-    y, r = fused_add_rms_norm(x, res, w)
-    q, _, s = fused_add_rms_norm(x, res, w, fp8="per_token")
+    (y, r), (q, _, s) = fused_add_rms_norm(x, res, w), fused_add_rms_norm(x, res, w, fp8="per_token")
     q_ref, _, s_ref = fused_add_rms_norm_ref(x64, res64, w64, fp8="per_token", fp8_dtype=q.dtype, dtype=dtype)
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     checks = {  # name: (output, float64 reference, tolerance relative to 1 + |reference|)
