@@ -63,6 +63,9 @@ TARGETS: Dict[str, Tuple[str, object, int]] = {
     "sm90": ("cuda", 90, 32),  # H100 / H200
 }
 DEFAULT_TARGETS = tuple(TARGETS)
+# Compute units (CUs / SMs) a launcher sizes its grid for, there being no device to ask (MI300X, MI355X, R9700,
+# H100 / H200, B200); 64 for another arch.
+NOMINAL_CUS = {"gfx942": 304, "gfx950": 256, "gfx1201": 64, 90: 132, 100: 148}
 
 # Largest LDS / shared memory one workgroup (block) may allocate. AMD: 64 KiB per workgroup, except
 # gfx950 whose CU has 160 KiB of LDS (ROCm "GPU hardware specifications" table). Hopper: 227 KiB per
@@ -534,9 +537,9 @@ def capture_launches(module, target: Tuple[str, object, int]):
     """Record the Triton launches made inside the block instead of running them.
 
     While active: ``JITFunction.run`` (and ``Autotuner.run``: one launch per config) record their
-    arguments; ``module._device_target`` returns ``target``; the module's CPU-tensor guard is lifted
-    (``module._interpreting`` returns True and TRITON_INTERPRET=1 is set in the environment, read by
-    launchers only: the kernels were decorated without it).
+    arguments; ``module._device_target`` returns ``target`` (``module._compute_units`` its NOMINAL_CUS count);
+    the module's CPU-tensor guard is lifted (``module._interpreting`` returns True and TRITON_INTERPRET=1 is
+    set in the environment, read by launchers only: the kernels were decorated without it).
     """
     from triton.runtime import autotuner
     from triton.runtime.jit import JITFunction
@@ -562,6 +565,8 @@ def capture_launches(module, target: Tuple[str, object, int]):
             stack.enter_context(_patched(module, "_device_target", lambda *a, **k: tuple(target)))
         if hasattr(module, "_interpreting"):
             stack.enter_context(_patched(module, "_interpreting", lambda *a, **k: True))
+        if hasattr(module, "_compute_units"):  # no device to ask: the target's nominal CU / SM count
+            stack.enter_context(_patched(module, "_compute_units", lambda *a, **k: NOMINAL_CUS.get(target[1], 64)))
         if hasattr(module, "_KERNEL_MAX_M"):  # compile the kernel for every M, not the measured dispatch to torch
             stack.enter_context(_patched(module, "_KERNEL_MAX_M", {}))
         old_env = os.environ.get("TRITON_INTERPRET")

@@ -770,6 +770,47 @@ def _main(argv=None) -> int:
 
 KERNEL_FILES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
 
+
+# --- from skinny_gemm.py / head_norm_rope.py ---
+# skinny_gemm.py hands the calls with more rows than its kernel is measured to win at to torch's GEMM (its op is
+# a custom op only for that: accelerate's custom_only). The largest M that uses the kernel, per (backend, arch,
+# "16-bit" or "fp8" weights), measured at M = 1..32 (benchmark_kernels.py --suite decode); above it F.linear, or
+# torch._scaled_mm for FP8 x and W. Missing (AMD: not measured): the kernel for every M. H200
+# (examples/benchmark_skinny_gemm_h200.json): bf16 0.86-1.18x cuBLAS at M = 1, behind from M = 8;
+# torch._scaled_mm ahead on 6 of 8 shapes at M = 1, on all from M = 8. FP8 W with 16-bit x (no torch
+# equivalent) and calls that force split_k always run the kernel (skinny_gemm._torch_max_m).
+SKINNY_GEMM_KERNEL_MAX_M = {("cuda", 90, "16-bit"): 1, ("cuda", 90, "fp8"): 0}
+_SKINNY_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
+
+
+def skinny_gemm_torch_dispatch(namespace: dict) -> None:
+    """Give skinny_gemm.py (its globals()) the measured bounds (``_KERNEL_MAX_M``, filled in place: callers that
+    change the module's table keep doing so) and torch's GEMM for the calls above them (``_torch_linear``)."""
+    namespace["_KERNEL_MAX_M"].update(SKINNY_GEMM_KERNEL_MAX_M)
+    namespace["_torch_linear"] = _skinny_torch_linear
+
+
+def _skinny_torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
+    """torch's GEMM for y = x2 @ W^T (scaled, + bias): F.linear (16-bit), torch._scaled_mm (FP8), else None."""
+    if weight.dtype not in _SKINNY_FP8:
+        if bias is not None and bias.dtype != x2.dtype:  # F.linear takes one dtype: add this bias in fp32
+            return (torch.nn.functional.linear(x2, weight).float() + bias.float()).to(out_dtype)
+        return torch.nn.functional.linear(x2, weight, bias).to(out_dtype)
+    if x2.dtype not in _SKINNY_FP8 or not hasattr(torch, "_scaled_mm"):
+        return None
+    m, n = x2.shape[0], weight.shape[0]
+    if weight_scale.numel() == 1:
+        sa, sb = x_scale.reshape(()), weight_scale.reshape(())
+    else:  # row-wise: one scale per row of x, one per column of W^T
+        sa, sb = x_scale.reshape(1, 1).expand(m, 1).contiguous(), weight_scale.reshape(1, n)
+    fused = bias if (bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32) else None
+    try:
+        y = torch._scaled_mm(x2, weight.t(), scale_a=sa, scale_b=sb, bias=fused, out_dtype=out_dtype)
+    except (RuntimeError, NotImplementedError):
+        return None  # a layout, shape or scaling this torch build's FP8 GEMM rejects: use the kernel
+    return y if bias is None or fused is not None else (y.float() + bias.float()).to(out_dtype)
+
+
 if __name__ == "__main__":
     import sys
 

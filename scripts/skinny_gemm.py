@@ -5,16 +5,16 @@
 
 At M <= 32 a linear layer is memory-bound (the time to read W once): the kernel streams W once in 16-byte
 vectors along K, splits K when N alone does not fill every CU, and sums the split partials in a fixed order
-(bit-identical run to run). Public: ``skinny_gemm`` (F.linear; FP8 W / x with float32 scales as in
-``torch._scaled_mm``), ``skinny_gemm_ref`` (float64), ``xcd_remap`` / ``xcd_remap_ref`` (8-XCD program order).
-Design: M <= 4 multiply-adds into an fp32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator (matrix instructions need
-M >= 16; padding M = 1 wastes 15/16). 4 < M <= 32 uses ``tl.dot`` with M padded to 16 or 32, FP8 W widened to
-x's dtype in registers (exact); FP8 x and W in an AMD GPU's own FP8 format go to ``tl.dot`` as they are (not on
-NVIDIA: at M < 64 Triton converts them for ``mma.sync`` anyway, and that form spilled on sm_90). Split-K: each
-program writes an fp32 partial to a [SPLIT_K, M, N] workspace; the last of a tile to arrive (an atomic counter,
-fresh per launch) sums them in split order and applies scales, bias and cast. On 8-XCD GPUs (MI300X, MI355X)
-program ids are remapped so that each XCD (own L2) runs a contiguous range of tiles.
-Depends on torch and triton only; ``python skinny_gemm.py --help`` (self-check; ``--bench`` on a GPU).
+(bit-identical run to run). M <= 4 multiply-adds into an fp32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator (matrix
+instructions need M >= 16; padding M = 1 wastes 15/16); 4 < M <= 32 uses ``tl.dot`` with M padded to 16 or 32,
+FP8 W widened to x's dtype in registers (exact); FP8 x and W in an AMD GPU's own FP8 format go to ``tl.dot`` as
+they are (not on NVIDIA: at M < 64 Triton converts them for ``mma.sync`` anyway, and that form spilled on sm_90).
+Split-K: each program writes an fp32 partial to a [SPLIT_K, M, N] workspace; the last of a tile to arrive (an
+atomic counter, fresh per launch) sums them in split order and applies scales, bias and cast. On 8-XCD GPUs
+(MI300X, MI355X) program ids are remapped so that each XCD (own L2) runs a contiguous range of tiles. Public:
+``skinny_gemm`` (F.linear; FP8 W / x with float32 scales as in ``torch._scaled_mm``), ``skinny_gemm_ref``
+(float64), ``xcd_remap`` / ``xcd_remap_ref`` (8-XCD program order). Torch and triton only; ``python
+skinny_gemm.py --help`` (self-check; timing: benchmark_kernels.py --suite decode --kernel skinny).
 """
 
 from __future__ import annotations
@@ -35,14 +35,9 @@ MAX_M = 32  # rows (x.numel() // K) the kernel accepts
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 _OUT_DTYPES = _BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# multiply-add up to M = 4: past it a lane holds < one 16-byte W vector per 32 accumulators (confirm: --bench)
-_FMA_MAX_M = 4
-# 4 programs x 4 warps per CU keep 32-64 KiB of W in flight, above latency x bandwidth (MI300X ~26 KiB)
-_PROGRAMS_PER_CU = 4
+_FMA_MAX_M = 4  # multiply-add up to M = 4: past it a lane holds < one 16-byte W vector per 32 accumulators
+_PROGRAMS_PER_CU = 4  # x 4 warps keep 32-64 KiB of W in flight, above latency x bandwidth (MI300X ~26 KiB)
 _MAX_SPLIT_K = 64  # the reduction reads SPLIT_K partials of every output
-# used only without a GPU (interpreter, ahead-of-time compile checks), where no device can be asked
-_NOMINAL_CUS = {"gfx942": 304, "gfx950": 256, "gfx1201": 64, 90: 132, 100: 148}
-_INTERPRETER_CUS = 8
 
 
 @triton.jit
@@ -60,14 +55,6 @@ def xcd_remap(pid, num_programs, NUM_XCDS: tl.constexpr):
     q = num_programs // NUM_XCDS
     r = num_programs % NUM_XCDS
     return xcd * q + tl.minimum(xcd, r) + pid // NUM_XCDS
-
-
-def xcd_remap_ref(pid: int, num_programs: int, num_xcds: int) -> int:
-    """``xcd_remap`` in plain Python (the same formula), for tests and tools."""
-    if num_xcds == 1:
-        return pid
-    q, r = divmod(num_programs, num_xcds)
-    return pid % num_xcds * q + min(pid % num_xcds, r) + pid // num_xcds
 
 
 @triton.jit
@@ -295,45 +282,25 @@ def _skinny_gemm_kernel(
 
 
 # ---- launcher ---------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+@functools.lru_cache(maxsize=None)  # asking the driver costs microseconds of host time per launch
+def _gpu(index: int):  # ((backend, arch, warp_size), CUs / SMs)
+    with torch.cuda.device(index):
+        t = triton.runtime.driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size), int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _device_target(device: torch.device):
     """(backend, arch, warp_size) of the device, e.g. ("hip", "gfx942", 64) or ("cuda", 90, 32)."""
     if device.type == "cpu":
         return ("interpreter", None, 32)
-    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_target(index: int):  # cached: asking the driver costs microseconds of host time per launch
-    with torch.cuda.device(index):
-        t = triton.runtime.driver.active.get_current_target()
-    return (t.backend, t.arch, t.warp_size)
+    return _gpu(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
 def _compute_units(device: torch.device, target) -> int:
-    """CUs (AMD) / SMs (NVIDIA) of the device; nominal counts where there is no device to ask."""
-    if device.type == "cuda":
-        return _gpu_cus(device.index if device.index is not None else torch.cuda.current_device())
-    return _INTERPRETER_CUS if target[0] == "interpreter" else _NOMINAL_CUS.get(target[1], 64)
-
-
-@functools.lru_cache(maxsize=None)
-def _gpu_cus(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def _num_xcds(target, cus: int) -> int:
-    """8 on CDNA3/CDNA4 (gfx94x/gfx95x) when the CU count is a multiple of 8 (a CPX partition or a 6-XCD APU
-    gets no remap: locality lost, never correctness), and in the interpreter so that tests run the remap."""
-    backend, arch = target[0], target[1]
-    if backend == "interpreter":
+    """CUs (AMD) / SMs (NVIDIA) of the device; 8 in the interpreter (check_amd_compile.py sets nominal counts)."""
+    if device.type != "cuda":
         return 8
-    if backend == "hip" and isinstance(arch, str) and arch.startswith(("gfx94", "gfx95")) and cus % 8 == 0:
-        return 8
-    return 1
+    return _gpu(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
 def _decode_fp8_bits(target, fnuz: bool) -> bool:
@@ -345,38 +312,28 @@ def _decode_fp8_bits(target, fnuz: bool) -> bool:
     return backend != "interpreter" and not fast
 
 
-_Config = collections.namedtuple(
-    "_Config", "use_dot block_m block_n block_k split_k k_per_split num_warps num_stages num_xcds"
-)
-
-
-def _launch_config(m: int, n: int, k: int, w_bytes: int, target, cus: int, split_k: Optional[int] = None) -> _Config:
-    return _launch_config_cached(m, n, k, w_bytes, tuple(target), cus, split_k, _FMA_MAX_M, _PROGRAMS_PER_CU)
-
-
 def _split_cap(m: int, k: int, w_bytes: int, k_tiles: int) -> int:
     """Most K splits worth using: one BLOCK_K each at least, a short reduction (_MAX_SPLIT_K), and partials
     (8 * M bytes per split and column, written and read back) under half the column's W bytes (K * w_bytes)."""
     return max(1, min(k_tiles, _MAX_SPLIT_K, (k * w_bytes) // (16 * m)))
 
 
-@functools.lru_cache(maxsize=4096)
-def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, programs_per_cu) -> _Config:
-    """Tile shape, split count and warps. 16-byte W vectors per lane, block rows of whole 128-byte lines.
-    Multiply-add: <= 32 fp32 accumulators per lane (64 for FP8 at M = 4), ~6-8 waves per SIMD on CDNA.
-    tl.dot: BLOCK_K 128 (larger drops gfx942 to one wave per SIMD at M = 32); 2 stages prefetch W, 1 for FP8 W
-    on AMD (widening doubles the prefetch registers: 232 VGPRs on gfx942, SGPR spills on gfx950). SPLIT_K:
-    _PROGRAMS_PER_CU per CU up to ``_split_cap``; CUs still idle on the dot path (small N): BLOCK_N 32.
-    4 warps: small programs, so the split count sets the parallelism."""
-    backend, _, warp_size = target
+_Config = collections.namedtuple("_Config", "use_dot block_m block_n block_k split_k k_per_split num_warps num_stages num_xcds")  # fmt: skip
+
+
+def _launch_config(m: int, n: int, k: int, w_bytes: int, target, cus: int, split_k: Optional[int] = None) -> _Config:
+    """Tile shape, split count and warps. 16-byte W vectors per lane, block rows of whole 128-byte lines. Multiply-add:
+    <= 32 fp32 accumulators per lane (64 for FP8 at M = 4), ~6-8 waves per SIMD on CDNA. tl.dot: BLOCK_K 128 (larger
+    drops gfx942 to one wave per SIMD at M = 32); 2 stages prefetch W, 1 for FP8 W on AMD (widening doubles the
+    prefetch registers: 232 VGPRs on gfx942, SGPR spills on gfx950). SPLIT_K: _PROGRAMS_PER_CU per CU up to
+    ``_split_cap``; CUs still idle on the dot path (small N): BLOCK_N 32. 4 warps: small programs, so the split count
+    sets the parallelism. XCD remap on CDNA3/CDNA4 (gfx94x/gfx95x) with a multiple of 8 CUs (a CPX partition or a
+    6-XCD APU: none; locality lost, never correctness), and in the interpreter so that tests run it."""
+    backend, arch, warp_size = target
     num_warps = 4
-    lanes = num_warps * warp_size
-    vec = 16 // w_bytes  # elements of one 16-byte vector of W
-    if m <= fma_max_m:
-        block_m = triton.next_power_of_2(m)
-        block_k = 512 // w_bytes
-        per_lane = max(vec, 32 // block_m)
-        block_n = max(1, (lanes * per_lane) // block_k)
+    if m <= _FMA_MAX_M:  # a lane holds at least one 16-byte vector of W (16 // w_bytes elements)
+        block_m, block_k = triton.next_power_of_2(m), 512 // w_bytes
+        block_n = max(1, (num_warps * warp_size * max(16 // w_bytes, 32 // block_m)) // block_k)
         use_dot, num_stages = False, 1
     else:
         block_m, block_k, block_n, use_dot = (16 if m <= 16 else 32), 128, 64, True
@@ -386,65 +343,43 @@ def _launch_config_cached(m, n, k, w_bytes, target, cus, split_k, fma_max_m, pro
     cap = _split_cap(m, k, w_bytes, k_tiles)
     if use_dot and block_n > 32 and -(-n // block_n) * cap < cus:
         block_n = 32
-    n_tiles = -(-n // block_n)
     if split_k is None:
-        split_k = min(-(-(cus * programs_per_cu) // n_tiles), cap)
+        split_k = min(-(-(cus * _PROGRAMS_PER_CU) // -(-n // block_n)), cap)
     split_k = max(1, min(int(split_k), k_tiles))
     tiles_per_split = -(-k_tiles // split_k)
     split_k = -(-k_tiles // tiles_per_split)  # no empty split
-    k_per_split, xcds = tiles_per_split * block_k, _num_xcds(target, cus)
-    return _Config(use_dot, block_m, block_n, block_k, split_k, k_per_split, num_warps, num_stages, xcds)
+    cdna = backend == "hip" and isinstance(arch, str) and arch.startswith(("gfx94", "gfx95")) and cus % 8 == 0
+    xcds = 8 if cdna or backend == "interpreter" else 1
+    return _Config(use_dot, block_m, block_n, block_k, split_k, tiles_per_split * block_k, num_warps, num_stages, xcds)
 
 
-# The largest M that uses the kernel, per (backend, arch, "16-bit" or "fp8" weights), from ``--bench`` runs at
-# M = 1..32; above it torch's GEMM (F.linear, or torch._scaled_mm for FP8 x and W). Missing: the kernel for
-# every M. FP8 W with 16-bit x (no torch equivalent) and calls that force split_k always use the kernel.
-_KERNEL_MAX_M: dict = {
-    # H200 (examples/benchmark_skinny_gemm_h200.json): bf16 0.86-1.18x cuBLAS at M = 1, behind from M = 8
-    ("cuda", 90, "16-bit"): 1,
-    ("cuda", 90, "fp8"): 0,  # torch._scaled_mm ahead on 6 of 8 shapes at M = 1, on all from M = 8
-}  # no AMD entry: not measured
+# Calls with more rows than the kernel is measured to win at go to torch's GEMM: inside the bundle kernel_runtime.py
+# fills _KERNEL_MAX_M (the largest M that uses the kernel, per (backend, arch, "16-bit" or "fp8" weights)) and sets
+# _torch_linear (torch's GEMM for a call, None where torch has none). Copied alone: the kernel for every call.
+_KERNEL_MAX_M: dict = {}
+_torch_linear = None
 
 
-def _kernel_max_m(target, w_fp8: bool) -> int:
+def _torch_max_m(x, weight, split_k) -> int:
+    """Rows above which this call goes to torch's GEMM (MAX_M: never), from _KERNEL_MAX_M at every call."""
+    if split_k is not None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return MAX_M
+    w_fp8 = weight.dtype in _FP8_DTYPES
+    if (w_fp8 and x.dtype not in _FP8_DTYPES) or x.device.type not in ("cuda", "cpu"):
+        return MAX_M  # FP8 W with 16-bit x: no torch equivalent
+    target = _device_target(x.device)
     return _KERNEL_MAX_M.get((target[0], target[1], "fp8" if w_fp8 else "16-bit"), MAX_M)
 
 
-def _torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
-    """torch's GEMM for y = x2 @ W^T (scaled, + bias): F.linear (16-bit), torch._scaled_mm (FP8), else None."""
-    if weight.dtype not in _FP8_DTYPES:
-        if bias is not None and bias.dtype != x2.dtype:  # F.linear takes one dtype: add this bias in fp32
-            return (torch.nn.functional.linear(x2, weight).float() + bias.float()).to(out_dtype)
-        return torch.nn.functional.linear(x2, weight, bias).to(out_dtype)
-    if x2.dtype not in _FP8_DTYPES or not hasattr(torch, "_scaled_mm"):
-        return None
-    m, n = x2.shape[0], weight.shape[0]
-    if weight_scale.numel() == 1:
-        sa, sb = x_scale.reshape(()), weight_scale.reshape(())
-    else:  # row-wise: one scale per row of x, one per column of W^T
-        sa, sb = x_scale.reshape(1, 1).expand(m, 1).contiguous(), weight_scale.reshape(1, n)
-    fused = bias if (bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32) else None
-    try:
-        y = torch._scaled_mm(x2, weight.t(), scale_a=sa, scale_b=sb, bias=fused, out_dtype=out_dtype)
-    except (RuntimeError, NotImplementedError):
-        return None  # a layout, shape or scaling this torch build's FP8 GEMM rejects: use the kernel
-    return y if bias is None or fused is not None else (y.float() + bias.float()).to(out_dtype)
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None, ref: str = "x"):
-    """Refuse t unless it is a tensor of one of dtypes and (device given) on the device of ``ref``."""
+def _check_tensor(name: str, t, dtypes, device: Optional[torch.device] = None):
     if not isinstance(t, torch.Tensor):
         kind = "float32 " if dtypes == (torch.float32,) else ""
         raise TypeError(f"{name} must be a {kind}torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        names = ", ".join(_dtype_name(d) for d in dtypes)
-        raise TypeError(f"{name} has dtype {_dtype_name(t.dtype)}; expected {'one of ' * (len(dtypes) > 1)}{names}")
+        names = ", ".join(str(d)[6:] for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype)[6:]}; expected {'one of ' * (len(dtypes) > 1)}{names}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but {ref} is on {device}; move them to one device")
+        raise ValueError(f"{name} is on {t.device} but x is on {device}; move them to one device")
 
 
 def _check_scale(name: str, s, t, fp8: bool, device, allowed_numel, what: str, need: str, only: str) -> int:
@@ -452,10 +387,10 @@ def _check_scale(name: str, s, t, fp8: bool, device, allowed_numel, what: str, n
     owner = name[: -len("_scale")]
     if not fp8:
         if s is not None:
-            raise ValueError(f"{name} is only for {only}; {owner} is {_dtype_name(t.dtype)}")
+            raise ValueError(f"{name} is only for {only}; {owner} is {str(t.dtype)[6:]}")
         return 0
     if s is None:
-        raise ValueError(f"{owner} is {_dtype_name(t.dtype)}: {name} (float32, {need}) is required")
+        raise ValueError(f"{owner} is {str(t.dtype)[6:]}: {name} (float32, {need}) is required")
     _check_tensor(name, s, (torch.float32,), device)
     if s.numel() not in allowed_numel or sum(d != 1 for d in s.shape) > 1:
         raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {what}")
@@ -464,13 +399,16 @@ def _check_scale(name: str, s, t, fp8: bool, device, allowed_numel, what: str, n
     return 1 if s.numel() == 1 else 2
 
 
-def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
-    """Check the operands and options of a call; returns (x_fp8, w_fp8, w_scale_mode, out_dtype)."""
-    x_fp8 = isinstance(x, torch.Tensor) and x.dtype in _FP8_DTYPES
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_scale: Optional[torch.Tensor],
+    x_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], split_k: Optional[int],
+    torch_max_m: int = MAX_M,
+) -> torch.Tensor:  # fmt: skip
+    """Check a call, pick the configuration and launch _skinny_gemm_kernel (over torch_max_m rows: torch)."""
     _check_tensor("x", x, _ACT_DTYPES + _FP8_DTYPES)
     device = x.device
     _check_tensor("weight", weight, _ACT_DTYPES + _FP8_DTYPES, device)
-    w_fp8 = weight.dtype in _FP8_DTYPES
+    x_fp8, w_fp8 = x.dtype in _FP8_DTYPES, weight.dtype in _FP8_DTYPES
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension (the reduced one, K)")
     if weight.dim() != 2:
@@ -478,13 +416,11 @@ def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has K = {x.shape[-1]} (last dim) but weight [N, K] has K = {k}; they must match")
-    why = None
-    if x_fp8 and not w_fp8:
-        why = "FP8 x needs FP8 weights"
-    elif x.dtype != weight.dtype and (x_fp8 or not w_fp8):
-        why = "FP8 x must have the weight's FP8 dtype" if x_fp8 else "16-bit weights must have x's dtype"
-    if why:
-        raise TypeError(f"x is {_dtype_name(x.dtype)} but weight is {_dtype_name(weight.dtype)}; {why}")
+    if x.dtype != weight.dtype and (x_fp8 or not w_fp8):  # FP8 weights take x of either 16-bit dtype
+        why = "16-bit weights must have x's dtype"
+        if x_fp8:
+            why = "FP8 x must have the weight's FP8 dtype" if w_fp8 else "FP8 x needs FP8 weights"
+        raise TypeError(f"x is {str(x.dtype)[6:]} but weight is {str(weight.dtype)[6:]}; {why}")
     what = f"1 value (per tensor) or [N] = [{n}] (per output channel)"
     w_scale_mode = _check_scale("weight_scale", weight_scale, weight, w_fp8, device, (1, n), what, "1 value or [N]", "FP8 weights")  # fmt: skip
     _check_scale("x_scale", x_scale, x, x_fp8, device, (1,), "1 value (a per-tensor scale)", "1 value", "FP8 x")
@@ -500,29 +436,6 @@ def _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k):
         raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
     if split_k is not None and (not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1):
         raise ValueError(f"split_k must be a positive int or None, got {split_k!r}")
-    return x_fp8, w_fp8, w_scale_mode, out_dtype
-
-
-def _torch_max_m(x, weight, split_k) -> int:
-    """Rows above which this call goes to torch's GEMM (MAX_M: never), from _KERNEL_MAX_M at every call."""
-    if split_k is not None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        return MAX_M
-    w_fp8 = weight.dtype in _FP8_DTYPES
-    if (w_fp8 and x.dtype not in _FP8_DTYPES) or x.device.type not in ("cuda", "cpu"):
-        return MAX_M  # FP8 W with 16-bit x: no torch equivalent
-    return _kernel_max_m(_device_target(x.device), w_fp8)
-
-
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_scale: Optional[torch.Tensor],
-    x_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype], split_k: Optional[int],
-    torch_max_m: int = MAX_M,
-) -> torch.Tensor:  # fmt: skip
-    """Check a call, pick the configuration and launch _skinny_gemm_kernel (over torch_max_m rows: torch)."""
-    x_fp8, w_fp8, w_scale_mode, out_dtype = _check_call(x, weight, bias, weight_scale, x_scale, out_dtype, split_k)
-    device = x.device
-    n, k = weight.shape
-    shape = tuple(x.shape[:-1]) + (n,)
     m = math.prod(x.shape[:-1])
     if m > MAX_M:
         raise ValueError(
@@ -532,6 +445,7 @@ def _launch(
     for name, t in (("x", x), ("weight", weight)):
         if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")  # fmt: skip
+    shape = tuple(x.shape[:-1]) + (n,)
     if m == 0 or n == 0:
         return torch.empty(shape, dtype=out_dtype, device=device)
     if k == 0:  # an empty sum: y = bias (or 0)
@@ -575,34 +489,26 @@ def _launch(
     return out
 
 
-def _no_backward(names: str, *tensors) -> None:
-    """In grad mode, refuse an input that requires grad: the kernel has no backward."""
-    for name, t in zip(names.split(","), tensors):
-        if torch.is_grad_enabled() and getattr(t, "requires_grad", False):
-            raise RuntimeError(
-                f"skinny_gemm: {name} requires grad, but this Triton kernel has no backward (its outputs would "
-                "carry no grad_fn, and gradients would silently stop there); call skinny_gemm under "
-                "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference (skinny_gemm_ref) "
-                "where gradients are needed"
-            )
-
-
-# ---- public API and float64 reference ---------------------------------------------------------------------
+# ---- public API and float64 references --------------------------------------------------------------------
 def skinny_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
     weight_scale: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None, split_k: Optional[int] = None,
 ) -> torch.Tensor:  # fmt: skip
     """y = (x @ weight^T) * weight_scale * x_scale + bias for x [..., K] with at most 32 rows (more: ValueError).
-
-    weight [N, K] (last dim contiguous): x's 16-bit dtype, or FP8 (e4m3fn / e4m3fnuz) with a float32
-    weight_scale of one value or [N]. x: fp16/bf16, or FP8 of the weight's dtype with a one-value float32
-    x_scale. bias [N]. Returns [..., N] in out_dtype (default x's dtype; bf16 for FP8 x). split_k forces
-    the number of K splits (capped at the K blocks, no split empty); results are bit-identical run to run.
-    Rows above ``_KERNEL_MAX_M`` go to torch's GEMM. No backward: in grad mode an input that requires grad
-    raises RuntimeError.
-    """
-    _no_backward("x,weight,bias,weight_scale,x_scale", x, weight, bias, weight_scale, x_scale)
+    weight [N, K] (last dim contiguous): x's 16-bit dtype, or FP8 (e4m3fn / e4m3fnuz) with a float32 weight_scale
+    of one value or [N]. x: fp16/bf16, or FP8 of the weight's dtype with a one-value float32 x_scale. bias [N].
+    Returns [..., N] in out_dtype (default x's dtype; bf16 for FP8 x). split_k forces the number of K splits (capped
+    at the K blocks, no split empty); bit-identical run to run. Rows above ``_KERNEL_MAX_M`` go to torch's GEMM (in
+    the bundle). No backward: in grad mode an input that requires grad raises RuntimeError."""
+    for name, t in zip(("x", "weight", "bias", "weight_scale", "x_scale"), (x, weight, bias, weight_scale, x_scale)):
+        if torch.is_grad_enabled() and getattr(t, "requires_grad", False):  # the kernel has no backward
+            raise RuntimeError(
+                f"skinny_gemm: {name} requires grad, but this Triton kernel has no backward (its outputs would "
+                "carry no grad_fn, and gradients would silently stop there); call skinny_gemm under "
+                "torch.no_grad() or torch.inference_mode(), or use the PyTorch reference (skinny_gemm_ref) "
+                "where gradients are needed"
+            )
     return _launch(x, weight, bias, weight_scale, x_scale, out_dtype, split_k, _torch_max_m(x, weight, split_k))
 
 
@@ -615,52 +521,32 @@ def skinny_gemm_ref(x, weight, bias=None, *, weight_scale=None, x_scale=None, ou
         s = weight_scale.to(torch.float64)
         wd = wd * (s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1))
     y = xd @ wd.T
-    if bias is not None:
-        y = y + bias.to(torch.float64)
-    return y if out_dtype is None else y.to(out_dtype)
+    return (y if bias is None else y + bias.to(torch.float64)).to(out_dtype or torch.float64)
 
 
-# ---- self-check: python skinny_gemm.py [--m 1] [--n 1000] [--k 1024] [--weight bf16|fp16|fp8] [--bench] ----
-def _bench(x, w, bias, ws, xs, torch_fn) -> dict:
-    """Median times (do_bench) of the kernel and the torch baseline; W bandwidth against a device copy."""
-    from triton.testing import do_bench
-
-    t_kernel = do_bench(lambda: skinny_gemm(x, w, bias, weight_scale=ws, x_scale=xs), return_mode="median")
-    t_torch = do_bench(torch_fn, return_mode="median") if torch_fn is not None else None
-    src = torch.empty(64 << 20, dtype=torch.uint8, device=w.device)
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
-    w_gbs = w.numel() * w.element_size() / t_kernel / 1e6
-    return {
-        "kernel_us": round(t_kernel * 1e3, 2),
-        "torch_us": None if t_torch is None else round(t_torch * 1e3, 2),
-        "speedup_vs_torch": None if t_torch is None else round(t_torch / t_kernel, 3),
-        "weight_GBps": round(w_gbs, 1),
-        "copy_GBps": round(copy_gbs, 1),
-        "fraction_of_copy": round(w_gbs / copy_gbs, 3),
-    }
+def xcd_remap_ref(pid: int, num_programs: int, num_xcds: int) -> int:
+    """``xcd_remap`` in plain Python (the same formula), for tests and tools."""
+    if num_xcds == 1:
+        return pid
+    q, r = divmod(num_programs, num_xcds)
+    return pid % num_xcds * q + min(pid % num_xcds, r) + pid // num_xcds
 
 
+# ---- self-check: python skinny_gemm.py [--m 1] [--n 1000] [--k 1024] [--weight bf16|fp16|fp8] [--fp8-x] ----
 def _main(argv=None) -> int:
     import argparse
     import json
-    import sys
 
-    p = argparse.ArgumentParser(
-        description="Check skinny_gemm against a float64 reference on random inputs (and time it with --bench)."
-    )
+    p = argparse.ArgumentParser(description="Check skinny_gemm against a float64 reference on random inputs.")
     p.add_argument("--m", type=int, default=1, help=f"rows of x, 1..{MAX_M} (default 1)")
     p.add_argument("--n", type=int, default=1000, help="output features N (default 1000)")
     p.add_argument("--k", type=int, default=1024, help="input features K (default 1024)")
-    fp8_help = "weight format; fp8 uses e4m3fnuz on gfx942, e4m3fn elsewhere, with per-channel scales"
-    p.add_argument("--weight", choices=["bf16", "fp16", "fp8"], default="bf16", help=fp8_help)
+    p.add_argument("--weight", choices=["bf16", "fp16", "fp8"], default="bf16", help="fp8: e4m3fnuz (gfx942) or e4m3fn")
     p.add_argument("--fp8-x", action="store_true", help="with --weight fp8: FP8 x with a per-tensor scale")
-    scale_help = "FP8 weight scale granularity (default per-channel)"
-    p.add_argument("--scale", choices=["per-channel", "per-tensor"], default="per-channel", help=scale_help)
+    p.add_argument("--scale", choices=["per-channel", "per-tensor"], default="per-channel", help="FP8 weight scales")
     p.add_argument("--bias", action="store_true")
     p.add_argument("--split-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bench", action="store_true", help="GPU only: time against torch.matmul / torch._scaled_mm")
     a = p.parse_args(argv)
     if not 1 <= a.m <= MAX_M:
         p.error(f"--m must be 1..{MAX_M}, got {a.m}")
@@ -668,13 +554,11 @@ def _main(argv=None) -> int:
         p.error("--n and --k must be positive")
     if a.split_k is not None and a.split_k < 1:
         p.error(f"--split-k must be positive, got {a.split_k}")
-    device = "cuda" if torch.cuda.is_available() and not _interpreting() else "cpu"
-    if device == "cpu" and (not _interpreting() or a.bench):
-        no_gpu = "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter"
-        print("--bench needs a GPU" if _interpreting() else no_gpu, file=sys.stderr)
-        return 2
     if a.fp8_x and a.weight != "fp8":
         p.error("--fp8-x needs --weight fp8")
+    device = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     act = torch.float16 if a.weight == "fp16" else torch.bfloat16
     x = torch.randn(a.m, a.k, generator=g).to(device, act)
@@ -697,31 +581,20 @@ def _main(argv=None) -> int:
     rtol = 2.0**-7 if y.dtype == torch.bfloat16 else 2.0**-10
     worst = float((((y.double() - ref).abs() - rtol * ref.abs()) / mag.clamp_min(1e-30)).max())
     ok = bool(torch.isfinite(y).all()) and worst <= 1e-4
-    report = dict(device=device, m=a.m, n=a.n, k=a.k, weight=_dtype_name(w.dtype), x=_dtype_name(x.dtype))
-    report.update(max_excess_err_over_magnitude=worst, ok=ok)
-    if a.bench:
-        torch_fn = None  # FP8 W with bf16 x: torch has no such GEMM (compare with --fp8-x)
-        if a.weight != "fp8":
-            torch_fn = lambda: torch.nn.functional.linear(x, w, bias)
-        elif a.fp8_x:
-            torch_fn = lambda: _torch_linear(x.reshape(-1, x.shape[-1]), w, bias, ws, xs, torch.bfloat16)
-            if torch_fn() is None:  # shapes/scales this torch build's _scaled_mm rejects
-                report["torch_baseline_error"] = "torch._scaled_mm rejected these inputs"
-                torch_fn = None
-        report["bench"] = _bench(x, w, bias, ws, xs, torch_fn)
-    print(json.dumps(report))
+    report = dict(device=device, m=a.m, n=a.n, k=a.k, weight=str(w.dtype)[6:], x=str(x.dtype)[6:])
+    print(json.dumps(dict(report, max_excess_err_over_magnitude=worst, ok=ok)))
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     raise SystemExit(_main())
 
-# Inside this bundle (kernel_runtime.py beside this file): cached launch plans, a torch.library op and device
-# checks for the launcher; copied alone, the file keeps its plain launcher. A custom op only (no triton_op twin):
-# rows above the measured bound go to F.linear / torch._scaled_mm.
+# Beside kernel_runtime.py: launch plans, device checks, the dispatch to torch above the measured bounds and a
+# custom op only (a call may go to torch instead of the kernel).
 try:
     import kernel_runtime
-except ImportError:
+except ImportError:  # copied alone: the plain launcher runs
     pass
 else:
+    kernel_runtime.skinny_gemm_torch_dispatch(globals())
     kernel_runtime.accelerate(globals(), custom_only=("skinny_gemm",), skinny_gemm="_launch")

@@ -115,7 +115,7 @@ def test_torch_dispatch_with_a_bias_of_any_dtype(bias_dtype, out_dtype, gen, mon
     dtype for x, W and bias; the documented bias of any float dtype must still work there (it raised
     "self and mat2 must have the same dtype" for a float32 bias on a GPU). Two roundings on this path:
     the product to x's dtype, then the sum with the bias."""
-    monkeypatch.setattr(sg, "_kernel_max_m", lambda target, w_fp8: 0)  # every M goes to torch
+    monkeypatch.setattr(sg, "_torch_max_m", lambda x, weight, split_k: 0)  # every M goes to torch
     m, n, k = 5, 96, 200
     x = randn((m, k), torch.bfloat16, gen)
     w = randn((n, k), torch.bfloat16, gen, scale=k**-0.5)
