@@ -2,14 +2,16 @@
 """Machinery shared by the integration scripts (diffusers_injection.py, mmdit_injection.py,
 wan_injection.py, transformers_injection.py): when a kernel may replace torch for some tensors,
 reversible per-instance forward patching, the counts and messages of an injection (and the header of
-the examples' JSON summaries). The kernel files themselves do not use it (each stays copyable
-alone); an integration copied elsewhere needs this file beside it.
+the examples' JSON summaries, and the default dtype under which the random-weight models are built). The
+kernel files themselves do not use it (each stays copyable alone); an integration copied elsewhere needs
+this file beside it.
 
 Each integration passes its own state key, so two injectors never undo each other's patches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -676,7 +678,7 @@ def carry_processor_settings(src, dst) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Counts per kind, the message of an injection, the header of an example's summary
+# Counts per kind, the message of an injection, the header of an example's summary, random-weight models
 # --------------------------------------------------------------------------------------------
 def kind_counts(modules, state_key: str, kinds) -> dict:
     """Per kind (each of kinds, in that order, zeros included): how many of modules hold an integration's
@@ -734,6 +736,17 @@ def report(logger, msg: str, verbose: bool, *, warning: bool = False) -> None:
     (logger.warning if warning else logger.info)(msg)
     if verbose:
         print(msg, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Create parameters directly in dtype (half the memory and time of fp32-then-cast for bf16)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def summary_header(gpu: bool, weights: str, library: str) -> dict:

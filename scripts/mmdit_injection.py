@@ -49,7 +49,6 @@ Run ``python mmdit_injection.py`` for the counts on the real architectures (meta
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -859,22 +858,11 @@ FLUX_CONFIGS = {
 }
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Create parameters directly in dtype (half the memory and time of fp32-then-cast for bf16)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def _build(cls, cfg: dict, dtype, device, seed: int):
     device = torch.device(device)
     if device.type != "meta":
         torch.manual_seed(seed)
-    with _default_dtype(dtype), torch.device(device):
+    with ic.default_dtype(dtype), torch.device(device):
         model = cls(**cfg)
         if device.type != "meta":
             # trained checkpoints have non-unit norm weights; unit weights would hide a swapped weight
