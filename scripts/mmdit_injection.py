@@ -774,40 +774,27 @@ injected_counts = mmdit_injected_counts
 # Model builders (random weights, no hub) and forward inputs
 # --------------------------------------------------------------------------------------------
 # The released transformer configurations (transformer/config.json of each checkpoint).
+# stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks of 24 x 64 = 1536, q/k RMSNorm, a second
+# (image-only) attention in blocks 0-12; about 2.24 B parameters
+_SD35_MEDIUM = dict(
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
 SD3_CONFIGS = {
-    # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks of 24 x 64 = 1536, q/k RMSNorm,
-    # a second (image-only) attention in blocks 0-12; about 2.24 B parameters
-    "sd3.5-medium": dict(
-        sample_size=128,
-        patch_size=2,
-        in_channels=16,
-        num_layers=24,
-        attention_head_dim=64,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        caption_projection_dim=1536,
-        pooled_projection_dim=2048,
-        out_channels=16,
-        pos_embed_max_size=384,
-        dual_attention_layers=tuple(range(13)),
-        qk_norm="rms_norm",
-    ),
+    "sd3.5-medium": _SD35_MEDIUM,
     # stabilityai/stable-diffusion-3-medium-diffusers: same widths, no q/k norm, no dual attention
-    "sd3-medium": dict(
-        sample_size=128,
-        patch_size=2,
-        in_channels=16,
-        num_layers=24,
-        attention_head_dim=64,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        caption_projection_dim=1536,
-        pooled_projection_dim=2048,
-        out_channels=16,
-        pos_embed_max_size=192,
-        dual_attention_layers=(),
-        qk_norm=None,
-    ),
+    "sd3-medium": dict(_SD35_MEDIUM, pos_embed_max_size=192, dual_attention_layers=(), qk_norm=None),
     # 2 blocks of 2 x 16 = 32: block 0 has the dual attention, block 1 is the context_pre_only last block
     "tiny": dict(
         sample_size=8,
