@@ -408,16 +408,8 @@ def inject_flux2_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove_flux2_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_flux2_kernels (the generic layer in those models too): original forwards and processors back.
     Returns the counts restored per kind of this family."""
-    restored = {k: 0 for k in KINDS}
     models = find_flux2_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        state = ic.unpatch(m, STATE, _PROCESSOR_KINDS, _FUSED_PROCESSORS)
-        if state is not None:
-            restored[state["kind"]] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed FLUX.2 kernels", restored), verbose)
-    return restored
+    return gi.remove_family(models, STATE, KINDS, logger, "FLUX.2", verbose, _PROCESSOR_KINDS, _FUSED_PROCESSORS)
 
 
 # The family plug-in interface of diffusers_injection.inject_optimized_kernels (diffusers_injection.FAMILIES)

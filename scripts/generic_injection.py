@@ -808,6 +808,30 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
     return counts
 
 
+def remove_family(
+    models,
+    state_key: str,
+    kinds,
+    logger,
+    title: str,
+    verbose: bool,
+    processor_kinds=(),
+    processor_classes=(),
+    *,
+    carry=None,
+) -> dict:
+    """The remove of a family plug-in: its patches in models undone (ic.unpatch_all over their modules, each once),
+    then the generic layer's in those models; logs "removed <title> kernels". Returns the family's counts restored
+    per kind (the generic layer logs its own)."""
+    restored = ic.unpatch_all(
+        ic.modules_once(models), state_key, kinds, processor_kinds, processor_classes, carry=carry
+    )
+    for model in models:
+        remove_generic_kernels(model, verbose=False)
+    ic.report(logger, ic.counts_message(f"removed {title} kernels", restored), verbose)
+    return restored
+
+
 def remove_generic_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_generic_kernels: original forwards and model files' functions back. Counts restored per kind."""
     restored = _empty_counts()

@@ -378,18 +378,10 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
 
 def remove(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject (the generic layer of these models included). Returns the counts restored per kind."""
-    restored = {k: 0 for k in KINDS}
-    models = find_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        state = ic.unpatch(m, _STATE, _PROCESSOR_KINDS, (HunyuanVideo15FusedAttnProcessor,))
-        if state is not None:
-            restored[state["kind"]] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed HunyuanVideo kernels", restored), verbose)
-    return restored
+    models, fused = find_models(pipe_or_model), (HunyuanVideo15FusedAttnProcessor,)
+    return gi.remove_family(
+        models, _STATE, KINDS, logger, "HunyuanVideo", verbose, _PROCESSOR_KINDS, fused, carry=_CARRY
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -691,6 +691,21 @@ def kind_counts(modules, state_key: str, kinds) -> dict:
     return counts
 
 
+def unpatch_all(modules, state_key: str, kinds, processor_kinds=(), processor_classes=(), *, carry=None) -> dict:
+    """unpatch every module of modules (see unpatch); per kind (each of kinds, zeros included), how many were
+    restored. carry: the attribute of the blocks' carry dicts (put_carry): each module is first unlinked from
+    the block after it and its carry dict dropped."""
+    restored = {k: 0 for k in kinds}
+    for m in modules:
+        if carry is not None:
+            link_next(m, None)
+            m.__dict__.pop(carry, None)
+        state = unpatch(m, state_key, processor_kinds, processor_classes)
+        if state is not None:
+            restored[state["kind"]] += 1
+    return restored
+
+
 def counts_message(title: str, counts: dict, new=None, *, none_found: str = "", skipped=(), notes=()) -> str:
     """The line an injection (or removal) logs: "title: kind=count, ..."; then how many of those were
     already in place (where new, the counts this call added, is given); "(none_found: nothing replaced)"

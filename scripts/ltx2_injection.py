@@ -567,18 +567,10 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject: the original forwards and processors back (and the generic layer removed). Returns the
     counts restored per kind."""
-    restored = {k: 0 for k in KINDS}
-    models = find_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        state = ic.unpatch(m, STATE, _PROCESSOR_KINDS, tuple(_FUSED.values()))
-        if state is not None:
-            restored[state["kind"]] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed LTX-2 kernels", restored), verbose)
-    return restored
+    fused = tuple(_FUSED.values())
+    return gi.remove_family(
+        find_models(pipe_or_model), STATE, KINDS, logger, "LTX-2", verbose, _PROCESSOR_KINDS, fused, carry=_CARRY
+    )
 
 
 if __name__ == "__main__":

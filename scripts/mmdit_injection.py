@@ -159,12 +159,6 @@ def _patch_processor(attn: nn.Module, proc, kind: str) -> bool:
     return True
 
 
-def _unpatch(module: nn.Module) -> Optional[str]:
-    """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = ic.unpatch(module, _STATE, _PROCESSOR_KINDS, (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor))
-    return None if state is None else state["kind"]
-
-
 # --------------------------------------------------------------------------------------------
 # Norm + modulation building blocks: the kernel when it reproduces the module, else the original ops
 # --------------------------------------------------------------------------------------------
@@ -236,11 +230,6 @@ def _link_blocks(model) -> None:
         ic.link_next(blk, nxt if linked else None)
         if linked:
             nxt.__dict__.setdefault(_CARRY, {})
-
-
-def _unlink_block(module) -> None:
-    ic.link_next(module, None)
-    module.__dict__.pop(_CARRY, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -667,6 +656,9 @@ def flux_qk_norm_rope(parts, values, head_dim, image_rotary_emb):
     return query, key, value
 
 
+_FUSED = (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor)  # what removal swaps the previous processor back over
+
+
 # --------------------------------------------------------------------------------------------
 # Discovery and counts
 # --------------------------------------------------------------------------------------------
@@ -753,12 +745,7 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_mmdit_kernels: restore the original forwards and attention processors.
     Returns the counts per kind of what was restored."""
-    restored = _empty_counts()
-    for m in ic.unique_modules(pipe_or_model):
-        _unlink_block(m)
-        kind = _unpatch(m)
-        if kind is not None:
-            restored[kind] += 1
+    restored = ic.unpatch_all(ic.unique_modules(pipe_or_model), _STATE, KINDS, _PROCESSOR_KINDS, _FUSED, carry=_CARRY)
     ic.report(logger, ic.counts_message("removed MMDiT kernels", restored), verbose)
     return restored
 

@@ -397,18 +397,7 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject (this family's patches and the generic layer's in its models). Returns the counts restored
     per kind (KINDS; the generic layer logs its own)."""
-    restored = {k: 0 for k in KINDS}
-    models = find_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        kind = gi.unpatch(m, _STATE)
-        if kind is not None:
-            restored[kind] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed Qwen-Image kernels", restored), verbose)
-    return restored
+    return gi.remove_family(find_models(pipe_or_model), _STATE, KINDS, logger, "Qwen-Image", verbose, carry=_CARRY)
 
 
 if __name__ == "__main__":
