@@ -208,15 +208,7 @@ def dense_rows(x: torch.Tensor):
         return x, None
     if x.dim() < 2 or x.stride(-1) != 1:
         return None
-    lead = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))
-    perm = (*lead, x.dim() - 1)
-    view = x.permute(perm)
-    if not view.is_contiguous():
-        return None
-    back = [0] * len(perm)
-    for i, p in enumerate(perm):
-        back[p] = i
-    return view, back
+    return ic.memory_order(x)
 
 
 def rowwise(fn, x: torch.Tensor, *args, **kwargs):

@@ -61,6 +61,20 @@ def usable(*tensors) -> bool:
     return True
 
 
+def memory_order(x: torch.Tensor):
+    """(view, back): x with its leading dims permuted into memory order (largest stride first, the last dim kept
+    last), and the permutation that puts a result of the view's shape back into x's order; None when that view
+    is not contiguous (x is no permutation of a contiguous tensor)."""
+    perm = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
+    view = x.permute(perm)
+    if not view.is_contiguous():
+        return None
+    back = [0] * len(perm)
+    for i, p in enumerate(perm):
+        back[p] = i
+    return view, back
+
+
 def roots(pipe_or_model) -> list:
     """The nn.Modules to search: the model itself, or a diffusers pipeline's module components."""
     if isinstance(pipe_or_model, torch.nn.Module):

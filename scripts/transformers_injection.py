@@ -178,13 +178,10 @@ def _rowwise(fn, x: torch.Tensor, *args, **kwargs):
         return None
     if _two_level(x):
         return fn(x, *args, **kwargs)
-    perm = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
-    view = x.permute(perm)
-    if not view.is_contiguous():
+    rows = ic.memory_order(x)
+    if rows is None:
         return None
-    back = [0] * len(perm)
-    for i, p in enumerate(perm):
-        back[p] = i
+    view, back = rows
     return fn(view, *args, **kwargs).permute(back)
 
 
