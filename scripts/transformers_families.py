@@ -565,15 +565,26 @@ def coverage_main(as_markdown=False, write=None, check=None, rep=None) -> int:
     return 1 if bad else 0
 
 
-def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--list", action="store_true", help="print the architectures (name, family, class, layers)")
-    p.add_argument("--coverage", action="store_true", help="sites per kind found / replaced, per architecture")
+def add_coverage_options(p: argparse.ArgumentParser) -> None:
+    """The coverage command's options (--coverage, --markdown, --write FILE, --check FILE) on the parser p: this
+    file's and transformers_injection.py's."""
+    p.add_argument("--coverage", action="store_true", help="sites per kind found / replaced, per architecture (JSON)")
     p.add_argument("--markdown", action="store_true", help="with --coverage: the markdown table")
     p.add_argument("--write", metavar="FILE", help="with --coverage: rewrite the table between FILE's markers")
     p.add_argument("--check", metavar="FILE", help="with --coverage: exit 1 if FILE's table differs from a fresh run")
+
+
+def coverage_requested(args) -> bool:
+    """Whether the parsed options (add_coverage_options) ask for the coverage command."""
+    return bool(args.coverage or args.markdown or args.write or args.check)
+
+
+def _main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--list", action="store_true", help="print the architectures (name, family, class, layers)")
+    add_coverage_options(p)
     args = p.parse_args(argv)
-    if args.coverage or args.markdown or args.write or args.check:
+    if coverage_requested(args):
         return coverage_main(args.markdown, args.write, args.check)
     for name, a in ARCHS.items():
         print(f"{name:16s} {a.title:18s} {FAMILIES[a.family].model_class:22s} {a.release['num_hidden_layers']} layers")

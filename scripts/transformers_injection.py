@@ -1505,14 +1505,11 @@ def _main(argv=None) -> int:
     p.add_argument("--arch", default="llama3-8b", choices=sorted(tf.ARCHS), help="architecture (default llama3-8b)")
     p.add_argument("--num-layers", type=int, help="decoder layers (default: the release's)")
     p.add_argument("--no-skinny-gemm", action="store_true", help="leave the linear layers alone")
-    p.add_argument("--coverage", action="store_true", help="every family: sites per kind found / replaced (JSON)")
-    p.add_argument("--markdown", action="store_true", help="with --coverage: print the markdown table instead")
-    p.add_argument("--write", metavar="FILE", help="with --coverage: rewrite the table between FILE's markers")
-    p.add_argument("--check", metavar="FILE", help="with --coverage: exit 1 if FILE's table differs from a fresh run")
+    tf.add_coverage_options(p)
     args = p.parse_args(argv)
     if args.num_layers is not None and args.num_layers < 1:
         p.error(f"--num-layers must be at least 1, got {args.num_layers}")
-    if args.coverage or args.markdown or args.write or args.check:
+    if tf.coverage_requested(args):
         return tf.coverage_main(args.markdown, args.write, args.check)
     model = tf.build_meta(args.arch, num_layers=args.num_layers)
     sg = not args.no_skinny_gemm
