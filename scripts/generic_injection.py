@@ -58,7 +58,11 @@ import torch  # noqa: E402
 from diffusers.models import embeddings as _embeddings  # noqa: E402
 from diffusers.models.activations import GEGLU, GELU, SwiGLU  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
+from diffusers.models.attention_dispatch import (  # noqa: E402
+    AttentionBackendName,
+    _AttentionBackendRegistry,
+    dispatch_attention_fn,
+)
 from diffusers.models.normalization import (  # noqa: E402
     AdaLayerNormContinuous,
     AdaLayerNormZero,
@@ -94,6 +98,7 @@ __all__ = [
     "gated_add",
     "rowwise",
     "dense_rows",
+    "dispatch_attention",
     "adaln_zero_apply",
     "adaln_continuous_forward",
     "apply_rotary_emb",
@@ -499,6 +504,15 @@ def feed_forward(ff, x, state_key: Optional[str] = None):
         return ic.feed_forward(ff, x, FeedForward)
     up, down = layers
     return fp8_gelu_down(up.forward(x), down)
+
+
+def dispatch_attention(proc, query, key, value, attn_mask=None, *, fn=dispatch_attention_fn):
+    """fn (diffusers' dispatch_attention_fn) on [B, S, H, D] q, k, v with the backend and parallel config of the
+    attention processor proc as they are when it runs (set_attention_backend, enable_parallelism), as diffusers'
+    processors call it: no dropout, not causal."""
+    return fn(
+        query, key, value, attn_mask=attn_mask, backend=proc._attention_backend, parallel_config=proc._parallel_config
+    )
 
 
 def native_attention_active() -> bool:

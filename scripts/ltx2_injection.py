@@ -51,7 +51,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
     LTX2Attention,
     LTX2AudioVideoAttnProcessor,
@@ -443,15 +442,9 @@ def _attention(
             query = ic.call(attn.to_q, hidden_states)
             key, value = fp8_linear.project(encoder_hidden_states, attn.to_k, attn.to_v)
         query, key = _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb)
-        hidden_states = dispatch_attention_fn(
-            query.unflatten(2, (attn.heads, -1)),
-            key.unflatten(2, (attn.heads, -1)),
-            value.unflatten(2, (attn.heads, -1)),
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=proc._attention_backend,
-            parallel_config=proc._parallel_config,
+        heads = (attn.heads, -1)
+        hidden_states = gi.dispatch_attention(
+            proc, query.unflatten(2, heads), key.unflatten(2, heads), value.unflatten(2, heads), attention_mask
         )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         if perturbation_mask is not None:

@@ -62,7 +62,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import JointTransformerBlock  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0  # noqa: E402
 from diffusers.models.embeddings import apply_rotary_emb  # noqa: E402
 from diffusers.models.normalization import (  # noqa: E402
@@ -593,14 +592,7 @@ class FluxFusedAttnProcessor:
             values.insert(0, encoder_value)
         query, key, value = flux_qk_norm_rope(parts, values, attn.head_dim, image_rotary_emb)
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        hidden_states = gi.dispatch_attention(self, query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 

@@ -316,16 +316,7 @@ def _attention_forward(self, hidden_states, encoder_hidden_states=None, attentio
     value = torch.cat([txt_v, img_v], dim=1)
     fused = img_q = img_k = img_v = txt_q = txt_k = txt_v = None  # the projections, read: not held by the attention
 
-    out = _qwen.dispatch_attention_fn(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=0.0,
-        is_causal=False,
-        backend=proc._attention_backend,
-        parallel_config=proc._parallel_config,
-    )
+    out = gi.dispatch_attention(proc, query, key, value, attention_mask, fn=_qwen.dispatch_attention_fn)
     out = out.flatten(2, 3).to(query.dtype)
     txt_out, img_out = out[:, :seq_txt, :], out[:, seq_txt:, :]
     img_out = ic.call(self.to_out[0], img_out.contiguous())
