@@ -1199,14 +1199,23 @@ def _print_rows(records, name, label):
         )
 
 
-def chart(result, path):
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None where matplotlib is not installed (logged: no
+    chart). benchmark_e2e.py's chart uses it too."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log("matplotlib not installed: no chart")
+        log("matplotlib is not installed: no chart")
+        return None
+    return plt
+
+
+def chart(result, path):
+    plt = pyplot()
+    if plt is None:
         return
     recs = result["records"]
     shapes = list(dict.fromkeys(r.get("shape") or f"B={r['batch']} S={r['tokens']}" for r in recs))

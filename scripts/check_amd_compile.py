@@ -765,35 +765,37 @@ def nvidia_stats(compiled, fp_fusion: bool = True) -> Tuple[dict, List[str]]:
     return dict(stats), list(notes)
 
 
+def _asm_for_tool(compiled, key: str, name: str, tool: str, unknown: str, tmp: str, notes: list):
+    """(the path of tool, compiled.asm[key] (name: what the notes call it), the file in tmp it was written to), or
+    None with a note why not: the compile produced none, or the tool is not found (unknown: what that leaves)."""
+    data, exe = compiled.asm.get(key), _nvidia_tool(tool)
+    if data is None:
+        notes.append(f"no {name} produced")
+        return None
+    if not exe:
+        notes.append(f"{tool} not found: {unknown}")
+        return None
+    path = os.path.join(tmp, f"kernel.{key}")
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    return exe, data, path
+
+
 def _nvidia_stats(compiled, fp_fusion: bool) -> Tuple[dict, List[str]]:
     stats, notes = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = compiled.asm.get("cubin")
-        cuobjdump = _nvidia_tool("cuobjdump")
-        if cubin is None:
-            notes.append("no cubin produced")
-        elif not cuobjdump:
-            notes.append("cuobjdump not found: registers read from ptxas -v only")
-        else:
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(cubin)
+        found = _asm_for_tool(compiled, "cubin", "cubin", "cuobjdump", "registers read from ptxas -v only", tmp, notes)
+        if found:
+            cuobjdump, _, path = found
             res = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True)
             stats.update(parse_cuobjdump_resource_usage(res.stdout))
             if not stats:
                 notes.append(f"cuobjdump gave no resource usage: {(res.stderr or res.stdout).strip()[:200]}")
-        ptx = compiled.asm.get("ptx")
-        ptxas = _nvidia_tool("ptxas")
-        if ptx is None:
-            notes.append("no PTX produced")
-        elif not ptxas:
-            notes.append("ptxas not found: spill bytes unknown")
-        else:
+        found = _asm_for_tool(compiled, "ptx", "PTX", "ptxas", "spill bytes unknown", tmp, notes)
+        if found:
+            ptxas, ptx, src = found
             m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
             arch = m.group(1) if m else "sm_90a"
-            src = os.path.join(tmp, "kernel.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
             cmd = [ptxas, "-v", "-lineinfo", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "ptxas.cubin")]
             if not fp_fusion:
                 cmd.insert(1, "--fmad=false")

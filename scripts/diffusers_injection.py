@@ -55,9 +55,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
-from diffusers.models.attention_dispatch import (  # noqa: E402
-    dispatch_attention_fn,
-)
 from diffusers.models.autoencoders.autoencoder_kl_ltx import AutoencoderKLLTXVideo  # noqa: E402
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm  # noqa: E402
 from diffusers.models.transformers.transformer_ltx import (  # noqa: E402
@@ -499,16 +496,7 @@ class LTXFusedSelfAttnProcessor:
                 is_causal=False,
             ).permute(0, 2, 1, 3)
         else:
-            hidden_states = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
+            hidden_states = gi.dispatch_attention(self, query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         if hidden_states.dtype != query.dtype:
             hidden_states = hidden_states.to(query.dtype)

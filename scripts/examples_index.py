@@ -379,6 +379,17 @@ def _generic(d):
     return "other", what, ("top-level keys: " + ", ".join(keys)) if keys else "no result keys"
 
 
+# The records that name their benchmark: its "benchmark" entry -> the reader of its headline
+_BY_BENCHMARK = {
+    "benchmark_e2e.py": _e2e,
+    "benchmark_context_parallel.py": _context_parallel,
+    "host_cost_per_call": _host_cost,
+    "launch_overhead": _chain,
+    "benchmark_gemm_gelu.py": _gemm_gelu,
+    "benchmark_layernorm_grid.py": _layernorm_grid,
+}
+
+
 def classify(d):
     """(group, what, headline) of one record; a kind it does not know gets the generic line."""
     if not isinstance(d, dict):
@@ -388,18 +399,8 @@ def classify(d):
     try:
         if _runs(d) and not recs and bench.startswith("benchmark_e2e.py,"):
             return _multi_run(d)
-        if bench == "benchmark_e2e.py":
-            return _e2e(d)
-        if bench == "benchmark_context_parallel.py":
-            return _context_parallel(d)
-        if bench == "host_cost_per_call":
-            return _host_cost(d)
-        if bench == "launch_overhead":
-            return _chain(d)
-        if bench == "benchmark_gemm_gelu.py":
-            return _gemm_gelu(d)
-        if bench == "benchmark_layernorm_grid.py":
-            return _layernorm_grid(d)
+        if bench in _BY_BENCHMARK:
+            return _BY_BENCHMARK[bench](d)
         if (
             isinstance(recs, list)
             and recs

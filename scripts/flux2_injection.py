@@ -52,7 +52,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.transformers.transformer_flux2 import (  # noqa: E402
     Flux2Attention,
     Flux2AttnProcessor,
@@ -262,14 +261,7 @@ class Flux2FusedAttnProcessor:
         # the projections, read: not held through the attention (diffusers' processor replaces them as it goes)
         parts = values = enc_q = enc_k = encoder_query = encoder_key = encoder_value = None
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        hidden_states = gi.dispatch_attention(self, query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is not None:
             encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
@@ -302,14 +294,7 @@ class Flux2FusedParallelSelfAttnProcessor:
             [(query, key, attn.norm_q, attn.norm_k)], [value], attn.head_dim, image_rotary_emb
         )
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        hidden_states = gi.dispatch_attention(self, query, key, value, attention_mask)
         dtype = query.dtype
         # Memory: q, k and the fused projection's q/k/v part are dropped after the attention, so the projection
         # (3 + 2 * mlp_ratio times the width) dies with the activation's input below; the attention output and
@@ -408,16 +393,8 @@ def inject_flux2_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove_flux2_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_flux2_kernels (the generic layer in those models too): original forwards and processors back.
     Returns the counts restored per kind of this family."""
-    restored = {k: 0 for k in KINDS}
     models = find_flux2_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        state = ic.unpatch(m, STATE, _PROCESSOR_KINDS, _FUSED_PROCESSORS)
-        if state is not None:
-            restored[state["kind"]] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed FLUX.2 kernels", restored), verbose)
-    return restored
+    return gi.remove_family(models, STATE, KINDS, logger, "FLUX.2", verbose, _PROCESSOR_KINDS, _FUSED_PROCESSORS)
 
 
 # The family plug-in interface of diffusers_injection.inject_optimized_kernels (diffusers_injection.FAMILIES)

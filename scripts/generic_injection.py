@@ -58,7 +58,11 @@ import torch  # noqa: E402
 from diffusers.models import embeddings as _embeddings  # noqa: E402
 from diffusers.models.activations import GEGLU, GELU, SwiGLU  # noqa: E402
 from diffusers.models.attention import FeedForward  # noqa: E402
-from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry  # noqa: E402
+from diffusers.models.attention_dispatch import (  # noqa: E402
+    AttentionBackendName,
+    _AttentionBackendRegistry,
+    dispatch_attention_fn,
+)
 from diffusers.models.normalization import (  # noqa: E402
     AdaLayerNormContinuous,
     AdaLayerNormZero,
@@ -94,6 +98,7 @@ __all__ = [
     "gated_add",
     "rowwise",
     "dense_rows",
+    "dispatch_attention",
     "adaln_zero_apply",
     "adaln_continuous_forward",
     "apply_rotary_emb",
@@ -208,15 +213,7 @@ def dense_rows(x: torch.Tensor):
         return x, None
     if x.dim() < 2 or x.stride(-1) != 1:
         return None
-    lead = sorted(range(x.dim() - 1), key=lambda i: -x.stride(i))
-    perm = (*lead, x.dim() - 1)
-    view = x.permute(perm)
-    if not view.is_contiguous():
-        return None
-    back = [0] * len(perm)
-    for i, p in enumerate(perm):
-        back[p] = i
-    return view, back
+    return ic.memory_order(x)
 
 
 def rowwise(fn, x: torch.Tensor, *args, **kwargs):
@@ -507,6 +504,15 @@ def feed_forward(ff, x, state_key: Optional[str] = None):
         return ic.feed_forward(ff, x, FeedForward)
     up, down = layers
     return fp8_gelu_down(up.forward(x), down)
+
+
+def dispatch_attention(proc, query, key, value, attn_mask=None, *, fn=dispatch_attention_fn):
+    """fn (diffusers' dispatch_attention_fn) on [B, S, H, D] q, k, v with the backend and parallel config of the
+    attention processor proc as they are when it runs (set_attention_backend, enable_parallelism), as diffusers'
+    processors call it: no dropout, not causal."""
+    return fn(
+        query, key, value, attn_mask=attn_mask, backend=proc._attention_backend, parallel_config=proc._parallel_config
+    )
 
 
 def native_attention_active() -> bool:
@@ -806,6 +812,30 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
     msg = ic.counts_message("injected generic kernels", counts, new, skipped=skipped, notes=notes)
     ic.report(logger, msg, verbose)
     return counts
+
+
+def remove_family(
+    models,
+    state_key: str,
+    kinds,
+    logger,
+    title: str,
+    verbose: bool,
+    processor_kinds=(),
+    processor_classes=(),
+    *,
+    carry=None,
+) -> dict:
+    """The remove of a family plug-in: its patches in models undone (ic.unpatch_all over their modules, each once),
+    then the generic layer's in those models; logs "removed <title> kernels". Returns the family's counts restored
+    per kind (the generic layer logs its own)."""
+    restored = ic.unpatch_all(
+        ic.modules_once(models), state_key, kinds, processor_kinds, processor_classes, carry=carry
+    )
+    for model in models:
+        remove_generic_kernels(model, verbose=False)
+    ic.report(logger, ic.counts_message(f"removed {title} kernels", restored), verbose)
+    return restored
 
 
 def remove_generic_kernels(pipe_or_model, *, verbose: bool = True) -> dict:

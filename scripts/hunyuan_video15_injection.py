@@ -55,7 +55,6 @@ if _HERE not in sys.path:  # the kernels live beside this file
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.attention_processor import Attention  # noqa: E402
 from diffusers.models.normalization import AdaLayerNormZero, RMSNorm  # noqa: E402
 from diffusers.models.transformers.transformer_hunyuan_video import (  # noqa: E402
@@ -290,16 +289,7 @@ class HunyuanVideo15FusedAttnProcessor:
             attention_mask = mask.view(batch_size, 1, 1, seq_len) & mask.view(batch_size, 1, seq_len, 1)
             mask = None
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        hidden_states = gi.dispatch_attention(self, query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 
@@ -378,18 +368,10 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
 
 def remove(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject (the generic layer of these models included). Returns the counts restored per kind."""
-    restored = {k: 0 for k in KINDS}
-    models = find_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        state = ic.unpatch(m, _STATE, _PROCESSOR_KINDS, (HunyuanVideo15FusedAttnProcessor,))
-        if state is not None:
-            restored[state["kind"]] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed HunyuanVideo kernels", restored), verbose)
-    return restored
+    models, fused = find_models(pipe_or_model), (HunyuanVideo15FusedAttnProcessor,)
+    return gi.remove_family(
+        models, _STATE, KINDS, logger, "HunyuanVideo", verbose, _PROCESSOR_KINDS, fused, carry=_CARRY
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,14 +2,16 @@
 """Machinery shared by the integration scripts (diffusers_injection.py, mmdit_injection.py,
 wan_injection.py, transformers_injection.py): when a kernel may replace torch for some tensors,
 reversible per-instance forward patching, the counts and messages of an injection (and the header of
-the examples' JSON summaries). The kernel files themselves do not use it (each stays copyable
-alone); an integration copied elsewhere needs this file beside it.
+the examples' JSON summaries, and the default dtype under which the random-weight models are built). The
+kernel files themselves do not use it (each stays copyable alone); an integration copied elsewhere needs
+this file beside it.
 
 Each integration passes its own state key, so two injectors never undo each other's patches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -57,6 +59,20 @@ def usable(*tensors) -> bool:
         if t.device != dev or t.dtype not in KERNEL_DTYPES or (grad and t.requires_grad):
             return False
     return True
+
+
+def memory_order(x: torch.Tensor):
+    """(view, back): x with its leading dims permuted into memory order (largest stride first, the last dim kept
+    last), and the permutation that puts a result of the view's shape back into x's order; None when that view
+    is not contiguous (x is no permutation of a contiguous tensor)."""
+    perm = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
+    view = x.permute(perm)
+    if not view.is_contiguous():
+        return None
+    back = [0] * len(perm)
+    for i, p in enumerate(perm):
+        back[p] = i
+    return view, back
 
 
 def roots(pipe_or_model) -> list:
@@ -676,7 +692,7 @@ def carry_processor_settings(src, dst) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Counts per kind, the message of an injection, the header of an example's summary
+# Counts per kind, the message of an injection, the header of an example's summary, random-weight models
 # --------------------------------------------------------------------------------------------
 def kind_counts(modules, state_key: str, kinds) -> dict:
     """Per kind (each of kinds, in that order, zeros included): how many of modules hold an integration's
@@ -687,6 +703,21 @@ def kind_counts(modules, state_key: str, kinds) -> dict:
         if state is not None:
             counts[state["kind"]] += 1
     return counts
+
+
+def unpatch_all(modules, state_key: str, kinds, processor_kinds=(), processor_classes=(), *, carry=None) -> dict:
+    """unpatch every module of modules (see unpatch); per kind (each of kinds, zeros included), how many were
+    restored. carry: the attribute of the blocks' carry dicts (put_carry): each module is first unlinked from
+    the block after it and its carry dict dropped."""
+    restored = {k: 0 for k in kinds}
+    for m in modules:
+        if carry is not None:
+            link_next(m, None)
+            m.__dict__.pop(carry, None)
+        state = unpatch(m, state_key, processor_kinds, processor_classes)
+        if state is not None:
+            restored[state["kind"]] += 1
+    return restored
 
 
 def counts_message(title: str, counts: dict, new=None, *, none_found: str = "", skipped=(), notes=()) -> str:
@@ -734,6 +765,17 @@ def report(logger, msg: str, verbose: bool, *, warning: bool = False) -> None:
     (logger.warning if warning else logger.info)(msg)
     if verbose:
         print(msg, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Create parameters directly in dtype (half the memory and time of fp32-then-cast for bf16)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def summary_header(gpu: bool, weights: str, library: str) -> dict:

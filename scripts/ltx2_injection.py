@@ -51,7 +51,6 @@ if _HERE not in sys.path:  # the leaf kernels live beside this file
     sys.path.insert(0, _HERE)
 
 import torch  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
     LTX2Attention,
     LTX2AudioVideoAttnProcessor,
@@ -443,15 +442,9 @@ def _attention(
             query = ic.call(attn.to_q, hidden_states)
             key, value = fp8_linear.project(encoder_hidden_states, attn.to_k, attn.to_v)
         query, key = _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb)
-        hidden_states = dispatch_attention_fn(
-            query.unflatten(2, (attn.heads, -1)),
-            key.unflatten(2, (attn.heads, -1)),
-            value.unflatten(2, (attn.heads, -1)),
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=proc._attention_backend,
-            parallel_config=proc._parallel_config,
+        heads = (attn.heads, -1)
+        hidden_states = gi.dispatch_attention(
+            proc, query.unflatten(2, heads), key.unflatten(2, heads), value.unflatten(2, heads), attention_mask
         )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         if perturbation_mask is not None:
@@ -567,18 +560,10 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject: the original forwards and processors back (and the generic layer removed). Returns the
     counts restored per kind."""
-    restored = {k: 0 for k in KINDS}
-    models = find_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        state = ic.unpatch(m, STATE, _PROCESSOR_KINDS, tuple(_FUSED.values()))
-        if state is not None:
-            restored[state["kind"]] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed LTX-2 kernels", restored), verbose)
-    return restored
+    fused = tuple(_FUSED.values())
+    return gi.remove_family(
+        find_models(pipe_or_model), STATE, KINDS, logger, "LTX-2", verbose, _PROCESSOR_KINDS, fused, carry=_CARRY
+    )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ Run ``python mmdit_injection.py`` for the counts on the real architectures (meta
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -63,7 +62,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from diffusers.models.activations import GELU as DiffusersGELU  # noqa: E402
 from diffusers.models.attention import JointTransformerBlock  # noqa: E402
-from diffusers.models.attention_dispatch import dispatch_attention_fn  # noqa: E402
 from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0  # noqa: E402
 from diffusers.models.embeddings import apply_rotary_emb  # noqa: E402
 from diffusers.models.normalization import (  # noqa: E402
@@ -160,12 +158,6 @@ def _patch_processor(attn: nn.Module, proc, kind: str) -> bool:
     return True
 
 
-def _unpatch(module: nn.Module) -> Optional[str]:
-    """Undo whatever was patched on this module; returns its kind (None if nothing was)."""
-    state = ic.unpatch(module, _STATE, _PROCESSOR_KINDS, (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor))
-    return None if state is None else state["kind"]
-
-
 # --------------------------------------------------------------------------------------------
 # Norm + modulation building blocks: the kernel when it reproduces the module, else the original ops
 # --------------------------------------------------------------------------------------------
@@ -237,11 +229,6 @@ def _link_blocks(model) -> None:
         ic.link_next(blk, nxt if linked else None)
         if linked:
             nxt.__dict__.setdefault(_CARRY, {})
-
-
-def _unlink_block(module) -> None:
-    ic.link_next(module, None)
-    module.__dict__.pop(_CARRY, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -605,14 +592,7 @@ class FluxFusedAttnProcessor:
             values.insert(0, encoder_value)
         query, key, value = flux_qk_norm_rope(parts, values, attn.head_dim, image_rotary_emb)
 
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
+        hidden_states = gi.dispatch_attention(self, query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 
@@ -666,6 +646,9 @@ def flux_qk_norm_rope(parts, values, head_dim, image_rotary_emb):
         query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
         key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
     return query, key, value
+
+
+_FUSED = (SD3FusedJointAttnProcessor, FluxFusedAttnProcessor)  # what removal swaps the previous processor back over
 
 
 # --------------------------------------------------------------------------------------------
@@ -754,12 +737,7 @@ def inject_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove_mmdit_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_mmdit_kernels: restore the original forwards and attention processors.
     Returns the counts per kind of what was restored."""
-    restored = _empty_counts()
-    for m in ic.unique_modules(pipe_or_model):
-        _unlink_block(m)
-        kind = _unpatch(m)
-        if kind is not None:
-            restored[kind] += 1
+    restored = ic.unpatch_all(ic.unique_modules(pipe_or_model), _STATE, KINDS, _PROCESSOR_KINDS, _FUSED, carry=_CARRY)
     ic.report(logger, ic.counts_message("removed MMDiT kernels", restored), verbose)
     return restored
 
@@ -775,40 +753,27 @@ injected_counts = mmdit_injected_counts
 # Model builders (random weights, no hub) and forward inputs
 # --------------------------------------------------------------------------------------------
 # The released transformer configurations (transformer/config.json of each checkpoint).
+# stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks of 24 x 64 = 1536, q/k RMSNorm, a second
+# (image-only) attention in blocks 0-12; about 2.24 B parameters
+_SD35_MEDIUM = dict(
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
+)
 SD3_CONFIGS = {
-    # stabilityai/stable-diffusion-3.5-medium: MMDiT-X, 24 blocks of 24 x 64 = 1536, q/k RMSNorm,
-    # a second (image-only) attention in blocks 0-12; about 2.24 B parameters
-    "sd3.5-medium": dict(
-        sample_size=128,
-        patch_size=2,
-        in_channels=16,
-        num_layers=24,
-        attention_head_dim=64,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        caption_projection_dim=1536,
-        pooled_projection_dim=2048,
-        out_channels=16,
-        pos_embed_max_size=384,
-        dual_attention_layers=tuple(range(13)),
-        qk_norm="rms_norm",
-    ),
+    "sd3.5-medium": _SD35_MEDIUM,
     # stabilityai/stable-diffusion-3-medium-diffusers: same widths, no q/k norm, no dual attention
-    "sd3-medium": dict(
-        sample_size=128,
-        patch_size=2,
-        in_channels=16,
-        num_layers=24,
-        attention_head_dim=64,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        caption_projection_dim=1536,
-        pooled_projection_dim=2048,
-        out_channels=16,
-        pos_embed_max_size=192,
-        dual_attention_layers=(),
-        qk_norm=None,
-    ),
+    "sd3-medium": dict(_SD35_MEDIUM, pos_embed_max_size=192, dual_attention_layers=(), qk_norm=None),
     # 2 blocks of 2 x 16 = 32: block 0 has the dual attention, block 1 is the context_pre_only last block
     "tiny": dict(
         sample_size=8,
@@ -859,22 +824,11 @@ FLUX_CONFIGS = {
 }
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Create parameters directly in dtype (half the memory and time of fp32-then-cast for bf16)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def _build(cls, cfg: dict, dtype, device, seed: int):
     device = torch.device(device)
     if device.type != "meta":
         torch.manual_seed(seed)
-    with _default_dtype(dtype), torch.device(device):
+    with ic.default_dtype(dtype), torch.device(device):
         model = cls(**cfg)
         if device.type != "meta":
             # trained checkpoints have non-unit norm weights; unit weights would hide a swapped weight

@@ -31,7 +31,6 @@ steps), guidance, RoPE ids / image shapes / coordinates, ``return_dict=False``. 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import json
@@ -47,6 +46,8 @@ if _HERE not in sys.path:
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+import injection_common as ic  # noqa: E402
 
 __all__ = ["NAMES", "build", "inputs", "describe", "run", "token_counts"]
 
@@ -520,17 +521,6 @@ def _config(name: str, size: str, blocks: Optional[int] = None) -> dict:
     return cfg
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """Create parameters directly in dtype (half the memory and time of fp32-then-cast for bf16)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
@@ -574,7 +564,7 @@ def build(name: str, size: str = "tiny", *, dtype=torch.float32, device="cpu", s
     device = torch.device(device)
     if device.type != "meta":
         torch.manual_seed(seed)
-    with _default_dtype(dtype), device:
+    with ic.default_dtype(dtype), device:
         model = _class(spec)(**cfg)
     if device.type != "meta":
         _trained_looking_(model)

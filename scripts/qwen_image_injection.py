@@ -316,16 +316,7 @@ def _attention_forward(self, hidden_states, encoder_hidden_states=None, attentio
     value = torch.cat([txt_v, img_v], dim=1)
     fused = img_q = img_k = img_v = txt_q = txt_k = txt_v = None  # the projections, read: not held by the attention
 
-    out = _qwen.dispatch_attention_fn(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=0.0,
-        is_causal=False,
-        backend=proc._attention_backend,
-        parallel_config=proc._parallel_config,
-    )
+    out = gi.dispatch_attention(proc, query, key, value, attention_mask, fn=_qwen.dispatch_attention_fn)
     out = out.flatten(2, 3).to(query.dtype)
     txt_out, img_out = out[:, :seq_txt, :], out[:, seq_txt:, :]
     img_out = ic.call(self.to_out[0], img_out.contiguous())
@@ -397,18 +388,7 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
 def remove(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject (this family's patches and the generic layer's in its models). Returns the counts restored
     per kind (KINDS; the generic layer logs its own)."""
-    restored = {k: 0 for k in KINDS}
-    models = find_models(pipe_or_model)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        kind = gi.unpatch(m, _STATE)
-        if kind is not None:
-            restored[kind] += 1
-    for model in models:
-        gi.remove_generic_kernels(model, verbose=False)
-    ic.report(logger, ic.counts_message("removed Qwen-Image kernels", restored), verbose)
-    return restored
+    return gi.remove_family(find_models(pipe_or_model), _STATE, KINDS, logger, "Qwen-Image", verbose, carry=_CARRY)
 
 
 if __name__ == "__main__":

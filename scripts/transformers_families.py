@@ -33,6 +33,8 @@ if _HERE not in sys.path:
 
 import torch  # noqa: E402
 
+import injection_common as ic  # noqa: E402
+
 __all__ = ["FAMILIES", "ARCHS", "tiny_config", "release_config", "build", "build_meta", "coverage_report"]
 
 BEGIN, END = "<!-- transformers-coverage begin -->", "<!-- transformers-coverage end -->"
@@ -136,6 +138,7 @@ ARCHS = {
             bos_token_id=128000,
             eos_token_id=128001,
             tie_word_embeddings=False,
+            hidden_act="silu",
         ),
     ),
     "mistral-7b": Arch(
@@ -369,20 +372,34 @@ def _model_class(config):
     return getattr(transformers, FAMILIES[family_of(config)].model_class)
 
 
+def random_model(model_class, config, *, device="cpu", dtype=torch.float32, seed: int = 0):
+    """model_class(config) with transformers' random initialisation from `seed`, built directly on `device` in
+    `dtype` (an 8B architecture in bf16 takes ~16 GB and never exists in fp32)."""
+    torch.manual_seed(seed)
+    with ic.default_dtype(dtype), torch.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model_class(config)
+
+
+def meta_model(model_class, config):
+    """model_class(config) with its parameters on the meta device (no memory, no weights), e.g. to count what
+    injection replaces in a large architecture. accelerate's init_empty_weights backs up the
+    torch.device("meta") context: torch caches the set of factory functions that context redirects, and if
+    that cache was filled while torch.empty was wrapped (a test harness, a profiler), the context silently
+    allocates real memory instead."""
+    from accelerate import init_empty_weights
+
+    with torch.device("meta"), init_empty_weights(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model_class(config)
+
+
 def build(config, *, device="cpu", dtype=torch.float32, seed: int = 0):
     """The family's causal LM with random weights, built directly on `device` in `dtype`, in eval mode,
     parameters without gradients; every RMSNorm weight moved by 0.1 * N(0, 1) (seeded)."""
     import transformers_injection as ti
 
-    torch.manual_seed(seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = _model_class(config)(config)
-    finally:
-        torch.set_default_dtype(prev)
+    model = random_model(_model_class(config), config, device=device, dtype=dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for m in model.modules():
@@ -394,16 +411,11 @@ def build(config, *, device="cpu", dtype=torch.float32, seed: int = 0):
 
 def build_meta(arch_or_config, *, num_layers=None):
     """The causal LM of an architecture (a name of ARCHS, or a config) with its parameters on the meta
-    device (no memory, no weights). accelerate's init_empty_weights backs up the torch.device("meta")
-    context (see transformers_injection.build_meta_llama)."""
-    from accelerate import init_empty_weights
-
+    device (meta_model)."""
     config = (
         release_config(arch_or_config, num_layers=num_layers) if isinstance(arch_or_config, str) else arch_or_config
     )
-    with torch.device("meta"), init_empty_weights(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _model_class(config)(config)
+    return meta_model(_model_class(config), config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -553,15 +565,26 @@ def coverage_main(as_markdown=False, write=None, check=None, rep=None) -> int:
     return 1 if bad else 0
 
 
-def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--list", action="store_true", help="print the architectures (name, family, class, layers)")
-    p.add_argument("--coverage", action="store_true", help="sites per kind found / replaced, per architecture")
+def add_coverage_options(p: argparse.ArgumentParser) -> None:
+    """The coverage command's options (--coverage, --markdown, --write FILE, --check FILE) on the parser p: this
+    file's and transformers_injection.py's."""
+    p.add_argument("--coverage", action="store_true", help="sites per kind found / replaced, per architecture (JSON)")
     p.add_argument("--markdown", action="store_true", help="with --coverage: the markdown table")
     p.add_argument("--write", metavar="FILE", help="with --coverage: rewrite the table between FILE's markers")
     p.add_argument("--check", metavar="FILE", help="with --coverage: exit 1 if FILE's table differs from a fresh run")
+
+
+def coverage_requested(args) -> bool:
+    """Whether the parsed options (add_coverage_options) ask for the coverage command."""
+    return bool(args.coverage or args.markdown or args.write or args.check)
+
+
+def _main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--list", action="store_true", help="print the architectures (name, family, class, layers)")
+    add_coverage_options(p)
     args = p.parse_args(argv)
-    if args.coverage or args.markdown or args.write or args.check:
+    if coverage_requested(args):
         return coverage_main(args.markdown, args.write, args.check)
     for name, a in ARCHS.items():
         print(f"{name:16s} {a.title:18s} {FAMILIES[a.family].model_class:22s} {a.release['num_hidden_layers']} layers")

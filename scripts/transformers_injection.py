@@ -108,6 +108,7 @@ import injection_common as ic  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope as rope_kernels  # noqa: E402  (the name `rope` is an argument of inject_optimized_kernels)
 import skinny_gemm as skinny_kernels  # noqa: E402
+import transformers_families as tf  # noqa: E402
 
 __all__ = [
     "inject_optimized_kernels",
@@ -177,13 +178,10 @@ def _rowwise(fn, x: torch.Tensor, *args, **kwargs):
         return None
     if _two_level(x):
         return fn(x, *args, **kwargs)
-    perm = (*sorted(range(x.dim() - 1), key=lambda i: -x.stride(i)), x.dim() - 1)
-    view = x.permute(perm)
-    if not view.is_contiguous():
+    rows = ic.memory_order(x)
+    if rows is None:
         return None
-    back = [0] * len(perm)
-    for i, p in enumerate(perm):
-        back[p] = i
+    view, back = rows
     return fn(view, *args, **kwargs).permute(back)
 
 
@@ -1459,50 +1457,16 @@ remove_llama_kernels = remove_optimized_kernels
 # --------------------------------------------------------------------------------------------
 def tiny_llama_config(**overrides):
     """A 2-layer Llama for CPU tests: hidden 64 (4 query heads and 2 key/value heads of 16), MLP width
-    160 (not a power of two), vocabulary 256, Llama-3's RoPE base and epsilon."""
-    from transformers import LlamaConfig
-
-    kw = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+    160 (not a power of two), vocabulary 256, Llama-3's RoPE base and epsilon (transformers_families'
+    tiny config of the llama family)."""
+    return tf.tiny_config("llama", **overrides)
 
 
 def llama3_8b_config(**overrides):
     """The architecture of Meta-Llama-3-8B (config.json of the release): 32 layers, hidden 4096, MLP
-    14336, 32 query / 8 key-value heads of 128, vocabulary 128256, RoPE base 500000, eps 1e-5."""
-    from transformers import LlamaConfig
-
-    kw = dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=128000,
-        eos_token_id=128001,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-    )
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+    14336, 32 query / 8 key-value heads of 128, vocabulary 128256, RoPE base 500000, eps 1e-5
+    (transformers_families.ARCHS["llama3-8b"])."""
+    return tf.release_config("llama3-8b", **overrides)
 
 
 def build_llama(config=None, *, device="cpu", dtype=torch.float32, seed: int = 0):
@@ -1511,29 +1475,17 @@ def build_llama(config=None, *, device="cpu", dtype=torch.float32, seed: int = 0
     from transformers import LlamaForCausalLM
 
     config = config if config is not None else tiny_llama_config()
-    torch.manual_seed(seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(prev)
+    model = tf.random_model(LlamaForCausalLM, config, device=device, dtype=dtype, seed=seed)
     model.requires_grad_(False)
     return model.eval()
 
 
 def build_meta_llama(config):
     """A LlamaForCausalLM whose parameters are on the meta device (no memory, no weights), e.g. to count
-    what injection replaces in a large architecture. accelerate's init_empty_weights backs up the
-    torch.device("meta") context: torch caches the set of factory functions that context redirects,
-    and if that cache was filled while torch.empty was wrapped (a test harness, a profiler), the context
-    silently allocates real memory instead."""
-    from accelerate import init_empty_weights
+    what injection replaces in a large architecture (transformers_families.meta_model)."""
     from transformers import LlamaForCausalLM
 
-    with torch.device("meta"), init_empty_weights():
-        return LlamaForCausalLM(config)
+    return tf.meta_model(LlamaForCausalLM, config)
 
 
 def _main(argv=None) -> int:
@@ -1542,8 +1494,6 @@ def _main(argv=None) -> int:
     sites found / replaced per family (transformers_families.py)."""
     import argparse
     import json
-
-    import transformers_families as tf
 
     p = argparse.ArgumentParser(
         description="Inject the kernels into a released architecture built on the meta device (no weights) "
@@ -1555,14 +1505,11 @@ def _main(argv=None) -> int:
     p.add_argument("--arch", default="llama3-8b", choices=sorted(tf.ARCHS), help="architecture (default llama3-8b)")
     p.add_argument("--num-layers", type=int, help="decoder layers (default: the release's)")
     p.add_argument("--no-skinny-gemm", action="store_true", help="leave the linear layers alone")
-    p.add_argument("--coverage", action="store_true", help="every family: sites per kind found / replaced (JSON)")
-    p.add_argument("--markdown", action="store_true", help="with --coverage: print the markdown table instead")
-    p.add_argument("--write", metavar="FILE", help="with --coverage: rewrite the table between FILE's markers")
-    p.add_argument("--check", metavar="FILE", help="with --coverage: exit 1 if FILE's table differs from a fresh run")
+    tf.add_coverage_options(p)
     args = p.parse_args(argv)
     if args.num_layers is not None and args.num_layers < 1:
         p.error(f"--num-layers must be at least 1, got {args.num_layers}")
-    if args.coverage or args.markdown or args.write or args.check:
+    if tf.coverage_requested(args):
         return tf.coverage_main(args.markdown, args.write, args.check)
     model = tf.build_meta(args.arch, num_layers=args.num_layers)
     sg = not args.no_skinny_gemm

@@ -522,10 +522,6 @@ def find_wan_models(pipe_or_model) -> list:
     ]
 
 
-def _empty_counts() -> dict:
-    return {k: 0 for k in KINDS}
-
-
 def wan_injected_counts(pipe_or_model) -> dict:
     """Counts per kind of what is injected now in the Wan transformers of pipe_or_model."""
     return ic.kind_counts(ic.modules_once(find_wan_models(pipe_or_model)), _STATE, KINDS)
@@ -582,17 +578,11 @@ def inject_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
 
 def remove_wan_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Undo inject_wan_kernels: restore the original forwards. Returns the counts restored per kind."""
-    restored = _empty_counts()
     models = find_wan_models(pipe_or_model)
     for model in models:
         if not isinstance(model, WanTransformer3DModel):
             gi.remove_generic_kernels(model, verbose=False)
-    for m in ic.modules_once(models):
-        ic.link_next(m, None)
-        m.__dict__.pop(_CARRY, None)
-        state = ic.unpatch(m, _STATE)
-        if state is not None:
-            restored[state["kind"]] += 1
+    restored = ic.unpatch_all(ic.modules_once(models), _STATE, KINDS, carry=_CARRY)
     ic.report(logger, ic.counts_message("removed Wan kernels", restored), verbose)
     return restored
 
