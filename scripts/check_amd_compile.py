@@ -316,6 +316,11 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         )
     },
     "swiglu[gate, up 4096x14336]": ("activations", lambda m: m.swiglu(_bf16(4096, 14336), _bf16(4096, 14336))),
+    # Gemma 2 / 3 MLP: tanh GELU of the gate projection times the up projection (Gemma-3-12B: intermediate 15360)
+    **{
+        f"gelu_mul[tanh {m}x15360]": ("activations", lambda mod, m=m: mod.gelu_mul(_bf16(m, 15360), _bf16(m, 15360)))
+        for m in (1, 2048)
+    },
     # more row blocks than a grid's second dimension takes (65,535): the row kernel's one-dimensional grid
     "swiglu[70000x2x4096, 1D grid]": ("activations", lambda m: m.swiglu(_bf16(70000, 2 * 4096))),
     # 70B MLP rows (28672 > the whole-row limit): per-token FP8 reads each row twice
