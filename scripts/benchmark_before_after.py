@@ -78,18 +78,20 @@ def gpu_worker(folder: str, rounds: int) -> None:
     for name, build, fields, label, graph in bk.work_items(args):
         torch.manual_seed(0)
         case = build()
-        case["providers"] = {p: f for p, f in case["providers"].items() if p == "triton"}
+        # this bundle's providers: "triton" and its named forms, e.g. "triton(cos/sin read)"
+        case["providers"] = {p: f for p, f in case["providers"].items() if p == "triton" or p.startswith("triton(")}
         errs, failures = bk.check_case(name, label, case, args.torch_dtype)
         if not case["providers"] or failures:
             rows.append({"kernel": name, "shape": label, "failures": failures or ["no triton provider"]})
             continue
-        cold = (case.get("cold_providers") or {}).get("triton")
-        recs = [bk.time_provider(case["providers"]["triton"], True, cold) for _ in range(rounds)]
-        row = {"kernel": name, "shape": label, "max_err_vs_fp64": errs["triton"]}
-        for key in ("ms", "graph_ms", "cold_graph_ms"):
-            vals = [r[key] for r in recs if r.get(key)]
-            row[key] = statistics.median(vals) if vals else None
-        rows.append(row)
+        for prov, fn in case["providers"].items():
+            cold = (case.get("cold_providers") or {}).get(prov)
+            recs = [bk.time_provider(fn, True, cold) for _ in range(rounds)]
+            row = {"kernel": name, "provider": prov, "shape": label, "max_err_vs_fp64": errs[prov]}
+            for key in ("ms", "graph_ms", "cold_graph_ms"):
+                vals = [r[key] for r in recs if r.get(key)]
+                row[key] = statistics.median(vals) if vals else None
+            rows.append(row)
         del case
         torch.cuda.empty_cache()
     print(json.dumps(rows))
@@ -98,7 +100,9 @@ def gpu_worker(folder: str, rounds: int) -> None:
 def _host(folder: Path, args) -> list:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, str(folder / "benchmark_launch_overhead.py"), "--repeats", str(args.host_repeats)]
-        subprocess.run(cmd + ["--calls", str(args.host_calls), "--output-json", f.name], check=True)
+        # its JSON goes to the file; its stdout copy is not wanted here
+        subprocess.run(cmd + ["--calls", str(args.host_calls), "--output-json", f.name], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
         return json.loads(Path(f.name).read_text())["rows"]
 
 
@@ -135,14 +139,18 @@ def compare(runs: dict, tol: float) -> dict:
             row["ratio_us"] = _ratio(row["before_us"], row["after_us"])
             host.append(row)
         out["host"] = host
-    if "gpu" in runs:
-        before = {(r["kernel"], r["shape"]): r for r in runs["gpu"]["before"][0]}
+    if "gpu" in runs and runs["gpu"]["before"] and runs["gpu"]["after"]:
+
+        def ident(r):
+            return r["kernel"], r.get("provider", "triton"), r["shape"]
+
+        before = {ident(r): r for r in runs["gpu"]["before"][0]}
         gpu = []
         for r in runs["gpu"]["after"][0]:
-            b = before.get((r["kernel"], r["shape"]))
+            b = before.get(ident(r))
             if b is None:
                 continue
-            row = {"kernel": r["kernel"], "shape": r["shape"]}
+            row = {"kernel": r["kernel"], "provider": r.get("provider", "triton"), "shape": r["shape"]}
             if r.get("failures") or b.get("failures"):
                 row["failures"] = {"before": b.get("failures"), "after": r.get("failures")}
                 gpu.append(row)
@@ -180,6 +188,28 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         log("no GPU (CUDA or ROCm) found: the comparison needs one")
         return 2
+
+    def document(runs, complete):
+        """The record so far; with --output-json also written after every measurement, so that a run cut
+        short (a time limit) leaves what it measured, marked "complete": false."""
+        doc = {
+            "benchmark": "before_after",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python scripts/benchmark_before_after.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": torch.cuda.get_device_name(),
+            "versions": {"torch": torch.__version__, "triton": triton.__version__},
+            "before": str(args.before),
+            "gpu_shapes": " ".join(GPU_ARGS),
+            "tolerance": args.tolerance,
+            "complete": complete,
+            "runs": runs,
+            **compare(runs, args.tolerance),
+        }
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(doc, indent=1))
+        return doc
+
     with tempfile.TemporaryDirectory() as tmp:
         before = Path(tmp) / "scripts"
         shutil.copytree(args.before, before)
@@ -192,22 +222,14 @@ def main(argv=None) -> int:
             for tree in ("before", "after", "after", "before"):
                 log(f"host: {tree}")
                 runs["host"][tree].append(_host(trees[tree], args))
+                document(runs, False)
         if args.only in (None, "gpu"):
             runs["gpu"] = {"before": [], "after": []}
             for tree in ("before", "after"):
                 log(f"gpu: {tree}")
                 runs["gpu"][tree].append(_gpu(trees[tree], args))
-    doc = {
-        "benchmark": "before_after",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python scripts/benchmark_before_after.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
-        "before": str(args.before),
-        "gpu_shapes": " ".join(GPU_ARGS),
-        "tolerance": args.tolerance,
-        **compare(runs, args.tolerance),
-    }
+                document(runs, False)
+    doc = document(runs, True)
     for r in doc.get("host", []):
         log(f"host {r['suite']:6s} {r['case'] + ' ' + r['shape']:60s} {r['before_us']:7.2f} -> {r['after_us']:7.2f} us"
             f"  x{r['ratio']}")  # fmt: skip
@@ -216,11 +238,8 @@ def main(argv=None) -> int:
             f"gpu  {r['kernel'] + ' ' + r['shape']:60s} graph x{r.get('ratio_graph_ms')} cold x{r.get('ratio_cold_graph_ms')}"
         )
     log(json.dumps(doc["summary"]), "ok" if doc["ok"] else "NOT ok")
-    text = json.dumps(doc, indent=1)
-    if args.output_json:
-        Path(args.output_json).write_text(text)
-    else:
-        print(text)
+    if not args.output_json:
+        print(json.dumps(doc, indent=1))
     return 0 if doc["ok"] else 1
 
 

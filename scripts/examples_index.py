@@ -268,6 +268,17 @@ def _host_cost(d):
     return "host", what, "; ".join(head) or "no rows"
 
 
+def _before_after(d):
+    summ = d.get("summary") if isinstance(d.get("summary"), dict) else {}
+    what = "benchmark_before_after: host µs per call and GPU time of the kernel files, an earlier tree against this one"
+    head = [
+        f"{part} after/before geomean {s.get('geomean_ratio')}x (worst {s.get('worst_ratio')}x, {s.get('over_tolerance')} over tolerance)"
+        for part, s in summ.items()
+        if isinstance(s, dict)
+    ]
+    return "host", what, "; ".join(head) or "no rows"
+
+
 def _chain(d):
     res = d.get("results") if isinstance(d.get("results"), dict) else {}
     shape = d.get("shape")
@@ -384,6 +395,7 @@ _BY_BENCHMARK = {
     "benchmark_e2e.py": _e2e,
     "benchmark_context_parallel.py": _context_parallel,
     "host_cost_per_call": _host_cost,
+    "before_after": _before_after,
     "launch_overhead": _chain,
     "benchmark_gemm_gelu.py": _gemm_gelu,
     "benchmark_layernorm_grid.py": _layernorm_grid,

@@ -460,6 +460,8 @@ class _Accelerated:
             if out is not _MISS:
                 return out
             return self._plain(args, kwargs)
+        if key in self.unplanned:  # recorded once and found unplannable: the plain launcher, not a new recording
+            return self._plain(args, kwargs)
         return self._record(args, kwargs, key, where)
 
     def _plain(self, args, kwargs):
@@ -475,6 +477,8 @@ class _Accelerated:
         try:
             plan = _Plan(rec, inputs, where, result, _plan_device(inputs))
         except _Unplanned as e:
+            if len(self.unplanned) >= PLAN_CACHE_SIZE:
+                self.unplanned.clear()
             self.unplanned[key] = str(e)
             return result
         if verify is not None:

@@ -63,3 +63,23 @@ def test_before_must_be_a_scripts_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bba.parse_args(["--before", str(tmp_path)])
     assert "no rmsnorm.py" in capsys.readouterr().err
+
+
+def test_a_run_cut_short_joins_what_both_trees_have():
+    """The record is written after every measurement: with only the earlier tree's GPU run there is no GPU
+    comparison yet (and no crash), and the host rows already measured for both trees are joined."""
+    runs = {
+        "host": {"before": [[_host(20.0, 16.0)]], "after": [[_host(20.0, 16.0)]]},
+        "gpu": {"before": [[_gpu(0.01, 0.02)]], "after": []},
+    }
+    out = bba.compare(runs, 0.05)
+    assert "gpu" not in out and len(out["host"]) == 1 and out["ok"] is True
+
+
+def test_named_triton_providers_are_compared_each():
+    """Cases whose kernel comes in named forms ("triton(cos/sin read)") are joined per provider."""
+    row = dict(_gpu(0.01, 0.02), provider="triton(cos/sin read)")
+    other = dict(_gpu(0.02, 0.04), provider="triton(in-kernel cos/sin)")
+    out = bba.compare({"gpu": {"before": [[row, other]], "after": [[row, dict(other, graph_ms=0.03)]]}}, 0.05)
+    ratios = {r["provider"]: r["ratio_graph_ms"] for r in out["gpu"]}
+    assert ratios == {"triton(cos/sin read)": 1.0, "triton(in-kernel cos/sin)": 1.5} and out["ok"] is False

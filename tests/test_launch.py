@@ -31,6 +31,37 @@ def test_plan_reused_only_for_the_same_signature(gen):
     assert len(kernel_runtime.plans(rmsnorm)) == 3  # contiguous bf16, strided bf16, fp32
 
 
+def test_an_unplannable_signature_is_recorded_once(gen, monkeypatch):
+    """A call whose launcher computes with torch (here the skinny GEMM handing its rows to torch's GEMM) makes
+    no plan; later calls of that signature go straight to the plain launcher instead of recording it again
+    (a recording traces every torch operation of the call: several times the call's own host cost)."""
+    import skinny_gemm
+
+    target = skinny_gemm._device_target(torch.device(DEVICE))
+    monkeypatch.setitem(skinny_gemm._KERNEL_MAX_M, (target[0], target[1], "16-bit"), 0)  # every M to torch
+    kernel_runtime.clear_plans(skinny_gemm)
+    recordings = []
+
+    class Counting(kernel_runtime._Recorder):
+        def __init__(self):
+            super().__init__()
+            recordings.append(self)
+
+    monkeypatch.setattr(kernel_runtime, "_Recorder", Counting)
+    x, w = randn((2, 64), torch.bfloat16, gen), randn((48, 64), torch.bfloat16, gen)
+    for _ in range(3):
+        out = skinny_gemm.skinny_gemm(x, w)
+        assert_close(out, (x.double() @ w.double().t()).to(torch.bfloat16), torch.bfloat16, seed=gen.seed_value)
+    (wrapper,) = [w_ for w_ in kernel_runtime._WRAPPERS if w_.owner is vars(skinny_gemm)]
+    assert (
+        not wrapper.plans
+        and len(wrapper.unplanned) == 1
+        and "computes with torch" in next(iter(wrapper.unplanned.values()))
+    )
+    assert len(recordings) == 1
+    kernel_runtime.clear_plans(skinny_gemm)
+
+
 def test_bad_input_after_a_cached_plan_still_raises(gen):
     import rmsnorm
 
