@@ -40,7 +40,9 @@ kernel, which Inductor launches from its generated code).
    specialisation (storage under 2 GiB) needs no check: the offsets a kernel computes depend on shapes,
    strides and dtypes only. Everything else goes to the plain launcher: the interpreter (no compiled
    kernel), launch hooks (a profiler's), a current device other than the plan's, a misaligned pointer.
-   No source text is generated or exec'd: the direct launch is a loop over the plan's pointer slots.
+   A plan's replay and the key of a call (one key function per tuple of argument types) are Python
+   functions written out and executed here, the bundle's only generated code (see "Generated code" below
+   for why and what it costs).
 2. torch.library ops, so that torch.compile traces through the launchers without a graph break: each
    launcher becomes op ``rtk_<module>::<name>`` (a custom op, which torch.compile calls back at run time)
    and, where torch has it, ``rtk_<module>::<name>_triton`` (a triton_op: Inductor traces the launcher once
@@ -72,6 +74,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import itertools
 import os
 import threading
 import typing
@@ -97,7 +100,12 @@ TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap
 # that the plan would have handed each kernel exactly those arguments.
 VERIFY_PLANS = False
 
-_TLS = threading.local()  # .mode: None (plain), _Recorder (making a plan), "fake" or "trace" (torch.compile)
+
+class _Local(threading.local):
+    mode = None  # None (plain), _Recorder (making a plan), "fake" or "trace" (torch.compile)
+
+
+_TLS = _Local()
 _WRAPPERS: list = []  # every accelerated launcher, for plans() and clear_plans()
 _MISS = object()
 
@@ -129,7 +137,7 @@ class _Kernel:
 
 
 def _launch_kernel(kernel, grid, *args, **kwargs):
-    mode = getattr(_TLS, "mode", None)
+    mode = _TLS.mode
     if mode is None:
         return kernel[grid](*args, **kwargs)
     if mode == "fake":
@@ -141,7 +149,7 @@ def _launch_kernel(kernel, grid, *args, **kwargs):
 
 @contextlib.contextmanager
 def _mode(mode):
-    outer, _TLS.mode = getattr(_TLS, "mode", None), mode
+    outer, _TLS.mode = _TLS.mode, mode
     try:
         yield mode
     finally:
@@ -267,12 +275,12 @@ class _Plan:
     """The replay of one recorded call: its allocations, its launches with every argument fixed but the data
     pointers, its result. See the module docstring for what makes a recording a plan."""
 
-    __slots__ = ("inputs", "allocs", "specs", "launches", "result", "single", "device", "runnable", "checks")
+    __slots__ = ("inputs", "specs", "launches", "result", "single", "device", "runnable", "run", "name")
 
-    def __init__(self, rec, inputs, positions, result, device):
+    def __init__(self, rec, inputs, positions, result, device, name="launcher"):
         if rec.computes:
             raise _Unplanned(f"the launcher computes with torch ({rec.computes[0]})")
-        self.inputs, self.device = positions, device
+        self.inputs, self.device, self.name = positions, device, name
         allocs, made = [], {}  # allocation specs; id(allocation) -> its index
 
         def slot(t):
@@ -316,68 +324,137 @@ class _Plan:
             grid = tuple(grid) + (1,) * (3 - len(grid))
             runnable &= _has_runner(compiled)
             launches.append((kernel, grid, compiled, tuple(values), tuple(slots)))
-        # each allocation: a callable making it (torch.empty_like of an input of the same layout costs the
-        # least host time; torch.empty for a contiguous one; torch.empty_strided otherwise)
-        self.specs = tuple(allocs)
-        self.allocs = tuple(self._maker(spec, inputs) for spec in allocs)
         self.launches, self.result, self.single = tuple(launches), tuple(template), single
         self.runnable = runnable and (not launches or device is not None)
-        self.checks = tuple((s[1], s[2], s[3]) for launch in launches for s in launch[4] if s[1] < len(inputs))
+        # an allocation of the same shape, strides, dtype and device as a dense input: torch.empty_like of it
+        # (the least host time of torch's allocators)
+        self.specs = tuple(
+            spec + (next((i for i, t in enumerate(inputs) if _dense(t) and _layout(t) == spec[:4]), None),)
+            for spec in allocs
+        )
+        self.run = self._first_run  # the launch function, generated at the first call that replays the plan
 
-    @staticmethod
-    def _maker(spec, inputs):
-        shape, stride, dtype, device, kind = spec
-        contiguous, step = [], 1
-        for s in reversed(shape):
-            contiguous.insert(0, step)
-            step *= max(s, 1)
-        contiguous = tuple(contiguous) == stride
-        if kind == "zeros":
-            if contiguous:
-                return lambda ins: torch.zeros(shape, dtype=dtype, device=device)
-            return lambda ins: torch.zeros_like(torch.empty_strided(shape, stride, dtype=dtype, device=device))
-        for i, t in enumerate(inputs):
-            if (tuple(t.shape), t.stride(), t.dtype, t.device) == spec[:4] and _dense(t):
-                return lambda ins, i=i: torch.empty_like(ins[i])
-        if contiguous:
-            return lambda ins: torch.empty(shape, dtype=dtype, device=device)
-        return lambda ins: torch.empty_strided(shape, stride, dtype=dtype, device=device)
-
-    def gather(self, args):
-        return [args[i] if j is None else args[i][j] for i, j in self.inputs]
+    def _first_run(self, args):
+        self.run = _generate_launch(self)
+        return self.run(args)
 
     def __call__(self, args):
         """The launcher's result for args, or _MISS where this call must go to the plain launcher."""
-        if not self.runnable:
-            return _MISS
-        device = self.device
-        if self.launches and (_current_device() != device or not _hooks_idle()):
-            return _MISS
-        ins = self.gather(args)
-        ptrs = [t.data_ptr() for t in ins]
-        for src, off, mask in self.checks:
-            if (ptrs[src] + off) & mask:
-                return _MISS  # a pointer compiled as 16-byte aligned that is not
-        outs = [make(ins) for make in self.allocs]
-        if self.launches:
-            ptrs += [t.data_ptr() for t in outs]
-            stream = _current_stream(device)
-            for _, grid, compiled, values, slots in self.launches:
-                values = list(values)
-                for i, src, off, _ in slots:
-                    values[i] = ptrs[src] + off
-                compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
-        if self.single:
-            src = self.result[0][0]
-            return ins[src] if src < len(ins) else outs[src - len(ins)]
-        tensors = ins + outs
-        return tuple(value if src < 0 else tensors[src] for src, value in self.result)
+        return self.run(args)
 
     def describe(self):
         """What the plan fixes, alignment masks left out (a misaligned call is sent to the plain launcher):
         for comparing two plans."""
         launches = [(k, g, v, tuple(s[:3] for s in slots)) for k, g, _, v, slots in self.launches]
         return self.inputs, self.result, launches, self.specs
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
+# --------------------------------------------------------------------------------------------
+# Generated code: the one place this bundle writes Python source and executes it
+# --------------------------------------------------------------------------------------------
+# Why: a replayed call is all host time (the GPU work is queued), and a general loop over a plan's slots and a
+# signature built argument by argument cost more Python than the launch itself: on the CPU, with the runner
+# replaced by a no-op, a planned rms_norm call took 9.9 us that way against 5.4 us for a function written
+# out per plan (benchmark_before_after.py measures it on a GPU). A generated function holds each constant
+# as a literal or a closure cell and each pointer as a local: no lists built, no per-argument branches.
+# What it does is exactly what the plan describes (describe(), which VERIFY_PLANS compares call by call).
+_LITERAL_TYPES = (bool, int, str, type(None))
+
+
+def _constant(value, consts: list) -> str:
+    """Source text for a constant argument: a literal where repr gives back the same value and type, else a
+    closure cell."""
+    if type(value) in _LITERAL_TYPES or (type(value) is float and value == value and abs(value) != float("inf")):
+        return repr(value)
+    consts.append(value)
+    return f"c{len(consts) - 1}"
+
+
+def _compile(src: str, name: str, consts: list):
+    """Execute src (which defines ``make(c0, c1, ...)`` returning the generated function) with this module's
+    globals, so the generated code sees what tests patch here, and return make(*consts)."""
+    scope = {}
+    exec(compile(src, f"<kernel_runtime: {name}>", "exec"), globals(), scope)  # noqa: S102 - see above
+    return scope["make"](*consts)
+
+
+def _generate_launch(plan: _Plan):
+    """The replay of a plan as one function of the call's args: checks, allocations, direct launches, result
+    (the plan's launches as they are now: tests swap in a fake compiled kernel before the first replay)."""
+    if not plan.runnable:
+        return _never
+    consts, body = [], []
+    n_in = len(plan.inputs)
+    if plan.launches:
+        body.append(f"if _current_device() != {plan.device!r} or not _hooks_idle(): return _MISS")
+    for k, (i, j) in enumerate(plan.inputs):
+        body.append(f"t{k} = args[{i}]" + ("" if j is None else f"[{j}]"))
+    used = sorted({s[1] for launch in plan.launches for s in launch[4]})
+    for src in used:
+        if src < n_in:
+            body.append(f"p{src} = t{src}.data_ptr()")
+    aligned = sorted({(s[1], s[2]) for launch in plan.launches for s in launch[4] if s[1] < n_in and s[3]})
+    if aligned:  # a pointer compiled as 16-byte aligned that is not: the plain launcher (its JIT recompiles)
+        body.append("if " + " or ".join(f"(p{src} + {off}) & 15" for src, off in aligned) + ": return _MISS")
+    for a, (shape, stride, dtype, device, kind, like) in enumerate(plan.specs):
+        o = f"t{n_in + a}"
+        contiguous = stride == _contiguous_strides(shape)
+        sd = f"{_constant(shape, consts)}, dtype={_constant(dtype, consts)}, device={_constant(device, consts)}"
+        st = _constant(stride, consts)
+        if kind == "zeros":
+            body.append(
+                f"{o} = torch.zeros({sd})"
+                if contiguous
+                else f"{o} = torch.zeros_like(torch.empty_strided({_constant(shape, consts)}, {st}, "
+                f"dtype={_constant(dtype, consts)}, device={_constant(device, consts)}))"
+            )
+        elif like is not None:
+            body.append(f"{o} = torch.empty_like(t{like})")
+        elif contiguous:
+            body.append(f"{o} = torch.empty({sd})")
+        else:
+            body.append(
+                f"{o} = torch.empty_strided({_constant(shape, consts)}, {st}, dtype={_constant(dtype, consts)}, "
+                f"device={_constant(device, consts)})"
+            )
+        if n_in + a in used:
+            body.append(f"p{n_in + a} = {o}.data_ptr()")
+    if plan.launches:
+        body.append(f"stream = _current_stream({plan.device!r})")
+    for kernel, grid, compiled, values, slots in plan.launches:
+        k = _constant(compiled, consts)  # its run, function and metadata read at each call, as Triton's own launch
+        vals = [_constant(v, consts) for v in values]
+        for i, src, off, _ in slots:
+            vals[i] = f"p{src} + {off}" if off else f"p{src}"
+        grid_src = ", ".join(_constant(g, consts) for g in grid)
+        body.append(
+            f"{k}.run({grid_src}, stream, {k}.function, {k}.packed_metadata, None, None, None, {', '.join(vals)})"
+        )
+    if plan.single:
+        body.append(f"return t{plan.result[0][0]}")
+    else:
+        items = [_constant(value, consts) if src < 0 else f"t{src}" for src, value in plan.result]
+        body.append(f"return ({', '.join(items)},)")
+    params = ", ".join(f"c{i}" for i in range(len(consts)))
+    src = f"def make({params}):\n    def launch(args):\n" + "".join(f"        {line}\n" for line in body)
+    src += "    return launch\n"
+    return _compile(src, f"plan of {plan.name}", consts)
+
+
+def _never(args):
+    return _MISS
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.insert(0, step)
+        step *= max(s, 1)
+    return tuple(strides)
 
 
 class _Unplanned(Exception):
@@ -393,6 +470,7 @@ def _plan_device(inputs):
 # The wrapper of a launcher
 # --------------------------------------------------------------------------------------------
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling
 
 
 def _signature(args, kwargs):
@@ -429,40 +507,81 @@ def _signature(args, kwargs):
     return key, tuple(where)
 
 
+# The argument types a generated key function serves: a tensor keys on its layout, a value of these types on
+# itself (its type is fixed by the key function's own key, the argument types), None on nothing.
+_KEYER_NUMBERS = itertools.count()
+_KEYED = frozenset((torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None), torch.dtype))
+
+
+def _generate_keyer(types: tuple, number: int):
+    """A plan key function for positional arguments of these types (see the generated code above): the same
+    information as _signature, written out per argument. Its keys start with its number, so that two keyers
+    (whose values of other types could compare equal: 1 == 1.0 == True) never share a key."""
+    parts, where = [str(number)], []
+    for i, t in enumerate(types):
+        if t in _TENSOR_TYPES:
+            parts += [f"a{i}.shape", f"a{i}.stride()", f"a{i}.dtype", f"a{i}.device"]
+            where.append((i, None))
+        elif t is not type(None):
+            parts.append(f"a{i}")
+    names = "".join(f"a{i}, " for i in range(len(types)))
+    src = f"def make():\n    def key(args):\n        ({names}) = args\n        return ({', '.join(parts)},)\n"
+    src += "    return key\n"
+    keyer = _compile(src, "plan key", [])
+    keyer.where = tuple(where)
+    return keyer
+
+
 class _Accelerated:
     """A launcher with plans, torch.library ops and device checks (see the module docstring)."""
 
     def __init__(self, launcher, namespace, op, owner):
         self.launcher, self.namespace, self.op_name, self.owner = launcher, namespace, op, owner
-        self.plans, self.unplanned = {}, {}
+        self.plans, self.unplanned, self.keyers = {}, {}, {}
         self.params = list(inspect.signature(launcher).parameters)
         functools.update_wrapper(self, launcher)
         self.compile_op, self.numbers = None, ()  # set by _register
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             for i, name, kind in self.numbers:  # the op would take True as 1: refuse it as the launcher does
                 value = args[i] if i < len(args) else kwargs.get(name)
                 if isinstance(value, bool):
                     raise ValueError(f"{name} must be a {kind.__name__}, got {value!r}")
             return self._unpack(self.compile_op(*args, **kwargs))
-        if getattr(_TLS, "mode", None) is not None:  # called by a launcher being recorded, faked or traced
+        if _TLS.mode is not None:  # called by a launcher being recorded, faked or traced
             return self.launcher(*args, **kwargs)
-        try:
-            key, where = _signature(args, kwargs)
-        except TypeError:
-            return self._plain(args, kwargs)
+        keyer = None if kwargs else self.keyers.get(tuple(map(type, args)), _MISS)
+        if keyer is _MISS:
+            keyer = self._keyer(args)
+        if keyer is not None:
+            key, where = keyer(args), keyer.where
+        else:
+            try:
+                key, where = _signature(args, kwargs)
+            except TypeError:
+                return self._plain(args, kwargs)
         plan = self.plans.get(key)
         if plan is not None:
             if VERIFY_PLANS:
                 return self._record(args, kwargs, key, where, verify=plan)
-            out = plan(args)
+            out = plan.run(args)
             if out is not _MISS:
                 return out
             return self._plain(args, kwargs)
         if key in self.unplanned:  # recorded once and found unplannable: the plain launcher, not a new recording
             return self._plain(args, kwargs)
         return self._record(args, kwargs, key, where)
+
+    def _keyer(self, args):
+        """The plan key function for calls whose positional arguments have these types (no keywords), or None
+        where _signature serves them (a list, a tensor subclass, a value of another type)."""
+        types = tuple(map(type, args))
+        keyer = _generate_keyer(types, next(_KEYER_NUMBERS)) if all(t in _KEYED for t in types) else None
+        if len(self.keyers) >= PLAN_CACHE_SIZE:
+            self.keyers.clear()
+        self.keyers[types] = keyer
+        return keyer
 
     def _plain(self, args, kwargs):
         self._check_devices(args, kwargs)
@@ -475,7 +594,7 @@ class _Accelerated:
         with _mode(rec), rec:
             result = self.launcher(*args, **kwargs)
         try:
-            plan = _Plan(rec, inputs, where, result, _plan_device(inputs))
+            plan = _Plan(rec, inputs, where, result, _plan_device(inputs), self.__name__)
         except _Unplanned as e:
             if len(self.unplanned) >= PLAN_CACHE_SIZE:
                 self.unplanned.clear()

@@ -236,6 +236,81 @@ def test_plans_keep_no_tensor_alive(which, gen):
     assert not alive, f"{which}: inputs {alive} are still referenced after the call (by a cached plan?)"
 
 
+@pytest.mark.parametrize("which", ["rmsnorm", "layernorm", "rope", "head_norm_rope", "activations", "skinny_gemm"])
+def test_generated_launch_hands_each_runner_what_the_plan_recorded(which, gen, monkeypatch):
+    """Every public call of every kernel file, replayed through the launch function generated for its plan,
+    with each compiled kernel a fake that keeps what its runner gets (any machine): one runner call per
+    recorded launch, in order, each with the grid, the current stream, the kernel's function and metadata,
+    then every parameter: the recorded value where no tensor goes, else this call's input pointer plus the
+    recorded offset, or an allocation of this call (the same allocation at the same address in every launch
+    of the call, the returned tensors' own)."""
+    ran, calls = [], []
+
+    class Compiled:
+        function, packed_metadata = "the function", "the metadata"
+
+        def run(self, *a):
+            ran.append((self, a))
+
+    record = kernel_runtime._Recorder.launch
+
+    def launch(self, kernel, grid, args, kwargs):  # runs the kernel, keeps a fake as what it compiled to
+        record(self, kernel, grid, args, kwargs)
+        self.launches[-1] = self.launches[-1][:4] + (Compiled(),)
+        return self.launches[-1][4]
+
+    call = kernel_runtime._Accelerated.__call__
+
+    def keep(self, *args, **kwargs):
+        calls.append((self, args, kwargs))
+        return call(self, *args, **kwargs)
+
+    for name, value in (("_plan_device", lambda inputs: 0), ("_current_device", lambda: 0)):
+        monkeypatch.setattr(kernel_runtime, name, value)
+    monkeypatch.setattr(kernel_runtime, "_current_stream", lambda device: 1000)
+    monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", False)
+    monkeypatch.setitem(kernel_runtime._RUNNER, "ok", True)
+    monkeypatch.setattr(kernel_runtime._Recorder, "launch", launch)
+    monkeypatch.setattr(kernel_runtime._Accelerated, "__call__", keep)
+    kernel_runtime.clear_plans()
+    dict(_public_calls(gen))[which]()  # every call records its plan
+    replayed = 0
+    for wrapper, args, kwargs in list(calls):
+        if not kwargs and tuple(map(type, args)) not in wrapper.keyers:
+            continue  # called by another launcher while it was recorded: part of that launcher's plan
+        keyer = None if kwargs else wrapper.keyers[tuple(map(type, args))]
+        key = keyer(args) if keyer is not None else kernel_runtime._signature(args, kwargs)[0]
+        plan = wrapper.plans.get(key)
+        if plan is None:
+            continue  # a call the launcher hands to torch (no plan)
+        del ran[:]
+        out = call(wrapper, *args, **kwargs)
+        assert len(ran) == len(plan.launches), f"{wrapper.__name__}: {len(ran)} runner calls for {plan.launches}"
+        inputs = [args[i] if j is None else args[i][j] for i, j in plan.inputs]
+        returned = {src: t for (src, _), t in zip(plan.result, _tensors_of(out)) if src >= len(inputs)}
+        bases = {}
+        for (compiled, got), (_, grid, recorded, values, slots) in zip(ran, plan.launches):
+            assert compiled is recorded
+            assert got[:9] == (*grid, 1000, "the function", "the metadata", None, None, None)
+            assert len(got) == 9 + len(values)
+            slot_of = {i: (src, off) for i, src, off, _ in slots}
+            for i, v in enumerate(values):
+                if i not in slot_of:
+                    assert type(got[9 + i]) is type(v) and (got[9 + i] == v or v != v), (wrapper.__name__, i)
+                    continue
+                src, off = slot_of[i]
+                if src < len(inputs):
+                    assert got[9 + i] == inputs[src].data_ptr() + off, (wrapper.__name__, i)
+                else:
+                    base = bases.setdefault(src, got[9 + i] - off)
+                    assert got[9 + i] - off == base, (wrapper.__name__, i)
+        for src, t in returned.items():
+            assert src not in bases or bases[src] == t.data_ptr()
+        replayed += 1
+    assert replayed, f"{which}: no call was replayed through a plan"
+    kernel_runtime.clear_plans()
+
+
 # ---- per-call state that is not part of the plan key ------------------------------------------
 def _tensors_of(out):
     return list(out) if isinstance(out, (tuple, list)) else [out]
