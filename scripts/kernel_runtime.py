@@ -508,28 +508,43 @@ def _signature(args, kwargs):
 
 
 # The argument types a generated key function serves: a tensor keys on its layout, a value of these types on
-# itself (its type is fixed by the key function's own key, the argument types), None on nothing.
+# itself (its type is fixed by the key function's own key, the argument types), None on nothing, a list or
+# tuple on each item as _signature keys it.
 _KEYER_NUMBERS = itertools.count()
-_KEYED = frozenset((torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None), torch.dtype))
+_KEYED = frozenset((torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None), torch.dtype, list, tuple))
+
+
+def _items_key(a) -> tuple:
+    """The key of a list or tuple argument, as _signature makes it (TypeError for a tensor subclass)."""
+    keys = []
+    for b in a:
+        t = type(b)
+        if t in _TENSOR_TYPES:
+            keys.append((b.shape, b.stride(), b.dtype, b.device))
+        elif isinstance(b, torch.Tensor):
+            raise TypeError("a tensor subclass")
+        else:
+            keys.append((t, b))
+    return tuple(keys)
 
 
 def _generate_keyer(types: tuple, number: int):
     """A plan key function for positional arguments of these types (see the generated code above): the same
     information as _signature, written out per argument. Its keys start with its number, so that two keyers
-    (whose values of other types could compare equal: 1 == 1.0 == True) never share a key."""
-    parts, where = [str(number)], []
+    (whose values of other types could compare equal: 1 == 1.0 == True) never share a key. It raises TypeError
+    where _signature does (a tensor subclass in a list, an unhashable item)."""
+    parts = [str(number)]
     for i, t in enumerate(types):
         if t in _TENSOR_TYPES:
             parts += [f"a{i}.shape", f"a{i}.stride()", f"a{i}.dtype", f"a{i}.device"]
-            where.append((i, None))
+        elif t is list or t is tuple:
+            parts.append(f"_items_key(a{i})")
         elif t is not type(None):
             parts.append(f"a{i}")
     names = "".join(f"a{i}, " for i in range(len(types)))
     src = f"def make():\n    def key(args):\n        ({names}) = args\n        return ({', '.join(parts)},)\n"
     src += "    return key\n"
-    keyer = _compile(src, "plan key", [])
-    keyer.where = tuple(where)
-    return keyer
+    return _compile(src, "plan key", [])
 
 
 class _Accelerated:
@@ -554,28 +569,25 @@ class _Accelerated:
         keyer = None if kwargs else self.keyers.get(tuple(map(type, args)), _MISS)
         if keyer is _MISS:
             keyer = self._keyer(args)
-        if keyer is not None:
-            key, where = keyer(args), keyer.where
-        else:
-            try:
-                key, where = _signature(args, kwargs)
-            except TypeError:
-                return self._plain(args, kwargs)
-        plan = self.plans.get(key)
+        try:
+            key = keyer(args) if keyer is not None else _signature(args, kwargs)[0]
+            plan = self.plans.get(key)
+        except TypeError:  # a tensor subclass, an unhashable value: no plan serves the call
+            return self._plain(args, kwargs)
         if plan is not None:
             if VERIFY_PLANS:
-                return self._record(args, kwargs, key, where, verify=plan)
+                return self._record(args, kwargs, key, verify=plan)
             out = plan.run(args)
             if out is not _MISS:
                 return out
             return self._plain(args, kwargs)
         if key in self.unplanned:  # recorded once and found unplannable: the plain launcher, not a new recording
             return self._plain(args, kwargs)
-        return self._record(args, kwargs, key, where)
+        return self._record(args, kwargs, key)
 
     def _keyer(self, args):
         """The plan key function for calls whose positional arguments have these types (no keywords), or None
-        where _signature serves them (a list, a tensor subclass, a value of another type)."""
+        where _signature serves them (a tensor subclass, a value of another type)."""
         types = tuple(map(type, args))
         keyer = _generate_keyer(types, next(_KEYER_NUMBERS)) if all(t in _KEYED for t in types) else None
         if len(self.keyers) >= PLAN_CACHE_SIZE:
@@ -587,8 +599,9 @@ class _Accelerated:
         self._check_devices(args, kwargs)
         return self.launcher(*args, **kwargs)
 
-    def _record(self, args, kwargs, key, where, verify=None):
+    def _record(self, args, kwargs, key, verify=None):
         self._check_devices(args, kwargs)
+        where = _signature(args, kwargs)[1]  # where the call's tensors are
         inputs = [args[i] if j is None else args[i][j] for i, j in where]
         rec = _Recorder()
         with _mode(rec), rec:
