@@ -548,6 +548,7 @@ def _with_attr(module, name, value, fn):
         finally:
             setattr(module, name, saved)
 
+    run.module_setting = name  # benchmark_before_after.py leaves these variants out
     return run
 
 

@@ -83,3 +83,26 @@ def test_named_triton_providers_are_compared_each():
     out = bba.compare({"gpu": {"before": [[row, other]], "after": [[row, dict(other, graph_ms=0.03)]]}}, 0.05)
     ratios = {r["provider"]: r["ratio_graph_ms"] for r in out["gpu"]}
     assert ratios == {"triton(cos/sin read)": 1.0, "triton(in-kernel cos/sin)": 1.5} and out["ok"] is False
+
+
+def test_one_rows_yardstick_outlier_does_not_make_a_ratio():
+    """The host yardstick is the process's median F.rms_norm time: one row whose own F.rms_norm figure came out
+    slow (a moment of a busy host) does not turn equal microseconds into a regression."""
+    rows = [dict(_host(12.0, 9.5), case=c) for c in ("a", "b", "c")]
+    outlier = [dict(_host(12.0, 16.5), case="a")] + rows[1:]
+    runs = {"host": {"before": [outlier, rows], "after": [rows, rows]}}
+    out = bba.compare(runs, 0.05)
+    assert out["ok"] is True
+    assert {r["case"]: r["ratio"] for r in out["host"]} == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
+def test_module_setting_variants_are_not_compared():
+    """benchmark_kernels' variants that change a module setting for the call (its _with_attr) are marked, so that
+    the GPU comparison leaves them out: an earlier tree's plans may replay the default setting for them."""
+    import types
+
+    import benchmark_kernels as bk
+
+    module = types.SimpleNamespace(_native_fp8=lambda device, fp8_dtype: True)
+    variant = bk._integer_fp8(module, lambda: module._native_fp8("cuda", None))
+    assert variant.module_setting == "_native_fp8" and variant() is False and module._native_fp8("cuda", None) is True
