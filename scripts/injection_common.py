@@ -2,7 +2,7 @@
 """Machinery shared by the integration scripts (diffusers_injection.py, mmdit_injection.py,
 wan_injection.py, transformers_injection.py): when a kernel may replace torch for some tensors,
 reversible per-instance forward patching, the counts and messages of an injection (and the header of
-the examples' JSON summaries, and the default dtype under which the random-weight models are built). The
+the examples' JSON summaries, and the default dtype and fp32 modules of the random-weight models). The
 kernel files themselves do not use it (each stays copyable alone); an integration copied elsewhere needs
 this file beside it.
 
@@ -776,6 +776,20 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+def keep_in_fp32_(model: torch.nn.Module) -> None:
+    """Back to fp32: the modules and parameters named in the class's _keep_in_fp32_modules (what
+    from_pretrained(torch_dtype=...) leaves in fp32)."""
+    keep = set(getattr(type(model), "_keep_in_fp32_modules", None) or ())
+    if not keep:
+        return
+    for name, module in model.named_modules():
+        if keep.intersection(name.split(".")):
+            module.float()
+    for name, param in model.named_parameters():
+        if name.split(".")[-1] in keep:
+            param.data = param.data.float()
 
 
 def summary_header(gpu: bool, weights: str, library: str) -> dict:

@@ -159,18 +159,6 @@ def _patch_processor(attn: nn.Module, proc, kind: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Norm + modulation building blocks: the kernel when it reproduces the module, else the original ops
-# --------------------------------------------------------------------------------------------
-# The norm + modulation building blocks are the generic layer's (generic_injection.py)
-_ln_args = gi.ln_args
-_per_sample_ok = gi._per_sample_ok
-_norm_modulate = gi.norm_modulate
-_same_rows = gi._same_rows
-_residual_norm_modulate = gi.residual_norm_modulate
-_gated_add = gi.gated_add
-
-
-# --------------------------------------------------------------------------------------------
 # A block's last gated residual fused with the next block's AdaLN norm
 # --------------------------------------------------------------------------------------------
 # Between two blocks the stream is h = h + gate_mlp * ff(...) (end of block i), then the next block's
@@ -194,9 +182,9 @@ def _residual_into_adaln(h, gate, y, norm, temb):
     if not all(ic.unwrapped(m, _STATE) for m in norm.modules()):
         return None
     if type(norm) is AdaLayerNormZero:
-        return _adaln_zero_apply(norm, h, temb, y, gate)
+        return gi.adaln_zero_apply(norm, h, temb, y, gate)
     if type(norm) is SD35AdaLayerNormZeroX:
-        return _adaln_zero_x_apply(norm, h, temb, y, gate)
+        return gi.adaln_zero_x_apply(norm, h, temb, y, gate)
     return None
 
 
@@ -209,7 +197,7 @@ def _gated_add_to_next(block, key, h, gate, y, temb):
         if fused is not None:
             ic.put_carry(nxt, _CARRY, key, fused[0], temb, fused[1])
             return fused[0]
-    return _gated_add(h, gate, y)
+    return gi.gated_add(h, gate, y)
 
 
 def _take_carry(block, key, h, temb):
@@ -229,18 +217,6 @@ def _link_blocks(model) -> None:
         ic.link_next(blk, nxt if linked else None)
         if linked:
             nxt.__dict__.setdefault(_CARRY, {})
-
-
-# --------------------------------------------------------------------------------------------
-# Replacement forwards: AdaLN modules
-# --------------------------------------------------------------------------------------------
-# The AdaLN modules' replacement forwards are the generic layer's
-_adaln_zero_apply = gi.adaln_zero_apply
-_adaln_zero_forward = gi._adaln_zero_forward
-_adaln_zero_single_forward = gi._adaln_zero_single_forward
-_adaln_zero_x_apply = gi.adaln_zero_x_apply
-_adaln_zero_x_forward = gi._adaln_zero_x_forward
-_adaln_continuous_forward = gi.adaln_continuous_forward
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,13 +262,13 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
         self.attn, joint_attention_kwargs, norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states
     )
     if self.use_dual_attention:
-        hidden_states = _gated_add(hidden_states, gate_msa, attn_output)
+        hidden_states = gi.gated_add(hidden_states, gate_msa, attn_output)
         attn_output2 = _attend(self.attn2, joint_attention_kwargs, norm_hidden_states2)
-        hidden_states, norm_hidden_states = _residual_norm_modulate(
+        hidden_states, norm_hidden_states = gi.residual_norm_modulate(
             hidden_states, attn_output2, gate_msa2, self.norm2, scale_mlp, shift_mlp
         )
     else:
-        hidden_states, norm_hidden_states = _residual_norm_modulate(
+        hidden_states, norm_hidden_states = gi.residual_norm_modulate(
             hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
         )
     ff_output = gi.feed_forward(self.ff, norm_hidden_states, _STATE)
@@ -301,7 +277,7 @@ def _joint_block_forward(self, hidden_states, encoder_hidden_states, temb, joint
     if self.context_pre_only:
         encoder_hidden_states = None
     else:
-        encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
+        encoder_hidden_states, norm_encoder_hidden_states = gi.residual_norm_modulate(
             encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
         )
         context_ff_output = gi.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
@@ -359,21 +335,21 @@ def _flux_block_forward(
     else:
         attn_output, context_attn_output = attention_outputs
 
-    hidden_states, norm_hidden_states = _residual_norm_modulate(
+    hidden_states, norm_hidden_states = gi.residual_norm_modulate(
         hidden_states, attn_output, gate_msa, self.norm2, scale_mlp, shift_mlp
     )
     ff_output = gi.feed_forward(self.ff, norm_hidden_states, _STATE)
     if ip_attn_output is not None:  # h changes after the gated residual: no fusion into the next norm
-        hidden_states = _gated_add(hidden_states, gate_mlp, ff_output) + ip_attn_output
+        hidden_states = gi.gated_add(hidden_states, gate_mlp, ff_output) + ip_attn_output
     else:
         hidden_states = _gated_add_to_next(self, "x", hidden_states, gate_mlp, ff_output, temb)
 
-    encoder_hidden_states, norm_encoder_hidden_states = _residual_norm_modulate(
+    encoder_hidden_states, norm_encoder_hidden_states = gi.residual_norm_modulate(
         encoder_hidden_states, context_attn_output, c_gate_msa, self.norm2_context, c_scale_mlp, c_shift_mlp
     )
     context_ff_output = gi.feed_forward(self.ff_context, norm_encoder_hidden_states, _STATE)
     if encoder_hidden_states.dtype == torch.float16:  # clipped below: no fusion into the next norm
-        encoder_hidden_states = _gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
+        encoder_hidden_states = gi.gated_add(encoder_hidden_states, c_gate_mlp, context_ff_output)
     else:
         encoder_hidden_states = _gated_add_to_next(
             self, "c", encoder_hidden_states, c_gate_mlp, context_ff_output, temb
@@ -406,7 +382,7 @@ def _plain_tanh_gelu(act) -> bool:
 def _flux_single_block_forward(
     self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None
 ):
-    """FluxSingleTransformerBlock.forward with the gated residual as one kernel (see _gated_add), and
+    """FluxSingleTransformerBlock.forward with the gated residual as one kernel (see gi.gated_add), and
     proj_mlp + its tanh-GELU as one GEMM where injection_common.linear_gelu_tanh applies."""
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
@@ -420,7 +396,7 @@ def _flux_single_block_forward(
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = _attend(self.attn, joint_attention_kwargs, norm_hidden_states, image_rotary_emb=image_rotary_emb)
     hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
-    hidden_states = _gated_add(residual, gate, self.proj_out(hidden_states))
+    hidden_states = gi.gated_add(residual, gate, self.proj_out(hidden_states))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
@@ -670,11 +646,12 @@ def mmdit_injected_counts(pipe_or_model) -> dict:
     return ic.kind_counts(ic.unique_modules(pipe_or_model), _STATE, KINDS)
 
 
+# The AdaLN modules' replacement forwards: the generic layer's (generic_injection.py)
 _FORWARDS = {
-    AdaLayerNormZero: ("mmdit_adaln_zero", _adaln_zero_forward),
-    SD35AdaLayerNormZeroX: ("mmdit_adaln_zero_x", _adaln_zero_x_forward),
-    AdaLayerNormZeroSingle: ("mmdit_adaln_zero_single", _adaln_zero_single_forward),
-    AdaLayerNormContinuous: ("mmdit_adaln_continuous", _adaln_continuous_forward),
+    AdaLayerNormZero: ("mmdit_adaln_zero", gi._adaln_zero_forward),
+    SD35AdaLayerNormZeroX: ("mmdit_adaln_zero_x", gi._adaln_zero_x_forward),
+    AdaLayerNormZeroSingle: ("mmdit_adaln_zero_single", gi._adaln_zero_single_forward),
+    AdaLayerNormContinuous: ("mmdit_adaln_continuous", gi.adaln_continuous_forward),
     JointTransformerBlock: ("mmdit_fused_blocks", _joint_block_forward),
     FluxTransformerBlock: ("mmdit_fused_blocks", _flux_block_forward),
     FluxSingleTransformerBlock: ("mmdit_fused_blocks", _flux_single_block_forward),
@@ -770,57 +747,44 @@ _SD35_MEDIUM = dict(
     dual_attention_layers=tuple(range(13)),
     qk_norm="rms_norm",
 )
+# The tiny test models' widths: 2 heads x 16 = 32, text embeddings of 24, pooled text of 16
+_TINY = dict(num_attention_heads=2, attention_head_dim=16, joint_attention_dim=24, pooled_projection_dim=16)
 SD3_CONFIGS = {
     "sd3.5-medium": _SD35_MEDIUM,
     # stabilityai/stable-diffusion-3-medium-diffusers: same widths, no q/k norm, no dual attention
     "sd3-medium": dict(_SD35_MEDIUM, pos_embed_max_size=192, dual_attention_layers=(), qk_norm=None),
     # 2 blocks of 2 x 16 = 32: block 0 has the dual attention, block 1 is the context_pre_only last block
     "tiny": dict(
+        _SD35_MEDIUM,
+        **_TINY,
         sample_size=8,
-        patch_size=2,
         in_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=24,
-        caption_projection_dim=32,
-        pooled_projection_dim=16,
         out_channels=4,
+        num_layers=2,
+        caption_projection_dim=32,
         pos_embed_max_size=16,
         dual_attention_layers=(0,),
-        qk_norm="rms_norm",
     ),
 }
+# black-forest-labs/FLUX.1-dev: 19 double + 38 single blocks of 24 x 128 = 3072, guidance embedding,
+# RoPE axes 16 + 56 + 56; about 11.9 B parameters
+_FLUX1_DEV = dict(
+    patch_size=1,
+    in_channels=64,
+    out_channels=None,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
 FLUX_CONFIGS = {
-    # black-forest-labs/FLUX.1-dev: 19 double + 38 single blocks of 24 x 128 = 3072, guidance embedding,
-    # RoPE axes 16 + 56 + 56; about 11.9 B parameters
-    "flux.1-dev": dict(
-        patch_size=1,
-        in_channels=64,
-        out_channels=None,
-        num_layers=19,
-        num_single_layers=38,
-        attention_head_dim=128,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        pooled_projection_dim=768,
-        guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    ),
+    "flux.1-dev": _FLUX1_DEV,
     # 1 double + 1 single block of 2 x 16 = 32, RoPE axes 4 + 6 + 6
-    "tiny": dict(
-        patch_size=1,
-        in_channels=16,
-        out_channels=None,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=24,
-        pooled_projection_dim=16,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    ),
+    "tiny": dict(_FLUX1_DEV, **_TINY, in_channels=16, num_layers=1, num_single_layers=1, axes_dims_rope=(4, 6, 6)),
 }
 
 

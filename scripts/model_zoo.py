@@ -540,20 +540,6 @@ def _trained_looking_(model: nn.Module) -> None:
             p.normal_(0.0, 0.02)
 
 
-def _keep_in_fp32_(model: nn.Module) -> None:
-    """Back to fp32: the modules and parameters named in the class's _keep_in_fp32_modules (what
-    from_pretrained(torch_dtype=...) leaves in fp32)."""
-    keep = set(getattr(type(model), "_keep_in_fp32_modules", None) or ())
-    if not keep:
-        return
-    for name, module in model.named_modules():
-        if keep.intersection(name.split(".")):
-            module.float()
-    for name, param in model.named_parameters():
-        if name.split(".")[-1] in keep:
-            param.data = param.data.float()
-
-
 def build(name: str, size: str = "tiny", *, dtype=torch.float32, device="cpu", seed: int = 0, blocks=None):
     """The diffusers transformer `name` (NAMES) of `size` ("tiny" or "real"; see the module docstring) with random
     weights from `seed`, built directly on `device` in `dtype` (device "meta": no memory, for counting), laid out
@@ -568,7 +554,7 @@ def build(name: str, size: str = "tiny", *, dtype=torch.float32, device="cpu", s
         model = _class(spec)(**cfg)
     if device.type != "meta":
         _trained_looking_(model)
-    _keep_in_fp32_(model)
+    ic.keep_in_fp32_(model)
     return model.eval().requires_grad_(False)
 
 

@@ -655,13 +655,7 @@ def cast_like_from_pretrained(model, dtype):
     scale_shift_table, rope, time_embedder), which stay fp32: the layout from_pretrained(torch_dtype=dtype)
     gives. Returns model."""
     model.to(dtype)
-    keep = set(type(model)._keep_in_fp32_modules)
-    for name, module in model.named_modules():
-        if keep.intersection(name.split(".")):
-            module.float()
-    for name, param in model.named_parameters():
-        if name.split(".")[-1] in keep:
-            param.data = param.data.float()
+    ic.keep_in_fp32_(model)
     return model
 
 

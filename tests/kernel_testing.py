@@ -6,6 +6,8 @@ calls, device-check markers, call counters, subprocess runs, a stand-in Triton d
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import os
 import subprocess
 import sys
@@ -110,6 +112,12 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     o = out.detach().to("cpu", torch.float64)
     r = ref.detach().to("cpu", torch.float64)
     return float((o - r).norm() / r.norm().clamp_min(1e-300))
+
+
+def rel_max(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference of out from ref, relative to ref's largest magnitude (in float64)."""
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 class poisoned_outputs:
@@ -325,6 +333,19 @@ def run_compiled_fullgraph(model, kw):
     return out, ops, targets
 
 
+def compiled_with_kernels(model, kw, inject, remove):
+    """A diffusers model's output (run_model) without the kernels, then with them injected
+    (inject(model, verbose=False)) through run_compiled_fullgraph; the kernels removed after (remove), also on
+    a failure. Returns (the output without, the compiled output with, its ops, its call targets)."""
+    ref = run_model(model, kw)
+    inject(model, verbose=False)
+    try:
+        out, ops, targets = run_compiled_fullgraph(model, kw)
+    finally:
+        remove(model, verbose=False)
+    return ref, out, ops, targets
+
+
 def compile_aot_eager(fn):
     """torch.compile(fn) with the aot_eager backend (cheap on the CPU) and fullgraph, after a dynamo reset."""
     torch._dynamo.reset()
@@ -349,10 +370,38 @@ def count_calls(monkeypatch, targets) -> Counter:
     return calls
 
 
+def block_kernel_calls(monkeypatch, *more) -> Counter:
+    """count_calls of the kernels of the AdaLN blocks the diffusers families fuse through the generic layer
+    (layernorm's layer_norm_modulate and gated_residual_layer_norm_modulate, rmsnorm's gated_residual_add),
+    and of more ((module, name) pairs)."""
+    import layernorm
+    import rmsnorm
+
+    blocks = (
+        (layernorm, "layer_norm_modulate"),
+        (layernorm, "gated_residual_layer_norm_modulate"),
+        (rmsnorm, "gated_residual_add"),
+    )
+    return count_calls(monkeypatch, (*blocks, *more))
+
+
 def run_model(model, kw):
     """A diffusers model's output, model(**kw)[0], without autograd."""
     with torch.no_grad():
         return model(**kw)[0]
+
+
+def copied(model, how: str):
+    """A copy of model: copy.deepcopy (how "deepcopy"), or torch.save then torch.load (weights_only=False)
+    through memory (how "torch.save")."""
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    if how != "torch.save":
+        raise ValueError(f"how must be 'deepcopy' or 'torch.save', got {how!r}")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,16 @@ def _run(args, env, timeout=600):
     return res, time.perf_counter() - t0
 
 
+def _run_code(body: str, label: str):
+    """Python code (after `import json, sys` and scripts/ and tests/ put on sys.path) run in a process without
+    the interpreter, which must exit 0; its CompletedProcess. label: the name its time is printed under."""
+    code = f"import json, sys\nsys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n" + body
+    res, secs = _run(["-c", code], env_without_interpreter())
+    print(f"{label}: {secs:.1f} s")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
 # --------------------------------------------------------------------------------------------
 # A kernel that spills when its register budget is capped, used to prove the detector works.
 # One warp holds a block of 64 fp32 values per lane and two of them (x and exp(x)) stay live across
@@ -282,15 +292,8 @@ def test_guide_tables_quick_check(tmp_path):
     """Without the full check (cheap enough for every run): the committed tables name this Triton or another,
     their rows and compile counts match the case list, and the rows of two families match a fresh compile;
     a hand edit of a figure, a count, a row or a warp count is caught."""
-    code = (
-        "import json, sys\n"
-        f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
-        "import test_amd_compile as t\n"
-        f"print(json.dumps(t._quick_table_check({str(tmp_path)!r})))\n"
-    )
-    res, secs = _run(["-c", code], env_without_interpreter())
-    print(f"quick table check: {secs:.1f} s")
-    assert res.returncode == 0, res.stderr[-4000:]
+    body = f"import test_amd_compile as t\nprint(json.dumps(t._quick_table_check({str(tmp_path)!r})))\n"
+    res = _run_code(body, "quick table check")
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out.pop("committed") == [], "rerun: python scripts/amd_compile_tables.py"
     assert out.pop("fresh") == []
@@ -318,17 +321,13 @@ def test_table_script_command_line(capsys):
 # The detector
 # --------------------------------------------------------------------------------------------
 def test_spill_detector_flags_a_spilling_kernel():
-    code = (
-        "import json, sys\n"
-        f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
+    body = (
         "import check_amd_compile as c\n"
         "cases = {'capped': ('test_amd_compile', lambda m: m.launch_huge_block(True)),\n"
         "         'uncapped': ('test_amd_compile', lambda m: m.launch_huge_block(False))}\n"
         "print(json.dumps(c.compile_cases(cases, list(c.TARGETS))))\n"
     )
-    res, secs = _run(["-c", code], env_without_interpreter())
-    print(f"spill probe: {secs:.1f} s")
-    assert res.returncode == 0, res.stderr[-4000:]
+    res = _run_code(body, "spill probe")
     records = {(r["case"], r["target"]): r for r in json.loads(res.stdout)}
     assert len(records) == 2 * len(cac.TARGETS), sorted(records)
     for t, (backend, _, warp) in cac.TARGETS.items():
@@ -354,15 +353,7 @@ def test_spill_detector_flags_a_spilling_kernel():
 
 def _report_in_subprocess(function: str):
     """Run this module's `function()` in a process without the interpreter; its JSON result."""
-    code = (
-        "import json, sys\n"
-        f"sys.path[:0] = [{str(ROOT / 'scripts')!r}, {str(ROOT / 'tests')!r}]\n"
-        "import test_amd_compile as t\n"
-        f"print(json.dumps(t.{function}()))\n"
-    )
-    res, secs = _run(["-c", code], env_without_interpreter())
-    print(f"{function}: {secs:.1f} s")
-    assert res.returncode == 0, res.stderr[-4000:]
+    res = _run_code(f"import test_amd_compile as t\nprint(json.dumps(t.{function}()))\n", function)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

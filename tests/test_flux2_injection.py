@@ -31,10 +31,11 @@ import rope
 from kernel_testing import (
     DEVICE,
     assert_bf16_parity,
-    count_calls,
+    block_kernel_calls,
+    compiled_with_kernels,
     make_generator,
     rel_l2,
-    run_compiled_fullgraph,
+    rel_max,
     run_model,
     without_and_with_kernels,
 )
@@ -76,18 +77,13 @@ CALLS = {
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    return count_calls(
+    return block_kernel_calls(
         monkeypatch,
-        (
-            (layernorm, "layer_norm_modulate"),
-            (layernorm, "gated_residual_layer_norm_modulate"),
-            (rmsnorm, "gated_residual_add"),
-            (head_norm_rope, "joint_head_rms_norm_rope"),
-            (activations, "swiglu"),
-            (layernorm, "layer_norm"),
-            (rmsnorm, "rms_norm"),
-            (rope, "rope_interleaved"),
-        ),
+        (head_norm_rope, "joint_head_rms_norm_rope"),
+        (activations, "swiglu"),
+        (layernorm, "layer_norm"),
+        (rmsnorm, "rms_norm"),
+        (rope, "rope_interleaved"),
     )
 
 
@@ -132,11 +128,6 @@ def _case(dtype=torch.float32, **cfg):
     return model, _inputs(model, gen.seed_value, dtype), gen.seed_value
 
 
-def _rel_max(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _nothing_left(model):
     for m in model.modules():
         assert ic.bundle_state(m) is None and "forward" not in m.__dict__, type(m).__name__
@@ -156,7 +147,7 @@ def test_fp32_parity_fused_kernels_counts_and_exact_removal(kernel_calls):
     out = run_model(model, kw)
     assert dict(kernel_calls) == CALLS
     assert torch.isfinite(out).all()
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {seed})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {seed})"
     restored = di.remove_optimized_kernels(model, verbose=False)
     assert {k: restored[k] for k in f2.KINDS} == EXPECTED
     _nothing_left(model)
@@ -190,7 +181,7 @@ def test_fused_qkv_projections(kernel_calls):
     out = run_model(model, kw)
     f2.remove(model, verbose=False)
     assert kernel_calls["joint_head_rms_norm_rope"] == 2
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {seed}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {seed}"
 
 
 def test_bf16_parity():
@@ -240,7 +231,7 @@ def test_a_hook_runs_and_changes_the_output_as_in_stock(where):
         model, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, [handle], fired
     )
     assert len(fired) == n_ref > 0
-    assert _rel_max(got, ref) <= FP32_REL, f"{where}: rel max diff {_rel_max(got, ref):.3e} (seed {seed})"
+    assert rel_max(got, ref) <= FP32_REL, f"{where}: rel max diff {rel_max(got, ref):.3e} (seed {seed})"
 
 
 class _ScaledBlock(Flux2TransformerBlock):
@@ -265,7 +256,7 @@ def test_subclasses_with_their_own_forward_are_left_alone(kernel_calls):
     f2.remove(model, verbose=False)
     assert kernel_calls["layer_norm_modulate"] == 1 and kernel_calls["gated_residual_add"] == 0  # norm_out only
     assert kernel_calls["layer_norm"] == 5  # the blocks' own norms, through the generic layer
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {seed}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {seed}"
 
 
 class _MyParallelProcessor(Flux2ParallelSelfAttnProcessor):
@@ -286,7 +277,7 @@ def test_other_processors_are_left_in_place(kernel_calls):
     f2.remove(model, verbose=False)
     assert type(double.processor) is Flux2KVAttnProcessor and type(single.processor) is _MyParallelProcessor
     assert kernel_calls["joint_head_rms_norm_rope"] == 0 and kernel_calls["gated_residual_layer_norm_modulate"] == 2
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {seed}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {seed}"
 
 
 def test_backend_and_parallel_config_follow_the_processor():
@@ -331,7 +322,7 @@ def test_kv_cache_extract_and_cached_steps_match_stock(kernel_calls):
     got0, got1, calls_extract = run(True)
     assert calls_extract["layer_norm_modulate"] == 1 and "gated_residual_add" not in calls_extract  # norm_out only
     assert kernel_calls["gated_residual_layer_norm_modulate"] == 2 and kernel_calls["gated_residual_add"] == 3
-    assert _rel_max(got0, ref0) <= FP32_REL and _rel_max(got1, ref1) <= FP32_REL, f"seed {seed}"
+    assert rel_max(got0, ref0) <= FP32_REL and rel_max(got1, ref1) <= FP32_REL, f"seed {seed}"
 
 
 @pytest.mark.parametrize("trainable", ["all", "one_inside"])
@@ -357,7 +348,7 @@ def test_autograd_runs_the_original_code(trainable, kernel_calls):
         out.square().mean().backward()
     finally:
         f2.remove(model, verbose=False)
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {seed}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {seed}"
     torch.testing.assert_close(model.get_parameter(name).grad, ref_grad, rtol=1e-4, atol=1e-6)
 
 
@@ -396,14 +387,9 @@ def test_fp16_clipping_is_kept(kernel_calls):
 # --------------------------------------------------------------------------------------------
 def test_torch_compile_fullgraph_traces_the_fused_ops():
     model, kw, seed = _case()
-    ref = run_model(model, kw)
-    f2.inject(model, verbose=False)
-    try:
-        out, ops, seen = run_compiled_fullgraph(model, kw)
-    finally:
-        f2.remove(model, verbose=False)
+    ref, out, ops, seen = compiled_with_kernels(model, kw, f2.inject, f2.remove)
     assert {"head_rms_norm_rope", "layer_norm_fused", "swiglu"} <= ops, sorted(seen)
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {seed}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {seed}"
 
 
 def test_fp8_true(monkeypatch):

@@ -8,8 +8,6 @@ models of one file, each call form against diffusers' function, the forms it lea
 and deep copies); and models a family takes, which get nothing of this layer. Tiny shapes through Triton's
 interpreter on the CPU, or on a GPU."""
 
-import copy
-import io
 import types
 
 import pytest
@@ -40,12 +38,14 @@ import rmsnorm
 import rope
 from kernel_testing import (
     DEVICE,
+    copied,
     count_calls,
     interpreter_bf16_round_to_nearest_even,
     needs_gpu_and_cpu,
     poisoned_outputs,
     randn,
     rel_l2,
+    rel_max,
     run_model,
 )
 
@@ -706,7 +706,7 @@ def test_tiny_cogvideox_transformer(kernel_calls, gen):
     out = run_model(model, kw)
     # the q/k norms see the heads view: torch's own layer norm (it copies the rows itself)
     assert {k: v for k, v in kernel_calls.items() if v} == {"layer_norm_modulate": 4, "layer_norm": 2, "gelu_tanh": 1}
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     assert gi.remove_generic_kernels(model, verbose=False) == counts
     _nothing_left(model)
     assert torch.equal(run_model(model, kw), ref)
@@ -789,11 +789,6 @@ def _flux_inputs(model, seed):
                                 device=DEVICE, seed=seed)  # fmt: skip
 
 
-def _rel_max(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 # the tiny FLUX (1 double + 1 single block) as the generic layer sees it: AdaLayerNormZero x2, ZeroSingle and
 # Continuous (norm_out); the double block's norm2 / norm2_context LayerNorms; q/k RMSNorms (4 in the double
 # block, 2 in the single one); the feed-forwards' GELU-tanh x2 and the single block's nn.GELU(tanh); one file
@@ -825,7 +820,7 @@ def test_rope_dispatcher_in_the_model_file(kernel_calls, gen):
         "layer_norm_modulate": 4,
         "gelu_tanh": 3,
     }
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     assert gi.remove_generic_kernels(model, verbose=False) == TINY_FLUX_COUNTS
     assert transformer_flux.apply_rotary_emb is DIFFUSERS_ROPE
     assert not gi._ROPE_SITES
@@ -972,13 +967,7 @@ def test_copies_keep_the_dispatcher(how, gen):
     ref = run_model(model, kw)
     gi.inject_generic_kernels(model, verbose=False)
     out = run_model(model, kw)
-    if how == "deepcopy":
-        twin = copy.deepcopy(model)
-    else:
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)
+    twin = copied(model, how)
     assert gi.generic_injected_counts(twin) == TINY_FLUX_COUNTS
     gi.remove_generic_kernels(model, verbose=False)
     assert transformer_flux.apply_rotary_emb is gi.apply_rotary_emb  # the copy holds it

@@ -26,6 +26,7 @@ from kernel_testing import (
     assert_bf16_parity,
     count_calls,
     rel_l2,
+    rel_max,
     run_compiled_fullgraph,
     run_model,
     without_and_with_kernels,
@@ -101,10 +102,6 @@ def _inputs(seed, dtype=torch.float32, batch=2):
     )
 
 
-def _rel_max(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
 def _nothing_left(model):
     assert not any(ic.bundle_state(m) for m in model.modules())
     assert not any("forward" in m.__dict__ for m in model.modules())
@@ -135,7 +132,7 @@ def test_fp32_parity_kernels_counts_and_exact_removal(gen, monkeypatch):
     assert tokens.is_contiguous() and not stock_tokens.is_contiguous() and torch.equal(tokens, stock_tokens)
     out = run_model(model, kw)
     assert dict(calls) == CALLS
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     restored = _remove(model)
     assert restored["hunyuan_video15_blocks"] == 2 and restored["hunyuan_video15_qk_norm_rope"] == 2
     assert restored["hunyuan_video15_patch_embed"] == 1
@@ -159,7 +156,7 @@ def test_rope_on_image_tokens_only_one_launch(gen):
         got = hv._fused_qk(attn, q, k, eq, ek, (cos, sin))
         want_q = torch.cat([apply_rotary_emb(attn.norm_q(q), (cos, sin), sequence_dim=1), attn.norm_added_q(eq)], 1)
         want_k = torch.cat([apply_rotary_emb(attn.norm_k(k), (cos, sin), sequence_dim=1), attn.norm_added_k(ek)], 1)
-        assert _rel_max(got[0], want_q) <= FP32_REL and _rel_max(got[1], want_k) <= FP32_REL
+        assert rel_max(got[0], want_q) <= FP32_REL and rel_max(got[1], want_k) <= FP32_REL
         again = hv._joint_tables(cos, sin, 9)
         assert all(a is b for a, b in zip(again, hv._joint_tables(cos, sin, 9)))  # built once per table
         cos.mul_(1.0)  # an in-place change: built again
@@ -197,7 +194,7 @@ def test_hunyuan_video_1_0_double_stream_blocks(gen, monkeypatch):
     assert type(model.single_transformer_blocks[0].attn.processor) is HunyuanVideoAttnProcessor2_0
     out = run_model(model, kw)
     assert calls["joint_head_rms_norm_rope"] == 2 and calls["gated_residual_layer_norm_modulate"] == 6
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     _remove(model)
     _nothing_left(model)
     assert torch.equal(run_model(model, kw), ref)
@@ -230,7 +227,7 @@ def test_hooks_make_the_fused_path_step_aside_and_run(where, gen, monkeypatch):
     handle = target.register_forward_hook(hook)
     ref, got, n_ref = without_and_with_kernels(model, kw, _inject, _remove, [handle], fired)
     assert len(fired) == n_ref > 0
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e} (seed {gen.seed_value})"
     if where in ("norm_q", "norm_added_k"):  # that attention unfused, the other one fused
         assert calls["joint_head_rms_norm_rope"] == 1
     if where in ("block", "next_norm1"):  # block 0's last residuals not fused into block 1's norm1
@@ -259,7 +256,7 @@ def test_subclasses_and_other_processors_left_alone(gen, monkeypatch):
     assert type(model.transformer_blocks[0].attn.processor) is _OwnProcessor
     out = run_model(model, kw)
     assert calls["joint_head_rms_norm_rope"] == 1
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     _remove(model)
     _nothing_left(model)
     assert torch.equal(run_model(model, kw), ref)
@@ -311,7 +308,7 @@ def test_torch_compile_fullgraph_traces_the_blocks(gen):
         _remove(model)
     # (the last gated residual is PyTorch's expression under compile, for the compiler to fuse: no carry there)
     assert {"head_rms_norm_rope", "layer_norm_fused"} <= ops, sorted(seen)
-    assert _rel_max(out, ref) <= FP32_REL and _rel_max(eager, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert rel_max(out, ref) <= FP32_REL and rel_max(eager, ref) <= FP32_REL, f"seed {gen.seed_value}"
 
 
 def test_autograd_runs_the_original_code(gen, monkeypatch):
@@ -332,7 +329,7 @@ def test_autograd_runs_the_original_code(gen, monkeypatch):
         _remove(model)
     assert calls["joint_head_rms_norm_rope"] == calls["gated_residual_layer_norm_modulate"] == 0
     # (the generic layer's norms still run where no input needs a gradient)
-    assert _rel_max(out.detach(), ref.detach()) <= FP32_REL
+    assert rel_max(out.detach(), ref.detach()) <= FP32_REL
     torch.testing.assert_close(w.grad, ref_grad, rtol=1e-5, atol=1e-7)
 
 

@@ -17,19 +17,16 @@ import injection_common as ic
 import mmdit_injection as mi
 import plain_rope_llama as prl
 import transformers_injection as ti
-from kernel_testing import DEVICE, ltx_inputs, make_generator
+from kernel_testing import DEVICE, copied, ltx_inputs, make_generator
+from transformers_testing import ORIGINAL_ROPE, restore_rope
 
-ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
 STATE_KEYS = (di._STATE, mi._STATE, ti._STATE)
 
 
 @pytest.fixture(autouse=True)
 def _clean_rope():
     yield
-    # a failing test must not leave the RoPE dispatcher in place for the next one
-    modeling_llama.apply_rotary_pos_emb = ORIGINAL_ROPE
-    prl.reset()
-    ti._ROPE_SITES.clear()
+    restore_rope()
 
 
 class Case:
@@ -123,13 +120,6 @@ def _assert_nothing_left(model, rope_restored=True):
         assert prl.current() is prl.ORIGINAL
 
 
-def _save_load(model):
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 def _first_weight(model):
     """A parameter that a patched forward reads (through its own module): changing it must change the output."""
     for m in _patched_modules(model):
@@ -155,7 +145,7 @@ def test_torch_save_and_load(kind):
     model = case.model
     ref, counts, out = case.run_and_inject()
 
-    loaded = _save_load(model)
+    loaded = copied(model, "torch.save")
     assert loaded is not model
     assert case.counts(loaded) == counts
     _assert_bound_to(loaded)

@@ -15,17 +15,9 @@ import torch
 import plain_rope_llama as prl
 import transformers_injection as ti
 from kernel_testing import DEVICE
+from transformers_testing import TINY_LLAMA_COUNTS
 
 ORIGINAL_ROPE = prl.ORIGINAL
-TINY_COUNTS = {
-    "rmsnorm": 5,
-    "fused_add_rmsnorm": 2,
-    "swiglu": 2,
-    "geglu": 0,
-    "moe_swiglu": 0,
-    "rope": 2,
-    "skinny_gemm": 0,
-}
 THREADS = 8
 
 
@@ -95,7 +87,7 @@ def test_probes_filled_from_many_threads(monkeypatch):
     monkeypatch.setattr(ti.rope_kernels, "rope_rotate_half_ref", _slowed(ti.rope_kernels.rope_rotate_half_ref, 0.2))
     monkeypatch.setattr(ti.rmsnorm, "rms_norm_ref", _slowed(ti.rmsnorm.rms_norm_ref, 0.2))
     counts = _inject_all(models, stagger=0.02)
-    assert counts == [{**TINY_COUNTS, "rmsnorm": 3, "fused_add_rmsnorm": 1, "swiglu": 1, "rope": 1}] * THREADS
+    assert counts == [{**TINY_LLAMA_COUNTS, "rmsnorm": 3, "fused_add_rmsnorm": 1, "swiglu": 1, "rope": 1}] * THREADS
     assert all(isinstance(v, dict) or v[1] is True for v in ti._PROBES.values())
     for m in models:
         ti.remove_llama_kernels(m, verbose=False)
@@ -111,13 +103,13 @@ def test_rope_dispatcher_installed_from_many_threads(monkeypatch, gen):
         refs = [m(ids).logits for m in models]
     # a slow dispatcher build: the threads meet while the model file's RoPE function is being replaced
     monkeypatch.setattr(ti, "_make_rope_dispatcher", _slowed(ti._make_rope_dispatcher))
-    assert _inject_all(models) == [TINY_COUNTS] * THREADS
+    assert _inject_all(models) == [TINY_LLAMA_COUNTS] * THREADS
 
     dispatcher = prl.current()
     assert dispatcher is not ORIGINAL_ROPE and dispatcher._rtk_original is ORIGINAL_ROPE
     # removal, one model at a time: the others keep the RoPE kernel until the last one is gone
     for i, m in enumerate(models):
-        assert ti.remove_llama_kernels(m, verbose=False) == TINY_COUNTS
+        assert ti.remove_llama_kernels(m, verbose=False) == TINY_LLAMA_COUNTS
         with torch.no_grad():
             assert torch.equal(m(ids).logits, refs[i])
         if i + 1 < THREADS:

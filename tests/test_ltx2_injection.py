@@ -26,6 +26,7 @@ from kernel_testing import (
     make_generator,
     poisoned_outputs,
     rel_l2,
+    rel_max,
     run_compiled_fullgraph,
 )
 
@@ -104,14 +105,10 @@ def _run(model, kw):
         return model(**kw)
 
 
-def _rel_max(out, ref) -> float:
-    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
-
-
 def _assert_parity(outs, refs, what=""):
     for name, out, ref in zip(("video", "audio"), outs, refs):
         assert out.shape == ref.shape and out.dtype == ref.dtype
-        err = _rel_max(out, ref)
+        err = rel_max(out, ref)
         assert err <= FP32_REL, f"{what} {name}: rel max {err:.3g}"
 
 
@@ -197,7 +194,7 @@ def test_the_kernels_compute_ltx2s_rotary_forms(rope_type, gen):
         assert torch.equal(half, rope.rope_rotate_half(x4, *doubled)), "the same values as per-channel tables"
         assert torch.equal(l2._rope("split", x, (cos, sin)), outs[1])
     for out in outs:
-        assert _rel_max(out, ref) <= 1e-6
+        assert rel_max(out, ref) <= 1e-6
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +392,7 @@ def test_torch_compile_fullgraph_traces_it(rope_type, gen):
         di.remove_optimized_kernels(model, verbose=False)
     want = {"rms_norm_fused"} | ({"ltx_qk_rmsnorm_rope", "ltx_rope"} if rope_type == "interleaved" else set())
     assert want <= ops, sorted(seen)
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
 
 
 def test_bf16_as_accurate_as_stock(gen):

@@ -12,6 +12,7 @@ import injection_common as ic
 from kernel_testing import (
     DEVICE,
     changed_tensors,
+    copied,
     count_calls,
     ltx_inputs,
     make_generator,
@@ -138,20 +139,11 @@ def test_fp8_without_a_supported_transformer_is_refused():
 def test_copies_of_an_fp8_model_compute_and_restore_alike(how):
     """A copy (deepcopy, or torch.save then torch.load) computes what the FP8 model computes, and removing
     the kernels from the copy gives the original bf16 model's output again, bit for bit."""
-    import copy
-    import io
-
     _, tr, kw = _bf16_case(num_layers=1)
     stock = run_model(tr, kw)
     di.inject_optimized_kernels(tr, verbose=False, fp8=True)
     out = run_model(tr, kw)
-    if how == "deepcopy":
-        clone = copy.deepcopy(tr)
-    else:
-        buf = io.BytesIO()
-        torch.save(tr, buf)
-        buf.seek(0)
-        clone = torch.load(buf, weights_only=False)
+    clone = copied(tr, how)
     assert torch.equal(run_model(clone, kw), out)
     assert di.remove_optimized_kernels(clone, verbose=False)["fp8_linear"] == LINEARS_PER_BLOCK
     assert torch.equal(run_model(clone, kw), stock)

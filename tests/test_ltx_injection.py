@@ -32,6 +32,7 @@ from kernel_testing import (
     hooked_norm_outputs,
     ltx_inputs,
     make_generator,
+    rel_max,
     run_model,
     without_and_with_kernels,
 )
@@ -43,10 +44,6 @@ HAS_GPU = torch.cuda.is_available()
 # order, a few fp32 ulps per op; through 2 blocks (and 2 denoising steps) that stays far below 1e-4
 # of the output's magnitude.
 FP32_REL = 1e-4
-
-
-def _rel_max(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 @pytest.fixture
@@ -120,7 +117,7 @@ def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
     assert kernel_calls["gelu_tanh"] == 2
     assert kernel_calls["rms_norm"] == 4
     assert torch.isfinite(out).all()
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
     assert di.remove_optimized_kernels(tr, verbose=False) == counts
     assert_unpatched_again(tr, kw, ref, _no_injection_left)
@@ -153,7 +150,7 @@ def test_last_residual_fused_into_the_next_norm1():
     finally:
         rmsnorm.gated_residual_rms_norm_modulate, rmsnorm.rms_norm_modulate = orig, fwd
     assert len(seen_norm) == 1 and calls["fused"] == 3 + 2  # norm2 in 3 blocks + 2 block boundaries
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     assert all(not b.__dict__[di._CARRY] for b in blocks)  # nothing left behind
     di.remove_optimized_kernels(tr, verbose=False)
     assert all(ic.next_block(b) is None and di._CARRY not in b.__dict__ for b in blocks)
@@ -178,7 +175,7 @@ def test_carry_ignored_when_the_stream_changes_between_blocks():
         assert b1.__dict__[di._CARRY]  # block 0 left block 1's normalised input
         got = b1(ph0 + delta, enc, temb)
         assert not b1.__dict__[di._CARRY]
-    assert _rel_max(got, ref) <= FP32_REL
+    assert rel_max(got, ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
 
 
@@ -222,7 +219,7 @@ def test_tiny_pipeline_parity_and_exact_restore(kernel_calls):
     assert counts["adaln_fused_blocks"] == 2 and counts["vae_rmsnorm"] > 0
     out = _pipe_latents(pipe)
     assert kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 2 * 2  # 2 blocks x 2 steps (CFG is one batch)
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     di.remove_optimized_kernels(pipe, verbose=False)
     for comp in (pipe.transformer, pipe.vae):
         _no_injection_left(comp)
@@ -243,12 +240,12 @@ def test_vae_rmsnorm_parity_and_layout(kernel_calls):
         assert di.inject_optimized_kernels(vae, verbose=False)["vae_rmsnorm"] == n > 0
         out = vae.decode(z).sample
         assert kernel_calls["rms_norm"] > 0
-        assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+        assert rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
         norm = next(m for m in vae.modules() if isinstance(m, DiffusersRMSNorm))
         x = torch.randn(1, norm.dim[0], 3, 4, 5, generator=gen).to(DEVICE).movedim(1, -1)
         got, want = norm(x), DiffusersRMSNorm.forward(norm, x)
         assert got.stride() == want.stride() and got.dtype == want.dtype
-        assert _rel_max(got, want) <= 1e-5
+        assert rel_max(got, want) <= 1e-5
     di.remove_optimized_kernels(vae, verbose=False)
     with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         assert torch.equal(vae.decode(z).sample, ref)
@@ -288,7 +285,7 @@ def test_rmsnorm_module_semantics(x_dtype, w_dtype, affine):
             di._patch_forward(m, fn, "test")
             got = m(x)
         assert got.dtype == want.dtype, type(m).__name__
-        assert _rel_max(got, want) <= tol, (type(m).__name__, _rel_max(got, want))
+        assert rel_max(got, want) <= tol, (type(m).__name__, rel_max(got, want))
         di._unpatch(m)
         assert "forward" not in m.__dict__
 
@@ -401,7 +398,7 @@ def test_inject_before_enable_model_cpu_offload(kernel_calls):
     assert hasattr(pipe.transformer, "_hf_hook")
     out = _pipe_latents(pipe)
     assert kernel_calls["rms_norm_modulate"] > 0 and kernel_calls["ltx_qk_rmsnorm_rope_coords"] > 0
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     di.remove_optimized_kernels(pipe, verbose=False)
     assert hasattr(pipe.transformer, "_hf_hook")  # the offload hooks survive the removal
     assert torch.equal(_pipe_latents(pipe), ref)
@@ -422,12 +419,12 @@ def test_sequential_offload_hooks_and_weight_swaps():
     patched = run_model(tr, kw)
     di.remove_optimized_kernels(tr, verbose=False)
     ref = run_model(tr, kw)
-    assert _rel_max(patched, ref) <= FP32_REL
+    assert rel_max(patched, ref) <= FP32_REL
 
     di.inject_optimized_kernels(tr, verbose=False)
     accelerate.cpu_offload(tr, execution_device=DEVICE)
     assert tr.transformer_blocks[0].attn1.norm_q.weight.device.type == "meta"
-    assert _rel_max(run_model(tr, kw), ref) <= FP32_REL
+    assert rel_max(run_model(tr, kw), ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
     assert hasattr(tr.transformer_blocks[0].attn1.norm_q, "_hf_hook")
     assert torch.equal(run_model(tr, kw), ref)
@@ -445,7 +442,7 @@ def test_other_self_attention_processor_gets_cos_sin(kernel_calls):
     tr.transformer_blocks[0].attn1.set_processor(LTXVideoAttnProcessor())
     out = run_model(tr, kw)
     assert kernel_calls["ltx_qk_rmsnorm_rope"] == 1 and kernel_calls["ltx_qk_rmsnorm_rope_coords"] == 0
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
     assert torch.equal(run_model(tr, kw), ref)
 
@@ -500,7 +497,7 @@ def test_torch_compile_fullgraph_traces_the_kernels():
     torch._dynamo.reset()
     ops = {s.split(".")[1].removesuffix("_triton") for s in seen if s.startswith("rtk_")}
     assert {"rms_norm_fused", "ltx_qk_rmsnorm_rope_coords", "gelu"} <= ops, sorted(seen)
-    assert _rel_max(out, eager) <= FP32_REL
+    assert rel_max(out, eager) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
 
 
@@ -517,7 +514,7 @@ def test_torch_compile_inductor():
     torch._dynamo.reset()
     out = run_model(torch.compile(tr, fullgraph=True), kw)
     torch._dynamo.reset()
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     di.remove_optimized_kernels(tr, verbose=False)
 
 
@@ -585,7 +582,7 @@ def test_hooks_on_submodules_still_run(where):
         fired.clear()
         out = run_model(tr, kw)
         assert sum(fired.values()) == n_ref > 0, f"hook on {where} ran {sum(fired.values())} times, expected {n_ref}"
-        assert _rel_max(out, ref) <= FP32_REL, f"{where}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+        assert rel_max(out, ref) <= FP32_REL, f"{where}: rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     finally:
         handle.remove()
         di.remove_optimized_kernels(tr, verbose=False)
@@ -633,7 +630,7 @@ def test_a_keyword_pre_hook_on_an_attention_sees_the_stock_call(which):
     add = lambda: attn.register_forward_pre_hook(pre, with_kwargs=True).remove  # noqa: E731
     ref, out, stock_calls, calls = _stock_then_injected(tr, kw, add, seen)
     assert calls == stock_calls and stock_calls, f"{which}: the hook saw {calls}, in the stock model {stock_calls}"
-    assert _rel_max(out, ref) <= FP32_REL, f"{which}: rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"{which}: rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
 
 def test_a_norm_subclass_with_its_own_forward_in_the_self_attention_is_run():
@@ -655,7 +652,7 @@ def test_a_norm_subclass_with_its_own_forward_in_the_self_attention_is_run():
     di.inject_optimized_kernels(tr, verbose=False)
     try:
         out = run_model(tr, kw)
-        assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+        assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
 
@@ -675,7 +672,7 @@ def test_a_hook_on_the_rope_module_sees_cos_and_sin():
         tr, kw, lambda: tr.rope.register_forward_hook(hook).remove, seen
     )
     assert shapes == stock_shapes and stock_shapes, f"the hook saw {shapes}, in the stock model {stock_shapes}"
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
 
 @pytest.mark.parametrize("where", ["attn1 pre-hook", "block pre-hook", "diffusers hook on rope"])
@@ -704,7 +701,7 @@ def test_hooks_that_read_the_rotary_embedding_see_cos_and_sin(where):
         return target.register_forward_pre_hook(pre, with_kwargs=True).remove
 
     ref, out, _, _ = _stock_then_injected(tr, kw, add_hook)
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
 
 
 def test_dropout_in_training_mode_is_applied(gen):
@@ -837,7 +834,7 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(where):
         else b1.register_forward_pre_hook(pre, with_kwargs=True)
     )
     ref, got, _ = without_and_with_kernels(tr, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, [handle])
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e} (seed {gen.seed_value})"
 
 
 def test_gradient_checkpointing_matches_without_it():
@@ -880,7 +877,7 @@ def test_block_subclass_with_its_own_forward_is_left_alone():
         got = run_model(tr, kw)
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("which", ["norm1", "norm2"])
@@ -897,7 +894,7 @@ def test_block_norm_swapped_for_layernorm_is_computed_as_layernorm(which):
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
     ref = run_model(tr, kw)  # unpatched, same modules
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("which", ["norm1", "norm2"])
@@ -905,7 +902,7 @@ def test_hook_on_a_block_norm_still_runs(which):
     gen, tr, kw = _tiny_case()
     norm = getattr(tr.transformer_blocks[1], which)
     ref, got = hooked_norm_outputs(norm, tr, kw, di.inject_optimized_kernels, di.remove_optimized_kernels)
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("loader", ["example", "benchmark_e2e"])
@@ -958,7 +955,7 @@ def test_carry_not_made_for_a_next_block_with_hooks():
         b1.scale_shift_table.zero_()  # "offloaded" until its pre-hook runs
     handles = [b1.register_forward_pre_hook(pre), b1.register_forward_hook(post)]
     ref, got, _ = without_and_with_kernels(tr, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, handles)
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
@@ -984,7 +981,7 @@ def test_diffusers_hook_changing_a_block_output_in_place(mode):
             got = tr(**kw)[0]
     finally:
         di.remove_optimized_kernels(tr, verbose=False)
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("interpret", ["1", None])

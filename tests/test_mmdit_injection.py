@@ -21,11 +21,12 @@ from kernel_testing import (
     assert_bf16_parity,
     assert_injecting_twice_is_harmless,
     assert_unpatched_again,
+    compiled_with_kernels,
     count_calls,
     hooked_norm_outputs,
     make_generator,
     rel_l2,
-    run_compiled_fullgraph,
+    rel_max,
     run_model,
     without_and_with_kernels,
 )
@@ -106,11 +107,6 @@ def _inputs(model, dtype=torch.float32, *, seed):
     return mi.make_mmdit_inputs(model, batch=2, height=64, width=64, text_len=7, dtype=dtype, device=DEVICE, seed=seed)
 
 
-def _rel_max(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _no_injection_left(model):
     for m in model.modules():
         assert mi._STATE not in m.__dict__, f"{type(m).__name__} still marked as patched"
@@ -132,7 +128,7 @@ def test_fp32_parity_and_exact_restore(kind, kernel_calls):
     out = run_model(model, kw)
     assert dict(kernel_calls) == {k: v for k, v in EXPECTED_CALLS[kind].items() if v}
     assert torch.isfinite(out).all()
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     assert mi.remove_mmdit_kernels(model, verbose=False) == counts
     assert_unpatched_again(model, kw, ref, _no_injection_left)
 
@@ -292,7 +288,7 @@ def test_last_residual_fused_into_the_next_norm(kind, kernel_calls):
     calls, undo = _count_norm_calls(model)
     out = run_model(model, kw)
     undo()
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     n = len(model.transformer_blocks)
     # block 0 computes its own norms; the others only a norm the previous block cannot fuse
     # (SD3's last block: norm1_context is an AdaLayerNormContinuous)
@@ -327,7 +323,7 @@ def test_carry_ignored_when_the_stream_changes_between_blocks():
         assert b1.__dict__[mi._CARRY]  # block 0 left block 1's norms
         pc1, ph1 = b1(ph0 + delta, pc0, temb)
         assert not b1.__dict__[mi._CARRY]  # taken off (and not used: h differs)
-    assert _rel_max(ph1, h_ref) <= FP32_REL and _rel_max(pc1, c_ref) <= FP32_REL
+    assert rel_max(ph1, h_ref) <= FP32_REL and rel_max(pc1, c_ref) <= FP32_REL
 
 
 def test_transposed_rows_fall_back_to_torch():
@@ -345,7 +341,7 @@ def test_transposed_rows_fall_back_to_torch():
         ref = blk(h, c, temb)
         mi.inject_mmdit_kernels(model, verbose=False)
         got = blk(h, c, temb)
-    assert _rel_max(got[1], ref[1]) <= FP32_REL and _rel_max(got[0], ref[0]) <= FP32_REL
+    assert rel_max(got[1], ref[1]) <= FP32_REL and rel_max(got[0], ref[0]) <= FP32_REL
 
 
 def test_injecting_twice_is_harmless(kernel_calls):
@@ -374,7 +370,7 @@ def test_fused_qkv_projections(kernel_calls):
     mi.inject_mmdit_kernels(model, verbose=False)
     out = run_model(model, kw)
     assert kernel_calls["joint_head_rms_norm_rope"] == 2
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
 
 
 def test_autograd_runs_the_original_code(kernel_calls):
@@ -386,7 +382,7 @@ def test_autograd_runs_the_original_code(kernel_calls):
     mi.inject_mmdit_kernels(model, verbose=False)
     out = model(**kw)[0]
     assert sum(kernel_calls.values()) == 0
-    assert _rel_max(out, ref) <= FP32_REL  # torch.addcmul instead of mul + add: an ulp here and there
+    assert rel_max(out, ref) <= FP32_REL  # torch.addcmul instead of mul + add: an ulp here and there
     out.square().mean().backward()
     assert all(p.grad is not None for p in model.transformer_blocks[0].norm1.linear.parameters())
 
@@ -404,7 +400,7 @@ def test_other_processor_and_ff_chunking_left_to_the_original(gen):
     kw = _inputs(model, seed=gen.seed_value)
     out = run_model(model, kw)
     mi.remove_mmdit_kernels(model, verbose=False)
-    assert _rel_max(out, run_model(model, kw)) <= FP32_REL
+    assert rel_max(out, run_model(model, kw)) <= FP32_REL
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -415,12 +411,9 @@ def test_torch_compile_fullgraph_traces_the_kernels(kind):
     gen = make_generator()
     model = _model(kind, seed=gen.seed_value % 1000)
     kw = _inputs(model, seed=gen.seed_value)
-    ref = run_model(model, kw)
-    mi.inject_mmdit_kernels(model, verbose=False)
-    out, ops, seen = run_compiled_fullgraph(model, kw)
-    mi.remove_mmdit_kernels(model, verbose=False)
+    ref, out, ops, seen = compiled_with_kernels(model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels)
     assert {"head_rms_norm_rope", "layer_norm_fused"} <= ops, sorted(seen)
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,7 +504,7 @@ def test_dispatch_from_inject_optimized_kernels(kernel_calls):
     assert {k: counts[k] for k in mi.KINDS} == EXPECTED_TINY["flux"]
     assert all(counts[k] == 0 for k in di.KINDS)
     assert di.injected_counts(Pipe()) == counts
-    assert _rel_max(run_model(model, kw), ref) <= FP32_REL and kernel_calls["joint_head_rms_norm_rope"] == 2
+    assert rel_max(run_model(model, kw), ref) <= FP32_REL and kernel_calls["joint_head_rms_norm_rope"] == 2
     assert di.remove_optimized_kernels(Pipe(), verbose=False) == counts
     assert_unpatched_again(model, kw, ref, _no_injection_left)
     assert set(di.injected_counts(model).values()) == {0}
@@ -610,7 +603,7 @@ def test_carry_ignored_after_an_in_place_change_between_blocks(kind, gen):
     ref, got, _ = without_and_with_kernels(
         model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, [b0.register_forward_hook(post)]
     )
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -621,7 +614,7 @@ def test_hook_on_a_block_layernorm_still_runs(kind, gen):
     kw = _inputs(model, seed=gen.seed_value)
     norm = model.transformer_blocks[0].norm2
     ref, got = hooked_norm_outputs(norm, model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels)
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -662,7 +655,7 @@ def test_hooks_on_submodules_still_run(kind, where, gen):
         model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, [handle], fired
     )
     assert len(fired) == n_ref > 0
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -682,4 +675,4 @@ def test_hook_on_the_next_block_norm1_still_runs(kind, gen):
         model, kw, mi.inject_mmdit_kernels, mi.remove_mmdit_kernels, [handle], fired
     )
     assert len(fired) == n_ref == 1
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"

@@ -16,7 +16,7 @@ import layernorm
 import model_zoo as mz
 import rmsnorm
 import rope
-from kernel_testing import DEVICE, count_calls
+from kernel_testing import DEVICE, count_calls, rel_max
 
 # fp32: each fused step is the same math with one rounding and another summation order: a few fp32 ulps per
 # op, far below 1e-5 of the output's magnitude through the tiny models
@@ -111,11 +111,6 @@ def kernel_calls(monkeypatch):
     return count_calls(monkeypatch, [(mod, name) for mod, names in KERNELS.items() for name in names])
 
 
-def _rel_max(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("name, batch", CASES)
 def test_tiny_forward_stock_injected_and_removed(name, batch, gen, kernel_calls):
     seed = int(torch.randint(2**31, (1,), generator=gen))
@@ -135,7 +130,7 @@ def test_tiny_forward_stock_injected_and_removed(name, batch, gen, kernel_calls)
     assert any(k.startswith("generic_") for k in injected)  # (a family runs the generic layer first, too)
     assert {k: v for k, v in restored.items() if k in injected} == injected
     assert kernels <= set(kernel_calls), f"kernels called: {dict(kernel_calls)}"
-    rel = _rel_max(got, ref)
+    rel = rel_max(got, ref)
     assert rel <= FP32_REL, f"{name}: injected vs stock {rel:.3e} of the output's max (kernels: {dict(kernel_calls)})"
     assert torch.equal(mz.run(model, kw), ref)
 

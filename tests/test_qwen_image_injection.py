@@ -24,15 +24,15 @@ import diffusers_injection as di
 import fp8_linear
 import head_norm_rope
 import injection_common as ic
-import layernorm
 import qwen_image_injection as qi
-import rmsnorm
 from kernel_testing import (
     DEVICE,
     assert_bf16_parity,
+    block_kernel_calls,
+    compiled_with_kernels,
     count_calls,
     rel_l2,
-    run_compiled_fullgraph,
+    rel_max,
     run_model,
     without_and_with_kernels,
 )
@@ -89,11 +89,6 @@ def _case(variant, seed, dtype=torch.float32):
     return model, _inputs(model, seed=seed, masked=variant.endswith("masked"), dtype=dtype)
 
 
-def _rel_max(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def _nothing_left(model):
     for m in model.modules():
         assert ic.bundle_state(m) is None, f"{type(m).__name__} still patched"
@@ -102,16 +97,7 @@ def _nothing_left(model):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    return count_calls(
-        monkeypatch,
-        (
-            (layernorm, "layer_norm_modulate"),
-            (layernorm, "gated_residual_layer_norm_modulate"),
-            (rmsnorm, "gated_residual_add"),
-            (head_norm_rope, "joint_head_rms_norm_rope"),
-            (activations, "gelu_tanh"),
-        ),
-    )
+    return block_kernel_calls(monkeypatch, (head_norm_rope, "joint_head_rms_norm_rope"), (activations, "gelu_tanh"))
 
 
 # per forward of the tiny model: norm1 of both streams in each block and norm_out; h + gate * attn with norm2
@@ -141,7 +127,7 @@ def test_fp32_parity_kernels_called_and_exact_removal(variant, kernel_calls, gen
     assert di.injected_counts(model) == counts
     out = run_model(model, kw)
     assert dict(kernel_calls) == FUSED_CALLS
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     restored = di.remove_optimized_kernels(model, verbose=False)
     assert restored["qwen_image_blocks"] == restored["qwen_image_attention"] == LAYERS
     _nothing_left(model)
@@ -194,8 +180,8 @@ def test_rope_tables_handed_on_only_while_unchanged(change, monkeypatch, gen):
     calls = count_calls(monkeypatch, [(torch, "view_as_real")])
     ref, got, _ = without_and_with_kernels(model, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, hooks)
     if change:
-        assert _rel_max(ref, plain) > 1e-3, "the rewritten frequencies change the output"
-    assert _rel_max(got, ref) <= FP32_REL
+        assert rel_max(ref, plain) > 1e-3, "the rewritten frequencies change the output"
+    assert rel_max(got, ref) <= FP32_REL
     # stock: 4 calls per block (apply_rotary_emb_qwen); injected: the text and image tables, once or twice
     assert calls["view_as_real"] == 4 * LAYERS + (4 if change else 2)
 
@@ -222,7 +208,7 @@ def test_hooks_on_modules_the_fused_path_skips_still_run(where, kernel_calls, ge
         model, kw, di.inject_optimized_kernels, di.remove_optimized_kernels, [handle], fired
     )
     assert len(fired) == n_ref > 0
-    assert _rel_max(got, ref) <= FP32_REL, f"rel max diff {_rel_max(got, ref):.3e}"
+    assert rel_max(got, ref) <= FP32_REL, f"rel max diff {rel_max(got, ref):.3e}"
     stepped_aside = {
         "img_norm1": ("layer_norm_modulate", 1),
         "txt_norm2": ("gated_residual_layer_norm_modulate", 1),
@@ -256,7 +242,7 @@ def test_subclasses_and_other_processors_left_alone(kernel_calls, gen):
     b0.attn.set_processor(_OwnProcessor())  # after injection: the patched attention runs the processor
     out = run_model(model, kw)
     assert kernel_calls["joint_head_rms_norm_rope"] == 0 and kernel_calls["gated_residual_add"] == 2
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     qi.remove(model, verbose=False)
     _nothing_left(model)
     assert torch.equal(run_model(model, kw), ref)
@@ -278,7 +264,7 @@ def test_attention_backend_set_after_injection_is_used(monkeypatch, gen):
     out = run_model(model, kw)
     qi.remove(model, verbose=False)
     assert seen == [AttentionBackendName._NATIVE_MATH] * LAYERS
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
 
 
 def test_autograd_falls_back_and_gives_the_same_gradient(kernel_calls, gen):
@@ -304,12 +290,9 @@ def test_torch_compile_fullgraph_traces_the_fused_kernels(gen):
     """The stock model traces with fullgraph=True; the injected one too, its graph calling the fused LayerNorm
     and q/k norm + RoPE kernels (per-token modulation and the joint mask included)."""
     model, kw = _case("edit-masked", gen.seed_value)
-    ref = run_model(model, kw)
-    qi.inject(model, verbose=False)
-    out, ops, seen = run_compiled_fullgraph(model, kw)
-    qi.remove(model, verbose=False)
+    ref, out, ops, seen = compiled_with_kernels(model, kw, qi.inject, qi.remove)
     assert {"head_rms_norm_rope", "layer_norm_fused"} <= ops, sorted(seen)
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
 
 
 def test_fp8_linear_layers_run_through_the_fused_blocks(gen):

@@ -11,13 +11,9 @@ import torch
 import transformers_families as tf
 import transformers_injection as ti
 import transformers_injection_example as ex
-from kernel_testing import DEVICE, make_generator
+from kernel_testing import DEVICE, make_generator, rel_max
 
 FP32_REL = 1e-5  # as in test_transformers_families.py: other summation orders, far below a wrong position (>= 1e-2)
-
-
-def _rel_max(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def test_capture_argument():
@@ -71,7 +67,7 @@ def test_static_cache_decode_matches_the_dynamic_cache(family, full_layers, inje
     assert torch.equal(tokens, want_tokens), f"static {tokens.tolist()} vs dynamic {want_tokens.tolist()}"
     logits = dec.forced_logits(prompt, want_tokens)
     assert logits.shape == want_logits.shape
-    assert _rel_max(logits, want_logits) <= FP32_REL, f"{_rel_max(logits, want_logits):.3e} (seed {seed})"
+    assert rel_max(logits, want_logits) <= FP32_REL, f"{rel_max(logits, want_logits):.3e} (seed {seed})"
     again = dec.greedy(prompt, n)  # the prefill empties the cache: a second decode is the first one
     assert torch.equal(again, tokens)
     if inject:

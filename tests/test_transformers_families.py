@@ -20,7 +20,8 @@ import transformers
 import kernel_testing as kt
 import transformers_families as tf
 import transformers_injection as ti
-from kernel_testing import DEVICE, make_generator, rel_l2, run_python
+from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python
+from transformers_testing import assert_autograd_falls_back, greedy, logits
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "references" / "transformers-integration.md"
@@ -88,10 +89,6 @@ def _clean_rope():
     ti._ROPE_SITES.clear()
 
 
-def _rel_max(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
 def _model(family, gen, dtype=torch.float32, **cfg):
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     return tf.build(tf.tiny_config(family, **cfg), device=DEVICE, dtype=dtype, seed=seed)
@@ -99,24 +96,6 @@ def _model(family, gen, dtype=torch.float32, **cfg):
 
 def _ids(gen, batch=2, length=10):
     return torch.randint(3, 256, (batch, length), generator=gen).to(DEVICE)
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def _greedy(model, ids, n=6):
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[:, ids.shape[1] :]
 
 
 def _nothing_left(model):
@@ -145,8 +124,8 @@ def test_family_parity_greedy_and_exact_restore(family):
     gen = make_generator()
     model = _model(family, gen)
     ids = _ids(gen)
-    ref = _logits(model, ids)
-    ref_tokens = _greedy(model, ids[:1])
+    ref = logits(model, ids)
+    ref_tokens = greedy(model, ids[:1])
 
     counts = ti.inject_optimized_kernels(model, verbose=False)
     versions = f"transformers {transformers.__version__}"
@@ -161,18 +140,18 @@ def test_family_parity_greedy_and_exact_restore(family):
         else:
             assert row["replaced"] == row["sites"] and not row["left"], (kind, row)
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert dict(calls) == calls_want
     assert out.dtype == ref.dtype and torch.isfinite(out).all()
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     with ti.count_kernel_calls() as calls:
-        tokens = _greedy(model, ids[:1])
+        tokens = greedy(model, ids[:1])
     assert calls["rope_rotate_half"] > 4 and calls["rms_norm"] > calls_want["rms_norm"]  # the decode steps too
     assert torch.equal(tokens, ref_tokens), f"greedy tokens differ (seed {gen.seed_value})"
 
     assert ti.remove_optimized_kernels(model, verbose=False) == counts
     _nothing_left(model)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
     assert ti.injected_counts(model) == ZERO
 
 
@@ -198,7 +177,7 @@ def test_gemma_mlp_runs_gelu_mul(family, caplog):
         with ti.count_kernel_calls() as calls, torch.no_grad():
             out = mlp(x)
         assert dict(calls) == {"gelu_mul": 1}
-        assert out.dtype == want.dtype and _rel_max(out, want) <= FP32_REL, f"seed {gen.seed_value}"
+        assert out.dtype == want.dtype and rel_max(out, want) <= FP32_REL, f"seed {gen.seed_value}"
     ti.remove_optimized_kernels(model, verbose=False)
     _nothing_left(model)
     with torch.no_grad():
@@ -346,7 +325,7 @@ def test_mlp_forms_found_by_probe():
     with ti.count_kernel_calls() as calls, torch.no_grad():
         out = mlp(x)
     assert dict(calls) == {"geglu": 1}
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     ti.remove_optimized_kernels(mlp, verbose=False)
     gate_first = _FusedGeGLU(gate_first=True)
     kind, plan = ti._mlp_plan(gate_first)
@@ -444,7 +423,7 @@ def test_offset_norm_recognised_by_what_it_computes(caplog):
     assert found == {good: (1.0, False), twice: (1.0, True)}, found
     assert isinstance(numerics[half], str) and isinstance(numerics[eps], str)
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with caplog.at_level("INFO", logger="transformers_injection"):
         counts = ti.inject_optimized_kernels(model, verbose=False)
     assert counts == {**ZERO, **EXPECTED["gemma2"][0], "rmsnorm": EXPECTED["gemma2"][0]["rmsnorm"] - 2}
@@ -453,11 +432,11 @@ def test_offset_norm_recognised_by_what_it_computes(caplog):
         assert f"{name}.forward computes another function than the RMSNorm kernel" in caplog.text
     assert ti.missing_kinds(model) == {}
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert dict(calls) == {**EXPECTED["gemma2"][1], "rms_norm": EXPECTED["gemma2"][1]["rms_norm"] - 2}
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     ti.remove_optimized_kernels(model, verbose=False)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
 
 
 class _NormAfterAddLayer(transformers.models.gemma2.modeling_gemma2.Gemma2DecoderLayer):
@@ -487,18 +466,18 @@ def test_a_layer_computing_another_function_is_left_alone(caplog):
     layer = model.model.layers[1]
     layer.__class__ = _NormAfterAddLayer
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with caplog.at_level("INFO", logger="transformers_injection"):
         counts = ti.inject_optimized_kernels(model, verbose=False)
     assert counts == {**ZERO, "rmsnorm": 9, "fused_add_rmsnorm": 1, "geglu": 2, "rope": 2}
     assert ti._STATE not in layer.__dict__
     assert "_NormAfterAddLayer.forward computes another function than a residual decoder layer" in caplog.text
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert calls["fused_add_rms_norm"] == 1 and calls["rms_norm"] == 8  # layer 1's four norms run the kernel
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     ti.remove_optimized_kernels(model, verbose=False)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,14 +492,14 @@ def test_phi3_partial_rotary():
     )
     assert model.model.rotary_emb(torch.zeros(1, device=DEVICE), torch.arange(3, device=DEVICE)[None])[0].shape[-1] == 8
     ids = _ids(gen)
-    ref = _logits(model, ids)
-    ref_tokens = _greedy(model, ids[:1])
+    ref = logits(model, ids)
+    ref_tokens = greedy(model, ids[:1])
     ti.inject_optimized_kernels(model, verbose=False)
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert calls["rope_rotate_half"] == 4
-    assert _rel_max(out, ref) <= FP32_REL
-    assert torch.equal(_greedy(model, ids[:1]), ref_tokens)
+    assert rel_max(out, ref) <= FP32_REL
+    assert torch.equal(greedy(model, ids[:1]), ref_tokens)
     ti.remove_optimized_kernels(model, verbose=False)
     _nothing_left(model)
 
@@ -534,13 +513,13 @@ def test_phi3_active_dropout_runs_the_original_layer():
     ti.inject_optimized_kernels(model, verbose=False)
     model.train()
     with ti.count_kernel_calls() as calls:
-        _logits(model, ids)
+        logits(model, ids)
     assert calls["fused_add_rms_norm"] == 0 and calls["rms_norm"] == 5
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     with ti.count_kernel_calls() as calls:
-        _logits(model, ids)
+        logits(model, ids)
     assert calls["fused_add_rms_norm"] == 2
     ti.remove_optimized_kernels(model, verbose=False)
 
@@ -553,24 +532,24 @@ def test_gemma_offset_weight_follows_the_weight():
     ids = _ids(gen)
     ti.inject_optimized_kernels(model, verbose=False)
     norm = model.model.norm
-    _logits(model, ids)
+    logits(model, ids)
     kept = ti._OFFSET_WEIGHTS[norm][2]
-    _logits(model, ids)
+    logits(model, ids)
     assert ti._OFFSET_WEIGHTS[norm][2] is kept  # reused
     with torch.no_grad():
         norm.weight.add_(0.25)  # in place: the version counter moves
         model.model.layers[0].pre_feedforward_layernorm.weight.mul_(-1.0)  # a fused norm
-    patched = _logits(model, ids)
+    patched = logits(model, ids)
     assert ti._OFFSET_WEIGHTS[norm][2] is not kept
     norm.weight = torch.nn.Parameter(norm.weight.detach() * 0.5, requires_grad=False)  # a new tensor
-    patched2 = _logits(model, ids)
+    patched2 = logits(model, ids)
     ti.remove_optimized_kernels(model, verbose=False)
-    stock2 = _logits(model, ids)
+    stock2 = logits(model, ids)
     with torch.no_grad():
         norm.weight.mul_(2.0)
-    stock = _logits(model, ids)
-    assert _rel_max(patched, stock) <= FP32_REL and _rel_max(patched2, stock2) <= FP32_REL
-    assert _rel_max(stock, stock2) > 1e-3  # the changes mattered
+    stock = logits(model, ids)
+    assert rel_max(patched, stock) <= FP32_REL and rel_max(patched2, stock2) <= FP32_REL
+    assert rel_max(stock, stock2) > 1e-3  # the changes mattered
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
@@ -581,31 +560,31 @@ def test_experts_implementations(implementation, caplog):
     model = _model("mixtral", gen)
     model.set_experts_implementation(implementation)
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with caplog.at_level("INFO", logger="transformers_injection"):
         assert ti.inject_optimized_kernels(model, verbose=False)["moe_swiglu"] == 2
     assert ("experts_implementation='eager'" in caplog.text) == (implementation == "eager")
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert calls["swiglu"] == (0 if implementation == "eager" else 2)
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     ti.remove_optimized_kernels(model, verbose=False)
     _nothing_left(model)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
 
 
 def test_experts_with_a_hooked_activation_keep_pytorch():
     gen = make_generator()
     model = _model("mixtral", gen)
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     ti.inject_optimized_kernels(model, verbose=False)
     seen = []
     model.model.layers[0].mlp.experts.act_fn.register_forward_hook(lambda m, a, o: seen.append(o.shape))
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert calls["swiglu"] == 1 and len(seen) == 1  # layer 0's hook ran: its experts took PyTorch's path
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     ti.remove_optimized_kernels(model, verbose=False)
 
 
@@ -615,21 +594,12 @@ def test_autograd_falls_back_and_backward_works(family):
     gradients are the stock model's, bit for bit."""
     gen = make_generator()
     model = _model(family, gen)
-    model.requires_grad_(True)
-    ids = _ids(gen)
-    ref = model(ids).logits
-    ref.float().pow(2).mean().backward()
-    ref_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    ti.inject_optimized_kernels(model, skinny_gemm=True, verbose=False)
-    with ti.count_kernel_calls() as calls:
-        out = model(ids).logits
-        out.float().pow(2).mean().backward()
-    assert sum(calls.values()) == 0, dict(calls)
-    assert torch.equal(out, ref)
-    for p, g in zip(model.parameters(), ref_grads):
-        assert torch.equal(p.grad, g)
-    ti.remove_optimized_kernels(model, verbose=False)
+    assert_autograd_falls_back(
+        model,
+        _ids(gen),
+        lambda m: ti.inject_optimized_kernels(m, skinny_gemm=True, verbose=False),
+        lambda m: ti.remove_optimized_kernels(m, verbose=False),
+    )
 
 
 @pytest.mark.parametrize("family", ["gemma3", "olmo2", "qwen3"])
@@ -637,17 +607,17 @@ def test_bf16_accuracy_against_fp32(family):
     gen = make_generator()
     model = _model(family, gen)
     ids = _ids(gen, batch=1, length=24)
-    ref32 = _logits(model, ids)
+    ref32 = logits(model, ids)
     model.to(torch.bfloat16)
-    stock = _logits(model, ids)
+    stock = logits(model, ids)
     ti.inject_optimized_kernels(model, verbose=False)
     with ti.count_kernel_calls() as calls:
-        patched = _logits(model, ids)
+        patched = logits(model, ids)
     assert calls["rms_norm"] and calls["rope_rotate_half"] and patched.dtype == torch.bfloat16
     e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
     assert e_patched <= BF16_FACTOR * e_stock, f"{e_patched:.3e} vs stock {e_stock:.3e} (seed {gen.seed_value})"
     ti.remove_optimized_kernels(model, verbose=False)
-    assert torch.equal(_logits(model, ids), stock)
+    assert torch.equal(logits(model, ids), stock)
 
 
 @pytest.mark.slow  # a Dynamo trace of a whole model: 15-20 s on a 2-core CPU
@@ -659,12 +629,12 @@ def test_compiled_fullgraph_calls_the_kernels(family):
     model = _model(family, gen)
     ids = _ids(gen)
     ti.inject_optimized_kernels(model, verbose=False)
-    eager = _logits(model, ids)
+    eager = logits(model, ids)
     with torch.no_grad():
         out, ops, _ = kt.run_compiled_fullgraph(model, {"input_ids": ids})
     assert {"rms_norm_fused", "rope_rotate_half"} <= ops and ("swiglu" in ops) == (family == "mixtral"), sorted(ops)
     assert ("gelu_mul" in ops) == (family == "gemma3"), sorted(ops)
-    assert _rel_max(out, eager) <= FP32_REL
+    assert rel_max(out, eager) <= FP32_REL
     ti.remove_optimized_kernels(model, verbose=False)
 
 

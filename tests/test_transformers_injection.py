@@ -18,7 +18,15 @@ from transformers.models.llama import modeling_llama
 import kernel_testing as kt
 import plain_rope_llama as prl
 import transformers_injection as ti
-from kernel_testing import DEVICE, make_generator, rel_l2, run_python
+from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python
+from transformers_testing import (
+    ORIGINAL_ROPE,
+    TINY_LLAMA_COUNTS,
+    assert_autograd_falls_back,
+    greedy,
+    logits,
+    restore_rope,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,15 +39,6 @@ FP32_REL = 1e-5
 # where a GPU rounds to nearest.
 BF16_FACTOR = 1.5
 
-TINY_COUNTS = {
-    "rmsnorm": 5,
-    "fused_add_rmsnorm": 2,
-    "swiglu": 2,
-    "geglu": 0,
-    "moe_swiglu": 0,
-    "rope": 2,
-    "skinny_gemm": 0,
-}
 ZERO = {k: 0 for k in ti.KINDS}
 # The sizes of the tiny Llama (ti.tiny_llama_config), for models built like it from other config classes
 TINY_SIZES = (
@@ -52,10 +51,6 @@ TINY_SIZES = (
 )
 
 
-def _rel_max(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
 def _model(gen, dtype=torch.float32, **cfg):
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     return ti.build_llama(ti.tiny_llama_config(**cfg), device=DEVICE, dtype=dtype, seed=seed)
@@ -65,29 +60,10 @@ def _ids(gen, batch=2, length=9, vocab=256):
     return torch.randint(3, vocab, (batch, length), generator=gen).to(DEVICE)
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def _greedy(model, ids, n=6):
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[:, ids.shape[1] :]
-
-
 def _rope_fn():
     return modeling_llama.apply_rotary_pos_emb
 
 
-ORIGINAL_ROPE = ti._original_rope_function(modeling_llama.apply_rotary_pos_emb)
 # With the kernels package (a dependency from transformers 5.25) the model file's function is a module that
 # routes each layer's calls to the layer's own copy, where the injection puts the kernel: nothing global
 # changes. Without it (tests/plain_rope_llama.py) a dispatcher stands in for the model file's function.
@@ -112,10 +88,7 @@ def _nothing_left(model):
 @pytest.fixture(autouse=True)
 def _clean_rope():
     yield
-    # a failing test must not leave the dispatcher in place for the next one
-    modeling_llama.apply_rotary_pos_emb = ORIGINAL_ROPE
-    prl.reset()
-    ti._ROPE_SITES.clear()
+    restore_rope()
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,27 +98,27 @@ def test_fp32_parity_greedy_and_exact_restore():
     gen = make_generator()
     model = _model(gen)
     ids = _ids(gen)
-    ref = _logits(model, ids)
-    ref_tokens = _greedy(model, ids[:1])
+    ref = logits(model, ids)
+    ref_tokens = greedy(model, ids[:1])
 
     counts = ti.inject_llama_kernels(model, verbose=False)
-    assert counts == TINY_COUNTS
+    assert counts == TINY_LLAMA_COUNTS
     assert (_rope_fn() is ORIGINAL_ROPE) == HUB_FORM  # with the kernels package nothing global changes
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     # per layer: input_layernorm, fused residual + post-attention norm, q and k RoPE, SwiGLU; + final norm
     assert dict(calls) == {"rms_norm": 3, "fused_add_rms_norm": 2, "rope_rotate_half": 4, "swiglu": 2}
     assert out.dtype == ref.dtype and torch.isfinite(out).all()
-    assert _rel_max(out, ref) <= FP32_REL, f"rel max diff {_rel_max(out, ref):.3e} (seed {gen.seed_value})"
+    assert rel_max(out, ref) <= FP32_REL, f"rel max diff {rel_max(out, ref):.3e} (seed {gen.seed_value})"
     with ti.count_kernel_calls() as calls:
-        tokens = _greedy(model, ids[:1])
+        tokens = greedy(model, ids[:1])
     assert calls["fused_add_rms_norm"] > 0 and calls["rope_rotate_half"] > 0  # decode steps ran the kernels
     assert torch.equal(tokens, ref_tokens), f"greedy tokens differ (seed {gen.seed_value})"
 
     restored = ti.remove_llama_kernels(model, verbose=False)
     assert restored == counts
     _nothing_left(model)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
     assert ti.injected_counts(model) == {k: 0 for k in ti.KINDS}
 
 
@@ -155,25 +128,25 @@ def test_bf16_parity_against_fp32_with_skinny_gemm():
     gen = make_generator()
     model = _model(gen)
     ids = _ids(gen, batch=1, length=40)  # more than 32 rows: the prefill keeps nn.Linear
-    ref32 = _logits(model, ids)
+    ref32 = logits(model, ids)
     model.to(torch.bfloat16)
-    stock = _logits(model, ids)
+    stock = logits(model, ids)
     last = ids[:, -1:]  # a 1-row call, as in decoding: goes through the skinny GEMM
-    stock_last = _logits(model, last)
+    stock_last = logits(model, last)
     counts = ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
-    assert counts == {**TINY_COUNTS, "skinny_gemm": 15}  # 7 per layer + lm_head
+    assert counts == {**TINY_LLAMA_COUNTS, "skinny_gemm": 15}  # 7 per layer + lm_head
     with ti.count_kernel_calls() as calls:
-        patched = _logits(model, ids)
+        patched = logits(model, ids)
     assert calls["skinny_gemm"] == 0 and calls["swiglu"] == 2
     with ti.count_kernel_calls() as calls:
-        patched_last = _logits(model, last)
+        patched_last = logits(model, last)
     assert calls["skinny_gemm"] == 15
     assert patched.dtype == torch.bfloat16
     e_stock, e_patched = rel_l2(stock, ref32), rel_l2(patched, ref32)
     assert e_patched <= BF16_FACTOR * e_stock, f"patched {e_patched:.3e} vs stock {e_stock:.3e} (seed {gen.seed_value})"
     assert rel_l2(patched_last, stock_last) <= 2.0**-4
     ti.remove_llama_kernels(model, verbose=False)
-    assert torch.equal(_logits(model, ids), stock)
+    assert torch.equal(logits(model, ids), stock)
     _nothing_left(model)
 
 
@@ -212,7 +185,7 @@ def test_idempotent_and_incremental(form):
 def test_options_select_kinds():
     model = _model(make_generator())
     counts = ti.inject_llama_kernels(model, fuse_residual=False, rope=False, verbose=False)
-    assert counts == {**TINY_COUNTS, "fused_add_rmsnorm": 0, "rope": 0}
+    assert counts == {**TINY_LLAMA_COUNTS, "fused_add_rmsnorm": 0, "rope": 0}
     assert _rope_fn() is ORIGINAL_ROPE
     ti.remove_llama_kernels(model, verbose=False)
     _nothing_left(model)
@@ -237,12 +210,12 @@ def test_non_llama_model_untouched():
         GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64)).to(DEVICE).eval()
     )
     ids = _ids(gen, vocab=128)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     counts = ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
     assert counts == {k: 0 for k in ti.KINDS}
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert _rope_fn() is ORIGINAL_ROPE
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
     assert ti.remove_llama_kernels(model, verbose=False) == counts
 
 
@@ -265,18 +238,18 @@ def test_llama_copy_is_recognised(family):
     cfg = getattr(transformers, config_cls)(**{k: getattr(tiny, k) for k in TINY_SIZES}, pad_token_id=0)
     model = getattr(transformers, model_cls)(cfg).to(DEVICE).eval()
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     counts = ti.inject_llama_kernels(model, verbose=False)
-    assert counts == {**TINY_COUNTS, "rmsnorm": TINY_COUNTS["rmsnorm"] + extra_norms}, (
+    assert counts == {**TINY_LLAMA_COUNTS, "rmsnorm": TINY_LLAMA_COUNTS["rmsnorm"] + extra_norms}, (
         f"transformers {transformers.__version__}: {ti.missing_kinds(model)}"
     )
     assert ti.missing_kinds(model) == {}
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert calls["rope_rotate_half"] == 4
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
     ti.remove_llama_kernels(model, verbose=False)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
 
 
 def test_modified_decoder_layer_is_not_fused():
@@ -316,11 +289,11 @@ def test_modified_decoder_layer_is_not_fused():
     layer = model.model.layers[1]
     layer.__class__ = ScaledResidualLayer
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     counts = ti.inject_llama_kernels(model, verbose=False)
-    assert counts == {**TINY_COUNTS, "fused_add_rmsnorm": 1}
+    assert counts == {**TINY_LLAMA_COUNTS, "fused_add_rmsnorm": 1}
     assert ti._STATE not in layer.__dict__
-    assert _rel_max(_logits(model, ids), ref) <= FP32_REL
+    assert rel_max(logits(model, ids), ref) <= FP32_REL
     ti.remove_llama_kernels(model, verbose=False)
 
 
@@ -339,11 +312,11 @@ def test_decoder_layer_called_directly():
             out = layer(h, None, pos, position_embeddings=cos_sin)
         assert calls["fused_add_rms_norm"] == 1
         assert type(out) is type(ref) and out.shape == ref.shape
-        assert _rel_max(out, ref) <= FP32_REL
+        assert rel_max(out, ref) <= FP32_REL
         with ti.count_kernel_calls() as calls:  # hidden_states by keyword: the original layer runs
             kw_out = layer(hidden_states=h, position_ids=pos, position_embeddings=cos_sin)
         assert calls["fused_add_rms_norm"] == 0 and calls["rms_norm"] == 2
-        assert _rel_max(kw_out, ref) <= FP32_REL
+        assert rel_max(kw_out, ref) <= FP32_REL
         with pytest.raises(TypeError):
             layer(h, None, pos, position_ids=pos, position_embeddings=cos_sin)  # as the original would
     ti.remove_llama_kernels(model, verbose=False)
@@ -355,21 +328,12 @@ def test_decoder_layer_called_directly():
 def test_autograd_falls_back_and_backward_works():
     gen = make_generator()
     model = _model(gen)
-    model.requires_grad_(True)
-    ids = _ids(gen)
-    ref = model(ids).logits
-    ref.float().pow(2).mean().backward()
-    ref_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
-    with ti.count_kernel_calls() as calls:
-        out = model(ids).logits
-        out.float().pow(2).mean().backward()
-    assert sum(calls.values()) == 0, dict(calls)
-    assert torch.equal(out, ref)
-    for p, g in zip(model.parameters(), ref_grads):
-        assert torch.equal(p.grad, g)
-    ti.remove_llama_kernels(model, verbose=False)
+    assert_autograd_falls_back(
+        model,
+        _ids(gen),
+        lambda m: ti.inject_llama_kernels(m, skinny_gemm=True, verbose=False),
+        lambda m: ti.remove_llama_kernels(m, verbose=False),
+    )
 
 
 def test_unsupported_device_falls_back(monkeypatch):
@@ -377,11 +341,11 @@ def test_unsupported_device_falls_back(monkeypatch):
     gen = make_generator()
     model = ti.build_llama(ti.tiny_llama_config(), device="cpu", seed=gen.seed_value % 2**31)
     ids = _ids(gen).cpu()
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     ti.inject_llama_kernels(model, skinny_gemm=True, verbose=False)
     monkeypatch.setattr(ti.ic, "interpreting", lambda: False)
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert sum(calls.values()) == 0
     assert torch.equal(out, ref)
     ti.remove_llama_kernels(model, verbose=False)
@@ -404,7 +368,7 @@ def test_dtype_mix_rmsnorm_falls_back():
     with ti.count_kernel_calls() as calls:  # fp32 input on the fp32 weight: the kernel
         out32 = norm(x.float())
     assert calls["rms_norm"] == 1
-    assert _rel_max(out32, modeling_llama.LlamaRMSNorm.forward(norm, x.float())) <= FP32_REL
+    assert rel_max(out32, modeling_llama.LlamaRMSNorm.forward(norm, x.float())) <= FP32_REL
     ti.remove_llama_kernels(model, verbose=False)
 
 
@@ -417,13 +381,13 @@ def test_hooked_norm_is_not_bypassed():
     norm = model.model.layers[0].post_attention_layernorm
     norm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     ti.inject_llama_kernels(model, verbose=False)
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert len(seen) == 2
     assert calls["fused_add_rms_norm"] == 1  # layer 1 only
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     ti.remove_llama_kernels(model, verbose=False)
 
 
@@ -442,27 +406,27 @@ def test_accelerate_hook_keeps_running():
     norm = model.model.norm
     add_hook_to_module(norm, Count())
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     ti.inject_llama_kernels(model, verbose=False)
     assert norm.__dict__[ti._STATE]["slot"] == "_old_forward"
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert Count.n == 2 and calls["rms_norm"] == 3
-    assert _rel_max(out, ref) <= FP32_REL
+    assert rel_max(out, ref) <= FP32_REL
     ti.remove_llama_kernels(model, verbose=False)
     remove_hook_from_module(norm)
     _nothing_left(model)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
     # the other order: the hook removed while the kernels are in, then the kernels
     add_hook_to_module(norm, Count())
     ti.inject_llama_kernels(model, verbose=False)
     remove_hook_from_module(norm)
     with ti.count_kernel_calls() as calls:
-        assert _rel_max(_logits(model, ids), ref) <= FP32_REL
+        assert rel_max(logits(model, ids), ref) <= FP32_REL
     assert calls["rms_norm"] == 3
     ti.remove_llama_kernels(model, verbose=False)
     _nothing_left(model)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
 
 
 def test_rope_is_per_instance():
@@ -472,11 +436,11 @@ def test_rope_is_per_instance():
     gen = make_generator()
     a, b = prl.use_plain_rope(_model(gen)), prl.use_plain_rope(_model(gen))
     ids = _ids(gen)
-    ref_b = _logits(b, ids)
+    ref_b = logits(b, ids)
     ti.inject_llama_kernels(a, verbose=False)
     assert prl.current() is not prl.ORIGINAL
     with ti.count_kernel_calls() as calls:
-        out_b = _logits(b, ids)
+        out_b = logits(b, ids)
     assert sum(calls.values()) == 0
     assert torch.equal(out_b, ref_b)
     q = torch.randn(1, 5, 2, 8, generator=gen).to(DEVICE)  # [B, S, H, D]: unsqueeze_dim=2
@@ -504,14 +468,14 @@ def test_rope_in_each_layers_copy():
     gen = make_generator()
     a, b = _model(gen), _model(gen)
     ids = _ids(gen)
-    ref_a, ref_b = _logits(a, ids), _logits(b, ids)
+    ref_a, ref_b = logits(a, ids), logits(b, ids)
     assert ti.inject_llama_kernels(a, verbose=False)["rope"] == 2
     assert _rope_fn() is ORIGINAL_ROPE
     with ti.count_kernel_calls() as calls:
-        assert torch.equal(_logits(b, ids), ref_b)
+        assert torch.equal(logits(b, ids), ref_b)
     assert sum(calls.values()) == 0
     with ti.count_kernel_calls() as calls:
-        assert _rel_max(_logits(a, ids), ref_a) <= FP32_REL
+        assert rel_max(logits(a, ids), ref_a) <= FP32_REL
     assert calls["rope_rotate_half"] == 4
     slot = a.model.layers[0].self_attn.__dict__[ti._STATE]["rope_slot"]
     q = torch.randn(1, 5, 2, 8, generator=gen).to(DEVICE)  # [B, S, H, D]: unsqueeze_dim=2
@@ -521,7 +485,7 @@ def test_rope_in_each_layers_copy():
     assert calls["rope_rotate_half"] == 0
     assert torch.equal(got[0], ORIGINAL_ROPE(q, q, cos, sin, unsqueeze_dim=2)[0])
     ti.remove_llama_kernels(a, verbose=False)
-    assert torch.equal(_logits(a, ids), ref_a)
+    assert torch.equal(logits(a, ids), ref_a)
     _nothing_left(a)
 
 
@@ -538,7 +502,7 @@ def test_installed_transformers_gets_every_kind():
     assert all(counts[k] for k in llama_kinds), f"{versions}: a kind was not injected: {counts}"
     model.to(torch.bfloat16)  # the skinny GEMM takes fp16 / bf16
     with ti.count_kernel_calls() as calls:
-        _logits(model, _ids(make_generator(), batch=1, length=1))  # one row: the skinny GEMM's case
+        logits(model, _ids(make_generator(), batch=1, length=1))  # one row: the skinny GEMM's case
     want = {"rms_norm", "fused_add_rms_norm", "swiglu", "rope_rotate_half", "skinny_gemm"}
     assert want <= set(calls), f"{versions}: these kernels never ran: {sorted(want - set(calls))}"
     ti.remove_llama_kernels(model, verbose=False)
@@ -594,20 +558,20 @@ def test_recognised_by_what_it_computes(caplog):
     layers[1].input_layernorm.__class__ = _HalfOffsetRMSNorm
     layers[0].__class__ = _RewrittenLayer
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with caplog.at_level("INFO", logger="transformers_injection"):
         counts = ti.inject_llama_kernels(model, verbose=False)
-    assert counts == {**TINY_COUNTS, "rmsnorm": 4}
+    assert counts == {**TINY_LLAMA_COUNTS, "rmsnorm": 4}
     assert ti._STATE in layers[0].__dict__ and ti._STATE in layers[0].input_layernorm.__dict__
     assert ti._STATE not in layers[1].input_layernorm.__dict__
     assert "_HalfOffsetRMSNorm.forward computes another function" in caplog.text
     with ti.count_kernel_calls() as calls:
-        out = _logits(model, ids)
+        out = logits(model, ids)
     assert calls["fused_add_rms_norm"] == 2 and calls["rms_norm"] == 2
-    assert _rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
+    assert rel_max(out, ref) <= FP32_REL, f"seed {gen.seed_value}"
     assert ti.missing_kinds(model) == {}  # 4 of the 5 RMSNorms run the kernel
     ti.remove_llama_kernels(model, verbose=False)
-    assert torch.equal(_logits(model, ids), ref)
+    assert torch.equal(logits(model, ids), ref)
 
 
 def _rotated_the_other_way(q, k, cos, sin, unsqueeze_dim=1):
@@ -623,16 +587,16 @@ def test_a_kind_with_sites_but_no_kernel_warns(caplog, monkeypatch):
     model = prl.use_plain_rope(_model(gen))
     monkeypatch.setitem(vars(prl), "apply_rotary_pos_emb", _rotated_the_other_way)
     ids = _ids(gen)
-    ref = _logits(model, ids)
+    ref = logits(model, ids)
     with caplog.at_level("INFO", logger="transformers_injection"):
         counts = ti.inject_llama_kernels(model, verbose=False)
-    assert counts == {**TINY_COUNTS, "rope": 0}
+    assert counts == {**TINY_LLAMA_COUNTS, "rope": 0}
     missing = ti.missing_kinds(model)
     assert list(missing) == ["rope"] and "2 sites, none replaced" in missing["rope"]
     assert "computes another function than rotate-half RoPE" in missing["rope"]
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "WARNING rope: 2 sites, none replaced" in warnings[0].getMessage()
-    assert _rel_max(_logits(model, ids), ref) <= FP32_REL
+    assert rel_max(logits(model, ids), ref) <= FP32_REL
     assert ti.missing_kinds(model, rope=False) == {}  # not asked for: not missing
     ti.remove_llama_kernels(model, verbose=False)
 
@@ -645,11 +609,11 @@ def test_compiled_fullgraph_calls_the_kernels():
     model = _model(gen)
     ids = _ids(gen)
     ti.inject_llama_kernels(model, verbose=False)
-    eager = _logits(model, ids)
+    eager = logits(model, ids)
     with torch.no_grad():
         out, ops, _ = kt.run_compiled_fullgraph(model, {"input_ids": ids})
     assert {"rms_norm_fused", "swiglu", "rope_rotate_half"} <= ops, sorted(ops)
-    assert _rel_max(out, eager) <= FP32_REL
+    assert rel_max(out, eager) <= FP32_REL
     ti.remove_llama_kernels(model, verbose=False)
 
 
@@ -678,7 +642,7 @@ def test_example_runs_on_cpu():
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["ok"] is True
-    assert summary["replaced"] == TINY_COUNTS
+    assert summary["replaced"] == TINY_LLAMA_COUNTS
     assert summary["fp32"]["greedy_tokens_identical"] and summary["fp32"]["restored_bit_identical"]
     assert summary["fp32"]["patched_vs_unpatched"]["rel_max_diff"] <= 1e-4
 
