@@ -25,8 +25,8 @@ from diffusers.models.transformers import transformer_wan_vace as vace_file
 import activations
 import generic_injection as gi
 import layernorm
+import qk_norm_rope
 import rmsnorm
-import rope
 import wan_injection as wi
 from kernel_testing import (
     DEVICE,
@@ -72,7 +72,7 @@ def kernel_calls(monkeypatch):
             (layernorm, "gated_residual_layer_norm_modulate"),
             (rmsnorm, "gated_residual_add"),
             (rmsnorm, "rms_norm"),
-            (rope, "ltx_qk_rmsnorm_rope"),
+            (qk_norm_rope, "ltx_qk_rmsnorm_rope"),
             (activations, "gelu_tanh"),
         ),
     )
