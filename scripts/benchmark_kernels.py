@@ -342,7 +342,7 @@ def case_gated_residual(B, S, dtype):
 
 
 def _ltx_rope_inputs(B, S, dtype):
-    import rope
+    import qk_norm_rope
 
     # coords as LTXVideoRotaryPosEmbed builds them for a 121-frame 512x768 latent grid (16 x 16 x 24)
     t = torch.arange(S, device="cuda")
@@ -351,8 +351,8 @@ def _ltx_rope_inputs(B, S, dtype):
     scale = (8 / 25, 32, 32)
     coords = torch.stack([f * scale[0] / 20, hh * scale[1] / 2048, ww * scale[2] / 2048], -1).float()
     coords = coords[None].expand(B, S, 3).contiguous()
-    freqs = rope.ltx_rope_freqs(HIDDEN, device="cuda")
-    cos, sin = rope.ltx_cos_sin_from_coords(coords, freqs, HIDDEN)
+    freqs = qk_norm_rope.ltx_rope_freqs(HIDDEN, device="cuda")
+    cos, sin = qk_norm_rope.ltx_cos_sin_from_coords(coords, freqs, HIDDEN)
     return coords, freqs, cos, sin
 
 
@@ -382,7 +382,7 @@ def case_ltx_rope(B, S, dtype):
 
 
 def case_ltx_qk_norm_rope(B, S, dtype):
-    import rope
+    import qk_norm_rope
 
     q = _rand((B, S, HIDDEN), dtype, 2.0)
     k = _rand((B, S, HIDDEN), dtype, 2.0)
@@ -397,12 +397,14 @@ def case_ltx_qk_norm_rope(B, S, dtype):
         return _apply_rotary_emb(qn, cos, sin), _apply_rotary_emb(kn, cos, sin)
 
     fns = {
-        "triton(in-kernel cos/sin)": lambda q, k: rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, eps, coords, freqs),
-        "triton(cos/sin read)": lambda q, k: rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, eps, cos, sin),
+        "triton(in-kernel cos/sin)": lambda q, k: qk_norm_rope.ltx_qk_rmsnorm_rope_coords(
+            q, k, wq, wk, eps, coords, freqs
+        ),
+        "triton(cos/sin read)": lambda q, k: qk_norm_rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, eps, cos, sin),
         "eager": eager,
         "compile": torch.compile(eager, dynamic=False),
     }
-    ref = rope.ltx_qk_rmsnorm_rope_ref(
+    ref = qk_norm_rope.ltx_qk_rmsnorm_rope_ref(
         q.double(), k.double(), wq.double(), wk.double(), eps, cos.double(), sin.double()
     )
     # the bytes the op must move: q, k in and out, weights, per-token coords (cos/sin are derivable);

@@ -128,7 +128,7 @@ def _wan_cases(model: str, d: int, ffn: int) -> Dict[str, Tuple[str, Callable]]:
     s = 32760
     return {
         f"wan_{model}_qk_rmsnorm_rope[per-head table 1x{s}x{d}]": (
-            "rope",
+            "qk_norm_rope",
             lambda m: m.ltx_qk_rmsnorm_rope(*_qk(1, s, d), 1e-6, *_cos_sin(1, s, 128)),
         ),
         f"wan_{model}_layer_norm_modulate[fp32 modulation 1x{s}x{d}]": (
@@ -240,18 +240,19 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         "rope",
         lambda m: m.rope_interleaved(_bf16(1, 4096, 24, 128).transpose(1, 2), *_f32(4096, 64, 2).unbind(-1)),
     ),
+    # ---- scripts/qk_norm_rope.py ----
     # LTX self-attention: norm_q/norm_k (weighted RMSNorm over 2048, eps 1e-5) + RoPE, one launch
     "ltx_qk_rmsnorm_rope[2x1320x2048]": (
-        "rope",
+        "qk_norm_rope",
         lambda m: m.ltx_qk_rmsnorm_rope(*_qk(2, 1320, 2048), 1e-5, *_cos_sin(2, 1320, 2048)),
     ),
     "ltx_qk_rmsnorm_rope[2x6144x2048]": (
-        "rope",
+        "qk_norm_rope",
         lambda m: m.ltx_qk_rmsnorm_rope(*_qk(2, 6144, 2048), 1e-5, *_cos_sin(2, 6144, 2048)),
     ),
     # the same with cos/sin computed in the kernel from grid coordinates [B, S, 3] and 2048 // 6 frequencies
     "ltx_qk_rmsnorm_rope_coords[2x6144x2048]": (
-        "rope",
+        "qk_norm_rope",
         lambda m: m.ltx_qk_rmsnorm_rope_coords(*_qk(2, 6144, 2048), 1e-5, _f32(2, 6144, 3), _f32(2048 // 6)),
     ),
     # ---- scripts/activations.py ----

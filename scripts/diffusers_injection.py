@@ -70,8 +70,8 @@ import fp8_linear  # noqa: E402
 import generic_injection as gi  # noqa: E402
 import graph_mode  # noqa: E402
 import injection_common as ic  # noqa: E402
+import qk_norm_rope  # noqa: E402
 import rmsnorm  # noqa: E402
-import rope  # noqa: E402
 
 __all__ = [
     "inject_optimized_kernels",
@@ -395,7 +395,7 @@ def _ltx_rope_forward(
             dim=-1,
         )
     grid = grid.to(torch.float32)
-    freqs = rope.ltx_rope_freqs(self.dim, theta=self.theta, device=hidden_states.device)
+    freqs = qk_norm_rope.ltx_rope_freqs(self.dim, theta=self.theta, device=hidden_states.device)
     freqs = freqs.expand(grid.shape[0], grid.shape[1], freqs.shape[-1])
     return grid, freqs
 
@@ -525,15 +525,15 @@ class LTXFusedSelfAttnProcessor:
             eps = _torch_rmsnorm_eps(nq)
             cbw = _TORCH_RMSNORM_CASTS_BEFORE_WEIGHT
             if coords_form:
-                return rope.ltx_qk_rmsnorm_rope_coords(
+                return qk_norm_rope.ltx_qk_rmsnorm_rope_coords(
                     query, key, nq.weight, nk.weight, eps, a, b[0, 0], cast_before_weight=cbw
                 )
-            return rope.ltx_qk_rmsnorm_rope(query, key, nq.weight, nk.weight, eps, a, b, cast_before_weight=cbw)
+            return qk_norm_rope.ltx_qk_rmsnorm_rope(query, key, nq.weight, nk.weight, eps, a, b, cast_before_weight=cbw)
         # Unfused: the module norms (which may still run the RMSNorm kernel), then diffusers' RoPE.
         query = nq(query)
         key = nk(key)
         if coords_form:
-            cos, sin = rope.ltx_cos_sin_from_coords(a, b[0, 0], query.shape[-1])
+            cos, sin = qk_norm_rope.ltx_cos_sin_from_coords(a, b[0, 0], query.shape[-1])
         else:
             cos, sin = a, b
         return apply_rotary_emb(query, (cos, sin)), apply_rotary_emb(key, (cos, sin))

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The launch runtime of the bundle: what a kernel file gets when it is used inside this bundle.
 
-A kernel file (rmsnorm.py, layernorm.py, rope.py, activations.py, head_norm_rope.py, skinny_gemm.py)
-stands alone: it imports torch and triton, holds its @triton.jit kernels, one plain launcher per op
+A kernel file (rmsnorm.py, layernorm.py, rope.py, qk_norm_rope.py, activations.py, head_norm_rope.py,
+skinny_gemm.py) stands alone: it imports torch and triton, holds its @triton.jit kernels, one plain launcher per op
 (argument checks, launch heuristics, ``kernel[grid](...)``), its public functions and their PyTorch
 references. Its last lines hand its launchers to this module when it sits beside it:
 
@@ -904,7 +904,7 @@ def _main(argv=None) -> int:
     return 0
 
 
-KERNEL_FILES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
+KERNEL_FILES = ("rmsnorm", "layernorm", "rope", "qk_norm_rope", "activations", "head_norm_rope", "skinny_gemm")
 
 
 # --- from skinny_gemm.py / head_norm_rope.py ---

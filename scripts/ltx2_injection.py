@@ -18,7 +18,7 @@ tanh GELU one kernel), then the fusions across module boundaries, for the video 
   ``LTX2FusedAttnProcessor``, LTX-2.3's ``LTX2PerturbedAttnProcessor`` by ``LTX2FusedPerturbedAttnProcessor``;
   the prompt cross-attentions have no RoPE and keep theirs). The q/k RMSNorms (across heads) and the RoPE:
   - ``rope_type="interleaved"`` (the class default): self-attention's q and k norms + RoPE in ONE launch
-    (``rope.ltx_qk_rmsnorm_rope``, LTX-Video's kernel: the same ``apply_interleaved_rotary_emb`` form and
+    (``qk_norm_rope.ltx_qk_rmsnorm_rope``, LTX-Video's kernel: the same ``apply_interleaved_rotary_emb`` form and
     tables); the cross-modal attentions, whose q and k have their own lengths and tables: the norm
     kernel, then ``rope.ltx_rope``, per tensor.
   - ``rope_type="split"`` (the released LTX-2's): per head, the first half of the channels rotated with
@@ -64,6 +64,7 @@ from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
 import fp8_linear  # noqa: E402
 import generic_injection as gi  # noqa: E402
 import injection_common as ic  # noqa: E402
+import qk_norm_rope  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope  # noqa: E402
 
@@ -404,7 +405,7 @@ def _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb):
             and _interleaved_ok(query, query_rotary_emb)
             and ic.usable(key, qa[0], ka[0])
         ):  # one launch: both norms (across heads) and the rotation
-            return rope.ltx_qk_rmsnorm_rope(
+            return qk_norm_rope.ltx_qk_rmsnorm_rope(
                 query, key, qa[0], ka[0], qa[1], *query_rotary_emb, cast_before_weight=qa[2]
             )
     query, key = ic.call(nq, query), ic.call(nk, key)  # the norm modules (each one kernel: the generic layer)

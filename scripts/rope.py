@@ -1,22 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Rotary position embeddings (RoPE), alone or fused with LTX-Video's q/k RMSNorm.
+"""Rotary position embeddings (RoPE) of q or k, one tensor a launch.
 
     interleaved (LTX-Video): out[2i]   = x[2i]   * cos[2i]   - x[2i+1] * sin[2i]
                              out[2i+1] = x[2i+1] * cos[2i+1] + x[2i]   * sin[2i+1]
     rotate-half (Llama/HF):  out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
     all arithmetic in fp32, one rounding to the input dtype at the end.
 
-Public: ltx_rope, rope_rotate_half, rope_interleaved, ltx_qk_rmsnorm_rope(_coords), ltx_rope_freqs,
-ltx_cos_sin_from_coords; each ``*_ref`` is the plain-PyTorch math a kernel replaces (run it on float64).
+Public: ltx_rope, rope_rotate_half, rope_interleaved; each ``*_ref`` is the plain-PyTorch math a kernel replaces
+(run it on float64). LTX-Video's q/k RMSNorm fused with the RoPE: qk_norm_rope.py.
 Depends on torch and triton only; ``python rope.py --help`` runs its self-check.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -24,9 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # cos/sin, weights, coords, freqs
-_MAX_NORM_WIDTH = 16384  # fused RMSNorm + RoPE holds a whole row in registers: <= 32 fp32 per lane over 16 warps
-_MAX_CHUNK = 4096  # plain RoPE splits wide rows over a second grid axis in even chunks of at most this
+_ANY_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # cos/sin tables
+_MAX_CHUNK = 4096  # RoPE splits wide rows over a second grid axis in even chunks of at most this
 _ELEMS_PER_PROGRAM = 2048  # per program and tensor: one LTX row; bf16 in + out is 8 KiB
 
 
@@ -188,150 +185,6 @@ def _rope_interleaved_kernel(
     tl.store(op, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _rms_norm_rows(x, W, cols, C, eps, DTYPE: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr):
-    """torch.nn.RMSNorm of fp32 rows x [BLOCK_M, BLOCK_C] (zeros past C), with weight W (None: none),
-    rounded where the module rounds (to DTYPE, the input dtype); returns fp32."""
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / C + eps)
-    y = x * rstd[:, None]
-    if W is not None:
-        if CAST_BEFORE_WEIGHT:
-            y = y.to(DTYPE).to(tl.float32)
-        w = tl.load(W + cols, mask=cols < C, other=0.0).to(tl.float32)
-        y = y * w[None, :]
-    return y.to(DTYPE).to(tl.float32)  # the module's output is in the input dtype
-
-
-@triton.jit
-def _sincos(a):
-    """(sin(a), cos(a)) of fp32 a, |a| < 2**22, sharing one argument reduction: a = j * pi/2 + r with
-    |r| <= pi/4 (pi/2 split in three fp32 parts, fused multiply-adds), then minimax polynomials of sin and
-    cos on [-pi/4, pi/4] and the quadrant j mod 4. Within 2 ulp of the correctly rounded fp32 results for
-    the angles of video RoPE (|a| <= ~2e4; tests/test_rope.py). tl.sin and tl.cos (libdevice / OCML) each
-    reduce the argument on their own and carry a slow path for huge arguments. At |a| >= 2**22 the
-    reduction no longer holds (round(a * 2/pi) leaves the trick's range): both results are NaN there, so
-    an out-of-range angle shows in the output instead of giving plausible wrong values."""
-    j = (a * 0.6366197723675814 + 12582912.0) - 12582912.0  # round(a * 2/pi): 1.5 * 2**23 trick
-    r = tl.fma(j, -1.5707963705062866, a)
-    r = tl.fma(j, 4.371138828673793e-08, r)
-    r = tl.fma(j, 1.7151245100058819e-15, r)
-    r2 = r * r
-    s = tl.fma(tl.fma(tl.fma(r2, -1.9515295891e-4, 8.3321608736e-3), r2, -1.6666654611e-1) * r2, r, r)
-    c = tl.fma(
-        tl.fma(tl.fma(tl.fma(r2, 2.443315711809948e-5, -1.388731625493765e-3), r2, 4.166664568298827e-2), r2, -0.5),
-        r2,
-        1.0,
-    )
-    q = j.to(tl.int32) & 3
-    sin_a = tl.where((q & 1) == 0, s, c)
-    cos_a = tl.where((q & 1) == 0, c, s)
-    sin_a = tl.where(q >= 2, -sin_a, sin_a)
-    cos_a = tl.where((q == 1) | (q == 2), -cos_a, cos_a)
-    out_of_range = tl.abs(a) >= 4194304.0  # 2**22 (also true for inf; NaN stays NaN through the math)
-    return tl.where(out_of_range, float("nan"), sin_a), tl.where(out_of_range, float("nan"), cos_a)
-
-
-@triton.jit
-def _rope_by_pair(y, cp, sp, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Interleaved RoPE of [BLOCK_M, BLOCK_C] rows with one (cos, sin) per pair, [BLOCK_M, BLOCK_C // 2]."""
-    even, odd = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_C // 2, 2]))
-    return tl.reshape(tl.join(even * cp - odd * sp, odd * cp + even * sp), [BLOCK_M, BLOCK_C])
-
-
-@triton.jit
-def _coords_cos_sin(
-    COORDS, g_sb, g_ss, g_sa, FREQS, f_s, b, s, row_mask, N_PAD_PAIRS, N_ROT_PAIRS, BLOCK_C: tl.constexpr
-):
-    """cos and sin per rotation pair, [BLOCK_M, BLOCK_C // 2], computed from the rows' grid coordinates.
-
-    Pair i (channels 2i, 2i+1): identity for i < N_PAD_PAIRS, else p = i - N_PAD_PAIRS uses frequency
-    p // 3 on axis p % 3 (frame, height, width), the angle computed in fp32 in the order diffusers uses:
-    freq * (coord * 2 - 1). Both channels of a pair share the angle (diffusers' repeat_interleave(2)), so
-    the trigonometry runs once per pair and the rotation is applied to the (even, odd) halves that
-    tl.split produces."""
-    pair = tl.arange(0, BLOCK_C // 2) - N_PAD_PAIRS
-    valid = (pair >= 0) & (pair < N_ROT_PAIRS)
-    pair = tl.where(valid, pair, 0)
-    freq = tl.load(FREQS + (pair // 3) * f_s, mask=valid, other=0.0).to(tl.float32)
-    # the row's three coordinates, then each pair picks its axis (no per-pair gather)
-    g_row = COORDS + b * g_sb + s * g_ss
-    g0 = tl.load(g_row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(g_row + g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(g_row + 2 * g_sa, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    axis = (pair % 3)[None, :]
-    coord = tl.where(axis == 0, g0, tl.where(axis == 1, g1, g2))
-    angle = freq[None, :] * (coord * 2.0 - 1.0)
-    # sin and cos share one argument reduction (_sincos): 16 % faster than tl.sin + tl.cos at LTX's
-    # [2, 6144, 2048] on an H200, within 2 ulp of fp32 sin/cos (far below bf16 rounding).
-    sa, ca = _sincos(angle)
-    return tl.where(valid[None, :], ca, 1.0), tl.where(valid[None, :], sa, 0.0)
-
-
-@triton.jit
-def _ltx_qk_norm_rope_kernel(
-    Q, q_sb, q_ss,  # q [B, S, C]: element strides of batch and token dims; channels contiguous
-    K, k_sb, k_ss,  # k [B, S, C], same shape and dtype as q, its own strides
-    QW, KW,  # RMSNorm weights [C] of q and k (None: no weight)
-    COS, c_sb, c_ss,  # cos [B or 1, S, C] (None with COORDS; batch stride 0 when broadcast)
-    SIN, s_sb, s_ss,  # sin, same layout rules as cos
-    COORDS, g_sb, g_ss, g_sa,  # grid coordinates [B or 1, S, 3] (None with COS/SIN): batch, token, axis strides
-    FREQS, f_s,  # frequencies [C // 6] (with COORDS), already times pi / 2
-    QO, KO,  # contiguous [B, S, C] outputs
-    M, B, C,  # rows (B * S), batch size, channels
-    N_PAD_PAIRS, N_ROT_PAIRS,  # (C % 6) // 2 leading identity pairs, then 3 * (C // 6) rotated pairs
-    eps,  # RMSNorm epsilon
-    CAST_BEFORE_WEIGHT: tl.constexpr,  # round the normalised row to the dtype before the weight
-    TABLE_W: tl.constexpr,  # 0: cos/sin rows are C wide; else D: one head's row, read by every head
-    BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_C: tl.constexpr,  # >= C (whole rows)
-):  # fmt: skip
-    # combinations the launcher never makes (a direct caller gets a compile error, not wrong output)
-    tl.static_assert((COORDS is None) != (COS is None), "cos/sin tables or COORDS, one of them")
-    tl.static_assert((COS is None) == (SIN is None) and (COORDS is None) == (FREQS is None), "operands in pairs")
-    tl.static_assert((QW is None) == (KW is None), "QW and KW come together")
-    tl.static_assert(TABLE_W == 0 or COORDS is None, "TABLE_W applies to tables read, not COORDS")
-    tl.static_assert(TABLE_W % 2 == 0 and TABLE_W <= BLOCK_C, "TABLE_W is even (rotation pairs) and at most BLOCK_C")
-    eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64 (a triton_op launch); Triton as fp32
-    # One program normalises and rotates the same rows of q AND k: the cos/sin of those rows are
-    # read (or computed) once and used twice.
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows = tl.where(row_mask, rows, 0)
-    b = (rows % B).to(tl.int64)  # batch fastest: see _ltx_rope_kernel
-    s = (rows // B).to(tl.int64)
-    cols = tl.arange(0, BLOCK_C)
-    mask = row_mask[:, None] & (cols < C)[None, :]
-    out_row = (b * (M // B) + s) * C  # contiguous [B, S, C] outputs
-    # Issue both row loads first: their DRAM latency then overlaps the cos/sin work below.
-    xq = tl.load(Q + (b * q_sb + s * q_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xk = tl.load(K + (b * k_sb + s * k_ss)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    DT: tl.constexpr = Q.dtype.element_ty
-    if COORDS is not None:
-        cp, sp = _coords_cos_sin(
-            COORDS, g_sb, g_ss, g_sa, FREQS, f_s, b, s, row_mask, N_PAD_PAIRS, N_ROT_PAIRS, BLOCK_C
-        )
-        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
-        qo = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
-        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
-        ko = _rope_by_pair(y, cp, sp, BLOCK_M, BLOCK_C)
-    else:
-        # cos/sin as given, channel by channel (cos[2i] and cos[2i+1] need not be equal); a per-head table
-        # gives channel c the value of its channel within the head, c % D
-        if TABLE_W > 0:
-            tcols = cols % TABLE_W
-        else:
-            tcols = cols
-        c = tl.load(COS + (b * c_sb + s * c_ss)[:, None] + tcols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sn = tl.load(SIN + (b * s_sb + s * s_ss)[:, None] + tcols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = _rms_norm_rows(xq, QW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
-        qo = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
-        y = _rms_norm_rows(xk, KW, cols, C, eps, DT, CAST_BEFORE_WEIGHT)
-        ko = y * c + _rotate_pairs(y, BLOCK_M, BLOCK_C) * sn
-    tl.store(QO + out_row[:, None] + cols[None, :], qo.to(QO.dtype.element_ty), mask=mask)
-    tl.store(KO + out_row[:, None] + cols[None, :], ko.to(KO.dtype.element_ty), mask=mask)
-
-
 @torch.compiler.assume_constant_result  # a constant for Dynamo: it need not trace Triton's driver
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device):
@@ -452,70 +305,6 @@ def _rope_interleaved_launch(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out
 
 
-def _qk_launch(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, cos: Tensor,
-               sin: Tensor, cast_before_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return _qk(q, k, q_weight, k_weight, eps, cos, sin, None, None, cast_before_weight)
-
-
-def _qk_coords_launch(q: Tensor, k: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float,
-                      coords: Tensor, freqs: Tensor, cast_before_weight: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return _qk(q, k, q_weight, k_weight, eps, None, None, coords, freqs, cast_before_weight)
-
-
-def _qk(q, k, q_weight, k_weight, eps, cos, sin, coords, freqs, cast_before_weight):
-    """Check, configure and launch _ltx_qk_norm_rope_kernel (tables cos/sin, or coords/freqs)."""
-    _check("q", _SUPPORTED_DTYPES, None, q, dims=3, kind="interleaved")
-    _check("k", _SUPPORTED_DTYPES, q.device, k)
-    if k.shape != q.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but q has shape {tuple(q.shape)}; they must match")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k has dtype {str(k.dtype)[6:]} but q has dtype {str(q.dtype)[6:]}; they must match")
-    (bsz, seq, ch), dev = q.shape, q.device
-    if ch > _MAX_NORM_WIDTH:
-        raise ValueError(f"q has {ch} channels; the fused RMSNorm + RoPE kernels support at most {_MAX_NORM_WIDTH} "
-                         "(unsupported width: use an RMSNorm kernel followed by ltx_rope)")  # fmt: skip
-    if (q_weight is None) != (k_weight is None):
-        raise ValueError("q_weight and k_weight must both be tensors or both be None")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)) if q_weight is not None else ():
-        _check(name, _ANY_FLOAT, dev, w)
-        if w.shape != (ch,):
-            raise ValueError(f"{name} must have shape [{ch}] (the channel count of q), got {tuple(w.shape)}")
-        _contiguous_last(**{name: w})
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)) or not eps >= 0:  # NaN fails eps >= 0
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    _contiguous_last(q=q, k=k)
-    table_w, tables, grid = ch, (None, 0, 0, None, 0, 0), (None, 0, 0, 0, None, 0)  # absent operands: None, strides 0
-    if coords is not None:
-        _check("coords,freqs", _ANY_FLOAT, dev, coords, freqs)
-        (coords,) = _views("coords", (bsz, seq, 3), "the (frame, height, width) grid coordinate per token", coords)
-        if freqs.shape != (ch // 6,):
-            msg = f"freqs has shape {tuple(freqs.shape)}; expected [{ch // 6}] (C // 6 frequencies for C = {ch})"
-            raise ValueError(msg)
-        grid = (coords, *coords.stride(), freqs, freqs.stride(0))
-    else:
-        _check("cos,sin", _ANY_FLOAT, dev, cos, sin)
-        # a table one head wide (an even width dividing C: Wan's [1, S, 1, D] viewed as [1, S, D]) is read by every head
-        table_w = cos.shape[-1] if cos.dim() in (2, 3) else ch
-        if table_w != ch and not (table_w > 0 and table_w % 2 == 0 and ch % table_w == 0):
-            table_w = ch  # the check below says what is expected
-        what = "one row of C cos values per token, or of D per token shared by the C / D heads (D even, dividing C)"
-        cos, sin = _views("cos,sin", (bsz, seq, table_w), what, cos, sin)
-        _contiguous_last(cos=cos, sin=sin)
-        tables = (cos, *cos.stride()[:2], sin, *sin.stride()[:2])
-    q_out, k_out = (torch.empty(q.shape, dtype=q.dtype, device=dev) for _ in range(2))  # contiguous
-    if q.numel() > 0:
-        # ~4096 elements of q and k per program, 16 per lane: 12-45 % faster than the alternatives at LTX shapes (H200)
-        m, warp = bsz * seq, _device_target(dev)[2]
-        block_m, block_c, num_warps = _launch_config(ch, m, warp, _MAX_NORM_WIDTH, 2 * _ELEMS_PER_PROGRAM, per_lane=16)
-        _ltx_qk_norm_rope_kernel[(-(-m // block_m),)](  # absent operands go as None: the kernel leaves them out
-            q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1), q_weight, k_weight, *tables, *grid, q_out, k_out,
-            m, bsz, ch, (ch % 6) // 2, 3 * (ch // 6), float(eps),
-            CAST_BEFORE_WEIGHT=bool(cast_before_weight), TABLE_W=0 if coords is not None or table_w == ch else table_w,
-            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps,
-        )  # fmt: skip
-    return q_out, k_out
-
-
 def _no_backward(fn: str, names: str, *tensors) -> None:
     """In grad mode, refuse an input that requires grad: the kernels have no backward."""
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
@@ -550,42 +339,6 @@ def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return _rope_interleaved_launch(x, cos, sin)
 
 
-def ltx_qk_rmsnorm_rope(q, k, q_weight, k_weight, eps, cos, sin, *, cast_before_weight=False):
-    """LTX self-attention's ``apply_rotary_emb(norm_q(q)), apply_rotary_emb(norm_k(k))`` in one launch. norm:
-    ``torch.nn.RMSNorm(C, eps)`` over the whole row, weights [C] (or both None), output rounded to q's dtype;
-    cast_before_weight True also rounds before the weight (the older composite form). q, k: [B, S, C]; cos/sin:
-    [B or 1, S, C] or [S, C], or one head wide (D even dividing C). Returns contiguous (q_out, k_out). No backward."""
-    _no_backward("ltx_qk_rmsnorm_rope", "q,k,q_weight,k_weight,cos,sin", q, k, q_weight, k_weight, cos, sin)
-    return _qk_launch(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
-
-
-def ltx_qk_rmsnorm_rope_coords(q, k, q_weight, k_weight, eps, coords, freqs, *, cast_before_weight=False):
-    """``ltx_qk_rmsnorm_rope`` with cos/sin computed in the kernel. coords: [B or 1, S, 3] or [S, 3], diffusers'
-    LTXVideoRotaryPosEmbed ``grid`` before ``* 2 - 1``; freqs: ``ltx_rope_freqs(C, theta)``. No backward."""
-    names = "q,k,q_weight,k_weight,coords,freqs"
-    _no_backward("ltx_qk_rmsnorm_rope_coords", names, q, k, q_weight, k_weight, coords, freqs)
-    return _qk_coords_launch(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight)
-
-
-def ltx_rope_freqs(dim: int, theta: float = 10000.0, device=None) -> Tensor:
-    """LTXVideoRotaryPosEmbed's fp32 frequencies [dim // 6] (times pi / 2), computed identically."""
-    lo, hi = math.log(1.0, theta), math.log(theta, theta)  # 0 and 1, as diffusers computes them
-    exponents = torch.linspace(lo, hi, dim // 6, device=device, dtype=torch.float32)
-    return theta**exponents * math.pi / 2.0
-
-
-def ltx_cos_sin_from_coords(coords: Tensor, freqs: Tensor, dim: int, out_dtype: torch.dtype = torch.float32):
-    """(cos, sin), each [B, S, dim], as LTXVideoRotaryPosEmbed returns them: fp32 angles, pair p = frequency
-    p // 3 on axis p % 3, first dim % 6 channels identity; cos and sin evaluated in out_dtype."""
-    coords = coords.unsqueeze(0) if coords.dim() == 2 else coords
-    angles = freqs.float() * (coords.float().unsqueeze(-1) * 2 - 1)  # [B, S, 3, F]
-    angles = angles.transpose(-1, -2).flatten(2).to(out_dtype)  # [B, S, 3F], frequency-major
-    cos, sin = angles.cos().repeat_interleave(2, dim=-1), angles.sin().repeat_interleave(2, dim=-1)
-    pad = (*cos.shape[:-1], dim % 6)  # the first dim % 6 channels: cos 1, sin 0
-    cos = torch.cat([torch.ones(pad, dtype=cos.dtype, device=cos.device), cos], dim=-1)
-    return cos, torch.cat([torch.zeros(pad, dtype=sin.dtype, device=sin.device), sin], dim=-1)
-
-
 def ltx_rope_ref(x, cos, sin):
     xf = x.double() if x.dtype == torch.float64 else x.float()
     even, odd = xf.unflatten(-1, (-1, 2)).unbind(-1)
@@ -609,36 +362,15 @@ def rope_interleaved_ref(x, cos, sin):
     return ltx_rope_ref(x, cos, sin)
 
 
-def _rms_norm_module_ref(x, weight, eps, cast_before_weight):
-    xf = x.double() if x.dtype == torch.float64 else x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = (y.to(x.dtype).to(xf.dtype) if cast_before_weight else y) * weight.to(xf.dtype)
-    return y.to(x.dtype)
-
-
-def ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight=False):
-    reps = q.shape[-1] // cos.shape[-1]  # a per-head cos/sin table is repeated over the heads
-    if reps > 1:
-        cos, sin = (t.repeat(*((1,) * (t.dim() - 1)), reps) for t in (cos, sin))
-    q, k = (_rms_norm_module_ref(t, w, eps, cast_before_weight) for t, w in ((q, q_weight), (k, k_weight)))
-    return ltx_rope_ref(q, cos, sin), ltx_rope_ref(k, cos, sin)
-
-
-def ltx_qk_rmsnorm_rope_coords_ref(q, k, q_weight, k_weight, eps, coords, freqs, cast_before_weight=False):
-    cos, sin = ltx_cos_sin_from_coords(
-        coords, freqs, q.shape[-1], torch.float64 if q.dtype == torch.float64 else torch.float32
-    )
-    return ltx_qk_rmsnorm_rope_ref(q, k, q_weight, k_weight, eps, cos, sin, cast_before_weight)
-
-
 def _main(argv=None) -> int:
     import argparse
     import json
 
     p = argparse.ArgumentParser(description="Check the RoPE kernels against float64 references on random inputs.")
     p.add_argument("--tokens", type=int, default=12, help="tokens per sample S (default 12; batch is 2)")
-    p.add_argument("--width", type=int, default=2048, help="channels C of q/k (default 2048, LTX-Video)")
+    p.add_argument(
+        "--width", type=int, default=2048, help="channels C of the [B, S, C] check (default 2048, LTX-Video)"
+    )
     p.add_argument("--head-dim", type=int, default=64, help="head dim D of the [B, H, S, D] checks (default 64)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
@@ -650,19 +382,15 @@ def _main(argv=None) -> int:
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
     g, (b, s, c, d) = torch.Generator().manual_seed(a.seed), (2, a.tokens, a.width, a.head_dim)
-    q, k = (2 * torch.randn(2, b, s, c, generator=g)).to(dtype)
-    qw, kw = (1 + 0.2 * torch.randn(2, c, generator=g)).to(dtype)
-    coords, freqs = torch.rand(b, s, 3, generator=g), ltx_rope_freqs(c)
-    cos, sin = ltx_cos_sin_from_coords(coords, freqs, c)
+    q = (2 * torch.randn(b, s, c, generator=g)).to(dtype)
+    ang = 30 * torch.randn(b, s, c, generator=g)  # independent angles per channel, as large as video RoPE's
     x = torch.randn(b, s, 4, d, generator=g).transpose(1, 2).to(dtype)  # [B, H, S, D], strided
-    ang = 3 * torch.randn(b, s, d // 2, generator=g)  # tables of one value per channel pair
+    half = 3 * torch.randn(b, s, d // 2, generator=g)  # tables of one value per channel pair
     checks = {  # name: (kernel, float64 reference, arguments)
-        "ltx_rope": (ltx_rope, ltx_rope_ref, (q, cos, sin)),
-        "rope_rotate_half": (rope_rotate_half, rope_rotate_half_ref, (x, ang.cos(), ang.sin())),
-        "rope_interleaved": (rope_interleaved, rope_interleaved_ref, (x, ang.cos(), ang.sin())),
-        "ltx_qk_rmsnorm_rope": (ltx_qk_rmsnorm_rope, ltx_qk_rmsnorm_rope_ref, (q, k, qw, kw, 1e-5, cos, sin)),
-        "ltx_qk_rmsnorm_rope_coords": (ltx_qk_rmsnorm_rope_coords, ltx_qk_rmsnorm_rope_coords_ref, (q, k, qw, kw, 1e-5, coords, freqs)),
-    }  # fmt: skip
+        "ltx_rope": (ltx_rope, ltx_rope_ref, (q, ang.cos(), ang.sin())),
+        "rope_rotate_half": (rope_rotate_half, rope_rotate_half_ref, (x, half.cos(), half.sin())),
+        "rope_interleaved": (rope_interleaved, rope_interleaved_ref, (x, half.cos(), half.sin())),
+    }
     # error budget relative to the values: a few roundings of the dtype plus the fp32 cos/sin of large angles
     tol = {torch.float32: 2e-5, torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}[dtype]
     device, report = "cpu" if interpreting else "cuda", {}
@@ -687,6 +415,5 @@ except ImportError:
 else:
     kernel_runtime.accelerate(
         globals(), ltx_rope="_ltx_rope_launch", rope_rotate_half="_rope_rotate_half_launch",
-        rope_interleaved="_rope_interleaved_launch", ltx_qk_rmsnorm_rope="_qk_launch",
-        ltx_qk_rmsnorm_rope_coords="_qk_coords_launch",
+        rope_interleaved="_rope_interleaved_launch",
     )  # fmt: skip

@@ -14,7 +14,7 @@ What is replaced, per kind (Wan 2.1 T2V 1.3B has 30 blocks, 14B 40, Wan 2.2 TI2V
 * ``wan_blocks``: ``WanTransformerBlock.forward``. Its sites, each one kernel with fp32 math and one
   rounding, as diffusers computes them (every Wan step upcasts to fp32 and rounds once):
   norm1 + modulation (``layer_norm_modulate``); the self-attention's q and k RMSNorms (across heads)
-  with the rotary embedding (``rope.ltx_qk_rmsnorm_rope``: one launch for both); ``h + attn1 * gate``
+  with the rotary embedding (``qk_norm_rope.ltx_qk_rmsnorm_rope``: one launch for both); ``h + attn1 * gate``
   with norm2 (LayerNorm with weight and bias) in one kernel that returns both; ``h + attn2`` with norm3
   + modulation in one kernel; ``h + ff * gate`` with the next block's norm1 + modulation in one kernel
   when blocks follow each other (the next block uses that norm only if it receives the very same h and
@@ -87,8 +87,8 @@ import fp8_linear  # noqa: E402
 import generic_injection as gi  # noqa: E402
 import injection_common as ic  # noqa: E402
 import layernorm  # noqa: E402
+import qk_norm_rope  # noqa: E402
 import rmsnorm  # noqa: E402
-import rope  # noqa: E402
 
 __all__ = ["inject_wan_kernels", "remove_wan_kernels", "wan_injected_counts", "find_wan_models", "KINDS"]
 
@@ -259,7 +259,7 @@ def _modulation(block, temb, layout):
 
 def _rope_tables(rotary_emb, seq: int, heads: int, head_dim: int):
     """Wan's (cos, sin), each [1, S, 1, head_dim] (one row per token, shared by every head), as the
-    [1, S, head_dim] tables rope.ltx_qk_rmsnorm_rope reads per head, or None when they have another
+    [1, S, head_dim] tables qk_norm_rope.ltx_qk_rmsnorm_rope reads per head, or None when they have another
     form. diffusers' apply_rotary_emb reads one cos and one sin per channel pair, cos[..., 0::2] and
     sin[..., 1::2]; the kernel's pairwise rotation reads a cos and a sin per channel, so it gets those
     values each repeated over its pair (one small copy per table). WanRotaryPosEmbed's tables are
@@ -334,7 +334,7 @@ def _self_attention(block, x, rotary_emb, mask, classes):
             and q.dtype == k.dtype == nq.weight.dtype == nk.weight.dtype
             and ic.usable(q, k, v, nq.weight, nk.weight, *tables)
         ):
-            q, k = rope.ltx_qk_rmsnorm_rope(
+            q, k = qk_norm_rope.ltx_qk_rmsnorm_rope(
                 q,
                 k,
                 nq.weight,

@@ -70,7 +70,7 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-KERNEL_MODULES = ("rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm")
+KERNEL_MODULES = ("rmsnorm", "layernorm", "rope", "qk_norm_rope", "activations", "head_norm_rope", "skinny_gemm")
 
 
 def clear_launch_plans():

@@ -20,6 +20,7 @@ from torch._dynamo.backends.registry import lookup_backend
 import activations as act
 import head_norm_rope as hnr
 import layernorm
+import qk_norm_rope as qkr
 import rmsnorm
 import rope
 from kernel_testing import DEVICE, assert_close, make_generator, poisoned_outputs, randn
@@ -106,19 +107,19 @@ def _case_ltx_rope(gen, rows):
     sin = ang.sin().repeat_interleave(2, -1).float().to(DEVICE)
     w = randn((c,), DT, gen, scale=0.2, offset=1.0)
     coords = torch.rand(1, rows, 3, generator=gen).to(DEVICE) * 8
-    freqs = rope.ltx_rope_freqs(c, device=DEVICE)
+    freqs = qkr.ltx_rope_freqs(c, device=DEVICE)
 
     def f(q, k, cos, sin, w, coords):
-        qa, ka = rope.ltx_qk_rmsnorm_rope(q, k, w, w, 1e-5, cos, sin)
-        qb, kb = rope.ltx_qk_rmsnorm_rope_coords(q, k, w, w, 1e-5, coords, freqs)
+        qa, ka = qkr.ltx_qk_rmsnorm_rope(q, k, w, w, 1e-5, cos, sin)
+        qb, kb = qkr.ltx_qk_rmsnorm_rope_coords(q, k, w, w, 1e-5, coords, freqs)
         return rope.ltx_rope(q, cos, sin), qa, ka, qb, kb
 
     args = (q, k, cos, sin, w, coords)
     q64, k64, w64 = q.double(), k.double(), w.double()
     ref = (
         rope.ltx_rope_ref(q64, cos.double(), sin.double()),
-        *rope.ltx_qk_rmsnorm_rope_ref(q64, k64, w64, w64, 1e-5, cos.double(), sin.double()),
-        *rope.ltx_qk_rmsnorm_rope_coords_ref(q64, k64, w64, w64, 1e-5, coords, freqs),
+        *qkr.ltx_qk_rmsnorm_rope_ref(q64, k64, w64, w64, 1e-5, cos.double(), sin.double()),
+        *qkr.ltx_qk_rmsnorm_rope_coords_ref(q64, k64, w64, w64, 1e-5, coords, freqs),
     )
     return f, args, ref, "ltx_rope"
 
@@ -191,7 +192,9 @@ def test_compiled_ops_match_float64(case, dynamic):
         for i, (o, r) in enumerate(zip(out, ref)):
             assert_close(o, r, DT, name=f"{case.__name__} output {i} (rows {rows})", seed=gen.seed_value)
     name = f"{op_name}_triton" if TRITON_OP else op_name
-    expected = {f"{m._NS}.{name}{suffix}" for m in (act, hnr, layernorm, rmsnorm, rope) for suffix in ("", ".default")}
+    expected = {
+        f"{m._NS}.{name}{suffix}" for m in (act, hnr, layernorm, rmsnorm, rope, qkr) for suffix in ("", ".default")
+    }
     assert expected & seen, sorted(s for s in seen if s.startswith("rtk_"))
 
 

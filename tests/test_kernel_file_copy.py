@@ -76,6 +76,10 @@ _ALONE = {
     "rmsnorm": "m.rms_norm(x, w), m.rms_norm_ref(x.double(), w.double())",
     "layernorm": "m.layer_norm(x, w, w), m.layer_norm_ref(x.double(), w.double(), w.double())",
     "rope": "m.ltx_rope(x[None], c[None], s[None]), m.ltx_rope_ref(x[None].double(), c[None].double(), s[None].double())",
+    "qk_norm_rope": (
+        "m.ltx_qk_rmsnorm_rope(x[None], x[None], w, w, 1e-6, c, s)[0], m.ltx_qk_rmsnorm_rope_ref(x[None].double(), "
+        "x[None].double(), w.double(), w.double(), 1e-6, c.double(), s.double())[0]"
+    ),
     "activations": "m.gelu(x), m.gelu_ref(x.double())",
     "head_norm_rope": (
         "m.head_rms_norm_rope(q, q, w, w, 1e-6)[0], m.head_rms_norm_rope_ref(q.double(), q.double(), w.double(), "

@@ -69,12 +69,12 @@ def _swiglu(gen, monkeypatch):
 
 
 def _qk_rope(gen, monkeypatch):
-    import rope
+    import qk_norm_rope
 
     q, k = randn((2, 5, 64), torch.bfloat16, gen), randn((2, 5, 64), torch.bfloat16, gen)
     wq, wk = randn((64,), torch.bfloat16, gen), randn((64,), torch.bfloat16, gen)
     cos, sin = randn((1, 5, 16), torch.float32, gen), randn((1, 5, 16), torch.float32, gen)
-    return rope, lambda: rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, 1e-6, cos, sin)
+    return qk_norm_rope, lambda: qk_norm_rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, 1e-6, cos, sin)
 
 
 def _skinny(gen, monkeypatch):

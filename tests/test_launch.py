@@ -151,6 +151,7 @@ def _public_calls(gen):
     import activations
     import head_norm_rope
     import layernorm
+    import qk_norm_rope
     import rope
     import skinny_gemm
 
@@ -186,11 +187,17 @@ def _public_calls(gen):
         cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
         rope.ltx_rope(x, cos, sin)
         rope.rope_rotate_half(r(1, 2, 4, 48), r(4, 48), r(4, 48))
+        return [x, cos, sin]
+
+    def qk():
+        ang = r(2, 4, 24)
+        cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
         q, k, wq, wk = r(2, 4, 48), r(2, 4, 48), r(48), r(48)
-        rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, 1e-6, cos, sin)
+        qk_norm_rope.ltx_qk_rmsnorm_rope(q, k, wq, wk, 1e-6, cos, sin)
         coords = torch.rand(2, 4, 3, generator=gen).to(DEVICE)
-        rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, 1e-6, coords, rope.ltx_rope_freqs(48, device=DEVICE))
-        return [x, cos, sin, q, k, wq, wk, coords]
+        freqs = qk_norm_rope.ltx_rope_freqs(48, device=DEVICE)
+        qk_norm_rope.ltx_qk_rmsnorm_rope_coords(q, k, wq, wk, 1e-6, coords, freqs)
+        return [cos, sin, q, k, wq, wk, coords]
 
     def heads():
         q, k, w = r(2, 4, 3, 32), r(2, 4, 3, 32), r(32)
@@ -214,13 +221,16 @@ def _public_calls(gen):
         ("rmsnorm", rms),
         ("layernorm", ln),
         ("rope", ropes),
+        ("qk_norm_rope", qk),
         ("head_norm_rope", heads),
         ("activations", acts),
         ("skinny_gemm", gemm),
     ]
 
 
-@pytest.mark.parametrize("which", ["rmsnorm", "layernorm", "rope", "head_norm_rope", "activations", "skinny_gemm"])
+@pytest.mark.parametrize(
+    "which", ["rmsnorm", "layernorm", "rope", "qk_norm_rope", "head_norm_rope", "activations", "skinny_gemm"]
+)
 def test_plans_keep_no_tensor_alive(which, gen):
     """A kept plan must not hold on to the tensors of the call that built it (a plan lives as long as
     the process; holding an input would keep its memory)."""
@@ -359,6 +369,7 @@ def _meta_calls():
     import activations
     import head_norm_rope
     import layernorm
+    import qk_norm_rope
     import rmsnorm
     import rope
     import skinny_gemm
@@ -371,9 +382,9 @@ def _meta_calls():
         "rmsnorm_add": ("h", lambda: rmsnorm.gated_residual_add(m(2, 64), m(2, 64), m(64))),
         "layernorm": ("x", lambda: layernorm.layer_norm_modulate(m(2, 3, 64), m(2, 64), m(2, 64))),
         "rope": ("x", lambda: rope.ltx_rope(m(2, 3, 12), m(2, 3, 12), m(2, 3, 12))),
-        "rope_qk": (
+        "qk_norm_rope": (
             "q",
-            lambda: rope.ltx_qk_rmsnorm_rope(m(2, 3, 12), m(2, 3, 12), None, None, 1e-6, m(3, 12), m(3, 12)),
+            lambda: qk_norm_rope.ltx_qk_rmsnorm_rope(m(2, 3, 12), m(2, 3, 12), None, None, 1e-6, m(3, 12), m(3, 12)),
         ),
         "activations": ("x", lambda: activations.gelu(m(2, 64))),
         "swiglu": ("x", lambda: activations.swiglu(m(2, 64), m(2, 64))),
@@ -399,7 +410,7 @@ def test_meta_tensors_are_refused_clearly(case):
 
 _MODE_SCRIPT = r"""
 import json, os, sys, torch
-import activations, head_norm_rope, kernel_runtime, layernorm, rmsnorm, rope, skinny_gemm
+import activations, head_norm_rope, kernel_runtime, layernorm, qk_norm_rope, rmsnorm, rope, skinny_gemm
 
 dev = sys.argv[1]
 def t(*shape, dtype=torch.float32):
@@ -409,6 +420,7 @@ calls = {
     "rmsnorm": lambda: rmsnorm.rms_norm(t(2, 64), t(64)),
     "layernorm": lambda: layernorm.layer_norm(t(2, 64)),
     "rope": lambda: rope.ltx_rope(t(2, 3, 12), t(2, 3, 12), t(2, 3, 12)),
+    "qk_norm_rope": lambda: qk_norm_rope.ltx_qk_rmsnorm_rope(t(2, 3, 12), t(2, 3, 12), None, None, 1e-6, t(3, 12), t(3, 12)),
     "activations": lambda: activations.gelu(t(2, 64)),
     "head_norm_rope": lambda: head_norm_rope.head_rms_norm_rope(t(1, 2, 2, 8), t(1, 2, 2, 8), None, None, 1e-6),
     "skinny_gemm": lambda: skinny_gemm.skinny_gemm(t(2, 64, dtype=torch.bfloat16), t(32, 64, dtype=torch.bfloat16)),
@@ -482,7 +494,9 @@ def test_triton_interpret_unset_after_import_is_refused_clearly():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="this process imported the kernels for the interpreter")
-@pytest.mark.parametrize("case", ["rmsnorm", "layernorm", "rope", "activations", "head_norm_rope", "skinny_gemm"])
+@pytest.mark.parametrize(
+    "case", ["rmsnorm", "layernorm", "rope", "qk_norm_rope", "activations", "head_norm_rope", "skinny_gemm"]
+)
 def test_cpu_tensor_after_unsetting_triton_interpret(case, monkeypatch):
     """This process imported the kernels under TRITON_INTERPRET; with it unset now, a CPU tensor is
     refused as before (ValueError: CPU tensor) and the message says that the variable was unset since
@@ -499,6 +513,7 @@ def test_cpu_tensor_after_unsetting_triton_interpret(case, monkeypatch):
         "rmsnorm": lambda: mod.rms_norm(t(2, 64)),
         "layernorm": lambda: mod.layer_norm(t(2, 64)),
         "rope": lambda: mod.ltx_rope(t(2, 3, 12), t(2, 3, 12), t(2, 3, 12)),
+        "qk_norm_rope": lambda: mod.ltx_qk_rmsnorm_rope(t(2, 3, 12), t(2, 3, 12), None, None, 1e-6, t(3, 12), t(3, 12)),
         "activations": lambda: mod.gelu(t(2, 64)),
         "head_norm_rope": lambda: mod.head_rms_norm_rope(t(1, 2, 2, 8), t(1, 2, 2, 8), None, None, 1e-6),
         "skinny_gemm": lambda: mod.skinny_gemm(t(2, 64, dtype=torch.bfloat16), t(32, 64, dtype=torch.bfloat16)),

@@ -17,6 +17,7 @@ import diffusers_injection as di
 import fp8_linear
 import injection_common as ic
 import ltx2_injection as l2
+import qk_norm_rope
 import rmsnorm
 import rope
 from kernel_testing import (
@@ -129,7 +130,7 @@ def kernel_calls(monkeypatch):
             (rmsnorm, "rms_norm_modulate"),
             (rmsnorm, "gated_residual_rms_norm_modulate"),
             (rmsnorm, "gated_residual_add"),
-            (rope, "ltx_qk_rmsnorm_rope"),
+            (qk_norm_rope, "ltx_qk_rmsnorm_rope"),
             (rope, "ltx_rope"),
             (rope, "rope_rotate_half"),
         ),

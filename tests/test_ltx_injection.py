@@ -21,8 +21,8 @@ import activations
 import diffusers_injection as di
 import generic_injection as gi
 import injection_common as ic
+import qk_norm_rope
 import rmsnorm
-import rope
 from kernel_testing import (
     DEVICE,
     assert_bf16_parity,
@@ -55,8 +55,8 @@ def kernel_calls(monkeypatch):
             (rmsnorm, "rms_norm"),
             (rmsnorm, "rms_norm_modulate"),
             (rmsnorm, "gated_residual_rms_norm_modulate"),
-            (rope, "ltx_qk_rmsnorm_rope"),
-            (rope, "ltx_qk_rmsnorm_rope_coords"),
+            (qk_norm_rope, "ltx_qk_rmsnorm_rope"),
+            (qk_norm_rope, "ltx_qk_rmsnorm_rope_coords"),
             (activations, "gelu_tanh"),
         ),
     )

@@ -14,6 +14,7 @@ import diffusers_injection as di
 import head_norm_rope
 import layernorm
 import model_zoo as mz
+import qk_norm_rope
 import rmsnorm
 import rope
 from kernel_testing import DEVICE, count_calls, rel_max
@@ -25,7 +26,8 @@ KERNELS = {
     rmsnorm: ("rms_norm", "rms_norm_modulate", "gated_residual_add"),
     layernorm: ("layer_norm", "layer_norm_modulate", "layer_norm_modulate_dual", "gated_residual_layer_norm_modulate"),
     activations: ("gelu_tanh", "geglu", "swiglu"),
-    rope: ("rope_interleaved", "rope_rotate_half", "ltx_qk_rmsnorm_rope", "ltx_rope"),
+    rope: ("rope_interleaved", "rope_rotate_half", "ltx_rope"),
+    qk_norm_rope: ("ltx_qk_rmsnorm_rope",),
     head_norm_rope: ("joint_head_rms_norm_rope",),
 }
 

@@ -25,8 +25,8 @@ from diffusers.models.transformers import transformer_wan_vace as vace_file
 import activations
 import generic_injection as gi
 import layernorm
+import qk_norm_rope
 import rmsnorm
-import rope
 import wan_injection as wi
 from kernel_testing import (
     DEVICE,
@@ -66,7 +66,7 @@ def _inputs(model, variant, dtype=torch.float32, seed=0):
 def kernel_calls(monkeypatch):
     """Counts calls of the leaf kernels (proves that the kernels, not torch, ran)."""
     return block_kernel_calls(
-        monkeypatch, (rmsnorm, "rms_norm"), (rope, "ltx_qk_rmsnorm_rope"), (activations, "gelu_tanh")
+        monkeypatch, (rmsnorm, "rms_norm"), (qk_norm_rope, "ltx_qk_rmsnorm_rope"), (activations, "gelu_tanh")
     )
 
 
