@@ -27,8 +27,12 @@ not compute what the forward computes:
   a LoRA's scale, peft's active adapters), or a process-wide setting: diffusers' attention backend, the FP8
   GEMMs' fast accumulation, autocast, matmul precision, TF32 and reduced-precision switches, SDPA's backend
   switches, deterministic algorithms. A fingerprint of all of this is taken at capture and compared on every
-  call (flat lists over the modules, on the host, while the GPU still runs the previous replay); after a
-  change the signature's graph is dropped and captured again;
+  call (flat lists over the modules; about 2-5 ms of host time for a model of a thousand modules); after a
+  change the signature's graph is dropped and captured again. The comparison runs after the replay is queued,
+  on the host while the GPU replays: a replay whose comparison fails is dropped (its result never handed out)
+  and the call runs eager. Such a replay reads only memory the fingerprint keeps alive (the captured
+  parameters', buffers' and tensor attributes' storages, also after a ``.data`` swap) and writes only into its
+  graph's own pool;
 * accelerate's hooks or a diffusers hook (offloading, caching and parallelism hooks change what a call does or
   move weights between calls; the empty HookRegistry a pipeline puts on its transformer is no hook), global
   module hooks; a signature refused for such a hook is tried again once the model changed (the hook removed);
@@ -75,10 +79,14 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 class CudaGraphs:
     """How graphs are made and replayed: torch.cuda's CUDA (HIP on ROCm) graphs. A test may put another object
-    with these two methods in BACKEND (the CPU tests replay by running the forward again)."""
+    with these three methods in BACKEND (the CPU tests replay by running the forward again)."""
 
     def usable(self, device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+
+    def settle(self, device: torch.device) -> None:
+        """Wait for the work queued on device (a dropped replay: its graph is freed only once it has run)."""
+        torch.cuda.current_stream(device).synchronize()
 
     def capture(self, forward, args, kwargs, graphs):
         """(replay, out): the forward captured on these (static) inputs; replay() reruns it into out."""
@@ -223,13 +231,15 @@ _VERSION, _GRAD, _PTR = (
 _SHAPE, _STRIDE = operator.attrgetter("shape"), operator.methodcaller("stride")
 
 
-def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
+def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dicts, tensor_keys) -> tuple:
     """What _snapshot records of the modules mods (their __dict__s in dicts), as flat lists: each built by
     map() over the modules, so that comparing two of them costs the host little per module."""
     chain, get, rep = itertools.chain.from_iterable, dict.get, itertools.repeat
     children, params, buffers = list(map(_CHILDREN, mods)), list(map(_PARAMS, mods)), list(map(_BUFFERS, mods))
     hooks, pre_hooks = list(map(_HOOKS, mods)), list(map(_PRE_HOOKS, mods))
+    attributes = list(map(get, tensor_dicts, tensor_keys, rep(_MISSING)))  # plain tensor attributes
     tensors = [t for t in chain(map(dict.values, params + buffers)) if t is not None]
+    tensors += [t for t in attributes if isinstance(t, torch.Tensor)]
     processors = [p for p in map(get, dicts, rep("processor")) if p is not None]
     plain = list(map(get, plain_dicts, plain_keys, rep(_MISSING)))
     return (
@@ -240,6 +250,7 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
         list(chain(map(dict.values, children))),
         list(chain(map(dict.values, params))),
         list(chain(map(dict.values, buffers))),
+        attributes,
         tensors,
     ), (
         list(map(len, dicts)),
@@ -265,10 +276,13 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys) -> tuple:
 def _snapshot(model) -> tuple:
     """What a replay depends on besides the inputs: the process-wide settings, and per module its identity,
     children, instance forward, processor, hook counts, number of attributes, plain settings (training, eps, a
-    LoRA's scale or active adapters) and tensors (identity, storage, version, requires_grad)."""
+    LoRA's scale or active adapters) and tensors (parameters, buffers and plain tensor attributes: identity,
+    storage, version, requires_grad). It also holds each of those tensors' storage, so that a replay queued before
+    the comparison reads live memory even where a tensor's data was swapped since."""
     mods = list(model.modules())
     dicts = list(map(_DICT, mods))
     plain = [(d, k) for d in dicts for k, v in d.items() if type(v) in _SETTINGS]
+    attributes = [(d, k) for d in dicts for k, v in d.items() if isinstance(v, torch.Tensor)]
     boxes = [
         (d, k)
         for d in dicts
@@ -276,7 +290,16 @@ def _snapshot(model) -> tuple:
         if type(v) in (dict, list, tuple) and (k[:1] != "_" or k == "_active_adapter")  # (peft's, a list)
     ]
     where = (mods, dicts, [d for d, _ in plain], [k for _, k in plain], [d for d, _ in boxes], [k for _, k in boxes])
-    return _global_settings(), where, _state(*where)
+    where += ([d for d, _ in attributes], [k for _, k in attributes])
+    state = _state(*where)
+    return _global_settings(), where, state, [_storage(t) for t in state[0][-1]]
+
+
+def _storage(t):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without one storage
+        return None
 
 
 def _same(a, b) -> bool:
@@ -288,7 +311,7 @@ def _unchanged(model, snap) -> bool:
     """Whether model is as _snapshot found it. Every module reachable from model is reached through children
     found identical to the snapshot's (from model itself down), so comparing the recorded modules' state sees a
     module added, removed or replaced anywhere."""
-    settings, where, (objects, values) = snap
+    settings, where, (objects, values), _ = snap
     if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
     now_objects, now_values = _state(*where)
@@ -323,26 +346,29 @@ def _graph_forward(self, *args, **kwargs):
             graphs.seen[key], why = 0, ""
     if why:
         return _eager(self, graphs, why, args, kwargs)
-    entry = graphs.entries.get(key)
-    if entry is not None and not _unchanged(self, entry.fingerprint):
-        del graphs.entries[key]  # the model changed since the capture: capture again
-        entry = None
-        graphs.seen[key] = 0
-        graphs.reasons["model changed since capture"] += 1
     if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
         return _eager(self, graphs, "autograd", args, kwargs)
+    entry = graphs.entries.get(key)
+    if entry is not None:
+        if _global_settings() == entry.fingerprint[0]:
+            for (part, index), t in zip(entry.writes, tensors):
+                part.copy_(t if index is None else t[index])
+            entry.replay()  # queued first: the comparison below runs on the host while the GPU replays
+            if _unchanged(self, entry.fingerprint):
+                graphs.replays += 1
+                return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
+            BACKEND.settle(tensors[0].device)  # the dropped replay has run before its graph is freed
+        del graphs.entries[key]  # the model changed since the capture: capture again
+        graphs.seen[key] = 0
+        graphs.reasons["model changed since capture"] += 1
+    graphs.seen[key] += 1
+    if graphs.seen[key] <= WARMUP_CALLS:
+        return _eager(self, graphs, "", args, kwargs)  # warm-up: compiles kernels, fills plans
+    if len(graphs.entries) >= MAX_GRAPHS:
+        return _eager(self, graphs, f"more than {MAX_GRAPHS} input signatures", args, kwargs)
+    entry = _capture(self, graphs, key, tensors, tree)
     if entry is None:
-        graphs.seen[key] += 1
-        if graphs.seen[key] <= WARMUP_CALLS:
-            return _eager(self, graphs, "", args, kwargs)  # warm-up: compiles kernels, fills plans
-        if len(graphs.entries) >= MAX_GRAPHS:
-            return _eager(self, graphs, f"more than {MAX_GRAPHS} input signatures", args, kwargs)
-        entry = _capture(self, graphs, key, tensors, tree)
-        if entry is None:
-            return _eager(self, graphs, graphs.refused[key], args, kwargs)
-    else:
-        for (part, index), t in zip(entry.writes, tensors):
-            part.copy_(t if index is None else t[index])
+        return _eager(self, graphs, graphs.refused[key], args, kwargs)
     entry.replay()
     graphs.replays += 1
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)

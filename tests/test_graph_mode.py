@@ -31,6 +31,9 @@ class ReplayByRunning:
     def usable(self, device):
         return True
 
+    def settle(self, device):
+        self.settled = getattr(self, "settled", 0) + 1
+
     capturing = False
 
     def capture(self, forward, args, kwargs, graphs):
@@ -69,13 +72,15 @@ class Net(nn.Module):
         self.tags = ["a", "b"]  # a container setting its forward does not read
 
     def forward(self, x, cond=None, flag=True):
-        y = self.post(self.norm(self.lin(x)) + self.offset) * (self.scale * self.options["mult"])
+        y = self.post(self.norm(self.lin(x)) + self.offset + self.shift) * (self.scale * self.options["mult"])
         return (y + cond if cond is not None else y), y.sum(-1)
 
 
 def _net(gen):
     torch.manual_seed(gen.seed_value)
-    return Net().to(DEVICE).eval().requires_grad_(False)
+    net = Net().to(DEVICE).eval().requires_grad_(False)
+    net.shift = torch.zeros(16, device=DEVICE)  # a plain tensor attribute its forward reads (not a buffer)
+    return net
 
 
 def _x(gen, *shape):
@@ -120,7 +125,7 @@ def test_returned_outputs_are_fresh_tensors(backend):
         "module_replaced", "grandchild_replaced", "module_added", "hook_added", "forward_replaced", "setting",
         "container_setting", "train_mode", "processor",
         "container_deleted", "hook_swapped", "class_swapped", "weight_layout", "processor_backend",
-        "active_adapter", "matmul_precision",
+        "active_adapter", "matmul_precision", "tensor_attribute_replaced", "tensor_attribute_in_place",
     ],
 )  # fmt: skip
 def test_a_model_changed_after_capture_is_captured_again(change, backend):
@@ -175,6 +180,10 @@ def test_a_model_changed_after_capture_is_captured_again(change, backend):
             net.lin._active_adapter = ["b"]
         elif change == "matmul_precision":
             torch.set_float32_matmul_precision("medium" if precision != "medium" else "high")
+        elif change == "tensor_attribute_replaced":
+            net.shift = torch.full_like(net.shift, 0.5)
+        elif change == "tensor_attribute_in_place":
+            net.shift.add_(0.5)
         elif change == "hook_added":
             net.lin.register_forward_hook(lambda m, a, o: o * 0.5)
         elif change == "setting":
@@ -191,6 +200,41 @@ def test_a_model_changed_after_capture_is_captured_again(change, backend):
     with torch.no_grad():
         want = net(x)
     assert all(torch.equal(a, b) for a, b in zip(got, want)), change
+
+
+def test_the_check_runs_while_the_replay_runs_and_holds_the_captured_memory(backend, monkeypatch):
+    """A replay is queued before the host compares the model with its capture (the comparison then costs no GPU
+    time); a replay whose comparison fails is dropped, waited for, and the call runs eager; the fingerprint holds
+    the captured tensors' storages, so a replay of a model whose weight data was swapped reads live memory."""
+    gen = make_generator()
+    net = _net(gen)
+    graph_mode.enable(net)
+    x = _x(gen, 2, 2, 16)
+    order = []
+    unchanged = graph_mode._unchanged
+    monkeypatch.setattr(graph_mode, "_unchanged", lambda *a: order.append("compare") or unchanged(*a))
+    with torch.no_grad():
+        net(x), net(x)  # warm-up, capture
+        entry = next(iter(net.__dict__[graph_mode.STATE]["graphs"].entries.values()))
+        replay = entry.replay
+        entry.replay = lambda: order.append("replay") or replay()
+        net(x)
+        assert order == ["replay", "compare"], order
+        weight = net.lin.weight
+        old_ptr = weight.data_ptr()
+        weight.data = weight.detach() * 3  # the old storage is freed unless the fingerprint holds it
+        assert any(s is not None and s.data_ptr() == old_ptr for s in entry.fingerprint[-1])
+        order.clear()
+        got = net(x)
+    stats = graph_mode.graph_stats(net)
+    assert order == ["replay", "compare"] and stats["eager"] == {"model changed since capture": 1}, (order, stats)
+    assert stats["graphs"] == 0 and stats["replays"] == 2
+    if backend is not None:
+        assert backend.settled == 1
+    graph_mode.disable(net)
+    with torch.no_grad():
+        want = net(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_calls_a_graph_must_not_serve_run_eager(backend, monkeypatch):
