@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The test helpers themselves: poisoning must poison, and must not leak into torch's state."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,33 @@ def test_plan_check_reports_a_plan_that_differs(monkeypatch, gen):
     monkeypatch.setattr(plan, "launches", ((kernel, grid, compiled, wrong, slots),))
     with pytest.raises(AssertionError, match="differs from the plan this call makes"):
         R.rms_norm(x, w)
+
+
+def test_forked_python_runs_as_python_does(tmp_path):
+    """forked_python.run_python_forked gives what python itself gives: exit status, stdout and stderr of a
+    script and of -c code (sys.argv, sys.path with PYTHONPATH, __name__, the working directory, the
+    environment, SystemExit's codes, a traceback, a missing script); nothing of this project is imported
+    before the run."""
+    from forked_python import run_python_forked
+    from kernel_testing import run_python
+
+    show = (
+        "import json, os, sys\n"
+        "print(json.dumps([sys.argv, sys.path[:2], __name__, os.getcwd(), os.environ.get('X'), "
+        "sorted(m for m in ('conftest', 'kernel_testing', 'rmsnorm', 'kernel_runtime') if m in sys.modules)]))\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    (tmp_path / "show.py").write_text(show)
+    (tmp_path / "lib").mkdir()
+    env = {**os.environ, "X": "7", "PYTHONPATH": str(tmp_path / "lib")}
+    for args in (
+        [tmp_path / "show.py", "3"],
+        ["show.py", "0"],
+        ["-c", show, "5"],
+        ["-c", "raise ValueError('boom')"],
+        ["-c", "import sys; sys.exit('a message')"],
+        [tmp_path / "missing.py"],
+    ):
+        forked = run_python_forked(args, preload=("json",), env=env, cwd=tmp_path, timeout=60)
+        plain = run_python(args, env=env, cwd=tmp_path, timeout=60)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
