@@ -2,14 +2,13 @@
 """The test helpers themselves: poisoning must poison, and must not leak into torch's state."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernel_testing import poisoned_outputs
+from forked_python import run_python_forked
+from kernel_testing import poisoned_outputs, run_python
 
 
 def test_poisoned_outputs_fill_nan_and_restore():
@@ -38,7 +37,8 @@ def test_poisoned_outputs_keep_meta_device_working():
         "assert t.device.type == 'meta', t.device\n"
     )
     tests_dir = str(Path(__file__).resolve().parent)
-    r = subprocess.run([sys.executable, "-c", code], cwd=tests_dir, capture_output=True, text=True, timeout=120)
+    # as `python -c code` runs, forked from a process that has imported torch and triton (nothing of them used yet)
+    r = run_python_forked(["-c", code], preload=("torch", "triton"), cwd=tests_dir, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -116,9 +116,6 @@ def test_forked_python_runs_as_python_does(tmp_path):
     script and of -c code (sys.argv, sys.path with PYTHONPATH, __name__, the working directory, the
     environment, SystemExit's codes, a traceback, a missing script); nothing of this project is imported
     before the run."""
-    from forked_python import run_python_forked
-    from kernel_testing import run_python
-
     show = (
         "import json, os, sys\n"
         "print(json.dumps([sys.argv, sys.path[:2], __name__, os.getcwd(), os.environ.get('X'), "
