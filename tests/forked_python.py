@@ -8,7 +8,11 @@ tests/: it starts in an empty folder, without PYTHONPATH) and then forks a child
 run's environment, working directory, standard streams (stdin empty, stdout and stderr captured), sys.argv and
 sys.path as python would set them (the script's folder or '' first, then PYTHONPATH's folders), runs the
 script or code as __main__, and exits with the status python would give: 0, SystemExit's code, or 1 with the
-traceback on stderr. Everything the project itself imports is imported afresh in each child."""
+traceback on stderr. Everything the project itself imports is imported afresh in each child.
+
+Not for a run that changes, before its imports, an environment variable a preloaded package reads when it is
+imported: e.g. a script that sets TRITON_INTERPRET itself needs a fresh python (kernel_testing.run_python), since
+triton decorates its own language functions when it is imported (diffusers imports triton too)."""
 
 from __future__ import annotations
 
@@ -108,6 +112,11 @@ for line in sys.stdin:
     _, status = os.waitpid(pid, 0)
     print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
 """
+
+# What to preload: the packages the scripts import (diffusers' model classes come from diffusers.models.transformers,
+# which imports all of them), or only torch and triton (a kernel file copied alone may use nothing else).
+HEAVY = ("torch", "triton", "diffusers", "diffusers.models", "diffusers.models.transformers", "transformers")
+TORCH_TRITON = ("torch", "triton")
 
 # Variables that differ from test to test and that nothing imported at start-up reads.
 _VOLATILE = ("PYTEST_CURRENT_TEST",)

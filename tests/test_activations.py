@@ -451,7 +451,7 @@ def test_cpu_tensor_without_interpreter():
     import os
     from pathlib import Path
 
-    from forked_python import run_python_forked
+    from forked_python import TORCH_TRITON, run_python_forked
 
     code = (
         "import torch, activations as a\n"
@@ -467,7 +467,7 @@ def test_cpu_tensor_without_interpreter():
     scripts = str(Path(act.__file__).resolve().parent)
     env["PYTHONPATH"] = scripts + os.pathsep + env.get("PYTHONPATH", "")
     # as `python -c code` runs, forked from a process that has imported torch and triton (without the flag)
-    r = run_python_forked(["-c", code], preload=("torch", "triton"), env=env, timeout=120)
+    r = run_python_forked(["-c", code], preload=TORCH_TRITON, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 

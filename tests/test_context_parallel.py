@@ -18,6 +18,7 @@ import torch
 
 import benchmark_context_parallel as bcp
 import injection_common as ic
+from forked_python import HEAVY, run_python_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -68,22 +69,11 @@ def test_command_line_and_layout_checks():
 
 def test_needs_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run(
-        [sys.executable, "scripts/benchmark_context_parallel.py", "--tiny"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # as python runs the script, forked from a process that has imported torch, triton, diffusers, transformers
+    script = "scripts/benchmark_context_parallel.py"
+    r = run_python_forked([script, "--tiny"], preload=HEAVY, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "torchrun" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "scripts/benchmark_context_parallel.py", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_python_forked([script, "--help"], preload=HEAVY, cwd=ROOT, timeout=120)
     assert r.returncode == 0 and "Ulysses" in r.stdout
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from forked_python import run_python_forked
+from forked_python import HEAVY, run_python_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 SKILL = ROOT / "SKILL.md"
@@ -166,16 +166,13 @@ def test_skill_usage_example_runs():
     exec(compile(code, "SKILL.md", "exec"), {})
 
 
-# The scripts run as `python <script> ...` would run them, each in a process of its own, forked from one that has
-# imported these packages already (forked_python): their import is most of a run's time.
-PRELOAD = ("torch", "triton", "diffusers", "diffusers.models", "diffusers.models.transformers", "transformers")
-
-
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_script_help(script):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    r = run_python_forked([script, "--help"], preload=PRELOAD, env=env, timeout=300)
+    # as `python <script> --help` runs, in a process of its own forked from one that has imported torch, triton,
+    # diffusers and transformers already (their import is most of a run's time)
+    r = run_python_forked([script, "--help"], preload=HEAVY, env=env, timeout=300)
     assert r.returncode == 0, f"{script.name} --help exited {r.returncode}:\n{r.stderr[-2000:]}"
     assert "usage" in r.stdout.lower()
 
@@ -194,5 +191,5 @@ def test_script_help(script):
 def test_self_check_refuses_a_size_below_one(script, option):
     """A size of 0 is a usage error (exit 2, the option named), not a traceback from inside the check."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = run_python_forked([ROOT / "scripts" / script, option, "0"], preload=PRELOAD, env=env, timeout=300)
+    r = run_python_forked([ROOT / "scripts" / script, option, "0"], preload=HEAVY, env=env, timeout=300)
     assert r.returncode == 2 and f"{option} must be at least 1, got 0" in r.stderr, (r.returncode, r.stderr[-1500:])

@@ -122,7 +122,7 @@ def test_kernel_file_copied_alone_runs_its_plain_launcher(tmp_path, name):
     import shutil
 
     from conftest import SCRIPTS
-    from forked_python import run_python_forked
+    from forked_python import TORCH_TRITON, run_python_forked
 
     shutil.copy(SCRIPTS / f"{name}.py", tmp_path / f"{name}.py")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
@@ -131,7 +131,7 @@ def test_kernel_file_copied_alone_runs_its_plain_launcher(tmp_path, name):
     dev = "cpu" if kt.INTERPRET else "cuda"
     # forked from a process that has imported torch and triton (their import is most of a run's time), which
     # the copy may use; nothing else is imported there
-    r = run_python_forked(["-c", script, name, dev], preload=("torch", "triton"), cwd=tmp_path, env=env, timeout=600)
+    r = run_python_forked(["-c", script, name, dev], preload=TORCH_TRITON, cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
     assert result["runtime"] is False, "the copy imported kernel_runtime: it must run alone"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forked_python import run_python_forked
+from forked_python import TORCH_TRITON, run_python_forked
 from kernel_testing import poisoned_outputs, run_python
 
 
@@ -38,7 +38,7 @@ def test_poisoned_outputs_keep_meta_device_working():
     )
     tests_dir = str(Path(__file__).resolve().parent)
     # as `python -c code` runs, forked from a process that has imported torch and triton (nothing of them used yet)
-    r = run_python_forked(["-c", code], preload=("torch", "triton"), cwd=tests_dir, timeout=120)
+    r = run_python_forked(["-c", code], preload=TORCH_TRITON, cwd=tests_dir, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
