@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from forked_python import TORCH_TRITON, run_python_forked
-from kernel_testing import poisoned_outputs, run_python
+from kernel_testing import INTERPRET, poisoned_outputs, run_python
 
 
 def test_poisoned_outputs_fill_nan_and_restore():
@@ -136,3 +138,50 @@ def test_forked_python_runs_as_python_does(tmp_path):
         forked = run_python_forked(args, preload=("json",), env=env, cwd=tmp_path, timeout=60)
         plain = run_python(args, env=env, cwd=tmp_path, timeout=60)
         assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+
+
+@triton.jit
+def _scaled(x, s):
+    return x * s
+
+
+@triton.jit
+def _sum_max_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(X + offs, mask=m, other=0.0)
+    tl.store(Y + offs, _scaled(x, tl.sum(x, axis=0)) + tl.max(x, axis=0), mask=m)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
+def test_interpreter_swaps_the_language_once_a_launch(monkeypatch):
+    """conftest.py's _interpreter_patches_each_launch_once: the @triton.jit functions a kernel calls (its own
+    helper, tl.sum, tl.max) skip the interpreter's swap of triton.language once their launch has made it, and the
+    kernel computes what it computes with Triton's own swap at every call, bit for bit (and its float64 reference);
+    after the launch the language is left as Triton leaves it."""
+    from triton.runtime import interpreter as ti
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x = torch.randn(100, generator=g, dtype=torch.float64).float()
+
+    def run():
+        y = torch.full_like(x, float("nan"))
+        _sum_max_kernel[(4,)](x, y, 100, BLOCK=32)
+        return y
+
+    def language_state():
+        mods = (tl, tl.core, tl.math, tl.tensor)
+        return [(m.__name__, n, tl.core.is_builtin(v)) for m in mods for n, v in sorted(vars(m).items())]
+
+    skipped = ti._patch_lang.skipped
+    fast = run()
+    assert ti._patch_lang.skipped > skipped, "no call of a @triton.jit function skipped the swap"
+    after_fast = language_state()
+    monkeypatch.setattr(ti, "_patch_lang", ti._patch_lang.original)
+    monkeypatch.setattr(ti.GridExecutor, "__call__", ti.GridExecutor.__call__.original)
+    stock = run()
+    assert torch.equal(fast, stock)
+    assert language_state() == after_fast
+    blocks = x.double().split(32)  # the masked tail reads as zeros
+    ref = torch.cat([b * b.sum() + torch.nn.functional.pad(b, (0, 32 - len(b))).max() for b in blocks])
+    assert torch.allclose(fast.double(), ref, rtol=1e-5, atol=1e-5)
