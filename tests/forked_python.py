@@ -6,8 +6,8 @@ their import (seconds each) for every run.
 A server process per environment imports only the packages it is told to (never a module of scripts/ or
 tests/: it starts in an empty folder, without PYTHONPATH) and then forks a child per run. The child takes the
 run's environment, working directory, standard streams (stdin empty, stdout and stderr captured), sys.argv and
-sys.path as python would set them (the script's folder or '' first, then PYTHONPATH's folders), runs the
-script or code as __main__, and exits with the status python would give: 0, SystemExit's code, or 1 with the
+sys.path as python would set them (the script's folder or '' first, then PYTHONPATH's folders), imports a
+sitecustomize module found on PYTHONPATH as python's start-up would, runs the script or code as __main__, and exits with the status python would give: 0, SystemExit's code, or 1 with the
 traceback on stderr. Everything the project itself imports is imported afresh in each child.
 
 Not for a run that changes, before its imports, an environment variable a preloaded package reads when it is
@@ -52,6 +52,14 @@ def child(req):
         args = req["args"]
         path = [p for p in req["pythonpath"] if p]
         try:
+            if path and "sitecustomize" not in sys.modules:  # as python's start-up imports it from PYTHONPATH
+                sys.path[1:1] = path
+                try:
+                    import sitecustomize  # noqa: F401
+                except ImportError as e:
+                    if e.name != "sitecustomize":
+                        raise
+                del sys.path[1 : 1 + len(path)]
             if args[0] == "-c":
                 sys.argv = ["-c", *args[2:]]
                 sys.path[:1] = ["", *path]

@@ -19,6 +19,7 @@ import torch
 import benchmark_context_parallel as bcp
 import injection_common as ic
 from forked_python import HEAVY, run_python_forked
+from kernel_testing import with_interpreter_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -26,7 +27,7 @@ needs_two_ranks = pytest.mark.skipif(GPUS == 1, reason="2 NCCL ranks need 2 GPUs
 
 
 def _torchrun(*argv, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = with_interpreter_speedup({**os.environ, "OMP_NUM_THREADS": "1"})
     env.pop("TRITON_INTERPRET", None)  # the script / worker decides (interpreter only without a GPU)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -155,7 +155,7 @@ def _sum_max_kernel(X, Y, N, BLOCK: tl.constexpr):
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
 def test_interpreter_swaps_the_language_once_a_launch(monkeypatch):
-    """conftest.py's _interpreter_patches_each_launch_once: the @triton.jit functions a kernel calls (its own
+    """interpreter_speedup.install() (conftest.py runs it): the @triton.jit functions a kernel calls (its own
     helper, tl.sum, tl.max) skip the interpreter's swap of triton.language once their launch has made it, and the
     kernel computes what it computes with Triton's own swap at every call, bit for bit (and its float64 reference);
     after the launch the language is left as Triton leaves it."""
@@ -185,3 +185,25 @@ def test_interpreter_swaps_the_language_once_a_launch(monkeypatch):
     blocks = x.double().split(32)  # the masked tail reads as zeros
     ref = torch.cat([b * b.sum() + torch.nn.functional.pad(b, (0, 32 - len(b))).max() for b in blocks])
     assert torch.allclose(fast.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
+def test_interpreter_speedup_in_the_processes_the_tests_start():
+    """A Python started with kernel_testing.with_interpreter_speedup(env), plainly or forked (forked_python), has
+    interpreter_speedup.install()'s wrappers once it imports Triton's interpreter, also where the script sets
+    TRITON_INTERPRET itself before importing the kernels (as the examples do); without it, Triton's own."""
+    from forked_python import TORCH_TRITON, run_python_forked
+    from kernel_testing import with_interpreter_speedup
+
+    code = (
+        "import os, sys\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "import triton\n"
+        "from triton.runtime import interpreter as ti\n"
+        "print(hasattr(ti._patch_lang, 'original'), hasattr(ti.GridExecutor.__call__, 'original'))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for env, want in ((with_interpreter_speedup(base), "True True"), (base, "False False")):
+        for run in (run_python, lambda args, env: run_python_forked(args, preload=TORCH_TRITON, env=env)):
+            r = run(["-c", code], env=env)
+            assert r.returncode == 0 and r.stdout.split() == want.split(), (r.stdout, r.stderr[-2000:])

@@ -34,6 +34,7 @@ from kernel_testing import (
     make_generator,
     rel_max,
     run_model,
+    with_interpreter_speedup,
     without_and_with_kernels,
 )
 
@@ -530,6 +531,7 @@ def test_torch_compile_inductor():
 # --------------------------------------------------------------------------------------------
 def test_example_runs_without_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must set it
+    env = with_interpreter_speedup(env)
     cmd = [sys.executable, str(ROOT / "scripts" / "ltx_kernel_injection_example.py"), "--rounds", "2"]
     if HAS_GPU:
         cmd.append("--device-free")
