@@ -51,11 +51,13 @@ for p in (str(SCRIPTS), str(Path(__file__).resolve().parent)):
 import interpreter_speedup  # noqa: E402 (tests/ is on sys.path from here)
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    interpreter_speedup.install()
+    interpreter_speedup.install()  # over an interpreter it was not checked against: a test fails, saying why
 
 
 def pytest_report_header(config):
     mode = "Triton interpreter (CPU)" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "native GPU"
+    if interpreter_speedup.NOT_INSTALLED:
+        mode += " without tests/interpreter_speedup.py: " + interpreter_speedup.NOT_INSTALLED
     return f"kernels run on: {mode}"
 
 

@@ -154,6 +154,19 @@ def _sum_max_kernel(X, Y, N, BLOCK: tl.constexpr):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
+def test_interpreter_speedup_is_in_place():
+    """conftest.py installed interpreter_speedup's wrappers: this Triton's interpreter is one they were checked
+    against. With another, the kernels run through Triton's own interpreter and this test says what to review."""
+    from triton.runtime import interpreter as ti
+
+    import interpreter_speedup
+
+    assert interpreter_speedup.NOT_INSTALLED is None, interpreter_speedup.NOT_INSTALLED
+    assert hasattr(ti._patch_lang, "original") and hasattr(ti.GridExecutor.__call__, "original")
+    assert interpreter_speedup.interpreter_fingerprint() in interpreter_speedup.KNOWN_INTERPRETERS
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
 def test_interpreter_swaps_the_language_once_a_launch(monkeypatch):
     """interpreter_speedup.install() (conftest.py runs it): the @triton.jit functions a kernel calls (its own
     helper, tl.sum, tl.max) skip the interpreter's swap of triton.language once their launch has made it, and the
