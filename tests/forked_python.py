@@ -28,10 +28,20 @@ import tempfile
 # The server: imports the packages named in argv[1] (JSON), then one forked child per request line on stdin;
 # it answers each with {"pid": ...} when the child started and {"rc": ...} when it ended.
 _SERVER = r"""
-import json, os, sys
+import json, os, sys, threading
 for name in json.loads(sys.argv[1]):
     __import__(name)
 del name
+
+
+def native_threads():
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+
+
+# Forking is safe only while no other thread can hold a lock the child would need: threads the imports left
+# (OpenBLAS's idle pool, which it stops itself at a fork) are all there may be. Nothing runs here after the
+# imports, so a thread started since, or a Python thread, means that no longer holds: refused, not forked.
+IMPORTED_THREADS = native_threads()
 
 
 def child(req):
@@ -113,6 +123,10 @@ for line in sys.stdin:
     req = json.loads(line)
     sys.stdout.flush()
     sys.stderr.flush()
+    if threading.active_count() != 1 or native_threads() > IMPORTED_THREADS:
+        why = f"{threading.active_count()} Python threads, {native_threads()} in all ({IMPORTED_THREADS} after imports)"
+        print(json.dumps({"refused": why}), flush=True)
+        continue
     pid = os.fork()
     if pid == 0:
         child(req)
@@ -167,7 +181,10 @@ class _Server:
             req = dict(args=args, env=env, pythonpath=pythonpath, cwd=cwd, stdout=out, stderr=err)
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
-            pid = self._reply(60)["pid"]
+            started = self._reply(60)
+            if "refused" in started:
+                raise RuntimeError(f"the forked-python server would not fork: {started['refused']}")
+            pid = started["pid"]
             try:
                 rc = self._reply(timeout)["rc"]
             except TimeoutError:
