@@ -49,3 +49,24 @@ if _TARGET in sys.modules:
     _install()
 else:
     sys.meta_path.insert(0, _AfterImport())
+
+
+def _run_the_sitecustomize_this_one_hides():
+    """Python imports one sitecustomize at start-up, the first on sys.path: this one, first on PYTHONPATH. One
+    further on (a distribution's, a virtual environment's) runs too, as it would have without this folder."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    me = sys.modules.pop("sitecustomize", None)
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    try:
+        import sitecustomize  # noqa: F401
+    except ImportError as e:
+        if e.name != "sitecustomize":
+            raise
+        if me is not None:
+            sys.modules["sitecustomize"] = me
+    finally:
+        sys.path[:] = saved
+
+
+_run_the_sitecustomize_this_one_hides()
