@@ -14,9 +14,10 @@ otherwise it runs as before.
 
 This leans on code inside Triton, so it is installed only over the interpreter it was checked against: the source
 of every function it relies on must hash to one of KNOWN_INTERPRETERS. Any other Triton runs its interpreter as it
-is, and test_kernel_testing.py's test_interpreter_speedup_is_in_place fails with the reason (review the functions
-listed in _RELIED_ON in the new Triton, then add its hash); test_interpreter_swaps_the_language_once_a_launch
-checks the skip and that the results are those of Triton's own swap, bit for bit."""
+is (correct, slower), and test_kernel_testing.py's speed-up tests are skipped with the reason (to take the speed-up
+to a new Triton: review the functions in _relied_on there, then add its hash);
+test_interpreter_swaps_the_language_once_a_launch checks the skip and that the results are those of Triton's own
+swap, bit for bit."""
 
 import hashlib
 import inspect
@@ -24,7 +25,7 @@ import inspect
 # sha256 (first 16 hex digits) of the source of _RELIED_ON -> the Triton release it was checked in
 KNOWN_INTERPRETERS = {"2502124159355f20": "3.9.0"}
 
-# Why install() left the interpreter as it is (None: installed, or not tried yet)
+# Why install() left the interpreter as it is (None: installed, or not tried yet); the tests' report header shows it
 NOT_INSTALLED = None
 
 
@@ -55,7 +56,7 @@ def interpreter_fingerprint() -> str:
 
 def install() -> bool:
     """Put the wrappers in place over a known interpreter; returns whether they are. Otherwise NOT_INSTALLED says
-    why (a test fails with it)."""
+    why (the speed-up's tests skip with it)."""
     global NOT_INSTALLED
     import triton
     import triton.language as tl

@@ -153,17 +153,50 @@ def _sum_max_kernel(X, Y, N, BLOCK: tl.constexpr):
     tl.store(Y + offs, _scaled(x, tl.sum(x, axis=0)) + tl.max(x, axis=0), mask=m)
 
 
+def _skip_without_speedup():
+    import interpreter_speedup
+
+    if interpreter_speedup.NOT_INSTALLED is not None:
+        pytest.skip(interpreter_speedup.NOT_INSTALLED)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
 def test_interpreter_speedup_is_in_place():
-    """conftest.py installed interpreter_speedup's wrappers: this Triton's interpreter is one they were checked
-    against. With another, the kernels run through Triton's own interpreter and this test says what to review."""
+    """conftest.py installed interpreter_speedup's wrappers where this Triton's interpreter is one they were checked
+    against. With another, the kernels run through Triton's own interpreter (unchanged, slower) and this test is
+    skipped saying what to review: a new Triton release must not turn the suite red through a test speed-up."""
     from triton.runtime import interpreter as ti
 
     import interpreter_speedup
 
-    assert interpreter_speedup.NOT_INSTALLED is None, interpreter_speedup.NOT_INSTALLED
+    _skip_without_speedup()
     assert hasattr(ti._patch_lang, "original") and hasattr(ti.GridExecutor.__call__, "original")
     assert interpreter_speedup.interpreter_fingerprint() in interpreter_speedup.KNOWN_INTERPRETERS
+
+
+def test_interpreter_speedup_steps_aside_over_an_unknown_interpreter():
+    """Over an interpreter whose fingerprint it was not checked against (as after a new Triton release),
+    install() leaves Triton's interpreter as it is, says why, and a kernel still runs (through Triton's own)."""
+    code = (
+        "import os, sys\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import torch, triton, triton.language as tl\n"
+        "from triton.runtime import interpreter as ti\n"
+        "import interpreter_speedup as s\n"
+        "s.KNOWN_INTERPRETERS = {}\n"
+        "print(s.install(), hasattr(ti._patch_lang, 'original'), 'not one' in (s.NOT_INSTALLED or ''))\n"
+        "@triton.jit\n"
+        "def k(X, N, B: tl.constexpr):\n"
+        "    o = tl.arange(0, B)\n"
+        "    tl.store(X + o, tl.load(X + o, mask=o < N) * 2, mask=o < N)\n"
+        "x = torch.arange(5.0)\n"
+        "k[(1,)](x, 5, B=8)\n"
+        "print(x.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    r = run_python_forked(["-c", code], preload=TORCH_TRITON, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "False", "True", "True"], (r.stdout, r.stderr[-2000:])
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton's interpreter's launch path")
@@ -174,6 +207,7 @@ def test_interpreter_swaps_the_language_once_a_launch(monkeypatch):
     after the launch the language is left as Triton leaves it."""
     from triton.runtime import interpreter as ti
 
+    _skip_without_speedup()
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     x = torch.randn(100, generator=g, dtype=torch.float64).float()
 
@@ -208,6 +242,7 @@ def test_interpreter_speedup_in_the_processes_the_tests_start():
     from forked_python import TORCH_TRITON, run_python_forked
     from kernel_testing import with_interpreter_speedup
 
+    _skip_without_speedup()
     code = (
         "import os, sys\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
