@@ -25,13 +25,39 @@ def _has_gpu() -> bool:
 if os.environ.get("TRITON_INTERPRET") is None and not _has_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _share_the_cores_between_workers():
+    """Under pytest-xdist (-n N), each worker takes its share of the cores for torch's own threads (and passes it
+    on to the processes it starts) instead of all of them: N workers that each ran as many threads as there are
+    cores would keep 2N threads spinning on N cores (20 % longer on 2 cores). An OMP_NUM_THREADS set by the user
+    is kept. Only the speed changes: each test runs all it runs in one process, at one thread count."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
+
 for p in (str(SCRIPTS), str(Path(__file__).resolve().parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
 
+import interpreter_speedup  # noqa: E402 (tests/ is on sys.path from here)
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    interpreter_speedup.install()  # over an interpreter it was not checked against: a test fails, saying why
+
+
 def pytest_report_header(config):
     mode = "Triton interpreter (CPU)" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "native GPU"
+    if interpreter_speedup.NOT_INSTALLED:
+        mode += " without tests/interpreter_speedup.py: " + interpreter_speedup.NOT_INSTALLED
     return f"kernels run on: {mode}"
 
 

@@ -449,9 +449,9 @@ def test_cpu_tensor_without_interpreter():
     """Without TRITON_INTERPRET a CPU tensor is refused with a clear message (checked in a fresh
     process: the flag is read when the kernels are decorated)."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from forked_python import TORCH_TRITON, run_python_forked
 
     code = (
         "import torch, activations as a\n"
@@ -466,7 +466,8 @@ def test_cpu_tensor_without_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     scripts = str(Path(act.__file__).resolve().parent)
     env["PYTHONPATH"] = scripts + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    # as `python -c code` runs, forked from a process that has imported torch and triton (without the flag)
+    r = run_python_forked(["-c", code], preload=TORCH_TRITON, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 

@@ -21,7 +21,8 @@ import triton.language as tl
 
 import amd_compile_tables as tables
 import check_amd_compile as cac
-from kernel_testing import TargetOnlyDriver, env_without_interpreter, run_python
+from forked_python import TORCH_TRITON, run_python_forked
+from kernel_testing import TargetOnlyDriver, env_without_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "check_amd_compile.py"
@@ -29,8 +30,9 @@ WAVE = {name: warp for name, (_, _, warp) in cac.TARGETS.items()}
 
 
 def _run(args, env, timeout=600):
+    """python args in ROOT, as python runs them, forked from a process that has imported torch and triton."""
     t0 = time.perf_counter()
-    res = run_python(args, env=env, cwd=ROOT, timeout=timeout)
+    res = run_python_forked(args, preload=TORCH_TRITON, env=env, cwd=ROOT, timeout=timeout)
     return res, time.perf_counter() - t0
 
 

@@ -13,7 +13,8 @@ import torch
 
 import benchmark_e2e as be
 import model_zoo as mz
-from kernel_testing import DEVICE, run_python
+from forked_python import HEAVY, run_python_forked
+from kernel_testing import DEVICE, with_interpreter_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CPU_RUN = pytest.mark.skipif(
@@ -22,8 +23,11 @@ TINY_CPU_RUN = pytest.mark.skipif(
 
 
 def _run_tiny(*args):
-    """benchmark_e2e.py with args through Triton's interpreter: it must exit 0; its result and JSON summary."""
-    r = run_python([ROOT / "scripts" / "benchmark_e2e.py", *args], env={**os.environ, "TRITON_INTERPRET": "1"})
+    """benchmark_e2e.py with args through Triton's interpreter: it must exit 0; its result and JSON summary. Run
+    as python runs it, forked from a process that has imported torch, triton, diffusers and transformers."""
+    script = ROOT / "scripts" / "benchmark_e2e.py"
+    env = with_interpreter_speedup({**os.environ, "TRITON_INTERPRET": "1"})
+    r = run_python_forked([script, *args], preload=HEAVY, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return r, json.loads(r.stdout)
 

@@ -18,6 +18,8 @@ import torch
 
 import benchmark_context_parallel as bcp
 import injection_common as ic
+from forked_python import HEAVY, run_python_forked
+from kernel_testing import with_interpreter_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -25,7 +27,7 @@ needs_two_ranks = pytest.mark.skipif(GPUS == 1, reason="2 NCCL ranks need 2 GPUs
 
 
 def _torchrun(*argv, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = with_interpreter_speedup({**os.environ, "OMP_NUM_THREADS": "1"})
     env.pop("TRITON_INTERPRET", None)  # the script / worker decides (interpreter only without a GPU)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -68,22 +70,11 @@ def test_command_line_and_layout_checks():
 
 def test_needs_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    r = subprocess.run(
-        [sys.executable, "scripts/benchmark_context_parallel.py", "--tiny"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # as python runs the script, forked from a process that has imported torch, triton, diffusers, transformers
+    script = "scripts/benchmark_context_parallel.py"
+    r = run_python_forked([script, "--tiny"], preload=HEAVY, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "torchrun" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "scripts/benchmark_context_parallel.py", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_python_forked([script, "--help"], preload=HEAVY, cwd=ROOT, timeout=120)
     assert r.returncode == 0 and "Ulysses" in r.stdout
 
 
@@ -92,15 +83,18 @@ def test_needs_torchrun():
 @pytest.mark.parametrize("mask", ["padded prompt", "no mask"])
 def test_script_two_ranks(tmp_path, mask):
     out = tmp_path / "cp.json"
+    # the padded prompt runs the untimed warm-up forwards and two timing rounds; without the mask one round and
+    # no warm-up (each a forward through the interpreter; their loops run the same code either way)
+    rounds, warmup = ("2", "1") if mask == "padded prompt" else ("1", "0")
     argv = [
         "scripts/benchmark_context_parallel.py",
         "--tiny",
         "--repeats",
         "1",
         "--rounds",
-        "2",
+        rounds,
         "--warmup",
-        "1",
+        warmup,
         "--output-json",
         str(out),
     ] + (["--no-text-mask", "--profile"] if mask == "no mask" else [])
@@ -108,10 +102,11 @@ def test_script_two_ranks(tmp_path, mask):
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(out.read_text())
     assert s["ok"] and s["config"]["world_size"] == 2 and s["config"]["ulysses_degree"] == 2
+    assert (s["config"]["rounds"], s["config"]["warmup"]) == (int(rounds), int(warmup))
     tri = s["results"]["triton"]
     assert tri["injected"]["qk_norm_rope_fused"] == 2 and tri["injected"]["cross_attn"] == 2
     cp = tri["context_parallel"]
-    assert cp["parity"]["ok"] and cp["parity"]["finite"]
+    assert cp["parity"]["ok"] and cp["parity"]["finite"] and len(cp["round_medians_ms"]) == int(rounds)
     if GPUS == 0:  # the interpreter's times are not speed: no speed-up or efficiency is claimed
         assert cp["speedup_vs_1gpu"] is None and cp["efficiency"] is None
         assert s.get("triton_speedup_vs_baseline_context_parallel") is None

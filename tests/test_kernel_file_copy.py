@@ -120,18 +120,18 @@ def test_kernel_file_copied_alone_runs_its_plain_launcher(tmp_path, name):
     import json
     import os
     import shutil
-    import subprocess
 
     from conftest import SCRIPTS
+    from forked_python import TORCH_TRITON, run_python_forked
 
     shutil.copy(SCRIPTS / f"{name}.py", tmp_path / f"{name}.py")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env.update(PYTHONPATH=str(tmp_path), PYTHONWARNINGS="ignore")
     script = _ALONE_SCRIPT.format(expr=_ALONE[name])
     dev = "cpu" if kt.INTERPRET else "cuda"
-    r = subprocess.run(
-        [sys.executable, "-c", script, name, dev], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    # forked from a process that has imported torch and triton (their import is most of a run's time), which
+    # the copy may use; nothing else is imported there
+    r = run_python_forked(["-c", script, name, dev], preload=TORCH_TRITON, cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
     assert result["runtime"] is False, "the copy imported kernel_runtime: it must run alone"

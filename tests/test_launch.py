@@ -450,17 +450,16 @@ print("RESULT " + json.dumps(out))
 def _run_mode_script(interpret_at_import: bool, device: str) -> dict:
     import json
     import os
-    import subprocess
-    import sys
+
+    from forked_python import TORCH_TRITON, run_python_forked
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret_at_import:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = str(SCRIPTS) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("PYTHONWARNINGS", "ignore")
-    r = subprocess.run(
-        [sys.executable, "-c", _MODE_SCRIPT, device], env=env, capture_output=True, text=True, timeout=600
-    )
+    # as `python -c` runs it, forked from a process that has imported torch and triton with the same flag
+    r = run_python_forked(["-c", _MODE_SCRIPT, device], preload=TORCH_TRITON, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT ") :])

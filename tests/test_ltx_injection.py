@@ -34,6 +34,7 @@ from kernel_testing import (
     make_generator,
     rel_max,
     run_model,
+    with_interpreter_speedup,
     without_and_with_kernels,
 )
 
@@ -66,11 +67,18 @@ def _tiny_transformer(num_layers=2):
     return di.build_tiny_ltx_pipeline(num_layers=num_layers).transformer.to(DEVICE)
 
 
-def _tiny_case(num_layers=2):
+# The inputs of the tests of what runs where (hooks, carries, fallbacks, gradients, compile): 2 x 4 x 8 latent
+# tokens a sample, 128 rows where ltx_inputs' default 3 x 8 x 8 gives 384, so that every kernel still runs several
+# programs (the norms 8 of 16 rows, the q/k norm + RoPE 2 of 64, the GELU 16), at a third of the interpreter's
+# time; the same 16 text tokens, the last prompt padded. The parity tests keep the default size.
+SMALL = dict(frames=2, height=4, width=8)
+
+
+def _tiny_case(num_layers=2, size=SMALL):
     """A generator with a fresh seed, the tiny transformer and its inputs drawn from that generator."""
     gen = make_generator()
     tr = _tiny_transformer(num_layers)
-    return gen, tr, ltx_inputs(gen)
+    return gen, tr, ltx_inputs(gen, **size)
 
 
 def _transformer_counts(blocks):
@@ -103,7 +111,7 @@ def _no_injection_left(model):
 # Parity and exact restoration
 # --------------------------------------------------------------------------------------------
 def test_tiny_transformer_fp32_parity_and_exact_restore(kernel_calls):
-    gen, tr, kw = _tiny_case()
+    gen, tr, kw = _tiny_case(size={})
     ref = run_model(tr, kw)
     counts = di.inject_optimized_kernels(tr, verbose=False)
     assert counts == _transformer_counts(blocks=2)
@@ -523,6 +531,7 @@ def test_torch_compile_inductor():
 # --------------------------------------------------------------------------------------------
 def test_example_runs_without_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script must set it
+    env = with_interpreter_speedup(env)
     cmd = [sys.executable, str(ROOT / "scripts" / "ltx_kernel_injection_example.py"), "--rounds", "2"]
     if HAS_GPU:
         cmd.append("--device-free")
@@ -794,7 +803,7 @@ def test_text_embedding_requiring_grad_gets_its_gradient():
     gen = make_generator()
     tr = _tiny_transformer(num_layers=2)
     tr.requires_grad_(False)
-    kw = ltx_inputs(gen)
+    kw = ltx_inputs(gen, **SMALL)
     enc = kw["encoder_hidden_states"].clone().requires_grad_(True)
 
     def grad_of_enc():
@@ -869,7 +878,7 @@ def test_block_subclass_with_its_own_forward_is_left_alone():
     gen = make_generator()
     tr = _tiny_transformer(num_layers=2)
     tr.transformer_blocks[1].__class__ = ScaledBlock
-    kw = ltx_inputs(gen)
+    kw = ltx_inputs(gen, **SMALL)
     ref = run_model(tr, kw)
     counts = di.inject_optimized_kernels(tr, verbose=False)
     try:

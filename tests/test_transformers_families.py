@@ -20,7 +20,7 @@ import transformers
 import kernel_testing as kt
 import transformers_families as tf
 import transformers_injection as ti
-from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python
+from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python, with_interpreter_speedup
 from transformers_testing import assert_autograd_falls_back, greedy, logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -712,7 +712,7 @@ def test_example_runs_a_family_on_cpu():
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the example decides
     script = ROOT / "scripts" / "transformers_injection_example.py"
-    r = run_python([script, "--device-free", "--arch", "gemma3-12b"], env=env, timeout=300)
+    r = run_python([script, "--device-free", "--arch", "gemma3-12b"], env=with_interpreter_speedup(env), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["ok"] is True and summary["arch"] == "gemma3-12b"

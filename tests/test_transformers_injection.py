@@ -18,7 +18,7 @@ from transformers.models.llama import modeling_llama
 import kernel_testing as kt
 import plain_rope_llama as prl
 import transformers_injection as ti
-from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python
+from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python, with_interpreter_speedup
 from transformers_testing import (
     ORIGINAL_ROPE,
     TINY_LLAMA_COUNTS,
@@ -638,7 +638,8 @@ def test_bad_argument():
 def test_example_runs_on_cpu():
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the example decides
-    r = run_python([ROOT / "scripts" / "transformers_injection_example.py", "--device-free"], env=env, timeout=300)
+    script = ROOT / "scripts" / "transformers_injection_example.py"
+    r = run_python([script, "--device-free"], env=with_interpreter_speedup(env), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["ok"] is True

@@ -3,13 +3,12 @@
 Python reference (through the demo kernel), and the locality property it exists for."""
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import xcd_remap
+from forked_python import TORCH_TRITON, run_python_forked
 from kernel_testing import DEVICE, INTERPRET, make_generator, poisoned_outputs
 
 # (num_pids, num_xcds): fewer programs than XCDs, exact multiples, remainders 1 and X - 1, primes,
@@ -156,10 +155,9 @@ def test_reference_errors(args, exc, match):
 
 def test_self_check_cli():
     script = xcd_remap.__file__
-    res = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120)
+    # as `python xcd_remap.py ...` runs, forked from a process that has imported torch and triton already
+    res = run_python_forked([script, "--help"], preload=TORCH_TRITON, timeout=120)
     assert res.returncode == 0 and "--num-xcds" in res.stdout
-    res = subprocess.run(
-        [sys.executable, script, "--num-pids", "203", "--num-xcds", "8"], capture_output=True, text=True, timeout=120
-    )
+    res = run_python_forked([script, "--num-pids", "203", "--num-xcds", "8"], preload=TORCH_TRITON, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert '"ok": true' in res.stdout
