@@ -40,8 +40,8 @@ kernel, which Inductor launches from its generated code).
    specialisation (storage under 2 GiB) needs no check: the offsets a kernel computes depend on shapes,
    strides and dtypes only. Everything else goes to the plain launcher: the interpreter (no compiled
    kernel), launch hooks (a profiler's), a current device other than the plan's, a misaligned pointer.
-   A plan's replay and the key of a call (one key function per tuple of argument types) are Python
-   functions written out and executed here, the bundle's only generated code (see "Generated code" below
+   A plan's replay and the key of a call (one key function per launcher) are Python functions written out
+   and executed here, the bundle's only generated code (see "Generated code" below
    for why and what it costs).
 2. torch.library ops, so that torch.compile traces through the launchers without a graph break: each
    launcher becomes op ``rtk_<module>::<name>`` (a custom op, which torch.compile calls back at run time)
@@ -74,7 +74,6 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import itertools
 import os
 import threading
 import typing
@@ -426,14 +425,13 @@ def _generate_launch(plan: _Plan):
     if plan.launches:
         body.append(f"stream = _current_stream({plan.device!r})")
     for kernel, grid, compiled, values, slots in plan.launches:
-        k = _constant(compiled, consts)  # its run, function and metadata read at each call, as Triton's own launch
+        # the compiled kernel's runner, function handle and metadata, read once here (its run is a property)
+        run, fn, meta = (_constant(v, consts) for v in (compiled.run, compiled.function, compiled.packed_metadata))
         vals = [_constant(v, consts) for v in values]
         for i, src, off, _ in slots:
             vals[i] = f"p{src} + {off}" if off else f"p{src}"
         grid_src = ", ".join(_constant(g, consts) for g in grid)
-        body.append(
-            f"{k}.run({grid_src}, stream, {k}.function, {k}.packed_metadata, None, None, None, {', '.join(vals)})"
-        )
+        body.append(f"{run}({grid_src}, stream, {fn}, {meta}, None, None, None, {', '.join(vals)})")
     if plan.single:
         body.append(f"return t{plan.result[0][0]}")
     else:
@@ -473,54 +471,29 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
 
 
-def _signature(args, kwargs):
-    """The plan key of a call, and where its tensors are ([(argument index, item index or None)]).
-    Raises TypeError for what no plan serves (a tensor subclass, an unhashable option)."""
-    key, where = [], []
-    for i, a in enumerate(args):
-        t = type(a)
-        if t in _TENSOR_TYPES:
-            key.append((a.shape, a.stride(), a.dtype, a.device))
-            where.append((i, None))
-        elif t is list or t is tuple:
-            item_keys = []
-            for j, b in enumerate(a):
-                if type(b) in _TENSOR_TYPES:
-                    item_keys.append((b.shape, b.stride(), b.dtype, b.device))
-                    where.append((i, j))
-                elif isinstance(b, torch.Tensor):
-                    raise TypeError("a tensor subclass")
-                else:
-                    item_keys.append((type(b), b))
-            key.append((t, tuple(item_keys)))
-        elif isinstance(a, torch.Tensor):
-            raise TypeError("a tensor subclass")
-        else:
-            key.append((t, a))
-    if kwargs:
-        for name, v in kwargs.items():
-            if isinstance(v, torch.Tensor):
-                raise TypeError("a tensor passed by keyword")
-            key.append((name, type(v), v))
-    key = tuple(key)
-    hash(key)
-    return key, tuple(where)
-
-
-# The argument types a generated key function serves: a tensor keys on its layout, a value of these types on
-# itself (its type is fixed by the key function's own key, the argument types), None on nothing, a list or
-# tuple on each item as _signature keys it.
-_KEYER_NUMBERS = itertools.count()
-_KEYED = frozenset((torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None), torch.dtype, list, tuple))
+def _entry(a):
+    """What a plan key holds of one argument: None for None; else the argument's type first (so that entries of
+    different kinds never compare equal, and 1, 1.0 and True stay apart), then a tensor's layout, a list's or
+    tuple's items (_items_key), or the value itself. TypeError for a tensor subclass (no plan serves it)."""
+    t = type(a)
+    if a is None:
+        return None
+    if t in _TENSOR_TYPES:
+        return (t, a.shape, a.stride(), a.dtype, a.device)
+    if t is list or t is tuple:
+        return (t, _items_key(a))
+    if isinstance(a, torch.Tensor):
+        raise TypeError("a tensor subclass")
+    return (t, a)
 
 
 def _items_key(a) -> tuple:
-    """The key of a list or tuple argument, as _signature makes it (TypeError for a tensor subclass)."""
+    """The key of a list or tuple argument's items, as _entry makes each (TypeError for a tensor subclass)."""
     keys = []
     for b in a:
         t = type(b)
         if t in _TENSOR_TYPES:
-            keys.append((b.shape, b.stride(), b.dtype, b.device))
+            keys.append((t, b.shape, b.stride(), b.dtype, b.device))
         elif isinstance(b, torch.Tensor):
             raise TypeError("a tensor subclass")
         else:
@@ -528,23 +501,76 @@ def _items_key(a) -> tuple:
     return tuple(keys)
 
 
-def _generate_keyer(types: tuple, number: int):
-    """A plan key function for positional arguments of these types (see the generated code above): the same
-    information as _signature, written out per argument. Its keys start with its number, so that two keyers
-    (whose values of other types could compare equal: 1 == 1.0 == True) never share a key. It raises TypeError
-    where _signature does (a tensor subclass in a list, an unhashable item)."""
-    parts = [str(number)]
-    for i, t in enumerate(types):
-        if t in _TENSOR_TYPES:
-            parts += [f"a{i}.shape", f"a{i}.stride()", f"a{i}.dtype", f"a{i}.device"]
-        elif t is list or t is tuple:
-            parts.append(f"_items_key(a{i})")
-        elif t is not type(None):
-            parts.append(f"a{i}")
-    names = "".join(f"a{i}, " for i in range(len(types)))
-    src = f"def make():\n    def key(args):\n        ({names}) = args\n        return ({', '.join(parts)},)\n"
-    src += "    return key\n"
-    return _compile(src, "plan key", [])
+def _signature(args, kwargs):
+    """The plan key of a call given keywords, and where its tensors are ([(argument index, item index or
+    None)]). Raises TypeError for what no plan serves (a tensor subclass, an unhashable option)."""
+    key, where = [_entry(a) for a in args], []
+    for i, a in enumerate(args):
+        if type(a) in _TENSOR_TYPES:
+            where.append((i, None))
+        elif type(a) is list or type(a) is tuple:
+            where += [(i, j) for j, b in enumerate(a) if type(b) in _TENSOR_TYPES]
+    for name, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            raise TypeError("a tensor passed by keyword")
+        key.append((name, type(v), v))
+    key = tuple(key)
+    hash(key)
+    return key, tuple(where)
+
+
+# The key function of a launcher's positional calls (generated; see "Generated code" above): one per launcher,
+# its parameters those of the launcher (defaults included, so that a call that leaves them out and one that
+# passes them get one key), each argument keyed as _entry keys it by an expression written for the kinds of
+# argument seen at its position so far: "none", "tensor", "value", "items" (a list or tuple). An argument of
+# another kind makes the expression raise (_unseen, or an AttributeError: a float has no shape) or give an
+# entry led by another type, which no recorded key holds; the call then takes the slow path, which adds the
+# kind and writes the function again. Its keys equal _entry's, so plans survive a rewrite.
+_KEY_ERRORS = (TypeError, AttributeError, ValueError)
+
+
+class _NewKind(TypeError):
+    pass
+
+
+def _unseen(*_):
+    raise _NewKind
+
+
+def _kind(a) -> str:
+    t = type(a)
+    if a is None:
+        return "none"
+    if t in _TENSOR_TYPES:
+        return "tensor"
+    if t is list or t is tuple:
+        return "items"
+    if isinstance(a, torch.Tensor):
+        raise TypeError("a tensor subclass")
+    return "value"
+
+
+def _key_expression(name: str, kinds: frozenset) -> str:
+    core = {
+        frozenset({"tensor"}): f"(type({name}), {name}.shape, {name}.stride(), {name}.dtype, {name}.device)",
+        frozenset({"value"}): f"(type({name}), {name})",
+        frozenset({"items"}): f"(type({name}), _items_key({name}))",
+        frozenset(): "_unseen()",
+    }.get(kinds - {"none"}, f"_entry({name})")
+    return core if "none" not in kinds else f"(None if {name} is None else {core})"
+
+
+def _generate_keyer(kinds: list, defaults: tuple):
+    """The key function for a launcher whose positional arguments have been of these kinds (one set per
+    parameter), with the launcher's trailing defaults."""
+    consts, params = [], []
+    for i in range(len(kinds)):
+        d = len(kinds) - len(defaults)
+        params.append(f"a{i}" if i < d else f"a{i}={_constant(defaults[i - d], consts)}")
+    parts = [_key_expression(f"a{i}", frozenset(k)) for i, k in enumerate(kinds)]
+    src = f"def make({', '.join(f'c{i}' for i in range(len(consts)))}):\n"
+    src += f"    def key({', '.join(params)}):\n        return ({', '.join(parts)},)\n    return key\n"
+    return _compile(src, "plan key", consts)
 
 
 class _Accelerated:
@@ -552,8 +578,13 @@ class _Accelerated:
 
     def __init__(self, launcher, namespace, op, owner):
         self.launcher, self.namespace, self.op_name, self.owner = launcher, namespace, op, owner
-        self.plans, self.unplanned, self.keyers = {}, {}, {}
-        self.params = list(inspect.signature(launcher).parameters)
+        self.plans, self.unplanned = {}, {}
+        signature = inspect.signature(launcher)
+        self.params = list(signature.parameters)
+        positional = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in signature.parameters.values())
+        self.kinds = [set() for _ in self.params] if positional else None  # None: calls keyed by _signature
+        self.defaults = tuple(p.default for p in signature.parameters.values() if p.default is not p.empty)
+        self.key = _unseen  # written at the first positional call (_key)
         functools.update_wrapper(self, launcher)
         self.compile_op, self.numbers = None, ()  # set by _register
 
@@ -566,11 +597,16 @@ class _Accelerated:
             return self._unpack(self.compile_op(*args, **kwargs))
         if _TLS.mode is not None:  # called by a launcher being recorded, faked or traced
             return self.launcher(*args, **kwargs)
-        keyer = None if kwargs else self.keyers.get(tuple(map(type, args)), _MISS)
-        if keyer is _MISS:
-            keyer = self._keyer(args)
+        if not kwargs and not VERIFY_PLANS:  # the fast path: key, plan, replay
+            try:
+                plan = self.plans.get(self.key(*args))
+            except _KEY_ERRORS:  # an argument of a kind not seen at its position (or unhashable): below
+                plan = None
+            if plan is not None:
+                out = plan.run(args)
+                return out if out is not _MISS else self._plain(args, kwargs)
         try:
-            key = keyer(args) if keyer is not None else _signature(args, kwargs)[0]
+            key = self._key(args, kwargs)
             plan = self.plans.get(key)
         except TypeError:  # a tensor subclass, an unhashable value: no plan serves the call
             return self._plain(args, kwargs)
@@ -585,15 +621,25 @@ class _Accelerated:
             return self._plain(args, kwargs)
         return self._record(args, kwargs, key)
 
-    def _keyer(self, args):
-        """The plan key function for calls whose positional arguments have these types (no keywords), or None
-        where _signature serves them (a tensor subclass, a value of another type)."""
-        types = tuple(map(type, args))
-        keyer = _generate_keyer(types, next(_KEYER_NUMBERS)) if all(t in _KEYED for t in types) else None
-        if len(self.keyers) >= PLAN_CACHE_SIZE:
-            self.keyers.clear()
-        self.keyers[types] = keyer
-        return keyer
+    def _key(self, args, kwargs):
+        """The plan key of a call (TypeError where no plan serves it): with keywords, or for a launcher with other
+        than plain parameters, _signature's; else self.key's, written again first where an argument is of a kind
+        not yet seen at its position."""
+        if kwargs or self.kinds is None or len(args) > len(self.kinds):
+            return _signature(args, kwargs)[0]
+        missing = len(self.kinds) - len(args)
+        if missing > len(self.defaults):
+            return _signature(args, kwargs)[0]  # a required argument left out: the launcher will say so
+        full = args + self.defaults[len(self.defaults) - missing :]
+        grown = False
+        for seen, a in zip(self.kinds, full):
+            kind = _kind(a)
+            if kind not in seen:
+                seen.add(kind)
+                grown = True
+        if grown or self.key is _unseen:
+            self.key = _generate_keyer(self.kinds, self.defaults)
+        return self.key(*args)
 
     def _plain(self, args, kwargs):
         self._check_devices(args, kwargs)

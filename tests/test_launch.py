@@ -31,6 +31,53 @@ def test_plan_reused_only_for_the_same_signature(gen):
     assert len(kernel_runtime.plans(rmsnorm)) == 3  # contiguous bf16, strided bf16, fp32
 
 
+def test_plan_keys_tell_every_argument_kind_apart(gen):
+    """A launcher's generated key function keys a positional call as _entry keys each argument (defaults filled
+    in: leaving a default out and passing it give one key); an argument of a kind its position has not shown
+    yet (a tensor where None or a value was, a float where a tensor was) never yields another call's key:
+    the function raises or gives an entry led by another type, and the slow path writes it again."""
+    calls = []
+
+    def launcher(x, y=None, eps=1e-6, flag=True, parts=()):
+        calls.append(x)
+
+    w = kernel_runtime._Accelerated(launcher, "rtk_keytest", "launcher", {"__name__": "keytest"})
+    t1, t2 = randn((4, 8), torch.float32, gen), randn((4, 8), torch.float32, gen)
+    cases = [
+        (t1,),
+        (t1, None, 1e-6, True, ()),  # the defaults passed: the same key as (t1,)
+        (t1, t2),
+        (t1, t2.t()),
+        (t1, t2.half()),
+        (t1, torch.nn.Parameter(t2)),
+        (t1, 1.0),  # a value where a tensor was
+        (t1, None, 1),
+        (t1, None, True),
+        (t1, None, 1e-6, 1),
+        (t1, None, 1e-6, True, (t2,)),
+        (t1, None, 1e-6, True, [t2]),
+        (t1, None, 1e-6, True, (t2, 2)),
+        (None,),
+        (0.5,),
+        (t1, None, None),
+    ]
+    defaults = (None, 1e-6, True, ())
+    for n, args in enumerate(cases):
+        fast = None
+        try:
+            fast = w.key(*args)  # the function as it stands before this call's kinds are seen
+        except kernel_runtime._KEY_ERRORS:
+            pass
+        key = w._key(args, {})
+        full = args + defaults[len(args) - 1 :]
+        assert key == tuple(kernel_runtime._entry(a) for a in full), args
+        if fast is not None and fast != key:
+            assert all(w._key(a, {}) != fast for a in cases[:n]), args  # a stale key finds no other call's plan
+    keys = [w._key(a, {}) for a in cases]
+    assert keys[0] == keys[1] and len(set(keys)) == len(cases) - 1
+    assert w.key(t1) == keys[0]  # the written function, now it has seen every kind, keys as _entry does
+
+
 def test_an_unplannable_signature_is_recorded_once(gen, monkeypatch):
     """A call whose launcher computes with torch (here the skinny GEMM handing its rows to torch's GEMM) makes
     no plan; later calls of that signature go straight to the plain launcher instead of recording it again
@@ -286,13 +333,9 @@ def test_generated_launch_hands_each_runner_what_the_plan_recorded(which, gen, m
     dict(_public_calls(gen))[which]()  # every call records its plan
     replayed = 0
     for wrapper, args, kwargs in list(calls):
-        if not kwargs and tuple(map(type, args)) not in wrapper.keyers:
-            continue  # called by another launcher while it was recorded: part of that launcher's plan
-        keyer = None if kwargs else wrapper.keyers[tuple(map(type, args))]
-        key = keyer(args) if keyer is not None else kernel_runtime._signature(args, kwargs)[0]
-        plan = wrapper.plans.get(key)
+        plan = wrapper.plans.get(wrapper._key(args, kwargs))
         if plan is None:
-            continue  # a call the launcher hands to torch (no plan)
+            continue  # a call the launcher hands to torch (no plan), or one made inside another's recording
         del ran[:]
         out = call(wrapper, *args, **kwargs)
         assert len(ran) == len(plan.launches), f"{wrapper.__name__}: {len(ran)} runner calls for {plan.launches}"
