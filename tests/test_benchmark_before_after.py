@@ -106,3 +106,24 @@ def test_module_setting_variants_are_not_compared():
     module = types.SimpleNamespace(_native_fp8=lambda device, fp8_dtype: True)
     variant = bk._integer_fp8(module, lambda: module._native_fp8("cuda", None))
     assert variant.module_setting == "_native_fp8" and variant() is False and module._native_fp8("cuda", None) is True
+
+
+def test_the_scratch_tree_serves_the_harness_a_module_split_since(tmp_path):
+    """An earlier tree that kept qk_norm_rope's functions in rope.py: the scratch copy gets a qk_norm_rope module
+    that hands them over, so this tree's harness (which imports qk_norm_rope) measures that tree too; a tree that
+    has the module keeps its own."""
+    import subprocess
+
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "rope.py").write_text(
+        "__all__ = ['ltx_rope_freqs']\ndef ltx_rope_freqs(dim):\n    return 'rope.py', dim\n"
+    )
+    tree = bba.scratch_tree(earlier, tmp_path / "scratch")
+    assert all((tree / name).exists() for name in bba.HARNESS)
+    code = "import qk_norm_rope; print(qk_norm_rope.ltx_rope_freqs(8))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "('rope.py', 8)", r.stderr
+    (earlier / "qk_norm_rope.py").write_text("X = 1\n")
+    tree = bba.scratch_tree(earlier, tmp_path / "scratch2")
+    assert (tree / "qk_norm_rope.py").read_text() == "X = 1\n"
