@@ -57,6 +57,19 @@ inputs, through the KV cache as in generation.
   a few fp32 ulps (~1e-7 relative) per operation, ~3e-7 measured at the logits of the tiny model. 1e-4
   leaves room for that to grow through 32 layers and stays far below what a wrong formula or layout
   does (order 1e-2 and more). With errors that small a greedy token flips only on an exact tie.
+* fp32, MoE models (Mixtral, Qwen3-MoE): a router's top-k choice taken on a margin of a few fp32 ulps flips
+  under any other rounding of the same math, the kernels' or stock's own (the RMSNorm computed in float64
+  moves Qwen3-30B-A3B's router logits as much as the kernels do: 5e-7 on average, 3e-6 at most), and one
+  flipped expert moves that token's logits by ~1e-2 of the largest logit, and those of the tokens
+  attending to it. Measured on Qwen3-30B-A3B's shapes (CPU, fp32; router logits of std 0.9): about 17
+  decisions in 1,000 have a margin under 1e-3, so ~5e-6 of the decisions flip, ~0.15 expected in a
+  16-layer, 2,048-token run (stock against stock with the float64 RMSNorm: 1 flip in 295k decisions, its
+  token's logits 2e-3 off; an H100 run of the kernels had one token's logits off by 1.1e-2, before this
+  rule). The patched runs therefore take the unpatched runs' routing where theirs
+  differs (the scores recomputed from their own router logits), and the 1e-4 rule above applies to those
+  logits; the flips are judged apart: each on a near tie (the unpatched margin <= 1e-4 of the token's
+  largest |router logit|), at most max(2, 1e-4 of the decisions), every router call forced. The logits
+  with the patched model's own routing are reported (patched_vs_unpatched_free_routing), not required.
 * bf16/fp16 (GPU default): the unpatched model is itself away from its fp32 run by rounding. The patched
   logits must be no further from the fp32 run than 1.5x that distance (relative L2): the kernels may not
   make the model measurably less accurate than stock half precision. Under Triton's interpreter (CPU,
@@ -297,6 +310,213 @@ def cast_parameters(model, dtype):
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# MoE routing in the fp32 check
+# --------------------------------------------------------------------------------------------
+# A routing flip is accepted as a near tie when the unpatched router's margin between its k-th and (k+1)-th
+# logit was at most this much of the token's largest |router logit| (the logits' own tolerance, FP32_REL_MAX).
+ROUTING_TIE_REL = FP32_REL_MAX
+# At most this share of the routing decisions (tokens x MoE layers) may flip (but 2 always may): ~5e-6 expected
+# per decision on Qwen3-30B-A3B's shapes (CPU, fp32), a 20th of this.
+ROUTING_MAX_FLIP_SHARE = 1e-4
+ROUTING_MIN_FLIPS = 2
+ROUTING_FLIPS_LISTED = 16
+
+
+def _router_output(out):
+    """(logits [N, E], scores [N, K], indices [N, K]) if out is what transformers' top-k routers return
+    (Mixtral's, Qwen3-MoE's: router_logits, router_scores, router_indices), else None."""
+    if not isinstance(out, (tuple, list)) or len(out) != 3 or not all(isinstance(t, torch.Tensor) for t in out):
+        return None
+    logits, scores, idx = out
+    ok = (
+        logits.dim() == 2
+        and logits.is_floating_point()
+        and scores.is_floating_point()
+        and not idx.is_floating_point()
+        and scores.shape == idx.shape
+        and idx.dim() == 2
+        and idx.shape[0] == logits.shape[0]
+        and 0 < idx.shape[1] < logits.shape[1]
+    )
+    return (logits, scores, idx) if ok else None
+
+
+def _router_scores(logits, idx, scores):
+    """The scores transformers' top-k routers give the experts idx of these logits (softmax over all experts,
+    taken at idx, renormalised over them or not), if that is what `scores` (the router's own scores for idx)
+    holds; None for a router that computes something else (sigmoid, biased or grouped routing)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    tol = 1e-5 if scores.dtype == torch.float32 else 1e-2
+    got = probs.gather(-1, idx)
+    for w in (got / got.sum(-1, keepdim=True), got):
+        if torch.allclose(w.to(scores.dtype).float(), scores.float(), rtol=tol, atol=tol * 1e-2):
+            return lambda ref_idx, renorm=w is not got: _scores_of(probs, ref_idx, renorm, scores.dtype)
+    return None
+
+
+def _scores_of(probs, idx, renorm: bool, dtype):
+    w = probs.gather(-1, idx)
+    return (w / w.sum(-1, keepdim=True) if renorm else w).to(dtype)
+
+
+class Routing:
+    """The routers of an MoE model (the modules beside an experts module in its MoE block: Mixtral's and
+    Qwen3-MoE's `gate`), recorded and forced through forward hooks, only inside record() / force().
+
+    record(): per router and call, the experts chosen per token, the margin between the k-th and the
+    (k+1)-th router logit and the largest |router logit| (the token's scale). force(rec): where a token's
+    router chose other experts than rec's call did (a flip, kept with rec's margin), it gets rec's experts,
+    their scores computed from this run's own router logits as the router computes them; the other tokens
+    keep the router's own output. A
+    routing decision taken on a margin of a few fp32 ulps flips under any other rounding of the same math;
+    one flipped expert of 8 changes that token's MoE output by order 1/8, and the tokens that attend to it
+    after, so the fp32 parity of an MoE model is measured with the unpatched model's routing forced on the
+    patched one, and the flips are counted and judged apart (routing_verdict)."""
+
+    def __init__(self, model, ti):
+        self.routers = {}
+        for name, m in model.named_modules():
+            kids = dict(m.named_children())
+            if any(ti._experts_structure(c) is not None for c in kids.values()):
+                for cname, c in kids.items():
+                    if ti._experts_structure(c) is None and next(c.parameters(), None) is not None:
+                        self.routers[f"{name}.{cname}" if name else cname] = c
+
+    def _hooked(self, fn):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            handles = [m.register_forward_hook(lambda mod, a, out, n=n: fn(n, out)) for n, m in self.routers.items()]
+            try:
+                yield
+            finally:
+                for h in handles:
+                    h.remove()
+
+        return ctx()
+
+    def record(self):
+        """Context: records every router call into the returned dict {router name: [call, ...]}."""
+        import contextlib
+
+        rec = {n: [] for n in self.routers}
+
+        def fn(name, out):
+            r = _router_output(out)
+            if r is None:
+                return None
+            logits, _, idx = r
+            top = logits.detach().double().topk(idx.shape[1] + 1, dim=-1).values
+            rec[name].append(
+                {
+                    "idx": idx.detach().clone(),
+                    "gap": (top[:, -2] - top[:, -1]).cpu(),
+                    "scale": logits.detach().double().abs().amax(-1).cpu(),
+                }
+            )
+            return None
+
+        @contextlib.contextmanager
+        def ctx():
+            with self._hooked(fn):
+                yield rec
+
+        return ctx()
+
+    def force(self, rec):
+        """Context: each router call takes the experts of rec's call of the same router and order. Yields
+        {"calls", "flips": [...], "unforced": [reasons]}; a call that cannot be forced (another shape, a
+        router whose scores are not softmax-top-k's, more calls than recorded) keeps its own routing and is
+        named in "unforced". "calls": {(router, call): tokens routed}."""
+        import contextlib
+
+        stats = {"calls": {}, "flips": [], "unforced": []}
+        pos = {n: 0 for n in self.routers}
+
+        def fn(name, out):
+            r = _router_output(out)
+            if r is None:
+                return None
+            logits, scores, idx = r
+            i = pos[name]
+            pos[name] += 1
+            if i >= len(rec.get(name, ())):
+                stats["unforced"].append(f"{name} call {i}: not recorded")
+                return None
+            ref = rec[name][i]
+            ref_idx = ref["idx"].to(idx.device)
+            if ref_idx.shape != idx.shape:
+                stats["unforced"].append(f"{name} call {i}: {tuple(idx.shape)} routed, {tuple(ref_idx.shape)} recorded")
+                return None
+            score = _router_scores(logits.detach(), idx, scores)
+            if score is None:
+                stats["unforced"].append(f"{name}: scores are not softmax top-k's")
+                return None
+            stats["calls"][(name, i)] = idx.shape[0]
+            own_gap = logits.detach().double().topk(idx.shape[1] + 1, dim=-1).values
+            flipped = (idx.sort(-1).values != ref_idx.sort(-1).values).any(-1)
+            for row in flipped.nonzero().flatten().tolist():
+                gap, scale = ref["gap"][row].item(), ref["scale"][row].item()
+                stats["flips"].append(
+                    {
+                        "router": name,
+                        "call": i,
+                        "token": row,
+                        "gap": gap,
+                        "rel_gap": gap / max(scale, 1e-30),
+                        "patched_gap": (own_gap[row, -2] - own_gap[row, -1]).item(),
+                    }
+                )
+            if not flipped.any():
+                return None  # the same experts (maybe in another order): the router's own output stands
+            keep = flipped[:, None]
+            return type(out)((logits, torch.where(keep, score(ref_idx), scores), torch.where(keep, ref_idx, idx)))
+
+        @contextlib.contextmanager
+        def ctx():
+            with self._hooked(fn):
+                yield stats
+            for n, calls in rec.items():
+                if pos[n] < len(calls):
+                    stats["unforced"].append(f"{n}: {len(calls)} calls recorded, {pos[n]} made")
+
+        return ctx()
+
+
+def routing_verdict(*stats) -> dict:
+    """The "routing" result of force() runs: decisions, flips (the first ROUTING_FLIPS_LISTED, largest margin
+    first), and ok: every call forced, at most max(ROUTING_MIN_FLIPS, ROUTING_MAX_FLIP_SHARE * decisions)
+    flips, each on a near tie (the unpatched margin <= ROUTING_TIE_REL of the token's largest |router
+    logit|). A kernel that moves the router's input by more than rounding flips decisions with wider
+    margins, or many: it fails here even though the forced logits may agree. Decisions and flips are
+    counted once per (router, call, token): the greedy run and the teacher-forced run repeat the same
+    prefill (and, with the same tokens, the same decode steps)."""
+    calls = {}
+    for s in stats:
+        calls.update(s["calls"])
+    decisions = sum(calls.values())
+    unique = {}
+    for s in stats:
+        for f in s["flips"]:
+            unique.setdefault((f["router"], f["call"], f["token"]), f)
+    flips = sorted(unique.values(), key=lambda f: -f["rel_gap"])
+    unforced = [u for s in stats for u in s["unforced"]]
+    allowed = max(ROUTING_MIN_FLIPS, int(ROUTING_MAX_FLIP_SHARE * decisions))
+    worst = flips[0]["rel_gap"] if flips else None
+    return {
+        "decisions": decisions,
+        "flips": len(flips),
+        "flips_allowed": allowed,
+        "max_flip_rel_gap": worst,
+        "tie_rel_gap": ROUTING_TIE_REL,
+        "flip_details": flips[:ROUTING_FLIPS_LISTED],
+        "unforced": unforced[:ROUTING_FLIPS_LISTED],
+        "ok": bool(not unforced and len(flips) <= allowed and (worst is None or worst <= ROUTING_TIE_REL)),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -640,17 +860,25 @@ def main(argv=None) -> int:
 
 def _check_fp32(model, prompt, args, opts, ti):
     """In fp32: the unpatched model, the patched model, and the model after removal. Returns (counts
-    injected, the unpatched greedy tokens, the unpatched logits, the "fp32" result, whether it passes)."""
+    injected, the unpatched greedy tokens, the unpatched logits, the "fp32" result, whether it passes). An MoE
+    model's patched runs take the unpatched runs' routing where theirs flips (Routing), the flips judged apart
+    (routing_verdict); its logits with its own routing are reported too (patched_vs_unpatched_free_routing)."""
     cast_parameters(model, torch.float32)
-    ref_tokens = greedy_tokens(model, prompt, args.new_tokens)
-    ref32 = forced_logits(model, prompt, ref_tokens)
+    routing = Routing(model, ti)
+    with routing.record() as rec_tokens:
+        ref_tokens = greedy_tokens(model, prompt, args.new_tokens)
+    with routing.record() as rec_logits:
+        ref32 = forced_logits(model, prompt, ref_tokens)
     counts = ti.inject_optimized_kernels(model, **opts)
     missing_kinds = ti.missing_kinds(model)
     kernel_gaps = ti.kernel_gaps(model)
     log("replaced: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     with ti.count_kernel_calls() as calls32:
-        patched32_tokens = greedy_tokens(model, prompt, args.new_tokens)
-        patched32 = forced_logits(model, prompt, ref_tokens)
+        with routing.force(rec_tokens) as forced_tokens:
+            patched32_tokens = greedy_tokens(model, prompt, args.new_tokens)
+        with routing.force(rec_logits) as forced_logits_:
+            patched32 = forced_logits(model, prompt, ref_tokens)
+        free32 = forced_logits(model, prompt, ref_tokens) if routing.routers else None
     ti.remove_optimized_kernels(model, verbose=False)
     restored32 = forced_logits(model, prompt, ref_tokens)
     fp32 = {
@@ -659,10 +887,23 @@ def _check_fp32(model, prompt, args, opts, ti):
         "patched_vs_unpatched": compare(patched32, ref32),
         **_tokens_restoration_calls(patched32_tokens, ref_tokens, restored32, ref32, calls32),
     }
+    routed_ok = True
+    if routing.routers:
+        fp32["routing"] = {"routers": len(routing.routers), **routing_verdict(forced_tokens, forced_logits_)}
+        fp32["patched_vs_unpatched_free_routing"] = compare(free32, ref32)
+        routed_ok = fp32["routing"]["ok"]
+        r = fp32["routing"]
+        log(
+            f"fp32 routing (MoE routers: {r['routers']}): {r['flips']} of {r['decisions']} decisions flipped "
+            f"(allowed {r['flips_allowed']}), largest margin of a flip {r['max_flip_rel_gap']} of the token's "
+            f"largest router logit (near tie: <= {ROUTING_TIE_REL:g}); unforced calls {r['unforced']}; logits "
+            f"with the patched model's own routing: {fp32['patched_vs_unpatched_free_routing']}"
+        )
     ok = (
         fp32["patched_vs_unpatched"]["rel_max_diff"] <= FP32_REL_MAX
         and fp32["greedy_tokens_identical"]
         and fp32["restored_bit_identical"]
+        and routed_ok
         and bool(torch.isfinite(patched32).all())
     )
     log(
@@ -826,6 +1067,9 @@ def _summary(model, prompt, args, gpu, weights, counts, checks, missing, factor,
         **checks,
         "thresholds": {
             "fp32": f"rel_max_diff(patched, unpatched) <= {FP32_REL_MAX:g}; greedy tokens identical; restored bit-identical",
+            "fp32_moe_routing": "MoE models: the unpatched routing forced where the patched router's differs; each flip "
+            f"on a margin <= {ROUTING_TIE_REL:g} of the token's largest |router logit|, at most max({ROUTING_MIN_FLIPS}, "
+            f"{ROUTING_MAX_FLIP_SHARE:g} * decisions) flips, every router call forced",
             "half": f"rel_l2(patched, fp32) <= {factor} * rel_l2(unpatched, fp32); restored bit-identical; greedy reported",
             "capture": "with --capture: each model's captured decode steps' logits (teacher-forced) within "
             "rel_l2(unpatched half, fp32) of its uncaptured steps'; greedy tokens reported",
