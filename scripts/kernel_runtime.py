@@ -35,7 +35,10 @@ kernel, which Inductor launches from its generated code).
    torch, no reading of tensor values); every tensor a kernel got is an input, an allocation of the call
    or a view of one of those; every tensor it returned is an input or an allocation. A launch argument that
    is not a tensor is kept as it was: it is fixed by the signature, as a launcher's choices depend on the
-   signature only (its contract). What Triton specialises on beyond that is the 16-byte alignment of each
+   signature only (its contract). One launcher computes with torch by design: skinny_gemm hands rows above
+   its kernel's measured bound to torch's GEMM (through this module's _skinny_torch_linear); a recording
+   whose only torch work is that call, on a view of its input and its other inputs as given, becomes a
+   _TorchRoute, which makes that call directly. What Triton specialises on beyond that is the 16-byte alignment of each
    pointer: a pointer compiled as aligned must still be, checked on every call. AMD's buffer-load
    specialisation (storage under 2 GiB) needs no check: the offsets a kernel computes depend on shapes,
    strides and dtypes only. Everything else goes to the plain launcher: the interpreter (no compiled
@@ -181,6 +184,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.allocs, self.parents, self.computes, self.launches, self.paused = {}, {}, [], [], False
+        self.routes = []  # calls of _skinny_torch_linear: (first compute, end of its computes, arguments, result)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -447,6 +451,47 @@ def _never(args):
     return _MISS
 
 
+class _TorchRoute:
+    """The replay of a recorded call whose launcher checked its arguments and then handed the whole call to
+    torch's GEMM (skinny_gemm above the rows its kernel wins at: ``_skinny_torch_linear(x.view(m, k), weight,
+    bias, weight_scale, x_scale, out_dtype).reshape(shape)`` with nothing else computed or launched). Those
+    checks and that choice depend on the signature only, so a later call of the signature makes the same
+    torch call directly. Where torch's GEMM declines (None), the plain launcher runs (its kernel)."""
+
+    __slots__ = ("rows", "shape", "out_dtype")
+    launches, inputs, result = (), (), ()
+
+    def __init__(self, rows, shape, out_dtype):
+        self.rows, self.shape, self.out_dtype = rows, shape, out_dtype
+
+    @classmethod
+    def of(cls, rec, args, kwargs, result):
+        """The route of this recording, or None where it is not one (then _Plan decides)."""
+        if len(rec.routes) != 1 or rec.launches or kwargs or len(args) < 5:
+            return None
+        start, end, (x2, w, b, ws, xs, out_dtype), y = rec.routes[0]
+        x = args[0]
+        if start != 0 or end != len(rec.computes) or y is None or not isinstance(result, torch.Tensor):
+            return None  # torch computed something besides the GEMM, or the GEMM declined
+        if any(a is not c for a, c in zip(args[1:5], (w, b, ws, xs))) or rec.root(x2, [x]) != (0, 0):
+            return None
+        if x2.data_ptr() != x.data_ptr() or x2.stride() != x.view(x2.shape).stride():
+            return None  # not x.view(m, k)
+        made = result is y or (
+            rec.parents.get(id(result), (None, None))[0] is result and rec.parents[id(result)][1] is y
+        )
+        return cls(tuple(x2.shape), tuple(result.shape), out_dtype) if made else None
+
+    def run(self, args):
+        y = _skinny_torch_gemm(args[0].view(self.rows), args[1], args[2], args[3], args[4], self.out_dtype)
+        return _MISS if y is None else y.reshape(self.shape)
+
+    __call__ = run
+
+    def describe(self):
+        return "torch route", self.rows, self.shape, self.out_dtype
+
+
 def _contiguous_strides(shape) -> tuple:
     strides, step = [], 1
     for s in reversed(shape):
@@ -653,7 +698,9 @@ class _Accelerated:
         with _mode(rec), rec:
             result = self.launcher(*args, **kwargs)
         try:
-            plan = _Plan(rec, inputs, where, result, _plan_device(inputs), self.__name__)
+            plan = _TorchRoute.of(rec, args, kwargs, result) or _Plan(
+                rec, inputs, where, result, _plan_device(inputs), self.__name__
+            )
         except _Unplanned as e:
             if len(self.unplanned) >= PLAN_CACHE_SIZE:
                 self.unplanned.clear()
@@ -973,6 +1020,17 @@ def skinny_gemm_torch_dispatch(namespace: dict) -> None:
 
 
 def _skinny_torch_linear(x2, weight, bias, weight_scale, x_scale, out_dtype):
+    """_skinny_torch_gemm, noted by a recording of the launcher (a _TorchRoute replays it)."""
+    rec = _TLS.mode
+    if not isinstance(rec, _Recorder):
+        return _skinny_torch_gemm(x2, weight, bias, weight_scale, x_scale, out_dtype)
+    start = len(rec.computes)
+    y = _skinny_torch_gemm(x2, weight, bias, weight_scale, x_scale, out_dtype)
+    rec.routes.append((start, len(rec.computes), (x2, weight, bias, weight_scale, x_scale, out_dtype), y))
+    return y
+
+
+def _skinny_torch_gemm(x2, weight, bias, weight_scale, x_scale, out_dtype):
     """torch's GEMM for y = x2 @ W^T (scaled, + bias): F.linear (16-bit), torch._scaled_mm (FP8), else None."""
     if weight.dtype not in _SKINNY_FP8:
         if bias is not None and bias.dtype != x2.dtype:  # F.linear takes one dtype: add this bias in fp32

@@ -78,15 +78,7 @@ def test_plan_keys_tell_every_argument_kind_apart(gen):
     assert w.key(t1) == keys[0]  # the written function, now it has seen every kind, keys as _entry does
 
 
-def test_an_unplannable_signature_is_recorded_once(gen, monkeypatch):
-    """A call whose launcher computes with torch (here the skinny GEMM handing its rows to torch's GEMM) makes
-    no plan; later calls of that signature go straight to the plain launcher instead of recording it again
-    (a recording traces every torch operation of the call: several times the call's own host cost)."""
-    import skinny_gemm
-
-    target = skinny_gemm._device_target(torch.device(DEVICE))
-    monkeypatch.setitem(skinny_gemm._KERNEL_MAX_M, (target[0], target[1], "16-bit"), 0)  # every M to torch
-    kernel_runtime.clear_plans(skinny_gemm)
+def _counting_recorder(monkeypatch):
     recordings = []
 
     class Counting(kernel_runtime._Recorder):
@@ -95,10 +87,20 @@ def test_an_unplannable_signature_is_recorded_once(gen, monkeypatch):
             recordings.append(self)
 
     monkeypatch.setattr(kernel_runtime, "_Recorder", Counting)
-    x, w = randn((2, 64), torch.bfloat16, gen), randn((48, 64), torch.bfloat16, gen)
+    return recordings
+
+
+def test_an_unplannable_signature_is_recorded_once(gen, monkeypatch):
+    """A call whose launcher computes with torch (here the skinny GEMM with K = 0 and a bias: the output is the
+    bias, copied) makes no plan; later calls of that signature go straight to the plain launcher instead of
+    recording it again (a recording traces every torch operation of the call: several times its own host cost)."""
+    import skinny_gemm
+
+    kernel_runtime.clear_plans(skinny_gemm)
+    recordings = _counting_recorder(monkeypatch)
+    x, w, b = randn((2, 0), torch.bfloat16, gen), randn((48, 0), torch.bfloat16, gen), randn((48,), torch.bfloat16, gen)
     for _ in range(3):
-        out = skinny_gemm.skinny_gemm(x, w)
-        assert_close(out, (x.double() @ w.double().t()).to(torch.bfloat16), torch.bfloat16, seed=gen.seed_value)
+        assert torch.equal(skinny_gemm.skinny_gemm(x, w, b), b.expand(2, 48))
     (wrapper,) = [w_ for w_ in kernel_runtime._WRAPPERS if w_.owner is vars(skinny_gemm)]
     assert (
         not wrapper.plans
@@ -106,6 +108,33 @@ def test_an_unplannable_signature_is_recorded_once(gen, monkeypatch):
         and "computes with torch" in next(iter(wrapper.unplanned.values()))
     )
     assert len(recordings) == 1
+    kernel_runtime.clear_plans(skinny_gemm)
+
+
+def test_a_call_handed_to_torchs_gemm_is_replayed_without_the_launcher(gen, monkeypatch):
+    """The skinny GEMM hands rows above its measured bound to torch's GEMM after checking the call: a later call
+    of that signature makes the same torch call directly (a _TorchRoute plan), not the launcher's checks again;
+    the result is torch's GEMM's, as the launcher returns it."""
+    import skinny_gemm
+
+    target = skinny_gemm._device_target(torch.device(DEVICE))
+    monkeypatch.setitem(skinny_gemm._KERNEL_MAX_M, (target[0], target[1], "16-bit"), 0)  # every M to torch
+    monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", False)
+    kernel_runtime.clear_plans(skinny_gemm)
+    recordings = _counting_recorder(monkeypatch)
+    (wrapper,) = [w_ for w_ in kernel_runtime._WRAPPERS if w_.owner is vars(skinny_gemm)]
+    launched = []
+    launcher = wrapper.launcher
+    monkeypatch.setattr(wrapper, "launcher", lambda *a, **k: launched.append(1) or launcher(*a, **k))
+    w, b = randn((48, 64), torch.bfloat16, gen), randn((48,), torch.float32, gen)
+    for _ in range(3):
+        x = randn((1, 3, 64), torch.bfloat16, gen)  # fresh values, one signature
+        out = skinny_gemm.skinny_gemm(x, w, b)
+        want = (torch.nn.functional.linear(x.view(3, 64), w).float() + b).to(torch.bfloat16).view(1, 3, 48)
+        assert out.shape == (1, 3, 48) and torch.equal(out, want)
+    assert len(recordings) == 1 and len(launched) == 1, (len(recordings), len(launched))
+    (plan,) = wrapper.plans.values()
+    assert isinstance(plan, kernel_runtime._TorchRoute) and plan.rows == (3, 64)
     kernel_runtime.clear_plans(skinny_gemm)
 
 
