@@ -45,6 +45,23 @@ class SeededGenerator(torch.Generator):
 FRESH_SEEDS: list[int] = []
 
 
+def once_per_run(tmp_path_factory, name: str, compute):
+    """compute()'s JSON value, computed once per test run: under pytest-xdist each worker runs a module fixture
+    of its own (a 30-40 s compile or model sweep twice on 2 cores), so the first worker to get here computes it
+    under a file lock beside the workers' temp folders and the others read it. Without xdist: compute()."""
+    import json
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return json.loads(json.dumps(compute()))
+    from filelock import FileLock  # (a dependency of torch)
+
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.is_file():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
+
+
 def _fixed_seed() -> int:
     """With KERNEL_TEST_SEEDS=fixed (CI sets it): the n-th seed a test draws, from its pytest node id and n,
     the same on every run, so a CI failure repeats on the next run; otherwise fresh entropy."""

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_testing import TargetOnlyDriver, env_without_interpreter, run_python
+from kernel_testing import TargetOnlyDriver, env_without_interpreter, once_per_run, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16, "kpack": 2}
@@ -221,6 +221,10 @@ def traced_report() -> dict:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "amd_launch_options_report", lambda: _report(tmp_path_factory))
+
+
+def _report(tmp_path_factory):
     env = env_without_interpreter()
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor_cache"))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 import diffusers_coverage as dc
+from kernel_testing import once_per_run
 
 TABLE = Path(__file__).resolve().parents[1] / "references" / "diffusers-coverage.md"
 
 
 @pytest.fixture(scope="module")
-def fresh():
-    return dc.report()
+def fresh(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "diffusers_coverage_report", dc.report)
 
 
 def _committed():
