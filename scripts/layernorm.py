@@ -5,12 +5,11 @@
     out = ((x - mean(x)) / sqrt(var(x) + eps) [* w] [+ b]) * (1 + scale) + shift   (parts optional)
     with the biased variance over the last dim, all arithmetic in fp32, one rounding per output.
 
-One Triton kernel serves every variant (an absent operand is passed as None and compiled out): the norm of
-diffusers' MMDiT models (SD3, FLUX). Public: layer_norm, layer_norm_modulate (AdaLN), layer_norm_modulate_dual,
-gated_residual_layer_norm_modulate and ..._dual, each with a plain-PyTorch ``*_ref``. scale / shift / gate
-broadcast to x as in torch, and a 2-D [B, D] for x [B, S, D] with B != S is one row per sample (diffusers'
-``emb.chunk(6, dim=1)`` views, read in place); [X, D] with X == B == S > 1 is ambiguous and refused.
-Depends on torch and triton only; ``python layernorm.py --help`` runs its self-check."""
+One Triton kernel (an absent operand passed as None is compiled out) for diffusers' MMDiT norms (SD3, FLUX).
+Public: layer_norm, layer_norm_modulate (AdaLN), layer_norm_modulate_dual, gated_residual_layer_norm_modulate and
+..._dual, each with a plain-PyTorch ``*_ref``. scale / shift / gate broadcast to x as in torch; a 2-D [B, D] for x
+[B, S, D] with B != S is one row per sample (diffusers' ``emb.chunk(6, dim=1)`` views, read in place); [X, D] with
+X == B == S > 1 is ambiguous and refused. Torch and triton only; ``python layernorm.py --help``: self-check."""
 
 from __future__ import annotations
 
@@ -25,10 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows up to _MAX_FUSED_N elements are normalised from registers in one pass; wider rows in _CHUNK_N chunks:
-# mean, then variance around it (no cancellation, unlike a sum of squares), then normalise.
-_MAX_FUSED_N = 16384
-_CHUNK_N = 4096
+_MAX_FUSED_N, _CHUNK_N = 16384, 4096  # rows up to _MAX_FUSED_N normalised from registers, wider in _CHUNK_N chunks
 # LayerNorm + one modulation over single-pass rows runs on a persistent grid (see _persistent_config)
 _PERSISTENT = True
 _INTERPRETER_PROGRAMS = 3  # the persistent grid under the interpreter: CPU tests run its row loop
@@ -36,8 +32,7 @@ _INTERPRETER_PROGRAMS = 3  # the persistent grid under the interpreter: CPU test
 
 @triton.jit
 def _row_block(rows, M, INNER):
-    """A block's rows kept in bounds (masked-off rows address row 0), their mask, and their outer and inner
-    indices (row r -> outer r // INNER, inner r % INNER; see _row_layout)."""
+    """A block's rows kept in bounds (masked-off ones address row 0), their mask, outer r // INNER, inner r % INNER."""
     row_mask = rows < M
     rows = tl.where(row_mask, rows, 0)
     return rows, row_mask, (rows // INNER).to(tl.int64), (rows % INNER).to(tl.int64)
@@ -45,8 +40,7 @@ def _row_block(rows, M, INNER):
 
 @triton.jit
 def _row_start(rows, outer, inner, stride_o, stride_i, DENSE: tl.constexpr = False):
-    """Offset of each row's first element in a tensor with row strides (stride_o, stride_i). DENSE: row r
-    starts at r * stride_i, so the address of the first load does not wait for the division by INNER."""
+    """Row starts for row strides (stride_o, stride_i); DENSE: r * stride_i (no wait for the division by INNER)."""
     if DENSE:
         return rows.to(tl.int64) * stride_i
     return outer * stride_o + inner * stride_i
@@ -65,8 +59,7 @@ def _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, ou
 def _affine_modulate(y, W, BIAS, MOD, rows, cols, mask):
     """Normalised fp32 rows y -> (* w) (+ b), then * (1 + scale) + shift (MOD: see _modulation)."""
     if W is not None:
-        # loaded at the tile's full shape so it shares the tile's register layout (a [BLOCK_N] load
-        # gets another layout and costs a conversion through LDS)
+        # at the tile's full shape, in its register layout (a [BLOCK_N] load costs a conversion through LDS)
         w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
         y = y * w
     if BIAS is not None:
@@ -95,8 +88,7 @@ def _load_raw(X, Y, GATE, x_row, y_row, g_row, cols, mask):
 
 @triton.jit
 def _residual(x, yv, g, H_OUT, GATE, out_row, cols, mask):
-    """fp32 x; with H_OUT, h = x + gate * y (GATE: whether there is a gate) rounded to h's dtype, stored
-    to H_OUT and returned (the value normalised)."""
+    """fp32 x; with H_OUT, h = x + gate * y (GATE: whether gated) rounded to h's dtype, stored and returned."""
     x = x.to(tl.float32)
     if H_OUT is not None:
         yv = yv.to(tl.float32)
@@ -110,8 +102,7 @@ def _residual(x, yv, g, H_OUT, GATE, out_row, cols, mask):
 
 @triton.jit
 def _reread_rows(X, H_OUT, x_row, out_row, cols, mask):
-    """fp32 tiles of the normalised input again (a later pass of the chunked path): the stored h when
-    a residual was added in pass 1, else x."""
+    """fp32 tiles of the normalised input again (a later pass): the stored h with a residual, else x."""
     if H_OUT is not None:
         return tl.load(H_OUT + out_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return tl.load(X + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -133,8 +124,7 @@ def _load_mod(MOD, cols, mask, PRE: tl.constexpr):
 def _finish_rows(
     y, W, BIAS, MOD, MOD2, OUT, OUT2, out_row, rows, cols, mask, sc=0.0, sh=0.0, PRE: tl.constexpr = False
 ):
-    """Normalised fp32 rows y (columns `cols`) -> affine, modulation(s), stores to OUT (and OUT2).
-    PRE: the modulation's scale and shift are the tiles sc, sh loaded earlier (_load_mod)."""
+    """Normalised fp32 rows y -> affine, modulation(s), stores (OUT2 too); PRE: scale, shift are sc, sh (_load_mod)."""
     if MOD2 is not None:
         y2 = _affine_modulate(y, W, BIAS, MOD2, rows, cols, mask)
         tl.store(OUT2 + out_row[:, None] + cols[None, :], y2.to(OUT2.dtype.element_ty), mask=mask)
@@ -148,8 +138,7 @@ def _finish_rows(
 
 @triton.jit
 def _load_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N, BLOCK_N: tl.constexpr, NCH: tl.constexpr):
-    """A single-pass row block as stored: the (x, y, gate) tiles of chunk 0, 1 and 2; chunks 1 and 2 only
-    when NCH == 3 (0.0 placeholders otherwise)."""
+    """A single-pass row block as stored: the (x, y, gate) tiles of chunks 0, 1, 2 (1 and 2 only when NCH == 3)."""
     cols0 = tl.arange(0, BLOCK_N)
     c0 = _load_raw(X, Y, GATE, x_row, y_row, g_row, cols0, row_mask[:, None] & (cols0 < N)[None, :])
     c1 = (0.0, 0.0, 0.0)
@@ -164,35 +153,19 @@ def _load_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N, BLOCK_N: tl.const
 
 @triton.jit
 def _single_pass_rows(
-    chunks,
-    H_OUT,
-    GATE,
-    W,
-    BIAS,
-    MOD,
-    MOD2,
-    OUT,
-    OUT2,
-    rows,
-    row_mask,
-    out_row,
-    N,
-    eps,
-    BLOCK_N: tl.constexpr,
+    chunks, H_OUT, GATE, W, BIAS, MOD, MOD2, OUT, OUT2, rows, row_mask, out_row, N, eps, BLOCK_N: tl.constexpr,
     NCH: tl.constexpr,
-):
-    """Normalise a row block held in registers (the tiles of _load_chunks): one chunk of the next power
-    of two above N, or three (N = 3 * BLOCK_N, e.g. SD3's 1536 and FLUX's 3072) so that no lane idles.
-    Each reduction runs once over the chunks' elementwise sum."""
+):  # fmt: skip
+    """Normalise a row block held in registers (_load_chunks' tiles): one chunk of the next power of two above N, or
+    three (N = 3 * BLOCK_N: SD3's 1536, FLUX's 3072; no lane idles), each reduction once over the chunks' sum."""
     cols0 = tl.arange(0, BLOCK_N)
     c1 = cols0 + BLOCK_N
     c2 = cols0 + 2 * BLOCK_N
     m0 = row_mask[:, None] & (cols0 < N)[None, :]
     m1 = row_mask[:, None] & (c1 < N)[None, :]
     m2 = row_mask[:, None] & (c2 < N)[None, :]
-    # With a residual, scale and shift are requested before the reductions so that their latency
-    # overlaps them (about 2 % faster at SD3's and FLUX's shapes on an H200); without one that was 1-2 %
-    # slower, so they are loaded after, in _finish_rows.
+    # With a residual, scale and shift are requested before the reductions so that their latency overlaps them
+    # (about 2 % faster at SD3's and FLUX's shapes on an H200); without one that was 1-2 % slower (loaded after).
     PRE: tl.constexpr = H_OUT is not None and MOD is not None and MOD2 is None
     x0, y0, g0 = chunks[0]
     x0 = _residual(x0, y0, g0, H_OUT, GATE, out_row, cols0, m0)
@@ -225,9 +198,8 @@ def _multi_pass_rows(
     X, Y, GATE, H_OUT, W, BIAS, MOD, MOD2, OUT, OUT2, x_row, y_row, g_row, out_row, rows, row_mask, N, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """A row block too wide for registers, in three passes over BLOCK_N columns at a time: the mean (and
-    the residual update, stored once), the variance around the mean (no cancellation, unlike one
-    sum-of-squares pass), then normalise, affine, modulate and store."""
+    """A row block too wide for registers, in three passes of BLOCK_N columns: the mean (and h, stored once), the
+    variance around it (no cancellation, unlike a sum of squares), then normalise, affine, modulate and store."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -257,16 +229,13 @@ def _layer_norm_kernel(
     X, x_stride_o, x_stride_i,  # input rows (the residual stream h when Y is given); last dim contiguous
     Y, y_stride_o, y_stride_i,  # branch output added to h (None: no residual)
     GATE, g_stride_o, g_stride_i,  # gate multiplying Y (None: no gate), broadcast strides
-    H_OUT,  # contiguous [M, N] output of the updated residual h (with Y)
-    W, BIAS,  # weight and bias [N] (None: not applied)
+    H_OUT, W, BIAS,  # contiguous [M, N] output of the updated residual h (with Y); weight, bias [N] (None: none)
     SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i,  # modulation (None: none), broadcast strides
     SCALE2, s2_stride_o, s2_stride_i, SHIFT2, t2_stride_o, t2_stride_i,  # second modulation (None: none)
     OUT, OUT2,  # contiguous [M, N] outputs (OUT2: the second modulation's)
     M, N, INNER, eps,  # rows, row width, rows per outer index (row r -> r // INNER, r % INNER), epsilon
-    BLOCK_M: tl.constexpr,  # rows per program (per step when PERSISTENT)
-    BLOCK_N: tl.constexpr,  # columns per step (SINGLE_PASS: per chunk, NCH * BLOCK_N >= N)
-    SINGLE_PASS: tl.constexpr,  # a row block held in registers: one read, one write
-    NCH: tl.constexpr,  # SINGLE_PASS: chunks per row, 1 or 3
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # rows per program (step); columns per step (SINGLE_PASS: chunk)
+    SINGLE_PASS: tl.constexpr, NCH: tl.constexpr,  # a row block in registers (one read, one write) in 1 or 3 chunks
     X_DENSE: tl.constexpr, Y_DENSE: tl.constexpr,  # row r of X (Y) starts at r * x_stride_i (y_stride_i)
     PERSISTENT: tl.constexpr,  # SINGLE_PASS: program p takes row blocks p, p + G, ... (G programs)
 ):  # fmt: skip
@@ -288,9 +257,8 @@ def _layer_norm_kernel(
     y_row = _row_start(rows, outer, inner, y_stride_o, y_stride_i, Y_DENSE)
     g_row = _row_start(rows, outer, inner, g_stride_o, g_stride_i)
     if SINGLE_PASS and PERSISTENT:
-        # A fixed number of programs, each looping over row blocks; the next block's inputs are
-        # requested before this block's reductions, so a program keeps loads in flight while it
-        # reduces and stores (one launch-sized grid would leave that gap to other programs only).
+        # A fixed number of programs, each looping over row blocks; the next block's inputs are requested before
+        # this block's reductions, so a program keeps loads in flight while it reduces and stores.
         G = tl.num_programs(0)
         chunks = _load_chunks(X, Y, GATE, x_row, y_row, g_row, row_mask, N, BLOCK_N, NCH)
         for blk0 in range(pid, tl.cdiv(M, BLOCK_M), G):
@@ -342,8 +310,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _check(name: str, t, device=None, shape=None):
-    """Refuse t unless it is a tensor of a supported dtype, on device (when given), contiguous in its last dim.
-    With shape: t's row strides (read as _per_sample says) broadcast to shape, 0 along broadcast and size-1 dims."""
+    """Refuse t unless a tensor of a supported dtype, on device (if given), contiguous in its last dim. With shape:
+    t's row strides (read as _per_sample says) broadcast to shape, 0 along broadcast and size-1 dims."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _SUPPORTED_DTYPES:
@@ -357,10 +325,8 @@ def _check(name: str, t, device=None, shape=None):
     try:
         strides = _per_sample(t, shape, name).expand(shape).stride()  # (a RuntimeError too for more dims)
     except RuntimeError:
-        raise ValueError(
-            f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; expected "
-            "[D], [B, D] (one row per sample of a [B, S, D] input), [S, D], [B, 1, D] or [B, S, D]"
-        ) from None
+        msg = f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; expected [D]"
+        raise ValueError(f"{msg}, [B, D] (one row per sample of [B, S, D]), [S, D], [B, 1, D] or [B, S, D]") from None
     strides = tuple(0 if s == 1 else st for s, st in zip(shape, strides))
     if shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {strides[-1]})")
@@ -368,8 +334,8 @@ def _check(name: str, t, device=None, shape=None):
 
 
 def _per_sample(t: Tensor, shape, name: str = "scale") -> Tensor:
-    """t as read against x of ``shape``: 2-D [X, D] for [B, S, D] is one row per sample ([B, 1, D]) where
-    X == B != S, else torch broadcasting (one row per token); X == B == S > 1 is ambiguous: refused."""
+    """t as read against x of shape [B, S, D]: a 2-D [B, D] per sample if B != S, else as torch broadcasts (B == S > 1:
+    ambiguous, refused)."""
     if len(shape) != 3 or t.dim() != 2:
         return t
     rows, batch, tokens = t.shape[0], shape[0], shape[1]
@@ -378,16 +344,15 @@ def _per_sample(t: Tensor, shape, name: str = "scale") -> Tensor:
     if rows == batch == tokens and rows > 1:
         raise ValueError(
             f"{name} of shape {tuple(t.shape)} is ambiguous for x of shape {tuple(shape)}: [{rows}, D] could be one "
-            f"row per sample (the [B, D] of diffusers' AdaLN chunks) or, as torch broadcasts it, one row per "
-            f"token; pass {name}[:, None] ([B, 1, D]) for one row per sample or {name}[None] ([1, S, D]) for one "
-            "row per token"
+            f"row per sample (diffusers' AdaLN chunks) or, as torch broadcasts it, one per token; pass {name}[:, None] "
+            f"([B, 1, D]) for one row per sample or {name}[None] ([1, S, D]) for one row per token"
         )
     return t
 
 
 def _row_layout(stride_sets, lead):
-    """(INNER, [(stride_o, stride_i) per operand]): row r sits at (r // INNER) * stride_o + (r % INNER) * stride_i
-    in every operand, no copy; more than two leading dims are split in two groups of one stride each, else refused."""
+    """(INNER, [(stride_o, stride_i) per operand]): row r at (r // INNER) * stride_o + (r % INNER) * stride_i, no
+    copy; more than two leading dims are split in two groups of one stride each, else refused."""
     if len(lead) <= 2:
         return ([1, 1] + list(lead))[-1], [(0,) * (2 - len(lead)) + tuple(st) for st in stride_sets]
 
@@ -410,10 +375,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = False):
-    """(BLOCK_M, BLOCK_N, single pass, chunks per row, num_warps). About 32 elements per lane: fewer warps
-    shorten LayerNorm's two reductions (12-31 % faster than 8 on an H200). Rows under 2048 elements are packed
-    to about 2048 per program (scheduling overhead per row). Rows of 3 * 2**k are three chunks of 2**k, not one
-    a quarter masked off (72-75 % -> 80-87 % of copy bandwidth); not with a residual (the chunks tied or lost 2-3 %)."""
+    """(BLOCK_M, BLOCK_N, single pass, chunks per row, num_warps). ~32 elements per lane: fewer warps shorten the two
+    reductions (12-31 % faster than 8, H200); short rows packed to ~2048 elements a program. Rows of 3 * 2**k: three
+    chunks of 2**k, not one a quarter masked off (72-75 -> 80-87 % of copy bandwidth; with a residual: not, -2-3 %)."""
     single, third = n_cols <= _MAX_FUSED_N, n_cols // 3
     if single and not residual and n_cols % 3 == 0 and third >= 64 and third & (third - 1) == 0:
         per_program = 1 << max(0, (2048 // n_cols).bit_length() - 1)  # a power of two, <= 2048 / n_cols
@@ -425,15 +389,15 @@ def _launch_config(n_cols: int, n_rows: int, warp_size: int, residual: bool = Fa
 
 
 def _persistent_variant(has_residual: bool, has_mod: bool, has_mod2: bool) -> bool:
-    """LayerNorm + one modulation only: the plain norm gains nothing on the persistent grid; two modulations
-    or a residual are 8-39 % slower there on an H200 (examples/layernorm_grid_h200.json)."""
+    """LayerNorm + one modulation only: no gain for the plain norm, 8-39 % slower with two modulations or a residual
+    on an H200 (examples/layernorm_grid_h200.json)."""
     return has_mod and not has_mod2 and not has_residual
 
 
 def _persistent_config(n_blocks: int, block_m: int, n_cols: int, warp_size: int, n_sms: int):
-    """(programs, num_warps) of the persistent grid, or (0, 0) when there are no more row blocks than programs.
-    At most 24 elements per lane, about 1024 lanes per SM (each lane holds this row block and the next): about
-    10 % faster than one program per row on an H200 (examples/layernorm_grid_h200.json). Untuned on AMD."""
+    """(programs, num_warps) of the persistent grid, (0, 0) if no more row blocks than programs. <= 24 elements per
+    lane (this row block and the next), ~1024 lanes per SM: ~10 % faster than one program per row on an H200
+    (examples/layernorm_grid_h200.json). Untuned on AMD."""
     num_warps = min(_next_pow2(max(1, -(-block_m * n_cols // (warp_size * 24)))), 16)
     programs = n_sms * max(1, 1024 // (num_warps * warp_size)) if n_sms else _INTERPRETER_PROGRAMS
     return (0, 0) if n_blocks <= programs else (programs, num_warps)
@@ -443,8 +407,8 @@ def _launch(
     x: Tensor, y: Optional[Tensor], gate: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
     scale: Optional[Tensor], shift: Optional[Tensor], scale2: Optional[Tensor], shift2: Optional[Tensor], eps: float,
 ) -> tuple[Optional[Tensor], Tensor, Optional[Tensor]]:  # fmt: skip
-    """Check a call, pick the launch configuration, allocate the outputs and launch _layer_norm_kernel. Returns
-    (h, out, out2): h = x + gate * y (None without y), out2 the second modulation's (None without scale2)."""
+    """Check a call, pick the launch configuration, allocate the outputs, launch _layer_norm_kernel. Returns (h =
+    x + gate * y or None, out, out2: the second modulation's or None)."""
     _check("x", x)
     device, shape = x.device, x.shape
     if x.dim() == 0:
@@ -475,17 +439,14 @@ def _launch(
             _check(name, p, device)
             if p.dim() != 1 or p.shape[0] != n:
                 raise ValueError(f"{name} must have shape [{n}] (the last dim of x), got {tuple(p.shape)}")
-    out = torch.empty(shape, dtype=x.dtype, device=device)
-    out2 = torch.empty(shape, dtype=x.dtype, device=device) if scale2 is not None else None
-    h_out = torch.empty(shape, dtype=x.dtype, device=device) if y is not None else None
+    new = lambda: torch.empty(shape, dtype=x.dtype, device=device)
+    out, out2, h_out = new(), new() if scale2 is not None else None, new() if y is not None else None
     if x.numel() == 0:
         return h_out, out, out2
     m = x.numel() // n
     inner, layouts = _row_layout(strides, list(shape[:-1]))
-    it = iter(layouts)  # (stride_o, stride_i) of x, then of each operand given; (0, 0) for one absent
-    xs, ys, gs, ss, ts, s2, t2 = (
-        next(it) if t is not None else (0, 0) for t in (x, y, gate, scale, shift, scale2, shift2)
-    )
+    it, ops = iter(layouts), (x, y, gate, scale, shift, scale2, shift2)  # (0, 0): the strides of an absent operand
+    xs, ys, gs, ss, ts, s2, t2 = (next(it) if t is not None else (0, 0) for t in ops)
     warp_size = _device_target(device)[2]
     block_m, block_n, single, nch, num_warps = _launch_config(n, m, warp_size, y is not None)
     n_blocks, programs = -(-m // block_m), 0
@@ -506,24 +467,19 @@ def _no_backward(fn: str, names: str, *tensors) -> None:
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
         if getattr(t, "requires_grad", False):
             raise RuntimeError(
-                f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would carry no "
-                f"grad_fn, and gradients would silently stop there); call {fn} under torch.no_grad() or "
-                f"torch.inference_mode(), or use the PyTorch reference ({fn}_ref) where gradients are needed"
+                f"{fn}: {name} requires grad, but this Triton kernel has no backward (gradients would silently stop): "
+                f"call {fn} under torch.no_grad() or torch.inference_mode(), or use the PyTorch reference ({fn}_ref)"
             )
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
-    """``torch.nn.functional.layer_norm(x, (D,), weight, bias, eps)``: fp32 math, one rounding. x: any leading
-    shape, last dim contiguous (rows may be strided); weight/bias: [D] or None; the output has x's dtype and shape,
-    contiguous. No backward: call it under torch.no_grad() / torch.inference_mode(), or use layer_norm_ref."""
+    """``F.layer_norm(x, (D,), weight, bias, eps)``, fp32 math, one rounding; rows may be strided. No backward."""
     _no_backward("layer_norm", "x,weight,bias", x, weight, bias)
     return _launch(x, None, None, weight, bias, None, None, None, None, eps)[1]
 
 
 def layer_norm_modulate(x, scale, shift, eps=1e-6, *, weight=None, bias=None) -> Tensor:
-    """AdaLN: ``layer_norm(x, weight, bias) * (1 + scale) + shift`` in one pass, fp32 math, one rounding.
-    scale/shift: [B, D] (one row per sample of x [B, S, D], as diffusers' AdaLN chunks them), or any shape
-    broadcastable to x as in torch (see the module docstring); strided views are read in place. No backward."""
+    """AdaLN: ``layer_norm(x, weight, bias) * (1 + scale) + shift``; scale/shift as in the module docstring."""
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use layer_norm() for a plain norm")
     _no_backward("layer_norm_modulate", "x,weight,bias,scale,shift", x, weight, bias, scale, shift)
@@ -531,8 +487,7 @@ def layer_norm_modulate(x, scale, shift, eps=1e-6, *, weight=None, bias=None) ->
 
 
 def layer_norm_modulate_dual(x, scale, shift, scale2, shift2, eps=1e-6):
-    """Two modulations of one LayerNorm, reading x once: ``(n * (1 + scale) + shift, n * (1 + scale2) +
-    shift2)`` with ``n = layer_norm(x)`` (diffusers ``SD35AdaLayerNormZeroX``). Returns (out, out2)."""
+    """(n * (1 + scale) + shift, n * (1 + scale2) + shift2), n = layer_norm(x), x read once (SD35AdaLayerNormZeroX)."""
     if scale is None or shift is None or scale2 is None or shift2 is None:
         raise ValueError("scale, shift, scale2 and shift2 are all required")
     _no_backward("layer_norm_modulate_dual", "x,scale,shift,scale2,shift2", x, scale, shift, scale2, shift2)
@@ -540,9 +495,8 @@ def layer_norm_modulate_dual(x, scale, shift, scale2, shift2, eps=1e-6):
 
 
 def gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps=1e-6, *, weight=None, bias=None):
-    """h_new = h + gate * y (gate None: h + y), rounded to h's dtype; out = layer_norm_modulate(h_new). The
-    MMDiT step ``h = h + gate_msa[:, None] * attn; n = norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:,
-    None]`` in one kernel; scale/shift may both be None (a residual add + LayerNorm). Returns (h_new, out)."""
+    """(h_new, out): h_new = h + gate * y (gate None: h + y) in h's dtype, out = layer_norm_modulate(h_new) (scale and
+    shift None: layer_norm); MMDiT's ``h = h + gate_msa[:, None] * attn; norm2(h) * (1 + scale_mlp) + shift_mlp``."""
     if y is None:
         raise ValueError("y is required; use layer_norm_modulate() without a residual")
     names = "h,y,gate,weight,bias,scale,shift"
@@ -551,8 +505,7 @@ def gated_residual_layer_norm_modulate(h, y, gate, scale, shift, eps=1e-6, *, we
 
 
 def gated_residual_layer_norm_modulate_dual(h, y, gate, scale, shift, scale2, shift2, eps=1e-6):
-    """h_new = h + gate * y, rounded to h's dtype, then the two modulations of layer_norm_modulate_dual(h_new):
-    a block's last gated residual and the next SD3.5 block's SD35AdaLayerNormZeroX. Returns (h_new, out, out2)."""
+    """(h_new, out, out2): h_new = h + gate * y in h's dtype, then layer_norm_modulate_dual(h_new) (SD3.5 blocks)."""
     if y is None:
         raise ValueError("y is required; use layer_norm_modulate_dual() without a residual")
     if scale is None or shift is None or scale2 is None or shift2 is None:
@@ -611,31 +564,26 @@ def _main(argv=None) -> int:
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if not (torch.cuda.is_available() or interpret):
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype, tol = dict(fp32=(torch.float32, 1e-5), fp16=(torch.float16, 4e-3), bf16=(torch.bfloat16, 3.2e-2))[args.dtype]
     device, d, g = ("cpu" if interpret else "cuda"), args.width, torch.Generator().manual_seed(args.seed)
     x = (2 * torch.randn(2, args.rows, d, generator=g) + 0.3).to(device, dtype)
     y = torch.randn(2, args.rows, d, generator=g).to(device, dtype)
     emb = (0.3 * torch.randn(2, 6 * d, generator=g)).to(device, dtype)  # diffusers AdaLN: chunks of [B, 6D]
+    w, b = ((c + 0.2 * torch.randn(d, generator=g)).to(device, dtype) for c in (1.0, 0.0))  # weight, bias
     shift, scale, gate, shift2, scale2, _ = emb.chunk(6, dim=1)
-    w = (1 + 0.2 * torch.randn(d, generator=g)).to(device, dtype)
-    b = (0.2 * torch.randn(d, generator=g)).to(device, dtype)
-    x64, y64, sc, sh, gt, sc2, sh2, w64, b64 = (t.double() for t in (x, y, scale, shift, gate, scale2, shift2, w, b))
-    h_new, out = gated_residual_layer_norm_modulate(x, y, gate, scale, shift)
-    checks = {  # name: (output, float64 reference)
-        "layer_norm": (layer_norm(x, w, b), layer_norm_ref(x64, w64, b64)),
-        "layer_norm_modulate": (layer_norm_modulate(x, scale, shift), layer_norm_modulate_ref(x64, sc, sh)),
-        "layer_norm_modulate_dual": (
-            torch.stack(layer_norm_modulate_dual(x, scale, shift, scale2, shift2)),
-            torch.stack(layer_norm_modulate_dual_ref(x64, sc, sh, sc2, sh2)),
-        ),
-        "gated_residual_h": (h_new, gated_residual_layer_norm_modulate_ref(x64, y64, gt, sc, sh)[0].to(dtype)),
-        "gated_residual_out": (out, layer_norm_modulate_ref(h_new.double(), sc, sh)),
-    }
-    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}[dtype]
     report = {}
-    for name, (got, ref) in checks.items():
-        err = ((got.double() - ref.double()).abs() / (1 + ref.double().abs())).max().item()
-        report[name] = {"max_rel_err": err, "ok": err <= tol}
+    for fn, ref, inputs in (  # each public function against its float64 reference on the same inputs
+        (layer_norm, layer_norm_ref, (x, w, b)),
+        (layer_norm_modulate, layer_norm_modulate_ref, (x, scale, shift)),
+        (layer_norm_modulate_dual, layer_norm_modulate_dual_ref, (x, scale, shift, scale2, shift2)),
+        (gated_residual_layer_norm_modulate, gated_residual_layer_norm_modulate_ref, (x, y, gate, scale, shift)),
+        (gated_residual_layer_norm_modulate_dual, gated_residual_layer_norm_modulate_dual_ref,
+         (x, y, gate, scale, shift, scale2, shift2)),
+    ):  # fmt: skip
+        got, want = fn(*inputs), ref(*(t.double() for t in inputs))
+        got, want = (torch.stack(o) if isinstance(o, tuple) else o for o in (got, want))
+        err = ((got.double() - want).abs() / (1 + want.abs())).max().item()
+        report[fn.__name__] = {"max_rel_err": err, "ok": err <= tol}
     ok = all(v["ok"] for v in report.values())
     print(json.dumps({"device": device, "dtype": args.dtype, "width": d, "checks": report, "ok": ok}))
     return 0 if ok else 1

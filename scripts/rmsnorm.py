@@ -7,10 +7,10 @@
     FP8 output: out8 = fp8(clamp(out / s, -fp8_max, fp8_max)), s given (per tensor) or computed in the
     kernel, s[row] = max|out[row]| / fp8_max (per token).
 
-One Triton kernel serves every variant (an absent operand is passed as None and compiled out). Public:
-rms_norm, rms_norm_modulate (AdaLN), gated_residual_rms_norm_modulate, gated_residual_add, fused_add_rms_norm,
-each with a plain-PyTorch ``*_ref``. FP8: e4m3fnuz (max 240) on gfx942, e4m3fn (max 448) elsewhere.
-Depends on torch and triton only; ``python rmsnorm.py --help`` runs its self-check."""
+One Triton kernel for every variant (an absent operand passed as None is compiled out). Public: rms_norm,
+rms_norm_modulate (AdaLN), gated_residual_rms_norm_modulate, gated_residual_add, fused_add_rms_norm, each with a
+plain-PyTorch ``*_ref``. FP8: e4m3fnuz (max 240) on gfx942, e4m3fn (max 448) elsewhere. Depends on torch and
+triton only; ``python rmsnorm.py --help`` runs its self-check."""
 
 from __future__ import annotations
 
@@ -25,10 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows up to _MAX_FUSED_N elements are normalised from registers in one pass (the cap bounds registers per
-# lane); wider rows go in _CHUNK_N chunks: one pass for the sum of squares, one that normalises.
-_MAX_FUSED_N = 16384
-_CHUNK_N = 4096
+_MAX_FUSED_N, _CHUNK_N = 16384, 4096  # rows up to _MAX_FUSED_N in one pass from registers, wider ones in chunks
 # FP8 dtype -> (largest finite value, fp32 biased exponent of the smallest normal, NaN code)
 _FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F), torch.float8_e4m3fnuz: (240.0, 127 - 7, 0x80)}
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
@@ -41,14 +38,11 @@ _EVICT_FIRST_MAX_BYTES = 64 << 20
 
 @triton.jit
 def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr):
-    """The e4m3 code (0..255, int32) of fp32 v: saturated to +-FP8_MAX, rounded to nearest, ties to even.
-
-    Built with integer and fp32 arithmetic, stored through a uint8 view of the FP8 tensor: no Triton FP8
-    type is involved, so it compiles the same on every backend and Triton version (Triton 3.6 cannot
-    lower fp32 -> e4m3fnuz on gfx950/gfx1201, nor store it in its interpreter) and every backend gives
-    the same bits. FP8_MIN_EXP: fp32 biased exponent of the format's smallest normal (127 + 1 - bias).
-    Infinities saturate, NaN gives the format's NaN code, and a zero is never negative (0x80 is NaN in
-    e4m3fnuz).
+    """The e4m3 code (0..255, int32) of fp32 v, saturated to +-FP8_MAX, rounded to nearest even; infinities
+    saturate, NaN gives FP8_NAN, a zero is never negative (0x80 is NaN in e4m3fnuz). Integer and fp32 arithmetic,
+    stored through a uint8 view: the same bits on every backend and Triton version (Triton 3.6 cannot lower fp32 ->
+    e4m3fnuz on gfx950/gfx1201, nor store it in its interpreter). FP8_MIN_EXP: fp32 biased exponent of the format's
+    smallest normal (127 + 1 - bias).
     """
     is_nan = v != v
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
@@ -67,15 +61,10 @@ def _fp8_encode(v, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl
 
 @triton.jit
 def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 v -> the element type of OUT (FP8 or, when not NATIVE, the uint8 view of an FP8 tensor).
-
-    NATIVE: saturate, then Triton's own cast (round to nearest even), which is one hardware conversion
-    per two values where the target has one (NVIDIA sm_89+: cvt.rn.satfinite; gfx942: v_cvt_pk_fp8_f32;
-    gfx950: v_cvt_scalef32_pk_fp8_f32); the clamp keeps NaN (PropagateNan.ALL) and makes infinities
-    saturate whatever the instruction does out of range. Else _fp8_encode's integer version, about 20
-    operations a value; the native cast makes the fused FP8 kernels 7-35 % faster on an H200
-    (examples/benchmark_fp8_native_vs_integer_h200.json).
-    """
+    """fp32 v -> OUT's element type (FP8, or its uint8 view when not NATIVE). NATIVE: clamp (NaN kept, infinities
+    saturate whatever the instruction does), then Triton's cast: one conversion per two values (sm_89+
+    cvt.rn.satfinite, gfx942 v_cvt_pk_fp8_f32, gfx950 v_cvt_scalef32_pk_fp8_f32), 7-35 % faster fused FP8 kernels
+    on an H200 than _fp8_encode's ~20 operations (examples/benchmark_fp8_native_vs_integer_h200.json)."""
     if NATIVE:
         v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         # what rounds to zero becomes +0, as in _fp8_encode (no -0: 0x80 is NaN in e4m3fnuz); NaN stays NaN
@@ -87,8 +76,7 @@ def _fp8_convert(v, OUT, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_N
 
 @triton.jit
 def _row_block(rows, M, INNER):
-    """A block's rows kept in bounds (masked-off rows address row 0), their mask, and their outer and inner
-    indices (row r -> outer r // INNER, inner r % INNER; see _row_layout)."""
+    """A block's rows kept in bounds (masked-off ones address row 0), their mask, outer r // INNER, inner r % INNER."""
     row_mask = rows < M
     rows = tl.where(row_mask, rows, 0)
     return rows, row_mask, (rows // INNER).to(tl.int64), (rows % INNER).to(tl.int64)
@@ -96,8 +84,7 @@ def _row_block(rows, M, INNER):
 
 @triton.jit
 def _row_start(rows, outer, inner, stride_o, stride_i, DENSE: tl.constexpr = False):
-    """Offset of each row's first element in a tensor with row strides (stride_o, stride_i). DENSE: row r
-    starts at r * stride_i, so the address of the first load does not wait for the division by INNER."""
+    """Row starts for row strides (stride_o, stride_i); DENSE: r * stride_i (no wait for the division by INNER)."""
     if DENSE:
         return rows.to(tl.int64) * stride_i
     return outer * stride_o + inner * stride_i
@@ -114,15 +101,13 @@ def _modulation(SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i, ou
 
 @triton.jit
 def _load_weight_mod(W, MOD, rows, cols, mask):
-    """fp32 tiles of the weight and of the modulation's scale and shift (0.0 for absent ones; MOD: see
-    _modulation)."""
+    """fp32 tiles of the weight and of the modulation's scale and shift (0.0 where absent; MOD: see _modulation)."""
     w = 0.0
     sc = 0.0
     sh = 0.0
     if W is not None:
-        # loaded at the tile's full [BLOCK_M, BLOCK_N] shape (rows re-read it from cache) so it
-        # shares the tile's layout: a [BLOCK_N] or [1, BLOCK_N] load gets another layout and
-        # costs a conversion through LDS plus a barrier
+        # loaded at the tile's full [BLOCK_M, BLOCK_N] shape (rows re-read it from cache) so it shares the tile's
+        # layout: a [BLOCK_N] load gets another layout and costs a conversion through LDS plus a barrier
         w = tl.load(W + (cols[None, :] + 0 * rows[:, None]), mask=mask, other=0.0).to(tl.float32)
     if MOD is not None:
         SCALE, SHIFT, s_row, t_row = MOD
@@ -152,23 +137,12 @@ def _weight_modulate(y, X, W, MOD, rows, cols, mask, CAST_BEFORE_WEIGHT: tl.cons
 
 @triton.jit
 def _store_rows(
-    y,
-    OUT,
-    out_row,
-    cols,
-    mask,
-    q_scale,
-    FP8_MODE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
-    FP8_NAN: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
-):
-    """Store fp32 rows y to OUT in OUT's dtype, or (FP8_MODE > 0) times q_scale (a scalar or a [BLOCK_M, 1]
-    column), quantised to OUT's FP8 format. For FP8 the caller marks cols with tl.max_contiguous(cols, 8)
-    where it makes them (a hint given here, on an argument, would be lost): stores of at most 8 contiguous
-    bytes, like the 16-byte bf16 accesses; otherwise a lane holding 16 elements gets 16-byte FP8 stores in
-    another register layout, converted through LDS."""
+    y, OUT, out_row, cols, mask, q_scale, FP8_MODE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    FP8_NAN: tl.constexpr, NATIVE_FP8: tl.constexpr,
+):  # fmt: skip
+    """Store fp32 rows y to OUT, or (FP8_MODE > 0) y * q_scale (scalar or [BLOCK_M, 1]) quantised to FP8. For FP8
+    the caller marks cols tl.max_contiguous(cols, 8) where it makes them (a hint on an argument is lost): 8-byte
+    stores, in the layout of the 16-byte bf16 accesses, not 16-byte ones converted through LDS."""
     if FP8_MODE == 0:
         tl.store(OUT + out_row[:, None] + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
     else:
@@ -207,10 +181,9 @@ def _multi_pass_rows(
     FP8_NAN: tl.constexpr, MIN_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """A row block too wide for registers, BLOCK_N columns at a time: the sum of squares (and the residual
-    update, stored once); for per-row FP8 the row maximum of the output; then normalise, weight, modulate
-    (quantise) and store. offs: the rows' start offsets in X, Y, GATE and the outputs; q_scale: the
-    per-tensor FP8 factor (FP8_MODE 1)."""
+    """A row block too wide for registers, BLOCK_N columns at a time: the sum of squares (and h, stored once); for
+    per-row FP8 the row maximum; then normalise, weight, modulate, (quantise,) store. offs: row starts in X, Y, GATE
+    and the outputs; q_scale: the per-tensor FP8 factor (FP8_MODE 1)."""
     x_row, y_row, g_row, out_row = offs
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
@@ -248,21 +221,16 @@ def _rms_norm_kernel(
     X, x_stride_o, x_stride_i,  # input rows (the residual stream h when Y is given); last dim contiguous
     Y, y_stride_o, y_stride_i,  # branch output added to h (None: no residual)
     GATE, g_stride_o, g_stride_i,  # per-channel gate multiplying Y (None: no gate), broadcast strides
-    H_OUT,  # contiguous [M, N] output of the updated residual h (with Y)
-    W,  # weight [N] (None: not applied)
+    H_OUT, W,  # contiguous [M, N] output of the updated residual h (with Y); weight [N] (None: not applied)
     SCALE, s_stride_o, s_stride_i, SHIFT, t_stride_o, t_stride_i,  # modulation (None: none), broadcast strides
     OUT,  # contiguous [M, N] output (None: only h = x + y * gate); FP8: the FP8 tensor or its uint8 view
     FP8_SCALE,  # FP8_MODE 1: one fp32 scale (read); FP8_MODE 2: [M] fp32 per-row scales (written)
     M, N, INNER, eps,  # rows, row width, rows per outer index (row r -> r // INNER, r % INNER), epsilon
     CAST_BEFORE_WEIGHT: tl.constexpr,  # round rms(x) to X's dtype before the weight multiply
-    FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales
-    FP8_MAX: tl.constexpr,  # largest finite value of OUT's FP8 format (FP8_MODE > 0)
-    FP8_MIN_EXP: tl.constexpr,  # fp32 biased exponent of its smallest normal (FP8_MODE > 0)
-    FP8_NAN: tl.constexpr,  # its NaN code (FP8_MODE > 0)
-    MIN_SCALE: tl.constexpr,  # lower bound of the per-row scales (FP8_MODE 2)
-    NATIVE_FP8: tl.constexpr,  # FP8_MODE > 0: Triton's FP8 cast (see _fp8_convert), else _fp8_encode
-    BLOCK_M: tl.constexpr,  # rows per program
-    BLOCK_N: tl.constexpr,  # columns per step; >= N when SINGLE_PASS
+    FP8_MODE: tl.constexpr,  # 0: no FP8; 1: static per-tensor scale; 2: dynamic per-row scales (>= MIN_SCALE)
+    FP8_MAX: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_NAN: tl.constexpr,  # OUT's FP8 format (_FP8_FORMATS)
+    MIN_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,  # NATIVE_FP8: Triton's FP8 cast, else _fp8_encode
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # rows per program, columns per step (>= N when SINGLE_PASS)
     SINGLE_PASS: tl.constexpr,  # a row block held in registers: one read, one write
     X_DENSE: tl.constexpr, Y_DENSE: tl.constexpr,  # row r of X (Y) starts at r * x_stride_i (y_stride_i)
     INPUT_EVICT: tl.constexpr,  # single pass: L2 eviction hint of the X and Y loads ("" or "evict_first")
@@ -349,8 +317,7 @@ def _fp8_dtype_for(device: torch.device) -> torch.dtype:
 
 
 def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
-    """Whether to use Triton's FP8 cast: only where Triton emits a conversion instruction (NVIDIA sm_89+ e4m3fn,
-    gfx942 e4m3fnuz, gfx950 e4m3fn from Triton 3.6); not on gfx1201 nor in the interpreter."""
+    """Triton's FP8 cast where it emits a conversion (sm_89+, gfx942, gfx950 from Triton 3.6), else _fp8_encode."""
     backend, arch, _ = _device_target(device)
     if backend == "interpreter" or (device.type != "cpu" and _interpreting()):
         return False  # (the ahead-of-time check compiles CPU tensors for a GPU target: not excluded here)
@@ -362,8 +329,8 @@ def _native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
 
 def _check(name: str, t, device=None, dtypes=_SUPPORTED_DTYPES, shape=None):
-    """Refuse t unless it is a tensor of one of dtypes, on device (when given), contiguous in its last dim. With
-    shape: return t's row strides broadcast to shape (0 along broadcast and size-1 dims), copying nothing."""
+    """Refuse t unless a tensor of dtypes, on device (if given), contiguous in its last dim. With shape: t's row strides
+    broadcast to shape (0 along broadcast and size-1 dims), copying nothing."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -377,10 +344,8 @@ def _check(name: str, t, device=None, dtypes=_SUPPORTED_DTYPES, shape=None):
     try:
         strides = t.expand(shape).stride()  # (a RuntimeError too where t has more dims than shape)
     except RuntimeError:
-        raise ValueError(
-            f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}; "
-            "expected [D], [B, 1, D] or [B, S, D]"
-        ) from None
+        msg = f"{name} of shape {tuple(t.shape)} does not broadcast to the input's shape {tuple(shape)}"
+        raise ValueError(f"{msg}; expected [D], [B, 1, D] or [B, S, D]") from None
     strides = tuple(0 if s == 1 else st for s, st in zip(shape, strides))
     if shape[-1] > 1 and strides[-1] != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {strides[-1]})")
@@ -388,8 +353,8 @@ def _check(name: str, t, device=None, dtypes=_SUPPORTED_DTYPES, shape=None):
 
 
 def _row_layout(stride_sets, lead):
-    """(INNER, [(stride_o, stride_i) per operand]): row r sits at (r // INNER) * stride_o + (r % INNER) * stride_i
-    in every operand, no copy; more than two leading dims are split in two groups of one stride each, else refused."""
+    """(INNER, [(stride_o, stride_i) per operand]): row r at (r // INNER) * stride_o + (r % INNER) * stride_i, no
+    copy; more than two leading dims are split in two groups of one stride each, else refused."""
     if len(lead) <= 2:
         return ([1, 1] + list(lead))[-1], [(0,) * (2 - len(lead)) + tuple(st) for st in stride_sets]
 
@@ -412,9 +377,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _launch_config(n_cols: int, n_rows: int, warp_size: int):
-    """(BLOCK_M, BLOCK_N, single pass, warps). 16 elements per lane: two 16-byte loads in flight, few warps to
-    reduce across (1 row x 4 warps: 10-20 % faster than 2 x 16 at [12288, 2048] bf16 on an H200).
-    Short rows packed to about 2048 elements per program: small programs pay scheduling overhead per row."""
+    """(BLOCK_M, BLOCK_N, single pass, warps). 16 elements per lane, few warps to reduce across (1 row x 4 warps:
+    10-20 % faster than 2 x 16 at [12288, 2048] bf16, H200); short rows packed to ~2048 elements per program."""
     single = n_cols <= _MAX_FUSED_N
     block_n = _next_pow2(n_cols) if single else _CHUNK_N
     block_m = max(1, min(16, 2048 // block_n, _next_pow2(max(n_rows, 1))))
@@ -430,9 +394,8 @@ def _launch(
     shift: Optional[Tensor], eps: float, cast_before_weight: bool, out_dtype: Optional[torch.dtype],
     fp8_mode: int = 0, fp8_scale: Optional[Tensor] = None, norm: bool = True, names: str = "x,y,h",
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:  # fmt: skip
-    """Check a call, pick the launch configuration, allocate the outputs, launch _rms_norm_kernel. Returns (h, out,
-    scales): h = x + y * gate, out the norm (FP8 for fp8_mode 1, 2), the per-row FP8 scales of fp8_mode 2, each None
-    where absent (no y, not norm, fp8_mode 0 or 1). names: how the messages call x, y, and x beside y."""
+    """Check a call, pick the launch configuration, allocate the outputs, launch _rms_norm_kernel. Returns (h = x + y *
+    gate, the norm (FP8 for fp8_mode 1, 2), per-row FP8 scales), None where absent; names: x, y, x beside y."""
     x_name, y_name, h_name = names.split(",")
     _check(x_name, x)
     device, shape = x.device, x.shape
@@ -447,9 +410,8 @@ def _launch(
     if y is not None:
         _check(y_name, y, device)
         if y.shape != shape:
-            raise ValueError(
-                f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(x.shape)}; they must match"
-            )
+            msg = f"{y_name} has shape {tuple(y.shape)} but {h_name} has shape {tuple(shape)}"
+            raise ValueError(f"{msg}; they must match")
         if y.dtype != x.dtype:
             raise TypeError(f"{y_name} has dtype {y.dtype} but {h_name} has dtype {x.dtype}; they must match")
         strides.append(y.stride()[:-1])
@@ -462,20 +424,20 @@ def _launch(
             raise ValueError(f"weight must have shape [{n}] (the last dim of {x_name}), got {tuple(weight.shape)}")
     if fp8_mode not in (0, 1, 2):
         raise ValueError(f"fp8_mode must be 0, 1 or 2, got {fp8_mode!r}")
+    if fp8_mode == 1:
+        if fp8_scale is None:
+            raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
+        _check("fp8_scale", fp8_scale, device, (torch.float32,))
+        if fp8_scale.numel() != 1:
+            raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
+    elif fp8_scale is not None:
+        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
     if out_dtype is None:
         out_dtype = _fp8_dtype_for(device) if fp8_mode else x.dtype
     if fp8_mode and out_dtype not in _FP8_FORMATS:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {out_dtype}")
     if not fp8_mode and out_dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"out_dtype must be one of float16, bfloat16, float32, got {out_dtype}")
-    if fp8_mode == 1 and fp8_scale is None:
-        raise ValueError("fp8='per_tensor' needs fp8_scale: a one-element float32 tensor (out = y / fp8_scale)")
-    if fp8_mode != 1 and fp8_scale is not None:
-        raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
-    if fp8_scale is not None:
-        _check("fp8_scale", fp8_scale, device, (torch.float32,))
-        if fp8_scale.numel() != 1:
-            raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
     h_out = torch.empty(shape, dtype=x.dtype, device=device) if y is not None else None
     out = torch.empty(shape, dtype=out_dtype, device=device) if norm else None
     row_scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if fp8_mode == 2 else None
@@ -507,9 +469,8 @@ def _no_backward(fn: str, names: str, *tensors) -> None:
     for name, t in zip(names.split(","), tensors) if torch.is_grad_enabled() else ():
         if getattr(t, "requires_grad", False):
             raise RuntimeError(
-                f"{fn}: {name} requires grad, but this Triton kernel has no backward (its outputs would carry no "
-                f"grad_fn, and gradients would silently stop there); call {fn} under torch.no_grad() or "
-                f"torch.inference_mode(), or use the PyTorch reference ({fn}_ref) where gradients are needed"
+                f"{fn}: {name} requires grad, but this Triton kernel has no backward (gradients would silently stop): "
+                f"call {fn} under torch.no_grad() or torch.inference_mode(), or use the PyTorch reference ({fn}_ref)"
             )
 
 
@@ -534,10 +495,9 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, *, c
 
 def rms_norm_modulate(x, scale, shift, weight=None, eps=1e-6, *, cast_before_weight=True, fp8=None, fp8_scale=None,
                       fp8_dtype=None):  # fmt: skip
-    """AdaLN: rms_norm(x, weight) * (1 + scale) + shift in one pass; scale/shift broadcast to x ([D], [B, 1, D],
-    [B, S, D]). fp8="per_tensor": fp8(clamp(out / fp8_scale)), fp8_scale a one-element float32 tensor on x's
-    device; fp8="per_token": (out_fp8, scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12) (float32,
-    x.shape[:-1]; out_fp8.float() * scales[..., None] dequantises). fp8_dtype None: the device's format."""
+    """AdaLN: rms_norm(x, weight) * (1 + scale) + shift, scale/shift broadcast to x ([D], [B, 1, D], [B, S, D]).
+    fp8="per_tensor": fp8(clamp(out / fp8_scale)), fp8_scale a one-element float32 tensor; "per_token": (out_fp8,
+    scales), scales[row] = max(max|out[row]| / fp8_max, 1e-12); fp8_dtype None: the device's format."""
     if scale is None or shift is None:
         raise ValueError("scale and shift are required; use rms_norm() for a plain norm")
     mode = _fp8_mode(fp8, fp8_dtype)
@@ -577,15 +537,14 @@ def _add_launch(h: Tensor, y: Tensor, gate: Optional[Tensor]) -> Tensor:
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6, *, cast_before_weight=True, fp8=None, fp8_scale=None,
                        fp8_dtype=None):  # fmt: skip
-    """r = x + residual (rounded once to x's dtype), y = rms_norm(r, weight), in one kernel. Returns (y, r), or
-    (y_fp8, r) for fp8="per_tensor" and (y_fp8, r, scales) for fp8="per_token" (as in rms_norm_modulate)."""
+    """r = x + residual (rounded once to x's dtype), y = rms_norm(r, weight): (y, r), or with FP8 (as in
+    rms_norm_modulate) (y_fp8, r) per tensor, (y_fp8, r, scales) per token."""
     mode = _fp8_mode(fp8, fp8_dtype)
     if residual is None:
         raise ValueError("residual is required; use rms_norm() without a residual")
     _no_backward("fused_add_rms_norm", "x,residual,weight,fp8_scale", x, residual, weight, fp8_scale)
-    r, out, scales = _launch(
-        x, residual, None, weight, None, None, eps, cast_before_weight, fp8_dtype, mode, fp8_scale, True, "x,residual,x"
-    )
+    args = (eps, cast_before_weight, fp8_dtype, mode, fp8_scale, True, "x,residual,x")
+    r, out, scales = _launch(x, residual, None, weight, None, None, *args)
     return (out, r, scales) if mode == 2 else (out, r)
 
 
@@ -627,8 +586,7 @@ def _exact_pow2(k: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
-    """Saturating round-to-nearest-even FP8 quantisation in y's precision (use float64). scale None: per row,
-    s = max(max|y_row| / fp8_max, 1e-12); else the given per-tensor scale. Returns (q, s), y ~ q * s."""
+    """Saturating round-to-nearest-even FP8 in y's precision: (q, s), y ~ q * s, s per row (as in-kernel) or scale."""
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
     s = (y.abs().amax(-1) / fp8_max).clamp_min(_MIN_DYNAMIC_SCALE) if scale is None else scale.to(y.dtype).reshape(())
     v = (y / (s[..., None] if scale is None else s)).clamp(-fp8_max, fp8_max)
@@ -639,8 +597,7 @@ def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
 
 def fused_add_rms_norm_ref(x, residual, weight, eps=1e-6, cast_before_weight=True, fp8=None, fp8_scale=None,
                            fp8_dtype=torch.float8_e4m3fn, dtype=None):  # fmt: skip
-    """The unfused math of fused_add_rms_norm, with its return structure; dtype: where the model rounds (default
-    x's; float64 inputs with dtype=torch.bfloat16 give the exact value of a bf16 model)."""
+    """fused_add_rms_norm's unfused math; dtype: where the model rounds (float64 x and bfloat16: a bf16 model's)."""
     dtype, f = dtype or x.dtype, torch.float64 if x.dtype == torch.float64 else torch.float32
     r = (x.to(f) + residual.to(f)).to(dtype)
     y = rms_norm_ref(r.to(f), weight, eps, cast_before_weight, f, round_dtype=dtype)
@@ -665,25 +622,26 @@ def _main(argv=None) -> int:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if not (torch.cuda.is_available() or _interpreting()):
         p.exit(2, "no GPU found: rerun with TRITON_INTERPRET=1 to use the Triton interpreter\n")
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    device, g = ("cpu" if _interpreting() else "cuda"), torch.Generator().manual_seed(args.seed)
-    x, res = (torch.randn(2, args.rows, args.width, generator=g).to(device, dtype) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(args.width, generator=g)).to(device, dtype)
-    sc, sh = (0.1 * torch.randn(2, 1, args.width, generator=g).to(device, dtype) for _ in range(2))
-    x64, res64, w64, sc64, sh64 = (t.double() for t in (x, res, w, sc, sh))
-    (y, r), (q, _, s) = fused_add_rms_norm(x, res, w), fused_add_rms_norm(x, res, w, fp8="per_token")
-    q_ref, _, s_ref = fused_add_rms_norm_ref(x64, res64, w64, fp8="per_token", fp8_dtype=q.dtype, dtype=dtype)
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-    checks = {  # name: (output, float64 reference, tolerance relative to 1 + |reference|)
-        "rms_norm": (rms_norm(x, w), rms_norm_ref(x64, w64), tol),
-        "rms_norm_modulate": (rms_norm_modulate(x, sc, sh), rms_norm_modulate_ref(x64, sc64, sh64), tol),
-        "fused_add_rms_norm": (y, fused_add_rms_norm_ref(x64, res64, w64, dtype=dtype)[0], tol),
-        "fused_add_rms_norm_residual": (r, (x64 + res64).to(dtype), tol),
-        # FP8 after dequantisation: one FP8 step (2**-3 of the value) where the rounding differs
-        "fused_add_rms_norm_fp8_per_token": (q.double() * s.double()[..., None], q_ref * s_ref[..., None], 0.13),
-    }
+    dtype, tol = dict(fp32=(torch.float32, 1e-5), fp16=(torch.float16, 2e-3), bf16=(torch.bfloat16, 1.6e-2))[args.dtype]
+    device, g, d = ("cpu" if _interpreting() else "cuda"), torch.Generator().manual_seed(args.seed), args.width
+    x, y = (torch.randn(2, args.rows, d, generator=g).to(device, dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    sc, sh, gate = (0.1 * torch.randn(2, 1, d, generator=g).to(device, dtype) for _ in range(3))
+    x64, y64, w64, sc64, sh64, gate64 = (t.double() for t in (x, y, w, sc, sh, gate))
+    q, _, s = fused_add_rms_norm(x, y, w, fp8="per_token")
+    q_ref, _, s_ref = fused_add_rms_norm_ref(x64, y64, w64, fp8="per_token", fp8_dtype=q.dtype, dtype=dtype)
     report = {}
-    for name, (out, ref, limit) in checks.items():
+    for name, out, ref, limit in (  # output, float64 reference, tolerance relative to 1 + |reference|
+        ("rms_norm", rms_norm(x, w), rms_norm_ref(x64, w64), tol),
+        ("rms_norm_modulate", rms_norm_modulate(x, sc, sh), rms_norm_modulate_ref(x64, sc64, sh64), tol),
+        ("gated_residual_add", gated_residual_add(x, y, gate), gated_residual_add_ref(x64, y64, gate64), tol),
+        ("gated_residual_rms_norm_modulate", torch.stack(gated_residual_rms_norm_modulate(x, y, gate, sc, sh)),
+         torch.stack(gated_residual_rms_norm_modulate_ref(x64, y64, gate64, sc64, sh64)), tol),
+        ("fused_add_rms_norm", torch.stack(fused_add_rms_norm(x, y, w)),
+         torch.stack(fused_add_rms_norm_ref(x64, y64, w64, dtype=dtype)), tol),
+        # FP8 after dequantisation: one FP8 step (2**-3 of the value) where the rounding differs
+        ("fused_add_rms_norm_fp8_per_token", q.double() * s.double()[..., None], q_ref * s_ref[..., None], 0.13),
+    ):  # fmt: skip
         err = ((out.double() - ref.double()).abs() / (1 + ref.double().abs())).max().item()
         report[name] = {"max_rel_err": err, "ok": err <= limit}
     off = float((q.double() != q_ref).double().mean())  # FP8 values one step off the reference
