@@ -458,14 +458,14 @@ class _TorchRoute:
     checks and that choice depend on the signature only, so a later call of the signature makes the same
     torch call directly. Where torch's GEMM declines (None), the plain launcher runs (its kernel)."""
 
-    __slots__ = ("rows", "shape", "out_dtype")
+    __slots__ = ("rows", "shape", "out_dtype", "namespace")
     launches, inputs, result = (), (), ()
 
-    def __init__(self, rows, shape, out_dtype):
-        self.rows, self.shape, self.out_dtype = rows, shape, out_dtype
+    def __init__(self, rows, shape, out_dtype, namespace):
+        self.rows, self.shape, self.out_dtype, self.namespace = rows, shape, out_dtype, namespace
 
     @classmethod
-    def of(cls, rec, args, kwargs, result):
+    def of(cls, rec, args, kwargs, result, namespace):
         """The route of this recording, or None where it is not one (then _Plan decides)."""
         if len(rec.routes) != 1 or rec.launches or kwargs or len(args) < 5:
             return None
@@ -480,10 +480,11 @@ class _TorchRoute:
         made = result is y or (
             rec.parents.get(id(result), (None, None))[0] is result and rec.parents[id(result)][1] is y
         )
-        return cls(tuple(x2.shape), tuple(result.shape), out_dtype) if made else None
+        return cls(tuple(x2.shape), tuple(result.shape), out_dtype, namespace) if made else None
 
-    def run(self, args):
-        y = _skinny_torch_gemm(args[0].view(self.rows), args[1], args[2], args[3], args[4], self.out_dtype)
+    def run(self, args):  # through the module's _torch_linear, as the launcher calls it (a test may replace it)
+        gemm = self.namespace["_torch_linear"]
+        y = gemm(args[0].view(self.rows), args[1], args[2], args[3], args[4], self.out_dtype)
         return _MISS if y is None else y.reshape(self.shape)
 
     __call__ = run
@@ -627,9 +628,10 @@ class _Accelerated:
         signature = inspect.signature(launcher)
         self.params = list(signature.parameters)
         positional = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in signature.parameters.values())
-        self.kinds = [set() for _ in self.params] if positional else None  # None: calls keyed by _signature
+        self.arity = len(self.params) if positional else None  # None: calls keyed by _signature
         self.defaults = tuple(p.default for p in signature.parameters.values() if p.default is not p.empty)
         self.key = _unseen  # written at the first positional call (_key)
+        self.keying = [frozenset()] * len(self.params), _unseen
         functools.update_wrapper(self, launcher)
         self.compile_op, self.numbers = None, ()  # set by _register
 
@@ -653,7 +655,7 @@ class _Accelerated:
         try:
             key = self._key(args, kwargs)
             plan = self.plans.get(key)
-        except TypeError:  # a tensor subclass, an unhashable value: no plan serves the call
+        except _KEY_ERRORS:  # a tensor subclass, an unhashable value: no plan serves the call
             return self._plain(args, kwargs)
         if plan is not None:
             if VERIFY_PLANS:
@@ -670,21 +672,20 @@ class _Accelerated:
         """The plan key of a call (TypeError where no plan serves it): with keywords, or for a launcher with other
         than plain parameters, _signature's; else self.key's, written again first where an argument is of a kind
         not yet seen at its position."""
-        if kwargs or self.kinds is None or len(args) > len(self.kinds):
+        if kwargs or self.arity is None or len(args) > self.arity:
             return _signature(args, kwargs)[0]
-        missing = len(self.kinds) - len(args)
+        missing = self.arity - len(args)
         if missing > len(self.defaults):
             return _signature(args, kwargs)[0]  # a required argument left out: the launcher will say so
         full = args + self.defaults[len(self.defaults) - missing :]
-        grown = False
-        for seen, a in zip(self.kinds, full):
-            kind = _kind(a)
-            if kind not in seen:
-                seen.add(kind)
-                grown = True
-        if grown or self.key is _unseen:
-            self.key = _generate_keyer(self.kinds, self.defaults)
-        return self.key(*args)
+        kinds = [_kind(a) for a in full]  # (TypeError for a tensor subclass, before anything changes)
+        seen, key = self.keying  # the kinds seen and the function written for them, published together
+        if key is _unseen or any(k not in s for k, s in zip(kinds, seen)):
+            grown = [s | {k} for k, s in zip(kinds, seen)]
+            key = _generate_keyer(grown, self.defaults)
+            self.keying = grown, key
+            self.key = key
+        return key(*args)
 
     def _plain(self, args, kwargs):
         self._check_devices(args, kwargs)
@@ -698,7 +699,7 @@ class _Accelerated:
         with _mode(rec), rec:
             result = self.launcher(*args, **kwargs)
         try:
-            plan = _TorchRoute.of(rec, args, kwargs, result) or _Plan(
+            plan = _TorchRoute.of(rec, args, kwargs, result, self.owner) or _Plan(
                 rec, inputs, where, result, _plan_device(inputs), self.__name__
             )
         except _Unplanned as e:

@@ -77,6 +77,17 @@ def test_plan_keys_tell_every_argument_kind_apart(gen):
     assert keys[0] == keys[1] and len(set(keys)) == len(cases) - 1
     assert w.key(t1) == keys[0]  # the written function, now it has seen every kind, keys as _entry does
 
+    class Sub(torch.Tensor):
+        pass
+
+    # a call refused for a tensor subclass at one position learns nothing about the others (else a kind would be
+    # marked seen with no function written for it, and the next call of that kind would crash)
+    w = kernel_runtime._Accelerated(launcher, "rtk_keytest", "launcher", {"__name__": "keytest"})
+    w._key((t1, t2), {})
+    with pytest.raises(TypeError):
+        w._key((None, t2.as_subclass(Sub)), {})
+    assert w._key((None, t2), {}) == tuple(kernel_runtime._entry(a) for a in (None, t2) + defaults[1:])
+
 
 def _counting_recorder(monkeypatch):
     recordings = []
