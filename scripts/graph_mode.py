@@ -28,11 +28,16 @@ not compute what the forward computes:
   GEMMs' fast accumulation, autocast, matmul precision, TF32 and reduced-precision switches, SDPA's backend
   switches, deterministic algorithms. A fingerprint of all of this is taken at capture and compared on every
   call (flat lists over the modules; about 2-5 ms of host time for a model of a thousand modules); after a
-  change the signature's graph is dropped and captured again. The comparison runs after the replay is queued,
-  on the host while the GPU replays: a replay whose comparison fails is dropped (its result never handed out)
-  and the call runs eager. Such a replay reads only memory the fingerprint keeps alive (the captured
-  parameters', buffers' and tensor attributes' storages, also after a ``.data`` swap) and writes only into its
-  graph's own pool;
+  change the signature's graph is dropped and captured again. To keep that host time off the GPU's critical
+  path, a call first checks the part memory safety rests on (a fraction of the cost: settings, every module's
+  __dict__, every tensor the modules hold the same object at the same address, shape and strides, every
+  container attribute the same object, the tensors inside those held by the fingerprint), queues the replay,
+  then compares the rest while the GPU works; a replay whose comparison fails is waited for and dropped (its
+  result never handed out) and the call runs eager. A forward whose capture wrote the model's own tensors (a
+  running statistic, a counter) or drew random numbers compares everything first: a dropped replay of it would
+  leave its writes behind. Not seen by any of this (as before the overlap): tensors a forward reads from outside
+  the modules' parameters, buffers, tensor and container attributes (an attention processor's own tensors, a
+  global cache) replaced after the capture;
 * accelerate's hooks or a diffusers hook (offloading, caching and parallelism hooks change what a call does or
   move weights between calls; the empty HookRegistry a pipeline puts on its transformer is no hook), global
   module hooks; a signature refused for such a hook is tried again once the model changed (the hook removed);
@@ -135,10 +140,10 @@ class _Graphs:
 
 
 class _Entry:
-    __slots__ = ("replay", "static", "out", "fingerprint", "writes")
+    __slots__ = ("replay", "static", "out", "fingerprint", "writes", "overlap")
 
-    def __init__(self, replay, static, out, fingerprint, writes):
-        self.replay, self.static, self.out, self.fingerprint = replay, static, out, fingerprint
+    def __init__(self, replay, static, out, fingerprint, writes, overlap=False):
+        self.replay, self.static, self.out, self.fingerprint, self.overlap = replay, static, out, fingerprint, overlap
         self.writes = writes  # per input: (the part of its static copy a call writes, the index that reads it)
 
 
@@ -231,15 +236,44 @@ _VERSION, _GRAD, _PTR = (
 _SHAPE, _STRIDE = operator.attrgetter("shape"), operator.methodcaller("stride")
 
 
+def _versions(tensors) -> list:
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:  # an inference tensor has no version counter (an in-place write to it is not seen)
+        return [None if t.is_inference() else t._version for t in tensors]
+
+
+def _ptrs(tensors) -> list:
+    try:
+        return list(map(_PTR, tensors))
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage: its identity only
+        return [_ptr(t) for t in tensors]
+
+
+def _ptr(t):
+    try:
+        return t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors(mods, tensor_dicts, tensor_keys) -> tuple:
+    """(plain tensor attributes, every tensor: parameters, buffers, those attributes) of the modules."""
+    chain, get, rep = itertools.chain.from_iterable, dict.get, itertools.repeat
+    attributes = list(map(get, tensor_dicts, tensor_keys, rep(_MISSING)))
+    tensors = [
+        t for t in chain(map(dict.values, list(map(_PARAMS, mods)) + list(map(_BUFFERS, mods)))) if t is not None
+    ]
+    return attributes, tensors + [t for t in attributes if isinstance(t, torch.Tensor)]
+
+
 def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dicts, tensor_keys) -> tuple:
     """What _snapshot records of the modules mods (their __dict__s in dicts), as flat lists: each built by
     map() over the modules, so that comparing two of them costs the host little per module."""
     chain, get, rep = itertools.chain.from_iterable, dict.get, itertools.repeat
     children, params, buffers = list(map(_CHILDREN, mods)), list(map(_PARAMS, mods)), list(map(_BUFFERS, mods))
     hooks, pre_hooks = list(map(_HOOKS, mods)), list(map(_PRE_HOOKS, mods))
-    attributes = list(map(get, tensor_dicts, tensor_keys, rep(_MISSING)))  # plain tensor attributes
-    tensors = [t for t in chain(map(dict.values, params + buffers)) if t is not None]
-    tensors += [t for t in attributes if isinstance(t, torch.Tensor)]
+    attributes, tensors = _tensors(mods, tensor_dicts, tensor_keys)
     processors = [p for p in map(get, dicts, rep("processor")) if p is not None]
     plain = list(map(get, plain_dicts, plain_keys, rep(_MISSING)))
     return (
@@ -265,8 +299,8 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dic
         plain,
         list(map(type, plain)),
         list(map(_frozen, map(get, box_dicts, box_keys, rep(_MISSING)))),
-        list(map(_VERSION, tensors)),
-        list(map(_PTR, tensors)),
+        _versions(tensors),
+        _ptrs(tensors),
         list(map(_SHAPE, tensors)),
         list(map(_STRIDE, tensors)),
         list(map(_GRAD, tensors)),
@@ -277,8 +311,9 @@ def _snapshot(model) -> tuple:
     """What a replay depends on besides the inputs: the process-wide settings, and per module its identity,
     children, instance forward, processor, hook counts, number of attributes, plain settings (training, eps, a
     LoRA's scale or active adapters) and tensors (parameters, buffers and plain tensor attributes: identity,
-    storage, version, requires_grad). It also holds each of those tensors' storage, so that a replay queued before
-    the comparison reads live memory even where a tensor's data was swapped since."""
+    storage, version, requires_grad); and what _replayable compares before a replay (the tensors' identities,
+    addresses, shapes and strides, the container attributes' identities), holding the tensors found one level
+    inside those containers so that a replay queued before the full comparison reads live memory."""
     mods = list(model.modules())
     dicts = list(map(_DICT, mods))
     plain = [(d, k) for d in dicts for k, v in d.items() if type(v) in _SETTINGS]
@@ -292,14 +327,34 @@ def _snapshot(model) -> tuple:
     where = (mods, dicts, [d for d, _ in plain], [k for _, k in plain], [d for d, _ in boxes], [k for _, k in boxes])
     where += ([d for d, _ in attributes], [k for _, k in attributes])
     state = _state(*where)
-    return _global_settings(), where, state, [_storage(t) for t in state[0][-1]]
+    tensors = state[0][-1]
+    held = [box for d, k in boxes for box in (d[k].values() if type(d[k]) is dict else d[k])]
+    held = [t for t in held if isinstance(t, torch.Tensor)]
+    guard = (tensors, _ptrs(tensors), list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)), _boxes(where), held)
+    return _global_settings(), where, state, guard
 
 
-def _storage(t):
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without one storage
-        return None
+def _boxes(where) -> list:
+    return list(map(dict.get, where[4], where[5], itertools.repeat(_MISSING)))
+
+
+def _replayable(model, snap) -> bool:
+    """The part of _unchanged that a replay's memory safety rests on, cheap enough to run before it (a fraction
+    of the full comparison): the process-wide settings, every recorded module's __dict__, and every tensor the
+    modules hold (the same objects at the same addresses, shapes and strides: alive, so what the graph reads from
+    them is live memory) and container attribute (the same objects; the tensors inside them at the capture are
+    held by the snapshot)."""
+    settings, where, _, (tensors, ptrs, shapes, strides, boxes, _held) = snap
+    if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
+        return False
+    now = _tensors(where[0], where[6], where[7])[1]
+    return (
+        _same(now, tensors)
+        and _same(_boxes(where), boxes)
+        and _ptrs(now) == ptrs
+        and list(map(_SHAPE, now)) == shapes
+        and list(map(_STRIDE, now)) == strides
+    )
 
 
 def _same(a, b) -> bool:
@@ -311,7 +366,7 @@ def _unchanged(model, snap) -> bool:
     """Whether model is as _snapshot found it. Every module reachable from model is reached through children
     found identical to the snapshot's (from model itself down), so comparing the recorded modules' state sees a
     module added, removed or replaced anywhere."""
-    settings, where, (objects, values), _ = snap
+    settings, where, (objects, values), _guard = snap
     if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
     now_objects, now_values = _state(*where)
@@ -350,14 +405,20 @@ def _graph_forward(self, *args, **kwargs):
         return _eager(self, graphs, "autograd", args, kwargs)
     entry = graphs.entries.get(key)
     if entry is not None:
-        if _global_settings() == entry.fingerprint[0]:
+        if entry.overlap and _replayable(self, entry.fingerprint):
             for (part, index), t in zip(entry.writes, tensors):
                 part.copy_(t if index is None else t[index])
-            entry.replay()  # queued first: the comparison below runs on the host while the GPU replays
-            if _unchanged(self, entry.fingerprint):
+            entry.replay()  # queued first: the full comparison runs on the host while the GPU replays
+            if _still_unchanged(self, entry.fingerprint):
                 graphs.replays += 1
                 return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
             BACKEND.settle(tensors[0].device)  # the dropped replay has run before its graph is freed
+        elif not entry.overlap and _still_unchanged(self, entry.fingerprint):
+            for (part, index), t in zip(entry.writes, tensors):
+                part.copy_(t if index is None else t[index])
+            entry.replay()
+            graphs.replays += 1
+            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
         del graphs.entries[key]  # the model changed since the capture: capture again
         graphs.seen[key] = 0
         graphs.reasons["model changed since capture"] += 1
@@ -372,6 +433,17 @@ def _graph_forward(self, *args, **kwargs):
     entry.replay()
     graphs.replays += 1
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
+
+
+def _still_unchanged(model, snap) -> bool:
+    try:
+        return _unchanged(model, snap)
+    except Exception:  # something in the model no longer compares (an odd value): treat it as changed
+        return False
+
+
+def _rng_state(device: torch.device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _eager(model, graphs, why, args, kwargs):
@@ -414,6 +486,8 @@ def _capture(model, graphs, key, tensors, tree):
     args, kwargs = pytree.tree_unflatten([next(copies) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
     versions = [s._version for s in static]
     try:
+        before = _snapshot(model)  # what the capture's forwards may write: the model's tensors, the generator
+        model_versions, rng = _versions(before[3][0]), _rng_state(tensors[0].device)
         replay, out = BACKEND.capture(ic.original(model), args, kwargs, graphs)
     except Exception as e:  # data-dependent control flow, a host sync, an op that cannot be captured
         graphs.refused[key] = f"the capture failed ({type(e).__name__}: {str(e)[:120]})"
@@ -426,7 +500,11 @@ def _capture(model, graphs, key, tensors, tree):
     if odd:  # a replay could not hand each caller fresh tensors inside it
         graphs.refused[key] = f"an output graph mode cannot copy (a {odd[0]})"
         return None
-    entry = _Entry(replay, static, out, _snapshot(model), writes)  # (after the forwards: their state is the steady one)
+    # A replay may be queued before the full comparison (overlap) only where a dropped one would leave nothing
+    # behind: the capture's forwards wrote none of the model's tensors (BatchNorm's running statistics, a counter)
+    # and drew no random numbers; otherwise the comparison comes first.
+    overlap = _versions(before[3][0]) == model_versions and torch.equal(_rng_state(tensors[0].device), rng)
+    entry = _Entry(replay, static, out, _snapshot(model), writes, overlap)  # (after the forwards: the steady state)
     graphs.entries[key] = entry
     return entry
 
