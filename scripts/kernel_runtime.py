@@ -278,12 +278,20 @@ class _Plan:
     """The replay of one recorded call: its allocations, its launches with every argument fixed but the data
     pointers, its result. See the module docstring for what makes a recording a plan."""
 
-    __slots__ = ("inputs", "specs", "launches", "result", "single", "device", "runnable", "run", "name")
+    __slots__ = ("inputs", "specs", "launches", "result", "single", "device", "runnable", "run", "name", "aliases")
 
     def __init__(self, rec, inputs, positions, result, device, name="launcher"):
         if rec.computes:
             raise _Unplanned(f"the launcher computes with torch ({rec.computes[0]})")
         self.inputs, self.device, self.name = positions, device, name
+        # inputs that were one tensor (w passed as q_weight and k_weight): their slots name the first; a later
+        # call of the same key whose inputs are distinct tensors goes to the plain launcher
+        first, aliases = {}, []
+        for j, t in enumerate(inputs):
+            i = first.setdefault(id(t), j)
+            if i != j:
+                aliases.append((i, j))
+        self.aliases = tuple(aliases)
         allocs, made = [], {}  # allocation specs; id(allocation) -> its index
 
         def slot(t):
@@ -349,7 +357,7 @@ class _Plan:
         """What the plan fixes, alignment masks left out (a misaligned call is sent to the plain launcher):
         for comparing two plans."""
         launches = [(k, g, v, tuple(s[:3] for s in slots)) for k, g, _, v, slots in self.launches]
-        return self.inputs, self.result, launches, self.specs
+        return self.inputs, self.result, launches, self.specs, self.aliases
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -400,6 +408,8 @@ def _generate_launch(plan: _Plan):
     for src in used:
         if src < n_in:
             body.append(f"p{src} = t{src}.data_ptr()")
+    if plan.aliases:
+        body.append("if " + " or ".join(f"t{i} is not t{j}" for i, j in plan.aliases) + ": return _MISS")
     aligned = sorted({(s[1], s[2]) for launch in plan.launches for s in launch[4] if s[1] < n_in and s[3]})
     if aligned:  # a pointer compiled as 16-byte aligned that is not: the plain launcher (its JIT recompiles)
         body.append("if " + " or ".join(f"(p{src} + {off}) & 15" for src, off in aligned) + ": return _MISS")

@@ -333,6 +333,47 @@ def test_plans_keep_no_tensor_alive(which, gen):
     assert not alive, f"{which}: inputs {alive} are still referenced after the call (by a cached plan?)"
 
 
+def test_a_plan_recorded_with_one_tensor_twice_serves_only_such_calls(gen, monkeypatch):
+    """A plan recorded from gated_residual_add(a, a, None) names input 0 for both operands; a later call of the
+    same key with two distinct tensors must not replay it (it would compute a + a): it goes to the plain
+    launcher. Calls with the one tensor twice still replay. (Compiled kernels here are fakes whose runner only
+    counts; the plain launcher runs the real kernel.)"""
+    import rmsnorm
+
+    ran = []
+
+    class Compiled:
+        function, packed_metadata = "the function", "the metadata"
+
+        def run(self, *a):
+            ran.append(a)
+
+    record = kernel_runtime._Recorder.launch
+
+    def launch(self, kernel, grid, args, kwargs):
+        record(self, kernel, grid, args, kwargs)
+        self.launches[-1] = self.launches[-1][:4] + (Compiled(),)
+        return self.launches[-1][4]
+
+    for name, value in (("_plan_device", lambda inputs: 0), ("_current_device", lambda: 0)):
+        monkeypatch.setattr(kernel_runtime, name, value)
+    monkeypatch.setattr(kernel_runtime, "_current_stream", lambda device: 1000)
+    monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", False)
+    monkeypatch.setitem(kernel_runtime._RUNNER, "ok", True)
+    monkeypatch.setattr(kernel_runtime._Recorder, "launch", launch)
+    kernel_runtime.clear_plans(rmsnorm)
+    a, b = randn((4, 64), torch.float32, gen), randn((4, 64), torch.float32, gen)
+    rmsnorm.gated_residual_add(a, a, None)  # recorded: the plan
+    assert not ran
+    rmsnorm.gated_residual_add(a, a, None)  # replayed (the fake runner)
+    assert len(ran) == 1
+    with poisoned_outputs():
+        out = rmsnorm.gated_residual_add(a, b, None)  # one key, other tensors: the plain launcher
+    assert len(ran) == 1
+    assert torch.equal(out, (a.double() + b.double()).float())
+    kernel_runtime.clear_plans(rmsnorm)
+
+
 @pytest.mark.parametrize("which", ["rmsnorm", "layernorm", "rope", "head_norm_rope", "activations", "skinny_gemm"])
 def test_generated_launch_hands_each_runner_what_the_plan_recorded(which, gen, monkeypatch):
     """Every public call of every kernel file, replayed through the launch function generated for its plan,
