@@ -10,8 +10,10 @@ An eager forward costs the host 8-14 us per kernel launch; at small and medium s
 A graph records the forward's launches once and replays them with one call. Per model, one graph per input
 signature (the structure of the arguments, every tensor's shape, strides, dtype and device, every other
 argument's value), at most MAX_GRAPHS of them, all in one memory pool. The first call of a signature runs
-eager (it compiles the Triton kernels and fills the launch plans); the second is captured from static copies
-of its inputs; later calls copy their inputs into those and replay. Outputs are returned as fresh tensors (a
+eager (it compiles the Triton kernels and fills the launch plans); the second runs eager too, watched: if it
+changed the model as it ran (rebound an attribute, wrote one of the model's tensors, drew random numbers) the
+signature stays eager, since a replay would do none of that; else the forward is captured from static copies of
+its inputs; later calls copy their inputs into those and replay. Outputs are returned as fresh tensors (a
 classifier-free-guidance pipeline keeps one call's output while it makes the next call), so what a caller
 gets is what the eager forward would have returned.
 
@@ -29,15 +31,15 @@ not compute what the forward computes:
   switches, deterministic algorithms. A fingerprint of all of this is taken at capture and compared on every
   call (flat lists over the modules; about 2-5 ms of host time for a model of a thousand modules); after a
   change the signature's graph is dropped and captured again. To keep that host time off the GPU's critical
-  path, a call first checks the part memory safety rests on (a fraction of the cost: settings, every module's
+  path, a call first checks the part memory safety rests on (a third of the cost: settings, every module's
   __dict__, every tensor the modules hold the same object at the same address, shape and strides, every
-  container attribute the same object, the tensors inside those held by the fingerprint), queues the replay,
+  container attribute the same object holding the same tensors at any depth), queues the replay,
   then compares the rest while the GPU works; a replay whose comparison fails is waited for and dropped (its
-  result never handed out) and the call runs eager. A forward whose capture wrote the model's own tensors (a
-  running statistic, a counter) or drew random numbers compares everything first: a dropped replay of it would
-  leave its writes behind. Not seen by any of this (as before the overlap): tensors a forward reads from outside
-  the modules' parameters, buffers, tensor and container attributes (an attention processor's own tensors, a
-  global cache) replaced after the capture;
+  result never handed out) and the call runs eager (a captured forward changes nothing torch can see as it runs,
+  see above, so a dropped replay leaves nothing behind). Not seen by any of this: tensors a forward reads from
+  outside the modules' parameters, buffers, tensor attributes and containers (an attention processor's own
+  tensors, a global cache) replaced after the capture, and writes torch does not count (through ``.data``, by a
+  Triton kernel into a model tensor, into an inference tensor): a forward that makes those is not one to replay;
 * accelerate's hooks or a diffusers hook (offloading, caching and parallelism hooks change what a call does or
   move weights between calls; the empty HookRegistry a pipeline puts on its transformer is no hook), global
   module hooks; a signature refused for such a hook is tried again once the model changed (the hook removed);
@@ -140,10 +142,10 @@ class _Graphs:
 
 
 class _Entry:
-    __slots__ = ("replay", "static", "out", "fingerprint", "writes", "overlap")
+    __slots__ = ("replay", "static", "out", "fingerprint", "writes")
 
-    def __init__(self, replay, static, out, fingerprint, writes, overlap=False):
-        self.replay, self.static, self.out, self.fingerprint, self.overlap = replay, static, out, fingerprint, overlap
+    def __init__(self, replay, static, out, fingerprint, writes):
+        self.replay, self.static, self.out, self.fingerprint = replay, static, out, fingerprint
         self.writes = writes  # per input: (the part of its static copy a call writes, the index that reads it)
 
 
@@ -328,9 +330,8 @@ def _snapshot(model) -> tuple:
     where += ([d for d, _ in attributes], [k for _, k in attributes])
     state = _state(*where)
     tensors = state[0][-1]
-    held = [box for d, k in boxes for box in (d[k].values() if type(d[k]) is dict else d[k])]
-    held = [t for t in held if isinstance(t, torch.Tensor)]
-    guard = (tensors, _ptrs(tensors), list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)), _boxes(where), held)
+    boxed = _boxes(where)
+    guard = (tensors, _ptrs(tensors), list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)), boxed, _leaves(boxed))
     return _global_settings(), where, state, guard
 
 
@@ -338,19 +339,24 @@ def _boxes(where) -> list:
     return list(map(dict.get, where[4], where[5], itertools.repeat(_MISSING)))
 
 
+def _leaves(boxes) -> list:
+    """The tensors inside the container attributes, at any depth."""
+    return [t for t in pytree.tree_leaves(boxes) if isinstance(t, torch.Tensor)]
+
+
 def _replayable(model, snap) -> bool:
     """The part of _unchanged that a replay's memory safety rests on, cheap enough to run before it (a fraction
     of the full comparison): the process-wide settings, every recorded module's __dict__, and every tensor the
     modules hold (the same objects at the same addresses, shapes and strides: alive, so what the graph reads from
-    them is live memory) and container attribute (the same objects; the tensors inside them at the capture are
-    held by the snapshot)."""
-    settings, where, _, (tensors, ptrs, shapes, strides, boxes, _held) = snap
+    them is live memory) and container attribute (the same objects, holding the same tensors at any depth)."""
+    settings, where, _, (tensors, ptrs, shapes, strides, boxes, leaves) = snap
     if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
     now = _tensors(where[0], where[6], where[7])[1]
     return (
         _same(now, tensors)
-        and _same(_boxes(where), boxes)
+        and _same(now_boxes := _boxes(where), boxes)
+        and _same(_leaves(now_boxes), leaves)
         and _ptrs(now) == ptrs
         and list(map(_SHAPE, now)) == shapes
         and list(map(_STRIDE, now)) == strides
@@ -405,7 +411,7 @@ def _graph_forward(self, *args, **kwargs):
         return _eager(self, graphs, "autograd", args, kwargs)
     entry = graphs.entries.get(key)
     if entry is not None:
-        if entry.overlap and _replayable(self, entry.fingerprint):
+        if _replayable(self, entry.fingerprint):
             for (part, index), t in zip(entry.writes, tensors):
                 part.copy_(t if index is None else t[index])
             entry.replay()  # queued first: the full comparison runs on the host while the GPU replays
@@ -413,12 +419,6 @@ def _graph_forward(self, *args, **kwargs):
                 graphs.replays += 1
                 return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
             BACKEND.settle(tensors[0].device)  # the dropped replay has run before its graph is freed
-        elif not entry.overlap and _still_unchanged(self, entry.fingerprint):
-            for (part, index), t in zip(entry.writes, tensors):
-                part.copy_(t if index is None else t[index])
-            entry.replay()
-            graphs.replays += 1
-            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
         del graphs.entries[key]  # the model changed since the capture: capture again
         graphs.seen[key] = 0
         graphs.reasons["model changed since capture"] += 1
@@ -427,12 +427,23 @@ def _graph_forward(self, *args, **kwargs):
         return _eager(self, graphs, "", args, kwargs)  # warm-up: compiles kernels, fills plans
     if len(graphs.entries) >= MAX_GRAPHS:
         return _eager(self, graphs, f"more than {MAX_GRAPHS} input signatures", args, kwargs)
-    entry = _capture(self, graphs, key, tensors, tree)
-    if entry is None:
-        return _eager(self, graphs, graphs.refused[key], args, kwargs)
-    entry.replay()
-    graphs.replays += 1
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
+    # This call's result is the eager forward's, watched: a forward that changes the model as it runs (rebinds an
+    # attribute, writes one of its tensors, draws random numbers) cannot be replayed (a replay would compute with
+    # what the capture's forwards left, and do none of it), so its signature stays eager; else it is captured.
+    device = tensors[0].device
+    before = _snapshot(self)
+    versions, rng = _versions(before[3][0]), _rng_state(device)
+    out = _eager(self, graphs, "", args, kwargs)
+    if (
+        not _still_unchanged(self, before)
+        or _versions(before[3][0]) != versions
+        or not torch.equal(_rng_state(device), rng)
+    ):
+        graphs.refused[key] = "the forward changes the model's state (an attribute, a tensor, the random generator)"
+        logger.info("%s: %s; this signature runs eager", type(self).__name__, graphs.refused[key])
+        return out
+    _capture(self, graphs, key, tensors, tree, before)
+    return out
 
 
 def _still_unchanged(model, snap) -> bool:
@@ -465,7 +476,7 @@ def _offloaded(model, device) -> str:
     return ""
 
 
-def _capture(model, graphs, key, tensors, tree):
+def _capture(model, graphs, key, tensors, tree, fingerprint):
     """Capture the forward on static copies of this call's inputs; None (and the reason in graphs.refused)
     where it cannot be captured."""
     why = _offloaded(model, tensors[0].device)
@@ -486,8 +497,6 @@ def _capture(model, graphs, key, tensors, tree):
     args, kwargs = pytree.tree_unflatten([next(copies) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
     versions = [s._version for s in static]
     try:
-        before = _snapshot(model)  # what the capture's forwards may write: the model's tensors, the generator
-        model_versions, rng = _versions(before[3][0]), _rng_state(tensors[0].device)
         replay, out = BACKEND.capture(ic.original(model), args, kwargs, graphs)
     except Exception as e:  # data-dependent control flow, a host sync, an op that cannot be captured
         graphs.refused[key] = f"the capture failed ({type(e).__name__}: {str(e)[:120]})"
@@ -500,11 +509,7 @@ def _capture(model, graphs, key, tensors, tree):
     if odd:  # a replay could not hand each caller fresh tensors inside it
         graphs.refused[key] = f"an output graph mode cannot copy (a {odd[0]})"
         return None
-    # A replay may be queued before the full comparison (overlap) only where a dropped one would leave nothing
-    # behind: the capture's forwards wrote none of the model's tensors (BatchNorm's running statistics, a counter)
-    # and drew no random numbers; otherwise the comparison comes first.
-    overlap = _versions(before[3][0]) == model_versions and torch.equal(_rng_state(tensors[0].device), rng)
-    entry = _Entry(replay, static, out, _snapshot(model), writes, overlap)  # (after the forwards: the steady state)
+    entry = _Entry(replay, static, out, fingerprint, writes)
     graphs.entries[key] = entry
     return entry
 
