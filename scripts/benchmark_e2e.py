@@ -8,7 +8,7 @@ Modes (same prompt, seed, size, frames and steps for each):
   compile         torch.compile(transformer)
   triton+compile  the kernels injected, then torch.compile (Inductor launches them: torch.library.triton_op)
   triton+graphs   the kernels injected with graphs=True: the transformer's forward replayed from CUDA graphs
-                  (scripts/graph_mode.py; captured on a signature's second call, so its warm-up time is
+                  (scripts/graph_mode.py; captured at a signature's second call, so its warm-up time is
                   reported like compile's); not part of "all": ask for it with --mode
   triton-fp8      the kernels injected with fp8=True: the transformer blocks' linear layers in FP8
                   (fp8_linear.Fp8Linear: per-channel weight scales, per-token input scales, torch._scaled_mm;
