@@ -35,8 +35,8 @@ not compute what the forward computes:
   __dict__, every tensor the modules hold the same object at the same address, shape and strides, every
   container attribute the same object holding the same tensors at any depth), queues the replay,
   then compares the rest while the GPU works; a replay whose comparison fails is waited for and dropped (its
-  result never handed out) and the call runs eager (a captured forward changes nothing torch can see as it runs,
-  see above, so a dropped replay leaves nothing behind). Not seen by any of this: tensors a forward reads from
+  result never handed out) and the call runs eager (a captured forward changed nothing torch can see when it
+  was watched, see above, so a dropped replay leaves nothing of that kind behind). Not seen by any of this: tensors a forward reads from
   outside the modules' parameters, buffers, tensor attributes and containers (an attention processor's own
   tensors, a global cache) replaced after the capture, and writes torch does not count (through ``.data``, by a
   Triton kernel into a model tensor, into an inference tensor): a forward that makes those is not one to replay;
@@ -339,9 +339,28 @@ def _boxes(where) -> list:
     return list(map(dict.get, where[4], where[5], itertools.repeat(_MISSING)))
 
 
+_MAX_CONTAINED = 100_000  # values walked in the container attributes; beyond: _Opaque (the signature stays eager)
+
+
+class _Opaque(Exception):
+    """Container attributes graph mode does not walk (too many): no replay."""
+
+
 def _leaves(boxes) -> list:
-    """The tensors inside the container attributes, at any depth."""
-    return [t for t in pytree.tree_leaves(boxes) if isinstance(t, torch.Tensor)]
+    """The tensors inside the container attributes (dict, list, tuple, set and their subclasses), at any depth."""
+    out, stack, seen = [], list(boxes), set()
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (dict, list, tuple, set, frozenset)):
+            if id(v) in seen:  # shared, or holding itself: walked once
+                continue
+            if len(seen) > _MAX_CONTAINED:
+                raise _Opaque(f"container attributes holding over {_MAX_CONTAINED} containers")
+            seen.add(id(v))
+            stack.extend(v.values() if isinstance(v, dict) else v)
+    return out
 
 
 def _replayable(model, snap) -> bool:
@@ -353,10 +372,14 @@ def _replayable(model, snap) -> bool:
     if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
     now = _tensors(where[0], where[6], where[7])[1]
+    try:
+        contained = _leaves(now_boxes := _boxes(where))
+    except _Opaque:
+        return False
     return (
         _same(now, tensors)
-        and _same(now_boxes := _boxes(where), boxes)
-        and _same(_leaves(now_boxes), leaves)
+        and _same(now_boxes, boxes)
+        and _same(contained, leaves)
         and _ptrs(now) == ptrs
         and list(map(_SHAPE, now)) == shapes
         and list(map(_STRIDE, now)) == strides
@@ -431,7 +454,11 @@ def _graph_forward(self, *args, **kwargs):
     # attribute, writes one of its tensors, draws random numbers) cannot be replayed (a replay would compute with
     # what the capture's forwards left, and do none of it), so its signature stays eager; else it is captured.
     device = tensors[0].device
-    before = _snapshot(self)
+    try:
+        before = _snapshot(self)
+    except _Opaque as e:
+        graphs.refused[key] = str(e)
+        return _eager(self, graphs, graphs.refused[key], args, kwargs)
     versions, rng = _versions(before[3][0]), _rng_state(device)
     out = _eager(self, graphs, "", args, kwargs)
     if (

@@ -276,6 +276,16 @@ def test_the_full_comparison_runs_while_the_replay_runs_where_that_is_safe(backe
         graph_mode.disable(net)
     assert net.prev is not None and Counts().calls == 0
 
+    net = _net(gen)  # a container attribute that holds itself (and a shared one): walked once, replayed
+    net.ring = [1, 2]
+    net.ring.append(net.ring)
+    net.lin.shared = net.post.shared = [torch.ones(1, device=DEVICE)]
+    graph_mode.enable(net)
+    with torch.no_grad():
+        outs = [net(x) for _ in range(3)]
+    assert graph_mode.graph_stats(net)["replays"] == 1 and all(torch.equal(o[0], outs[0][0]) for o in outs)
+    graph_mode.disable(net)
+
     net = _net(gen)  # a tensor inside a container attribute, at depth two, replaced: no replay reads the old one
     net.tables = {"rope": (torch.ones(16, device=DEVICE), torch.zeros(16, device=DEVICE))}
     graph_mode.enable(net)
