@@ -215,12 +215,37 @@ def _global_settings() -> tuple:
     )
 
 
-def _frozen(v):
-    """A comparable copy of a small container setting (a LoRA's scaling dict, its active adapters); for a
-    value that is no longer a container (deleted, set to None), its type alone: unequal to any recorded copy."""
-    if type(v) not in (dict, list, tuple):
-        return (type(v),)
-    return repr(v) if len(v) < 16 else (type(v), len(v))
+_CONTAINERS = (dict, list, tuple, set, frozenset)  # (and their subclasses: OrderedDict, namedtuples, ...)
+# nn.Module's own bookkeeping in a module's __dict__ (hooks are compared on their own; the rest is static)
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
+def _contents(v) -> tuple:
+    """(tokens, objects) of a container attribute's value, walked without recursion, each container once: a
+    plain value as (type, value), a container as (type, length) with its identity among the objects, anything
+    else (a tensor, a module, a function) among the objects (compared by identity; the snapshot keeps them
+    alive). A value that is no longer a container (deleted, set to None) is an object: unequal to any recorded
+    container. More than _MAX_CONTAINED containers: _Opaque."""
+    tokens, objects, stack, seen = [], [], [v], set()
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t in _SETTINGS or t is torch.dtype or t is torch.device:
+            tokens.append((t, x))
+        elif isinstance(x, _CONTAINERS):
+            objects.append(x)
+            if id(x) in seen:  # shared, or holding itself: walked once
+                tokens.append((t, "again"))
+                continue
+            seen.add(id(x))
+            if len(seen) > _MAX_CONTAINED:
+                raise _Opaque(f"container attributes holding over {_MAX_CONTAINED} containers")
+            tokens.append((t, len(x)))
+            stack.extend(reversed([i for kv in x.items() for i in kv] if isinstance(x, dict) else list(x)))
+        else:
+            tokens.append((object,))
+            objects.append(x)
+    return tokens, objects
 
 
 # settings of an attention processor that its forward reads (diffusers' per-processor backend and parallelism)
@@ -276,6 +301,7 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dic
     children, params, buffers = list(map(_CHILDREN, mods)), list(map(_PARAMS, mods)), list(map(_BUFFERS, mods))
     hooks, pre_hooks = list(map(_HOOKS, mods)), list(map(_PRE_HOOKS, mods))
     attributes, tensors = _tensors(mods, tensor_dicts, tensor_keys)
+    contents = [_contents(b) for b in map(get, box_dicts, box_keys, rep(_MISSING))]
     processors = [p for p in map(get, dicts, rep("processor")) if p is not None]
     plain = list(map(get, plain_dicts, plain_keys, rep(_MISSING)))
     return (
@@ -287,6 +313,7 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dic
         list(chain(map(dict.values, params))),
         list(chain(map(dict.values, buffers))),
         attributes,
+        [o for c in contents for o in c[1]],
         tensors,
     ), (
         list(map(len, dicts)),
@@ -300,7 +327,7 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dic
         [getattr(p, "_attention_backend", None) for p in processors],
         plain,
         list(map(type, plain)),
-        list(map(_frozen, map(get, box_dicts, box_keys, rep(_MISSING)))),
+        [c[0] for c in contents],
         _versions(tensors),
         _ptrs(tensors),
         list(map(_SHAPE, tensors)),
@@ -320,12 +347,8 @@ def _snapshot(model) -> tuple:
     dicts = list(map(_DICT, mods))
     plain = [(d, k) for d in dicts for k, v in d.items() if type(v) in _SETTINGS]
     attributes = [(d, k) for d in dicts for k, v in d.items() if isinstance(v, torch.Tensor)]
-    boxes = [
-        (d, k)
-        for d in dicts
-        for k, v in d.items()
-        if type(v) in (dict, list, tuple) and (k[:1] != "_" or k == "_active_adapter")  # (peft's, a list)
-    ]
+    skip = _MODULE_INTERNALS.union(ic.STATE_KEYS)  # (the bundle's own records: their forwards are compared)
+    boxes = [(d, k) for d in dicts for k, v in d.items() if isinstance(v, _CONTAINERS) and k not in skip]
     where = (mods, dicts, [d for d, _ in plain], [k for _, k in plain], [d for d, _ in boxes], [k for _, k in boxes])
     where += ([d for d, _ in attributes], [k for _, k in attributes])
     state = _state(*where)

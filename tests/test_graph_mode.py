@@ -491,3 +491,74 @@ def test_inference_mode_sliced_inputs_odd_outputs_and_a_hook_removed(backend):
         del net.lin.__dict__["_hf_hook"]
         net(x), net(x), net(x)
     assert graph_mode.graph_stats(net)["graphs"] == 1 and graph_mode.graph_stats(net)["replays"] == 1
+
+
+def test_container_attributes_of_any_name_size_and_kind_are_compared(backend):
+    """Container attributes are compared by content, whatever their name (a private ``_cache``), size or kind
+    (a set, an OrderedDict): a forward that updates one as it runs stays eager; one changed after the capture is
+    seen; a private one-slot cache rebuilt for another input size stops the other size's replay (its graph read
+    the old table). Each call's result is the eager forward's."""
+    import collections
+
+    gen = make_generator()
+
+    class Every3rd(nn.Module):  # private state updated by the forward: a replay would not update it
+        def __init__(self):
+            super().__init__()
+            self._state = {"n": 0}
+
+        def forward(self, x):
+            self._state["n"] += 1
+            return x * (4 if self._state["n"] % 3 == 0 else 2)
+
+    net, ref = Every3rd(), Every3rd()
+    graph_mode.enable(net)
+    x = _x(gen, 2, 4)
+    with torch.no_grad():
+        assert all(torch.equal(net(x), ref(x)) for _ in range(6))
+    assert graph_mode.graph_stats(net)["graphs"] == 0
+    graph_mode.disable(net)
+
+    for change in ("big_dict", "set", "ordered"):
+        net = _net(gen)
+        net.options = {f"k{i}": 1.0 for i in range(20)} | {"mult": 1.0}  # the forward reads options["mult"]
+        net.skip, net.order = set(), collections.OrderedDict(a=1)
+        graph_mode.enable(net)
+        x = _x(gen, 2, 2, 16)
+        with torch.no_grad():
+            net(x), net(x), net(x)
+            if change == "big_dict":
+                net.options["mult"] = 3.0
+            elif change == "set":
+                net.skip.add(1)
+            else:
+                net.order["b"] = 2
+            got = net(x)
+            stats = graph_mode.graph_stats(net)
+            graph_mode.disable(net)
+            want = net(x)
+        assert stats["eager"] == {"model changed since capture": 1}, (change, stats)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), change
+
+    class OneSlot(nn.Module):  # a private cache that keeps the table of the last size only
+        def __init__(self):
+            super().__init__()
+            self._tables = {}
+
+        def forward(self, x):
+            n = x.shape[-1]
+            if n not in self._tables:
+                self._tables = {n: torch.arange(n, dtype=x.dtype, device=x.device)}
+            return x + self._tables[n]
+
+    net = OneSlot()
+    graph_mode.enable(net)
+    a, b = _x(gen, 2, 8), _x(gen, 2, 5)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(net(a), a + torch.arange(8.0, device=DEVICE))
+        assert torch.equal(net(b), b + torch.arange(5.0, device=DEVICE))  # rebuilds the cache
+        replays = graph_mode.graph_stats(net)["replays"]
+        assert torch.equal(net(a), a + torch.arange(8.0, device=DEVICE))  # a's graph read the old table: eager
+    assert graph_mode.graph_stats(net)["replays"] == replays
+    graph_mode.disable(net)
