@@ -354,7 +354,10 @@ def _snapshot(model) -> tuple:
     state = _state(*where)
     tensors = state[0][-1]
     boxed = _boxes(where)
-    guard = (tensors, _ptrs(tensors), list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)), boxed, _leaves(boxed))
+    # the containers that held tensors at the capture: the only ones whose tensors a replay can read
+    held = [i for i, b in enumerate(boxed) if _leaves([b])]
+    guard = (tensors, _ptrs(tensors), list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)), boxed, held)
+    guard += (_leaves([boxed[i] for i in held]),)
     return _global_settings(), where, state, guard
 
 
@@ -390,13 +393,15 @@ def _replayable(model, snap) -> bool:
     """The part of _unchanged that a replay's memory safety rests on, cheap enough to run before it (a fraction
     of the full comparison): the process-wide settings, every recorded module's __dict__, and every tensor the
     modules hold (the same objects at the same addresses, shapes and strides: alive, so what the graph reads from
-    them is live memory) and container attribute (the same objects, holding the same tensors at any depth)."""
-    settings, where, _, (tensors, ptrs, shapes, strides, boxes, leaves) = snap
+    them is live memory) and container attribute (the same objects; those that held tensors at the capture
+    holding the same tensors at any depth)."""
+    settings, where, _, (tensors, ptrs, shapes, strides, boxes, held, leaves) = snap
     if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
     now = _tensors(where[0], where[6], where[7])[1]
+    now_boxes = _boxes(where)
     try:
-        contained = _leaves(now_boxes := _boxes(where))
+        contained = _leaves([now_boxes[i] for i in held]) if held else []
     except _Opaque:
         return False
     return (
