@@ -31,9 +31,10 @@ not compute what the forward computes:
   switches, deterministic algorithms. A fingerprint of all of this is taken at capture and compared on every
   call (flat lists over the modules; about 3 ms of a 2-core CPU for SD3.5-medium's thousand modules); after a
   change the signature's graph is dropped and captured again. To keep that host time off the GPU's critical
-  path, a call first checks the part memory safety rests on (a third of the cost: settings, every module's
+  path, a call first checks the part memory safety rests on (under a third of the cost: settings, every module's
   __dict__, every tensor the modules hold the same object at the same address, shape and strides, every
-  container attribute the same object holding the same tensors at any depth), queues the replay,
+  container attribute the same object, those that held tensors holding the same ones at any depth), queues the
+  replay,
   then compares the rest while the GPU works; a replay whose comparison fails is waited for and dropped (its
   result never handed out) and the call runs eager (a captured forward changed nothing torch can see when it
   was watched, see above, so a dropped replay leaves nothing of that kind behind). Not seen by any of this: tensors a forward reads from
