@@ -303,6 +303,7 @@ def _state(mods, dicts, plain_dicts, plain_keys, box_dicts, box_keys, tensor_dic
     hooks, pre_hooks = list(map(_HOOKS, mods)), list(map(_PRE_HOOKS, mods))
     attributes, tensors = _tensors(mods, tensor_dicts, tensor_keys)
     contents = [_contents(b) for b in map(get, box_dicts, box_keys, rep(_MISSING))]
+    tensors += [o for c in contents for o in c[1] if isinstance(o, torch.Tensor)]  # (their versions, layouts)
     processors = [p for p in map(get, dicts, rep("processor")) if p is not None]
     plain = list(map(get, plain_dicts, plain_keys, rep(_MISSING)))
     return (
@@ -353,12 +354,11 @@ def _snapshot(model) -> tuple:
     where = (mods, dicts, [d for d, _ in plain], [k for _, k in plain], [d for d, _ in boxes], [k for _, k in boxes])
     where += ([d for d, _ in attributes], [k for _, k in attributes])
     state = _state(*where)
-    tensors = state[0][-1]
     boxed = _boxes(where)
     # the containers that held tensors at the capture: the only ones whose tensors a replay can read
     held = [i for i, b in enumerate(boxed) if _leaves([b])]
+    tensors = _tensors(mods, where[6], where[7])[1] + _leaves([boxed[i] for i in held])
     guard = (tensors, _ptrs(tensors), list(map(_SHAPE, tensors)), list(map(_STRIDE, tensors)), boxed, held)
-    guard += (_leaves([boxed[i] for i in held]),)
     return _global_settings(), where, state, guard
 
 
@@ -396,19 +396,17 @@ def _replayable(model, snap) -> bool:
     modules hold (the same objects at the same addresses, shapes and strides: alive, so what the graph reads from
     them is live memory) and container attribute (the same objects; those that held tensors at the capture
     holding the same tensors at any depth)."""
-    settings, where, _, (tensors, ptrs, shapes, strides, boxes, held, leaves) = snap
+    settings, where, _, (tensors, ptrs, shapes, strides, boxes, held) = snap
     if where[0][0] is not model or _global_settings() != settings or not _same(list(map(_DICT, where[0])), where[1]):
         return False
-    now = _tensors(where[0], where[6], where[7])[1]
     now_boxes = _boxes(where)
-    try:
-        contained = _leaves([now_boxes[i] for i in held]) if held else []
-    except _Opaque:
+    try:  # (a container that cannot be walked: not replayable)
+        now = _tensors(where[0], where[6], where[7])[1] + (_leaves([now_boxes[i] for i in held]) if held else [])
+    except Exception:
         return False
     return (
         _same(now, tensors)
         and _same(now_boxes, boxes)
-        and _same(contained, leaves)
         and _ptrs(now) == ptrs
         and list(map(_SHAPE, now)) == shapes
         and list(map(_STRIDE, now)) == strides
@@ -485,8 +483,8 @@ def _graph_forward(self, *args, **kwargs):
     device = tensors[0].device
     try:
         before = _snapshot(self)
-    except _Opaque as e:
-        graphs.refused[key] = str(e)
+    except Exception as e:  # (too many containers, or one that raises when walked)
+        graphs.refused[key] = f"the model's attributes cannot be compared ({type(e).__name__}: {str(e)[:80]})"
         return _eager(self, graphs, graphs.refused[key], args, kwargs)
     versions, rng = _versions(before[3][0]), _rng_state(device)
     out = _eager(self, graphs, "", args, kwargs)

@@ -562,3 +562,45 @@ def test_container_attributes_of_any_name_size_and_kind_are_compared(backend):
         assert torch.equal(net(a), a + torch.arange(8.0, device=DEVICE))  # a's graph read the old table: eager
     assert graph_mode.graph_stats(net)["replays"] == replays
     graph_mode.disable(net)
+
+
+def test_a_tensor_in_a_container_moved_or_an_unwalkable_container(backend):
+    """A tensor inside a container attribute re-laid through .data (another address) stops the replay, as a
+    parameter's does (the graph would read its old memory); a container that raises when walked keeps the
+    signature eager instead of crashing the call."""
+    gen = make_generator()
+
+    class Tab(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tab = [torch.ones(4, device=DEVICE)]
+
+        def forward(self, x):
+            return x * self.tab[0]
+
+    net = Tab()
+    graph_mode.enable(net)
+    x = _x(gen, 2, 4)
+    with torch.no_grad():
+        net(x), net(x), net(x)
+        replays = graph_mode.graph_stats(net)["replays"]
+        net.tab[0].data = torch.full((4,), 2.0, device=DEVICE)
+        assert torch.equal(net(x), x * 2)
+    stats = graph_mode.graph_stats(net)
+    assert stats["replays"] == replays and stats["eager"] == {"model changed since capture": 1}, stats
+    graph_mode.disable(net)
+
+    class Odd(list):
+        def __iter__(self):
+            raise RuntimeError("not iterable today")
+
+    net = _net(gen)
+    net.odd = Odd([1])
+    graph_mode.enable(net)
+    x = _x(gen, 2, 2, 16)
+    with torch.no_grad():
+        outs = [net(x) for _ in range(3)]
+    stats = graph_mode.graph_stats(net)
+    assert stats["graphs"] == 0 and any("cannot be compared" in r for r in stats["eager"]), stats
+    assert all(torch.equal(o[0], outs[0][0]) for o in outs)
+    graph_mode.disable(net)
