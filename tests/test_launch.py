@@ -333,24 +333,20 @@ def test_plans_keep_no_tensor_alive(which, gen):
     assert not alive, f"{which}: inputs {alive} are still referenced after the call (by a cached plan?)"
 
 
-def test_a_plan_recorded_with_one_tensor_twice_serves_only_such_calls(gen, monkeypatch):
-    """A plan recorded from gated_residual_add(a, a, None) names input 0 for both operands; a later call of the
-    same key with two distinct tensors must not replay it (it would compute a + a): it goes to the plain
-    launcher. Calls with the one tensor twice still replay. (Compiled kernels here are fakes whose runner only
-    counts; the plain launcher runs the real kernel.)"""
-    import rmsnorm
-
+def _fake_runners(monkeypatch) -> list:
+    """Plans made from here on replay through fake compiled kernels whose runner keeps (kernel, arguments) in
+    the list returned (any machine); recordings still run the real kernels, on device 0, stream 1000."""
     ran = []
 
     class Compiled:
         function, packed_metadata = "the function", "the metadata"
 
         def run(self, *a):
-            ran.append(a)
+            ran.append((self, a))
 
     record = kernel_runtime._Recorder.launch
 
-    def launch(self, kernel, grid, args, kwargs):
+    def launch(self, kernel, grid, args, kwargs):  # runs the kernel, keeps a fake as what it compiled to
         record(self, kernel, grid, args, kwargs)
         self.launches[-1] = self.launches[-1][:4] + (Compiled(),)
         return self.launches[-1][4]
@@ -361,6 +357,17 @@ def test_a_plan_recorded_with_one_tensor_twice_serves_only_such_calls(gen, monke
     monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", False)
     monkeypatch.setitem(kernel_runtime._RUNNER, "ok", True)
     monkeypatch.setattr(kernel_runtime._Recorder, "launch", launch)
+    return ran
+
+
+def test_a_plan_recorded_with_one_tensor_twice_serves_only_such_calls(gen, monkeypatch):
+    """A plan recorded from gated_residual_add(a, a, None) names input 0 for both operands; a later call of the
+    same key with two distinct tensors must not replay it (it would compute a + a): it goes to the plain
+    launcher. Calls with the one tensor twice still replay. (Compiled kernels here are fakes whose runner only
+    counts; the plain launcher runs the real kernel.)"""
+    import rmsnorm
+
+    ran = _fake_runners(monkeypatch)
     kernel_runtime.clear_plans(rmsnorm)
     a, b = randn((4, 64), torch.float32, gen), randn((4, 64), torch.float32, gen)
     rmsnorm.gated_residual_add(a, a, None)  # recorded: the plan
@@ -382,33 +389,13 @@ def test_generated_launch_hands_each_runner_what_the_plan_recorded(which, gen, m
     then every parameter: the recorded value where no tensor goes, else this call's input pointer plus the
     recorded offset, or an allocation of this call (the same allocation at the same address in every launch
     of the call, the returned tensors' own)."""
-    ran, calls = [], []
-
-    class Compiled:
-        function, packed_metadata = "the function", "the metadata"
-
-        def run(self, *a):
-            ran.append((self, a))
-
-    record = kernel_runtime._Recorder.launch
-
-    def launch(self, kernel, grid, args, kwargs):  # runs the kernel, keeps a fake as what it compiled to
-        record(self, kernel, grid, args, kwargs)
-        self.launches[-1] = self.launches[-1][:4] + (Compiled(),)
-        return self.launches[-1][4]
-
+    ran, calls = _fake_runners(monkeypatch), []
     call = kernel_runtime._Accelerated.__call__
 
     def keep(self, *args, **kwargs):
         calls.append((self, args, kwargs))
         return call(self, *args, **kwargs)
 
-    for name, value in (("_plan_device", lambda inputs: 0), ("_current_device", lambda: 0)):
-        monkeypatch.setattr(kernel_runtime, name, value)
-    monkeypatch.setattr(kernel_runtime, "_current_stream", lambda device: 1000)
-    monkeypatch.setattr(kernel_runtime, "VERIFY_PLANS", False)
-    monkeypatch.setitem(kernel_runtime._RUNNER, "ok", True)
-    monkeypatch.setattr(kernel_runtime._Recorder, "launch", launch)
     monkeypatch.setattr(kernel_runtime._Accelerated, "__call__", keep)
     kernel_runtime.clear_plans()
     dict(_public_calls(gen))[which]()  # every call records its plan

@@ -20,7 +20,7 @@ import transformers_families as tf
 import transformers_injection as ti
 import transformers_injection_example as ex
 from kernel_testing import DEVICE, make_generator
-from transformers_testing import logits
+from transformers_testing import logits, restore_rope_sites
 
 PROMPT = 8
 NEW = 4
@@ -29,10 +29,7 @@ NEW = 4
 @pytest.fixture(autouse=True)
 def _clean_rope():
     yield
-    for site in list(ti._ROPE_SITES.values()):
-        if site["globals"].get(ti._ROPE_NAME) is site["dispatcher"]:
-            site["globals"][ti._ROPE_NAME] = site["original"]
-    ti._ROPE_SITES.clear()
+    restore_rope_sites()
 
 
 def _moe(gen, **cfg):

@@ -21,7 +21,7 @@ import kernel_testing as kt
 import transformers_families as tf
 import transformers_injection as ti
 from kernel_testing import DEVICE, make_generator, rel_l2, rel_max, run_python, with_interpreter_speedup
-from transformers_testing import assert_autograd_falls_back, greedy, logits
+from transformers_testing import assert_autograd_falls_back, greedy, logits, restore_rope_sites
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "references" / "transformers-integration.md"
@@ -82,11 +82,7 @@ EXPECTED = {
 @pytest.fixture(autouse=True)
 def _clean_rope():
     yield
-    # a failing test must not leave a dispatcher in a model file for the next one
-    for site in list(ti._ROPE_SITES.values()):
-        if site["globals"].get(ti._ROPE_NAME) is site["dispatcher"]:
-            site["globals"][ti._ROPE_NAME] = site["original"]
-    ti._ROPE_SITES.clear()
+    restore_rope_sites()
 
 
 def _model(family, gen, dtype=torch.float32, **cfg):

@@ -67,3 +67,14 @@ def assert_autograd_falls_back(model, ids, inject, remove) -> None:
     for p, g in zip(model.parameters(), ref_grads):
         assert torch.equal(p.grad, g)
     remove(model)
+
+
+def restore_rope_sites():
+    """Put back every model file's RoPE function that a dispatcher replaced (a failing test must not leave one
+    for the next)."""
+    import transformers_injection as ti
+
+    for site in list(ti._ROPE_SITES.values()):
+        if site["globals"].get(ti._ROPE_NAME) is site["dispatcher"]:
+            site["globals"][ti._ROPE_NAME] = site["original"]
+    ti._ROPE_SITES.clear()
