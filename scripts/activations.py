@@ -30,6 +30,10 @@ _FP8_FORMATS = {torch.float8_e4m3fn: (448.0, 127 - 6, 0x7F), torch.float8_e4m3fn
 _FP8_MODES = {None: 0, "per_tensor": 1, "per_token": 2}
 _MIN_DYNAMIC_SCALE = 1e-12  # per-token scales never go below it: a zero row stays finite (no 0 * inf)
 _TRITON_VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2])
+_LANES, _VECTORS_PER_LANE = 256, 2  # 8 warps of 32 (4 of 64), two 16-byte vectors each: 8 KiB in flight a program
+_MIN_ROW_PROGRAMS = 256  # row kernel: the smallest grid worth keeping before shrinking blocks further
+_MAX_GRID_Y = 65535  # CUDA's gridDim.y limit, on every backend; beyond it a 1-D grid divides the program id
+_MAX_WHOLE_ROW, _ROW_CHUNK = 16384, 4096  # per-row FP8 scales: wider rows are read twice, in _ROW_CHUNK steps
 
 
 @triton.jit
@@ -359,12 +363,6 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(n, 1) - 1).bit_length()  # plain Python: triton.next_power_of_2 costs microseconds a call
 
 
-_LANES, _VECTORS_PER_LANE = 256, 2  # 8 warps of 32 (4 of 64), two 16-byte vectors each: 8 KiB in flight a program
-_MIN_ROW_PROGRAMS = 256  # row kernel: the smallest grid worth keeping before shrinking blocks further
-_MAX_GRID_Y = 65535  # CUDA's gridDim.y limit, on every backend; beyond it a 1-D grid divides the program id
-_MAX_WHOLE_ROW, _ROW_CHUNK = 16384, 4096  # per-row FP8 scales: wider rows are read twice, in _ROW_CHUNK steps
-
-
 def _launch_config(n_elements: int, row_width: int, elem_bytes: int, warp_size: int, flat: bool):
     """(BLOCK_M, BLOCK_N, num_warps). Flat (BLOCK_M 1): 8 KiB per program, halved for small inputs to keep ~1024
     programs (4-8 per compute unit). Rows: a 16-byte vector per lane and operand, down to 4 bytes while under
@@ -578,8 +576,7 @@ def swiglu_ref(x: Tensor, up: Optional[Tensor] = None, gate_first: bool = True) 
 
 
 def fp8_quantize_ref(y: Tensor, fp8_dtype=torch.float8_e4m3fn, scale=None):
-    """Saturating round-to-nearest-even FP8 quantisation in y's precision: (q, s), y ~ q * s, s per row (scale
-    None) or the given per-tensor scale."""
+    """Saturating round-to-nearest-even FP8 in y's precision: (q, s), y ~ q * s, s per row (as in-kernel) or scale."""
     fp8_max, min_exp, _ = _FP8_FORMATS[fp8_dtype]
     s = (y.abs().amax(-1) / fp8_max).clamp_min(_MIN_DYNAMIC_SCALE) if scale is None else scale.to(y.dtype).reshape(())
     v = (y / (s[..., None] if scale is None else s)).clamp(-fp8_max, fp8_max)

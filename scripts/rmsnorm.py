@@ -432,8 +432,7 @@ def _launch(
             raise ValueError(f"fp8_scale must hold one element (shape [] or [1]), got shape {tuple(fp8_scale.shape)}")
     elif fp8_scale is not None:
         raise ValueError("fp8_scale is only used with fp8='per_tensor' (fp8='per_token' computes the scales)")
-    if out_dtype is None:
-        out_dtype = _fp8_dtype_for(device) if fp8_mode else x.dtype
+    out_dtype = out_dtype or (_fp8_dtype_for(device) if fp8_mode else x.dtype)
     if fp8_mode and out_dtype not in _FP8_FORMATS:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {out_dtype}")
     if not fp8_mode and out_dtype not in _SUPPORTED_DTYPES:
