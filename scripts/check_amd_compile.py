@@ -401,6 +401,21 @@ CASES: Dict[str, Tuple[str, Callable]] = {
         )
         for m in (1, 32)
     },
+    # ---- scripts/moe_experts.py: the routed experts of a decode step. Mixtral-8x7B (8 experts, top 2, 4096 wide,
+    # experts 14336 wide) at 1 and 4 tokens, Qwen3-30B-A3B (128 experts, top 8, 2048 wide, experts 768 wide) ----
+    **{
+        f"moe_swiglu_experts[{name} T{t}]": (
+            "moe_experts",
+            lambda mod, t=t, e=e, k=k, h=h, i=i: mod.moe_swiglu_experts(
+                _bf16(t, h), _t(t, k, dtype=torch.int64), _f32(t, k), _bf16(e, 2 * i, h), _bf16(e, h, i)
+            ),
+        )
+        for name, (e, k, h, i), ts in (
+            ("Mixtral-8x7B", (8, 2, 4096, 14336), (1, 4)),
+            ("Qwen3-30B-A3B", (128, 8, 2048, 768), (1,)),
+        )
+        for t in ts
+    },
     # ---- new leaf files: append their cases here ----
     # ---- scripts/layernorm.py: MMDiT blocks at 1024x1024. SD3.5-medium: 1536 wide, B = 2 (CFG), 4096 image
     # + 333 text tokens; FLUX.1-dev: 3072 wide, B = 1, 4096 image + 512 text tokens (4608 in single blocks).

@@ -105,6 +105,7 @@ import torch  # noqa: E402
 
 import activations  # noqa: E402
 import injection_common as ic  # noqa: E402
+import moe_experts  # noqa: E402
 import rmsnorm  # noqa: E402
 import rope as rope_kernels  # noqa: E402  (the name `rope` is an argument of inject_optimized_kernels)
 import skinny_gemm as skinny_kernels  # noqa: E402
@@ -444,6 +445,33 @@ def _experts_probe(m):
     return f"{type(m).__name__}._apply_gate computes another function than act(gate) * up"
 
 
+def _experts_decode_probe(m, act_name: str, gate_first: bool):
+    """{'decode': True} if m's forward (the experts implementation its config names) computes, for x [T, H],
+    sum_k w[t, k] * down_proj[e] @ (act(gate) * up)(gate_up_proj[e] @ x[t]), e = top_k_index[t, k], with
+    gate_up_proj [E, 2 I, H] and down_proj [E, H, I]: what moe_experts computes at decode. Else the reason.
+    In float32 on small random weights (transformers' grouped_mm takes no float64): another function differs
+    by order 1, float32 rounding by 1e-6."""
+    e = getattr(m, "gate_up_proj", None)
+    if not isinstance(e, torch.Tensor) or e.dim() != 3 or getattr(getattr(m, "down_proj", None), "dim", int)() != 3:
+        return f"{type(m).__name__} holds no [E, 2 I, H] gate_up_proj and [E, H, I] down_proj"
+    n_exp, h, i = e.shape[0], 32, 8  # rows of 16-byte multiples (grouped_mm requires them); H != 2 I
+    g = torch.Generator().manual_seed(5)
+    private = {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN and k.startswith("_")}  # _is_expert_parallel
+    dims = {k: v for k, v in (("hidden_dim", h), ("intermediate_dim", i)) if k in m.__dict__}
+    gate_up = torch.nn.Parameter(torch.randn(n_exp, 2 * i, h, generator=g), requires_grad=False)
+    down = torch.nn.Parameter(torch.randn(n_exp, h, i, generator=g) / 3, requires_grad=False)
+    probe = _stand_in(m, gate_up_proj=gate_up, down_proj=down, config=getattr(m, "config", None), **private, **dims,
+                      **{act_name: getattr(m, act_name)})  # fmt: skip
+    x = torch.randn(3, h, generator=g)
+    idx = torch.tensor([[0, n_exp - 1], [n_exp - 1, n_exp // 2], [n_exp // 2, 0]])
+    w = torch.rand(3, 2, generator=g)
+    got = probe(x, idx, w)
+    ref = moe_experts.moe_swiglu_experts_ref(x, idx, w, gate_up, down, gate_first)
+    if isinstance(got, torch.Tensor) and got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
+        return {"decode": True}
+    return f"{type(m).__name__}.forward computes another function than the routed experts' SwiGLU MLPs"
+
+
 class _ProbeAttention(torch.nn.Module):
     """Stands in for a decoder layer's self_attn: records how it is called, returns (3 h + 1/4, None)."""
 
@@ -772,11 +800,12 @@ def _original_forward(module: torch.nn.Module):
 
 
 def _patch_gate(module: torch.nn.Module, plan: dict) -> bool:
-    """Make _experts_gate the experts module's _apply_gate, on the instance."""
+    """Make _experts_gate the experts module's _apply_gate, on the instance; and _experts_forward its forward
+    where its probe finds the routed experts' SwiGLU MLPs (the decode path) and it has no forward of its own."""
     if _STATE in module.__dict__:
         return False
     patched = ic.BoundForward(_experts_gate, module)
-    module.__dict__[_STATE] = {
+    st = module.__dict__[_STATE] = {
         "kind": "moe_swiglu",
         "gate_slot": patched,
         "act": plan["act"],
@@ -784,6 +813,13 @@ def _patch_gate(module: torch.nn.Module, plan: dict) -> bool:
         "gate_first": plan["gate_first"],
     }
     module.__dict__["_apply_gate"] = patched
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    decode = _probe(
+        "experts_decode", module, lambda m: _experts_decode_probe(m, plan["act"], plan["gate_first"]),
+        extra=(plan["act"], plan["gate_first"], impl if type(impl) in _PLAIN else "?"),
+    )  # fmt: skip
+    if _recognised(decode) and "forward" not in module.__dict__:
+        st["forward_slot"] = module.__dict__["forward"] = ic.BoundForward(_experts_forward, module)
     return True
 
 
@@ -796,10 +832,11 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
         if getattr(slot.__dict__.get("forward"), "__func__", None) is _rope_slot_forward:
             del slot.__dict__["forward"]
         return "rope"
-    if "gate_slot" in st:  # an experts module's _apply_gate
+    if "gate_slot" in st:  # an experts module's _apply_gate (and forward)
         del module.__dict__[_STATE]
-        if module.__dict__.get("_apply_gate") is st["gate_slot"]:
-            del module.__dict__["_apply_gate"]
+        for name, slot in (("_apply_gate", "gate_slot"), ("forward", "forward_slot")):
+            if slot in st and module.__dict__.get(name) is st[slot]:
+                del module.__dict__[name]
         return "moe_swiglu"
     state = ic.unpatch(module, _STATE)
     if state is None:
@@ -916,6 +953,39 @@ def _experts_gate(self, gate_up_out):
     ):
         return activations.swiglu(y, gate_first=st["gate_first"])
     return type(self)._apply_gate(self, y)
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    """An MoE experts module's forward: at decode (token-expert pairs at most the number of experts, and at
+    most moe_experts.MAX_PAIRS) the chosen experts' GEMVs, SwiGLU and the weighted sum in two kernels, each
+    expert's weights read in place (moe_experts.py; its probe found that the module computes this); else the
+    module's own forward. The kernels read an expert's weights once per pair, a grouped GEMM once per expert:
+    with more pairs than experts some expert is read twice (measured at one token only)."""
+    st = self.__dict__[_STATE]
+    x, idx, w = hidden_states, top_k_index, top_k_weights
+    gu, dn = getattr(self, "gate_up_proj", None), getattr(self, "down_proj", None)
+    if (
+        not args
+        and not kwargs
+        and all(isinstance(t, torch.Tensor) for t in (x, idx, w, gu, dn))
+        and x.dim() == idx.dim() == 2
+        and gu.dim() == 3
+        and 0 < x.shape[0] * idx.shape[1] <= min(moe_experts.MAX_PAIRS, gu.shape[0])  # see moe_experts.MAX_PAIRS
+        and idx.shape[0] == x.shape[0]
+        and w.shape == idx.shape
+        and idx.dtype in (torch.int32, torch.int64)
+        and idx.device == x.device
+        and dn.dim() == 3
+        and gu.dtype == dn.dtype == x.dtype
+        and gu.shape[2] == x.shape[1]
+        and dn.shape == (gu.shape[0], x.shape[1], gu.shape[1] // 2)
+        and x.stride(-1) == gu.stride(-1) == dn.stride(-1) == 1
+        and not getattr(self, "_is_expert_parallel", False)
+        and _act_ok(self, st)
+        and _usable(x, w, gu, dn)
+    ):
+        return moe_experts.moe_swiglu_experts(x, idx, w, gu, dn, gate_first=st["gate_first"])
+    return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
 
 def _fusable_norm(norm, x, residual):
@@ -1193,6 +1263,7 @@ def count_kernel_calls():
         (activations, "gelu_mul"),
         (rope_kernels, "rope_rotate_half"),
         (skinny_kernels, "skinny_gemm"),
+        (moe_experts, "moe_swiglu_experts"),
     ):
         fn = getattr(mod, name)
         saved.append((mod, name, fn))
