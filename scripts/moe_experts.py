@@ -70,7 +70,7 @@ def _gate_up_kernel(
     n_mask = n < tl.where(valid, I, 0)
     x_row = X + (p // TOP_K).to(tl.int64) * stride_xt
     gate = W + e * stride_we + n.to(tl.int64) * stride_wn  # rows n of the first half
-    up = gate + I * stride_wn  # rows I + n
+    up = gate + I.to(tl.int64) * stride_wn  # rows I + n (in int64: a permuted [2 I, E, H] storage is large)
     if not GATE_FIRST:
         gate, up = up, gate
     g = _gemv_tile(gate, x_row, n_mask, H, BLOCK_N, BLOCK_K)

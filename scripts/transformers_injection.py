@@ -227,6 +227,16 @@ def _stand_in(m, **members):
     return obj
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype=torch.float32):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def _probe(name: str, m, run, extra=()):
     """run(m) once per (name, class of m, plain settings of m, extra); its result is cached. A forward that
     raises on the stand-in is not recognised (the reason names the exception)."""
@@ -238,7 +248,8 @@ def _probe(name: str, m, run, extra=()):
         result = _PROBES.get(key, _MISSING)
         if result is _MISSING:
             try:
-                with torch.no_grad(), torch.device("cpu"):  # whatever device context the caller is in
+                # whatever device, autocast and default dtype the caller is in: the probes compute as written
+                with torch.no_grad(), torch.device("cpu"), torch.autocast("cpu", enabled=False), _default_dtype():
                     result = run(m)
             except Exception as e:  # the forward does not run on the stand-in: not what the kernel replaces
                 result = f"{type(m).__name__}.forward did not run on probe inputs ({type(e).__name__}: {e})"
@@ -435,7 +446,9 @@ def _experts_probe(m):
     halves (float64, a probe nonlinearity as the activation); else the reason."""
     act_name = _experts_structure(m)
     probe = _stand_in(m, **{act_name: _ProbeMap(_probe_nonlinearity)})
+    # rows of unit, x30 and x1000 scale: a clamp of the gate or up (swiglu limits of 7-30) computes another function
     y = torch.randn(3, 24, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    y = y * torch.tensor([[1.0], [30.0], [1000.0]], dtype=torch.float64)
     got = type(m)._apply_gate(probe, y)
     first, second = y.chunk(2, dim=-1)
     for gate_first in (True, False):
@@ -449,8 +462,8 @@ def _experts_decode_probe(m, act_name: str, gate_first: bool):
     """{'decode': True} if m's forward (the experts implementation its config names) computes, for x [T, H],
     sum_k w[t, k] * down_proj[e] @ (act(gate) * up)(gate_up_proj[e] @ x[t]), e = top_k_index[t, k], with
     gate_up_proj [E, 2 I, H] and down_proj [E, H, I]: what moe_experts computes at decode. Else the reason.
-    In float32 on small random weights (transformers' grouped_mm takes no float64): another function differs
-    by order 1, float32 rounding by 1e-6."""
+    In float32 on small random weights (transformers' grouped_mm takes no float64), tokens of 0.1, 3 and 100 scale
+    (a clamped SwiGLU shows at the large ones): another function differs by order 1, float32 rounding by 1e-6."""
     e = getattr(m, "gate_up_proj", None)
     if not isinstance(e, torch.Tensor) or e.dim() != 3 or getattr(getattr(m, "down_proj", None), "dim", int)() != 3:
         return f"{type(m).__name__} holds no [E, 2 I, H] gate_up_proj and [E, H, I] down_proj"
@@ -462,13 +475,14 @@ def _experts_decode_probe(m, act_name: str, gate_first: bool):
     down = torch.nn.Parameter(torch.randn(n_exp, h, i, generator=g) / 3, requires_grad=False)
     probe = _stand_in(m, gate_up_proj=gate_up, down_proj=down, config=getattr(m, "config", None), **private, **dims,
                       **{act_name: getattr(m, act_name)})  # fmt: skip
-    x = torch.randn(3, h, generator=g)
+    x = torch.randn(3, h, generator=g) * torch.tensor([[0.1], [3.0], [100.0]])  # gate / up up to ~1e3 (clamps)
     idx = torch.tensor([[0, n_exp - 1], [n_exp - 1, n_exp // 2], [n_exp // 2, 0]])
     w = torch.rand(3, 2, generator=g)
     got = probe(x, idx, w)
     ref = moe_experts.moe_swiglu_experts_ref(x, idx, w, gate_up, down, gate_first)
-    if isinstance(got, torch.Tensor) and got.shape == ref.shape and torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
-        return {"decode": True}
+    ok = isinstance(got, torch.Tensor) and got.shape == ref.shape and got.dtype == ref.dtype
+    if ok and all(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max())) for a, b in zip(got, ref)):
+        return {"decode": True}  # (each token's row to its own scale)
     return f"{type(m).__name__}.forward computes another function than the routed experts' SwiGLU MLPs"
 
 
@@ -814,11 +828,13 @@ def _patch_gate(module: torch.nn.Module, plan: dict) -> bool:
     }
     module.__dict__["_apply_gate"] = patched
     impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    impl_fn = _experts_function(impl)
     decode = _probe(
         "experts_decode", module, lambda m: _experts_decode_probe(m, plan["act"], plan["gate_first"]),
-        extra=(plan["act"], plan["gate_first"], impl if type(impl) in _PLAIN else "?"),
+        extra=(plan["act"], plan["gate_first"], impl if type(impl) in _PLAIN else "?", impl_fn),
     )  # fmt: skip
-    if _recognised(decode) and "forward" not in module.__dict__:
+    if _recognised(decode) and "forward" not in module.__dict__ and type(impl) in _PLAIN:
+        st.update(impl=impl, impl_fn=impl_fn)
         st["forward_slot"] = module.__dict__["forward"] = ic.BoundForward(_experts_forward, module)
     return True
 
@@ -834,9 +850,10 @@ def _unpatch(module: torch.nn.Module) -> Optional[str]:
         return "rope"
     if "gate_slot" in st:  # an experts module's _apply_gate (and forward)
         del module.__dict__[_STATE]
-        for name, slot in (("_apply_gate", "gate_slot"), ("forward", "forward_slot")):
-            if slot in st and module.__dict__.get(name) is st[slot]:
-                del module.__dict__[name]
+        if module.__dict__.get("_apply_gate") is st["gate_slot"]:
+            del module.__dict__["_apply_gate"]
+        if "forward_slot" in st:  # wherever a hook added since moved it
+            ic.restore_forward(module, {"patched": st["forward_slot"], "prev": None})
         return "moe_swiglu"
     state = ic.unpatch(module, _STATE)
     if state is None:
@@ -955,19 +972,34 @@ def _experts_gate(self, gate_up_out):
     return type(self)._apply_gate(self, y)
 
 
+def _experts_function(impl):
+    """The function transformers' experts interface runs for the implementation named impl (None: the class's
+    own forward, or no interface); what the decode probe's result holds for."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without the experts interface
+        return None
+    return ALL_EXPERTS_FUNCTIONS.get(impl) if isinstance(impl, str) else None
+
+
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     """An MoE experts module's forward: at decode (token-expert pairs at most the number of experts, and at
     most moe_experts.MAX_PAIRS) the chosen experts' GEMVs, SwiGLU and the weighted sum in two kernels, each
     expert's weights read in place (moe_experts.py; its probe found that the module computes this); else the
     module's own forward. The kernels read an expert's weights once per pair, a grouped GEMM once per expert:
-    with more pairs than experts some expert is read twice (measured at one token only)."""
-    st = self.__dict__[_STATE]
+    with more pairs than experts some expert is read twice (measured at one token only). The module's own
+    forward runs too when what the probe saw has changed since (the experts implementation, the instance's
+    _apply_gate), under torch.compile, and after removal (a hook added after injection may still call this)."""
+    st = self.__dict__.get(_STATE)
     x, idx, w = hidden_states, top_k_index, top_k_weights
     gu, dn = getattr(self, "gate_up_proj", None), getattr(self, "down_proj", None)
     if (
-        not args
+        not torch.compiler.is_compiling()  # (Dynamo traces transformers' path; the kernels are no ops)
+        and st is not None
+        and "forward_slot" in st
+        and not args
         and not kwargs
-        and all(isinstance(t, torch.Tensor) for t in (x, idx, w, gu, dn))
+        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, idx, w, gu, dn))  # no subclass
         and x.dim() == idx.dim() == 2
         and gu.dim() == 3
         and 0 < x.shape[0] * idx.shape[1] <= min(moe_experts.MAX_PAIRS, gu.shape[0])  # see moe_experts.MAX_PAIRS
@@ -981,6 +1013,9 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **k
         and dn.shape == (gu.shape[0], x.shape[1], gu.shape[1] // 2)
         and x.stride(-1) == gu.stride(-1) == dn.stride(-1) == 1
         and not getattr(self, "_is_expert_parallel", False)
+        and self.__dict__.get("_apply_gate") is st["gate_slot"]
+        and getattr(getattr(self, "config", None), "_experts_implementation", None) == st["impl"]
+        and _experts_function(st["impl"]) is st["impl_fn"]
         and _act_ok(self, st)
         and _usable(x, w, gu, dn)
     ):

@@ -86,6 +86,11 @@ _ALONE = {
         "w.double(), 1e-6)[0]"
     ),
     "skinny_gemm": "m.skinny_gemm(x, wm), m.skinny_gemm_ref(x, wm)",
+    "moe_experts": (  # 3 tokens, 2 experts of H 64, I 8: gate_up from wm, down from wm's first rows
+        "m.moe_swiglu_experts(x, i2, w[:6].view(3, 2), wm.view(2, 16, 64), wm[:16].reshape(2, 64, 8)), "
+        "m.moe_swiglu_experts_ref(x.double(), i2, w[:6].view(3, 2).double(), wm.view(2, 16, 64).double(), "
+        "wm[:16].reshape(2, 64, 8).double())"
+    ),
 }
 _ALONE_SCRIPT = """
 import importlib, json, sys
@@ -99,6 +104,7 @@ ang = torch.randn(3, 64, generator=g).to(dev)
 c, s = ang.cos(), ang.sin()
 q = torch.randn(1, 3, 2, 64, generator=g).to(dev)
 wm = torch.randn(32, 64, generator=g).to(dev)
+i2 = torch.tensor([[0, 1], [1, 0], [1, 1]], device=dev)
 if sys.argv[1] == "skinny_gemm":
     x, wm = x.bfloat16(), wm.bfloat16()
 

@@ -125,18 +125,209 @@ def test_injection_serves_decode_and_steps_aside(family, gen):
 
 
 def test_injection_leaves_experts_that_compute_something_else(gen):
-    """Experts whose forward ignores the routing weights keep their _apply_gate kernel but not the decode path:
-    the probe of what the forward computes finds the difference."""
+    """Experts whose forward ignores the routing weights, or clamps large outputs, keep their _apply_gate kernel but
+    not the decode path: the probe of what the forward computes (at small and large scales) finds the difference."""
+    import transformers_injection as ti
+
+    cls = type(_experts(_tiny("mixtral", gen))[0])
+    for name, fwd in (
+        ("UnweightedExperts", lambda self, h, i, w: cls.forward(self, h, i, w * 0 + 1)),
+        ("ClampedOutputExperts", lambda self, h, i, w: cls.forward(self, h, i, w).clamp(-1e3, 1e3)),  # large only
+    ):
+        model = _tiny("mixtral", gen)
+        for m in _experts(model):
+            m.__class__ = type(name, (cls,), {"forward": fwd})
+        ex = _experts(model)[0]
+        ti.inject_optimized_kernels(model, verbose=False)
+        assert "_apply_gate" in ex.__dict__ and "forward" not in ex.__dict__, name
+        reason = ti._probe("experts_decode", ex, lambda m: ti._experts_decode_probe(m, "act_fn", True), extra=(name,))
+        assert "another function" in reason, name
+        ti.remove_optimized_kernels(model, verbose=False)
+
+
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.float16])
+def test_rounds_where_transformers_rounds(w_dtype, gate_first, gen):
+    """fp16 (the interpreter rounds fp16 as a GPU does): the kernel's result is the float64 reference rounded at
+    the same points (the GEMM outputs, silu(g) * u once, w * y where torch's promotion gives fp16, the sum once)
+    in almost every element; a rounding point left out or added moves a large share of them by an ulp."""
+    x, idx, w, gate_up, down = _case(4, 8, 2, 256, 96, torch.float16, gen, w_dtype=w_dtype)
+    out = me.moe_swiglu_experts(x, idx, w, gate_up, down, gate_first=gate_first)
+    ref = me.moe_swiglu_experts_ref(
+        x.double(), idx.cpu(), w.cpu(), gate_up.double(), down.double(), gate_first, dtype=torch.float16
+    )
+    same = float((out.cpu() == ref).double().mean())
+    assert same >= 0.97, f"{same:.3f} of the elements equal the reference's roundings (seed {gen.seed_value})"
+
+
+def test_out_of_range_ids_read_no_neighbouring_memory(gen):
+    """The weights as views into larger buffers whose neighbouring experts hold NaN: an id of E (or -1) must read
+    none of them (it contributes 0; a NaN read by either kernel reaches the output, 0 * NaN being NaN)."""
+    x, idx, w, gate_up, down = _case(1, 4, 2, 32, 16, torch.float32, gen)
+    nan = float("nan")
+    big_gu, big_dn = torch.full((6, 32, 32), nan, device=DEVICE), torch.full((6, 32, 16), nan, device=DEVICE)
+    big_gu[1:5], big_dn[1:5] = gate_up, down
+    gu, dn = big_gu[1:5], big_dn[1:5]  # experts 0..3; -1 and 4 would be the NaN ones
+    want = me.moe_swiglu_experts(x, idx[:, :1], w[:, :1], gu, dn)
+    for bad in (4, -1):
+        ids = idx.clone()
+        ids[0, 1] = bad
+        assert torch.equal(me.moe_swiglu_experts(x, ids, w, gu, dn), want), bad
+
+
+# ---- what the injection's decode path steps aside for, and the modules it must not take ------------------------
+def _injected_mixtral(gen, **cfg):
+    import transformers_families as tf
+    import transformers_injection as ti
+
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
+    model = tf.build(tf.tiny_config("mixtral", **cfg), device=DEVICE, dtype=torch.float32, seed=seed)
+    ex = _experts(model)[0]
+    n_exp, _, h = ex.gate_up_proj.shape
+    args = (
+        randn((1, h), torch.float32, gen),
+        torch.tensor([[0, n_exp - 1]], device=DEVICE),
+        torch.rand(1, 2, device=DEVICE),
+    )
+    with torch.no_grad():
+        ref = ex(*args)
+    ti.inject_optimized_kernels(model, verbose=False)
+    return ti, model, ex, args, ref
+
+
+def _calls(ti, fn):
+    with ti.count_kernel_calls() as calls:
+        out = fn()
+    return out, calls["moe_swiglu_experts"]
+
+
+def test_decode_path_steps_aside(gen):
+    ti, model, ex, args, ref = _injected_mixtral(gen)
+    with torch.no_grad():
+        assert _calls(ti, lambda: ex(*args))[1] == 1
+        ex._is_expert_parallel = True
+        out, n = _calls(ti, lambda: ex(*args))
+        assert n == 0 and torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+        ex._is_expert_parallel = False
+        with pytest.raises(TypeError):  # an argument the module does not take: its own forward says so
+            ex(*args, 1.0)
+    ex.gate_up_proj.requires_grad_(True)
+    with torch.enable_grad():  # trainable weights in grad mode: no backward in the kernels
+        out, n = _calls(ti, lambda: ex(*args))
+        assert n == 0 and out.requires_grad and torch.allclose(out.detach(), ref, rtol=1e-5, atol=1e-6)
+    ex.gate_up_proj.requires_grad_(False)
+
+    class Wrapped(torch.Tensor):  # a tensor subclass (quantised or distributed weights): no raw pointer to read
+        pass
+
+    gu = ex.gate_up_proj
+    ex.gate_up_proj = torch.nn.Parameter(gu.detach().as_subclass(Wrapped), requires_grad=False)
+    with torch.no_grad():
+        assert _calls(ti, lambda: ex(*args))[1] == 0
+    ex.gate_up_proj = gu
+    ti.remove_optimized_kernels(model, verbose=False)
+
+
+def test_decode_path_follows_what_changes_after_injection(gen):
+    """The experts implementation switched to another function, or an instance _apply_gate set, after injection:
+    the module's own forward runs (the probe's finding no longer holds)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ti, model, ex, args, ref = _injected_mixtral(gen)
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    ALL_EXPERTS_FUNCTIONS["doubled_mm_test"] = lambda self, *a: 2 * grouped(self, *a)  # (this interface only)
+    try:
+        model.config._experts_implementation = "doubled_mm_test"
+        with torch.no_grad():
+            out, n = _calls(ti, lambda: ex(*args))
+        assert n == 0 and torch.allclose(out, 2 * ref, rtol=1e-5, atol=1e-6)
+        model.config._experts_implementation = "grouped_mm"
+        stock_gate = type(ex)._apply_gate
+        ex._apply_gate = lambda y: stock_gate(ex, y.clamp(-0.01, 0.01))
+        with torch.no_grad():
+            assert _calls(ti, lambda: ex(*args))[1] == 0
+        del ex._apply_gate
+    finally:
+        model.config._experts_implementation = "grouped_mm"
+        del ALL_EXPERTS_FUNCTIONS["doubled_mm_test"]
+    ti.remove_optimized_kernels(model, verbose=False)
+    # injected while the doubling implementation is configured: the probe sees another function
+    ALL_EXPERTS_FUNCTIONS["doubled_mm_test"] = lambda self, *a: 2 * grouped(self, *a)
+    try:
+        model.config._experts_implementation = "doubled_mm_test"
+        ti.inject_optimized_kernels(model, verbose=False)
+        assert "forward" not in ex.__dict__ and "_apply_gate" in ex.__dict__
+        ti.remove_optimized_kernels(model, verbose=False)
+    finally:
+        model.config._experts_implementation = "grouped_mm"
+        del ALL_EXPERTS_FUNCTIONS["doubled_mm_test"]
+
+
+def test_gate_second_experts_and_clamped_swiglu(gen):
+    """Experts whose _apply_gate takes [up | gate] run the kernels with gate_first=False (the stock output to fp32
+    rounding); experts that clamp the gate at 30 (as some MoE models do) are no SwiGLU site at all."""
     import transformers_injection as ti
 
     model = _tiny("mixtral", gen)
-    ex = _experts(model)[0]
-    cls = type(ex)
-    odd = type("UnweightedExperts", (cls,), {"forward": lambda self, h, i, w: cls.forward(self, h, i, w * 0 + 1)})
-    for m in _experts(model):
-        m.__class__ = odd
-    ti.inject_optimized_kernels(model, verbose=False)
-    assert "_apply_gate" in ex.__dict__ and "forward" not in ex.__dict__
-    reason = ti._probe("experts_decode", ex, lambda m: ti._experts_decode_probe(m, "act_fn", True), extra=("t",))
-    assert "another function" in reason
+    cls = type(_experts(model)[0])
+
+    def up_first(self, y):
+        up, gate = y.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def clamped(self, y):
+        gate, up = y.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=30.0)) * up.clamp(-30.0, 30.0)
+
+    for name, gate_fn, patched in (("UpFirstExperts", up_first, True), ("ClampedExperts", clamped, False)):
+        m = _tiny("mixtral", gen)
+        for ex in _experts(m):
+            ex.__class__ = type(name, (cls,), {"_apply_gate": gate_fn})
+        ex = _experts(m)[0]
+        n_exp, _, h = ex.gate_up_proj.shape
+        args = (
+            randn((1, h), torch.float32, gen, scale=50.0),
+            torch.tensor([[1, 2]], device=DEVICE),
+            torch.rand(1, 2, device=DEVICE),
+        )
+        with torch.no_grad():
+            ref = ex(*args)
+        ti.inject_optimized_kernels(m, verbose=False)
+        assert ("forward" in ex.__dict__) == patched and ("_apply_gate" in ex.__dict__) == patched, name
+        with torch.no_grad():
+            out, n = _calls(ti, lambda: ex(*args))
+        assert n == int(patched) and torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
+        many = (args[0].expand(n_exp, h), args[1].expand(n_exp, 2), args[2].expand(n_exp, 2))  # prefill-sized
+        with torch.no_grad(), ti.count_kernel_calls() as calls:
+            out = ex(*many)
+        assert calls["swiglu"] == int(patched) and calls["moe_swiglu_experts"] == 0, name  # the _apply_gate kernel
+        assert torch.allclose(out, ref.expand(n_exp, h), rtol=1e-5, atol=1e-5 * float(ref.abs().max())), name
+        ti.remove_optimized_kernels(m, verbose=False)
+
+
+def test_removal_with_a_hook_added_after_injection(gen):
+    """accelerate moves the forward to _old_forward when it hooks a module (dispatch, offload): removal puts the
+    class's forward there, and the module computes as stock with and without the hook."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    ti, model, ex, args, ref = _injected_mixtral(gen)
+    add_hook_to_module(ex, ModelHook())
+    with torch.no_grad():
+        assert _calls(ti, lambda: ex(*args))[1] == 1
+        ti.remove_optimized_kernels(model, verbose=False)
+        out, n = _calls(ti, lambda: ex(*args))
+        assert n == 0 and torch.equal(out, ref)
+        remove_hook_from_module(ex)
+        assert getattr(ex.forward, "__func__", None) is type(ex).forward and torch.equal(ex(*args), ref)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_traces_transformers_path(gen):
+    """Under torch.compile the experts module's own forward is traced (the kernels are no registered ops): one
+    decode-sized step compiles, with fullgraph, and computes the stock result."""
+    ti, model, ex, args, ref = _injected_mixtral(gen)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, n = _calls(ti, lambda: torch.compile(ex, backend="aot_eager", fullgraph=True)(*args))
+    assert n == 0 and torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     ti.remove_optimized_kernels(model, verbose=False)
