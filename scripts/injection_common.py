@@ -15,6 +15,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import logging
 import os
 import shlex
 import sys
@@ -761,9 +762,11 @@ def cpu_fallback_note(pipe_or_model, counts: dict) -> str:
 
 
 def report(logger, msg: str, verbose: bool, *, warning: bool = False) -> None:
-    """Log msg (INFO, or WARNING where warning) and, if verbose, print it to stderr."""
+    """Log msg (INFO, or WARNING where warning) and, if verbose, print it to stderr: once, where logging is not
+    configured and Python's last-resort handler already prints the warning there."""
     (logger.warning if warning else logger.info)(msg)
-    if verbose:
+    printed = warning and logging.lastResort is not None and not logger.hasHandlers() and logger.isEnabledFor(30)
+    if verbose and not printed:
         print(msg, file=sys.stderr)
 
 

@@ -441,6 +441,12 @@ def _experts_structure(m) -> Optional[str]:
     return kids[0][0]
 
 
+def _experts_like(m) -> bool:
+    """m holds MoE experts as transformers builds them: its class has _apply_gate and m a 3-d gate_up_proj."""
+    w = getattr(m, "gate_up_proj", None)
+    return callable(getattr(type(m), "_apply_gate", None)) and isinstance(w, torch.Tensor) and w.dim() == 3
+
+
 def _experts_probe(m):
     """{'act': name, 'gate_first': bool} if type(m)._apply_gate(y) computes act(gate) * up of y's two
     halves (float64, a probe nonlinearity as the activation); else the reason."""
@@ -1325,6 +1331,8 @@ def _site_kind(m) -> Optional[str]:
     if _norm_structure(m):
         return "rmsnorm"
     kind, _ = _experts_plan(m)
+    if kind is None and _experts_like(m):  # experts without a SiLU activation module: a site the kernels skip
+        return "moe_swiglu"
     if kind is None:
         kind, _ = _mlp_plan(m)
     if kind is not None:
@@ -1345,6 +1353,12 @@ def _why_not(m, kind: str) -> Optional[str]:
     elif kind in ("swiglu", "geglu"):
         plan = _mlp_plan(m)[1]
     elif kind == "moe_swiglu":
+        if _experts_plan(m)[0] is None:
+            act = _experts_structure(m)
+            what = (
+                f"a {type(getattr(m, act)).__name__} activation" if act else "no activation module (a gate of its own)"
+            )
+            return f"{type(m).__name__}: experts whose _apply_gate has {what}, not SiLU's act(gate) * up"
         plan = _experts_plan(m)[1]
         if _recognised(plan) and "_apply_gate" in m.__dict__:
             return f"{type(m).__name__} with its own instance _apply_gate"
@@ -1474,8 +1488,30 @@ def _experts_notes(model) -> str:
                 impls[impl] += 1
     return "; ".join(
         f"{n} experts modules run experts_implementation={impl!r}, which does not call _apply_gate: their SwiGLU "
-        "stays PyTorch's until the implementation is grouped_mm, batched_mm or deepgemm"
+        "stays PyTorch's beyond decode-sized calls until the implementation is grouped_mm, batched_mm or deepgemm"
         for impl, n in impls.items()
+    )
+
+
+def _rope_branch_note(model) -> str:
+    """A note naming the attention classes with a replaced RoPE site whose forward can also call another rotary
+    function (DeepSeek-V3's apply_rotary_pos_emb_interleave, picked by its config): the count says the site was
+    patched, not that the kernel runs (count_kernel_calls() says that)."""
+    found = {}
+    for m in _modules(model):
+        st = m.__dict__.get(_STATE)
+        if st is None or st["kind"] != "rope":
+            continue
+        code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
+        other = sorted(
+            n for n in getattr(code, "co_names", ()) if n != _ROPE_NAME and "rotary" in n.lower() and "emb" in n.lower()
+        )
+        if other:
+            found[type(m).__name__] = other
+    return "; ".join(
+        f"{cls}.forward can call {', '.join(names)} instead of {_ROPE_NAME} (a branch its config picks): its RoPE "
+        "runs the kernel only where the latter is called; ti.count_kernel_calls() shows what ran"
+        for cls, names in found.items()
     )
 
 
@@ -1533,7 +1569,13 @@ def inject_optimized_kernels(
             new,
             none_found=none_found,
             skipped=skipped,
-            notes=[gap_note, _experts_notes(model), warning, ic.cpu_fallback_note(model, new)],
+            notes=[
+                gap_note,
+                _experts_notes(model),
+                _rope_branch_note(model),
+                warning,
+                ic.cpu_fallback_note(model, new),
+            ],
         ),
         verbose,
         warning=bool(missing),

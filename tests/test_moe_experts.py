@@ -331,3 +331,59 @@ def test_compiled_decode_step_traces_transformers_path(gen):
         out, n = _calls(ti, lambda: torch.compile(ex, backend="aot_eager", fullgraph=True)(*args))
     assert n == 0 and torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     ti.remove_optimized_kernels(model, verbose=False)
+
+
+def test_deepseek_v3_rope_branch_is_named_in_the_log(caplog):
+    """DeepSeek-V3's attention calls apply_rotary_pos_emb_interleave where its config asks (the default): the RoPE
+    site counts as patched, but the log says the kernel runs only on the other branch. Its MoE runs the decode
+    path and the whole model matches stock."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    import transformers_injection as ti
+
+    cfg = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=160, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).eval().to(DEVICE)
+    ids = torch.randint(0, 256, (1, 6), device=DEVICE)
+    with torch.no_grad():
+        ref = model(ids).logits
+    with caplog.at_level("INFO", logger="transformers_injection"):
+        counts = ti.inject_optimized_kernels(model, verbose=False)
+    assert counts["rope"] == 2 and "can call apply_rotary_pos_emb_interleave instead" in caplog.text
+    with torch.no_grad(), ti.count_kernel_calls() as calls:
+        model(ids[:, :1])
+    assert calls["moe_swiglu_experts"] == 1 and calls["rope_rotate_half"] == 0  # layer 1's experts; interleaved RoPE
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    ti.remove_optimized_kernels(model, verbose=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def test_experts_with_a_gate_of_their_own_are_named_and_left_alone():
+    """GPT-OSS's experts compute a clamped, interleaved gate in _apply_gate, with no activation module: a MoE site
+    the kernels skip, named in the log's reasons (missing_kinds), the model's outputs unchanged."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    import transformers_injection as ti
+
+    cfg = GptOssConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(cfg).eval().to(DEVICE)
+    ids = torch.randint(0, 256, (1, 6), device=DEVICE)
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert ti.inject_optimized_kernels(model, verbose=False)["moe_swiglu"] == 0
+    assert "GptOssExperts: experts whose _apply_gate has no activation module" in ti.missing_kinds(model)["moe_swiglu"]
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    ti.remove_optimized_kernels(model, verbose=False)
