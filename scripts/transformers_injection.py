@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dis
 import importlib
 import inspect
 import itertools
@@ -227,16 +228,6 @@ def _stand_in(m, **members):
     return obj
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype=torch.float32):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
-
-
 def _probe(name: str, m, run, extra=()):
     """run(m) once per (name, class of m, plain settings of m, extra); its result is cached. A forward that
     raises on the stand-in is not recognised (the reason names the exception)."""
@@ -248,8 +239,9 @@ def _probe(name: str, m, run, extra=()):
         result = _PROBES.get(key, _MISSING)
         if result is _MISSING:
             try:
-                # whatever device, autocast and default dtype the caller is in: the probes compute as written
-                with torch.no_grad(), torch.device("cpu"), torch.autocast("cpu", enabled=False), _default_dtype():
+                # whatever device and autocast (thread-local) the caller is in: the probes compute as written (they
+                # give their tensors' dtypes: the default dtype is process-wide, not theirs to set)
+                with torch.no_grad(), torch.device("cpu"), torch.autocast("cpu", enabled=False):
                     result = run(m)
             except Exception as e:  # the forward does not run on the stand-in: not what the kernel replaces
                 result = f"{type(m).__name__}.forward did not run on probe inputs ({type(e).__name__}: {e})"
@@ -477,13 +469,14 @@ def _experts_decode_probe(m, act_name: str, gate_first: bool):
     g = torch.Generator().manual_seed(5)
     private = {k: v for k, v in m.__dict__.items() if type(v) in _PLAIN and k.startswith("_")}  # _is_expert_parallel
     dims = {k: v for k, v in (("hidden_dim", h), ("intermediate_dim", i)) if k in m.__dict__}
-    gate_up = torch.nn.Parameter(torch.randn(n_exp, 2 * i, h, generator=g), requires_grad=False)
-    down = torch.nn.Parameter(torch.randn(n_exp, h, i, generator=g) / 3, requires_grad=False)
+    gate_up = torch.nn.Parameter(torch.randn(n_exp, 2 * i, h, generator=g, dtype=torch.float32), requires_grad=False)
+    down = torch.nn.Parameter(torch.randn(n_exp, h, i, generator=g, dtype=torch.float32) / 3, requires_grad=False)
     probe = _stand_in(m, gate_up_proj=gate_up, down_proj=down, config=getattr(m, "config", None), **private, **dims,
                       **{act_name: getattr(m, act_name)})  # fmt: skip
-    x = torch.randn(3, h, generator=g) * torch.tensor([[0.1], [3.0], [100.0]])  # gate / up up to ~1e3 (clamps)
+    scale = torch.tensor([[0.1], [3.0], [100.0]], dtype=torch.float32)  # gate / up up to ~1e3 (clamps show)
+    x = torch.randn(3, h, generator=g, dtype=torch.float32) * scale
     idx = torch.tensor([[0, n_exp - 1], [n_exp - 1, n_exp // 2], [n_exp // 2, 0]])
-    w = torch.rand(3, 2, generator=g)
+    w = torch.rand(3, 2, generator=g, dtype=torch.float32)
     got = probe(x, idx, w)
     ref = moe_experts.moe_swiglu_experts_ref(x, idx, w, gate_up, down, gate_first)
     ok = isinstance(got, torch.Tensor) and got.shape == ref.shape and got.dtype == ref.dtype
@@ -840,7 +833,7 @@ def _patch_gate(module: torch.nn.Module, plan: dict) -> bool:
         extra=(plan["act"], plan["gate_first"], impl if type(impl) in _PLAIN else "?", impl_fn),
     )  # fmt: skip
     if _recognised(decode) and "forward" not in module.__dict__ and type(impl) in _PLAIN:
-        st.update(impl=impl, impl_fn=impl_fn)
+        st.update(impl=impl, impl_fn_id=id(impl_fn))  # (an id: the state pickles with the model)
         st["forward_slot"] = module.__dict__["forward"] = ic.BoundForward(_experts_forward, module)
     return True
 
@@ -1021,7 +1014,7 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **k
         and not getattr(self, "_is_expert_parallel", False)
         and self.__dict__.get("_apply_gate") is st["gate_slot"]
         and getattr(getattr(self, "config", None), "_experts_implementation", None) == st["impl"]
-        and _experts_function(st["impl"]) is st["impl_fn"]
+        and id(_experts_function(st["impl"])) == st["impl_fn_id"]
         and _act_ok(self, st)
         and _usable(x, w, gu, dn)
     ):
@@ -1354,11 +1347,14 @@ def _why_not(m, kind: str) -> Optional[str]:
         plan = _mlp_plan(m)[1]
     elif kind == "moe_swiglu":
         if _experts_plan(m)[0] is None:
-            act = _experts_structure(m)
-            what = (
-                f"a {type(getattr(m, act)).__name__} activation" if act else "no activation module (a gate of its own)"
-            )
-            return f"{type(m).__name__}: experts whose _apply_gate has {what}, not SiLU's act(gate) * up"
+            act, kids = _experts_structure(m), [name for name, _ in m.named_children()]
+            if act is not None:
+                what = f"activation {type(getattr(m, act)).__name__}, not SiLU"
+            elif kids:
+                what = f"modules {', '.join(kids)} besides or instead of one parameter-free activation"
+            else:
+                what = "no activation module (a gate of its own)"
+            return f"{type(m).__name__}: experts with {what}: not the act(gate) * up the kernels compute"
         plan = _experts_plan(m)[1]
         if _recognised(plan) and "_apply_gate" in m.__dict__:
             return f"{type(m).__name__} with its own instance _apply_gate"
@@ -1503,9 +1499,8 @@ def _rope_branch_note(model) -> str:
         if st is None or st["kind"] != "rope":
             continue
         code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
-        other = sorted(
-            n for n in getattr(code, "co_names", ()) if n != _ROPE_NAME and "rotary" in n.lower() and "emb" in n.lower()
-        )
+        names = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"} if code else set()
+        other = sorted(n for n in names if n != _ROPE_NAME and "rotary" in n.lower() and "emb" in n.lower())
         if other:
             found[type(m).__name__] = other
     return "; ".join(

@@ -383,7 +383,50 @@ def test_experts_with_a_gate_of_their_own_are_named_and_left_alone():
     with torch.no_grad():
         ref = model(ids).logits
     assert ti.inject_optimized_kernels(model, verbose=False)["moe_swiglu"] == 0
-    assert "GptOssExperts: experts whose _apply_gate has no activation module" in ti.missing_kinds(model)["moe_swiglu"]
+    assert "GptOssExperts: experts with no activation module" in ti.missing_kinds(model)["moe_swiglu"]
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    ti.remove_optimized_kernels(model, verbose=False)
+
+
+@pytest.mark.parametrize("context", ["autocast", "float64_default"])
+def test_decode_probe_ignores_the_callers_context(gen, monkeypatch, context):
+    """Injected under CPU autocast or with float64 as the default dtype, the decode path is still found (the probe
+    gives its own dtypes and turns autocast off); the default dtype is the caller's again afterwards."""
+    import contextlib
+
+    import transformers_injection as ti
+
+    monkeypatch.setattr(ti, "_PROBES", {})  # no result cached by an earlier test
+    model = _tiny("mixtral", gen)
+    ex = _experts(model)[0]
+    saved = torch.get_default_dtype()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if context == "autocast" else contextlib.nullcontext()
+    if context == "float64_default":
+        torch.set_default_dtype(torch.float64)
+    try:
+        with ctx:
+            ti.inject_optimized_kernels(model, verbose=False)
+        assert torch.get_default_dtype() == (torch.float64 if context == "float64_default" else saved)
+    finally:
+        torch.set_default_dtype(saved)
+    assert getattr(ex.__dict__.get("forward"), "__func__", None) is ti._experts_forward
+    ti.remove_optimized_kernels(model, verbose=False)
+
+
+def test_decode_path_follows_a_remapped_implementation(gen):
+    """The same implementation name mapped to another function after injection: the module's own forward runs."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ti, model, ex, args, ref = _injected_mixtral(gen)
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    ALL_EXPERTS_FUNCTIONS["grouped_mm"] = lambda self, *a: 2 * grouped(self, *a)  # this interface's own mapping
+    try:
+        with torch.no_grad():
+            out, n = _calls(ti, lambda: ex(*args))
+        assert n == 0 and torch.allclose(out, 2 * ref, rtol=1e-5, atol=1e-6)
+    finally:
+        del ALL_EXPERTS_FUNCTIONS["grouped_mm"]  # the global mapping's grouped_mm again
+    with torch.no_grad():
+        assert _calls(ti, lambda: ex(*args))[1] == 1
     ti.remove_optimized_kernels(model, verbose=False)
