@@ -333,6 +333,19 @@ def test_compiled_decode_step_traces_transformers_path(gen):
     ti.remove_optimized_kernels(model, verbose=False)
 
 
+def _stock_logits(model_cls, cfg):
+    """A tiny random model of model_cls on the test device, 6 token ids, and its stock logits for them."""
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval().to(DEVICE)
+    ids = torch.randint(0, 256, (1, 6), device=DEVICE)
+    with torch.no_grad():
+        return model, ids, model(ids).logits
+
+
+def _close_to(out, ref):
+    return torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
 def test_deepseek_v3_rope_branch_is_named_in_the_log(caplog):
     """DeepSeek-V3's attention calls apply_rotary_pos_emb_interleave where its config asks (the default): the RoPE
     site counts as patched, but the log says the kernel runs only on the other branch. Its MoE runs the decode
@@ -347,11 +360,7 @@ def test_deepseek_v3_rope_branch_is_named_in_the_log(caplog):
         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
         qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg).eval().to(DEVICE)
-    ids = torch.randint(0, 256, (1, 6), device=DEVICE)
-    with torch.no_grad():
-        ref = model(ids).logits
+    model, ids, ref = _stock_logits(DeepseekV3ForCausalLM, cfg)
     with caplog.at_level("INFO", logger="transformers_injection"):
         counts = ti.inject_optimized_kernels(model, verbose=False)
     assert counts["rope"] == 2 and "can call apply_rotary_pos_emb_interleave instead" in caplog.text
@@ -359,7 +368,7 @@ def test_deepseek_v3_rope_branch_is_named_in_the_log(caplog):
         model(ids[:, :1])
     assert calls["moe_swiglu_experts"] == 1 and calls["rope_rotate_half"] == 0  # layer 1's experts; interleaved RoPE
     with torch.no_grad():
-        assert torch.allclose(model(ids).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        assert _close_to(model(ids).logits, ref)
     ti.remove_optimized_kernels(model, verbose=False)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
@@ -377,15 +386,11 @@ def test_experts_with_a_gate_of_their_own_are_named_and_left_alone():
         head_dim=16, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = GptOssForCausalLM(cfg).eval().to(DEVICE)
-    ids = torch.randint(0, 256, (1, 6), device=DEVICE)
-    with torch.no_grad():
-        ref = model(ids).logits
+    model, ids, ref = _stock_logits(GptOssForCausalLM, cfg)
     assert ti.inject_optimized_kernels(model, verbose=False)["moe_swiglu"] == 0
     assert "GptOssExperts: experts with no activation module" in ti.missing_kinds(model)["moe_swiglu"]
     with torch.no_grad():
-        assert torch.allclose(model(ids).logits, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        assert _close_to(model(ids).logits, ref)
     ti.remove_optimized_kernels(model, verbose=False)
 
 
