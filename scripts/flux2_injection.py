@@ -139,7 +139,7 @@ def _plain_silu(act) -> bool:
 
 def _swiglu_forward(self, x):
     """Flux2SwiGLU: silu(x[..., :half]) * x[..., half:] in one kernel (fp32 math, one rounding)."""
-    if _plain_silu(self.gate_fn) and _swiglu_takes(x):
+    if _plain_silu(self.gate_fn) and _swiglu_takes(x) and not ic.stock_under_compile(self):
         return activations.swiglu(x, gate_first=True)
     return gi.original(self)(x)
 
@@ -175,7 +175,7 @@ def _double_block_forward(
     """Flux2TransformerBlock.forward with norm + modulation and gated residual + norm + modulation fused."""
     img, txt = _mods(temb_mod_img, 2), _mods(temb_mod_txt, 2)
     inputs = (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb)
-    if img is None or txt is None or ic.needs_autograd(self, *inputs):
+    if img is None or txt is None or ic.stock_under_compile(self) or ic.needs_autograd(self, *inputs):
         return gi.original(self)(*inputs, joint_attention_kwargs)
     (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = img
     (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = txt
@@ -217,7 +217,7 @@ def _single_block_forward(
     """Flux2SingleTransformerBlock.forward with norm + modulation and the gated residual as one kernel each."""
     mods = _mods(temb_mod, 1)
     inputs = (hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb)
-    if mods is None or ic.needs_autograd(self, *inputs):
+    if mods is None or ic.stock_under_compile(self) or ic.needs_autograd(self, *inputs):
         return gi.original(self)(*inputs, joint_attention_kwargs, split_hidden_states, text_seq_len)
     if encoder_hidden_states is not None:
         text_seq_len = encoder_hidden_states.shape[1]
@@ -247,6 +247,9 @@ class Flux2FusedAttnProcessor:
     _parallel_config = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        stock = ic.stock_processor(attn, self)  # (under torch.compile in a marked model: ic.STOCK_UNDER_COMPILE)
+        if stock is not None:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         query, key, value, encoder_query, encoder_key, encoder_value = mi._flux_projections(
             attn, hidden_states, encoder_hidden_states
         )
@@ -283,6 +286,9 @@ class Flux2FusedParallelSelfAttnProcessor:
     _parallel_config = None
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        stock = ic.stock_processor(attn, self)
+        if stock is not None:
+            return stock(attn, hidden_states, attention_mask, image_rotary_emb)
         hidden_states = ic.call(attn.to_qkv_mlp_proj, hidden_states)
         # split by the global QKV : MLP ratio, as diffusers does (the same code with column-sharded projections)
         qkv_dim = 3 * attn.inner_dim
@@ -373,8 +379,8 @@ def _inject_module(m, skipped: list) -> None:
 
 def inject_flux2_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
     """Inject the generic layer, then the FLUX.2 fusions (module docstring), into every Flux2Transformer2DModel
-    of pipe_or_model. Returns the counts per kind after the call; a second call wraps nothing twice. Inject
-    before torch.compile (the kernels are torch.library ops, so compile traces them)."""
+    of pipe_or_model. Returns the counts per kind after the call; a second call wraps nothing twice. The models
+    are marked stock under torch.compile (ic.STOCK_UNDER_COMPILE): compiled, they are the stock model."""
     gi._torch_rms_rounding()  # torch.nn.RMSNorm's rounding, probed now (not inside a traced forward)
     models, skipped = find_flux2_models(pipe_or_model), []
     before = flux2_injected_counts(pipe_or_model)
@@ -382,6 +388,7 @@ def inject_flux2_kernels(pipe_or_model, *, verbose: bool = True) -> dict:
         gi.inject_generic_kernels(model, verbose=False, skipped=skipped)
         for m in model.modules():
             _inject_module(m, skipped)
+        gi.mark_stock_under_compile([model])  # Inductor's own fusions are faster here (ic.STOCK_UNDER_COMPILE)
     counts = flux2_injected_counts(pipe_or_model)
     new = {k: counts[k] - before[k] for k in KINDS}
     none_found = "" if models else "no FLUX.2 transformer found"

@@ -84,6 +84,7 @@ import rope  # noqa: E402
 
 __all__ = [
     "inject_generic_kernels",
+    "mark_stock_under_compile",
     "remove_generic_kernels",
     "generic_injected_counts",
     "KINDS",
@@ -265,6 +266,8 @@ def _diffusers_rmsnorm_forward(self, hidden_states):
     fp32 and the result is fp32 (torch's type promotion in the original); a bias is added after, as
     diffusers adds it (in the result's dtype). A weight of another shape than [D] (RMSNorm((3, D)) broadcasts
     a [3, D] one) goes to the original."""
+    if ic.stock_under_compile(self):
+        return original(self)(hidden_states)
     w, b = self.weight, self.bias
     if not _usable(hidden_states, w, b) or (b is not None and (w is None or b.dtype != w.dtype)):
         return original(self)(hidden_states)
@@ -284,6 +287,8 @@ def _diffusers_rmsnorm_forward(self, hidden_states):
 def _torch_rmsnorm_forward(self, x):
     """torch.nn.RMSNorm over one trailing dim, weight in the input's dtype (else the original: also for rows of
     another size, which torch refuses)."""
+    if ic.stock_under_compile(self):
+        return original(self)(x)
     w = self.weight
     if tuple(self.normalized_shape) != x.shape[-1:] or not _usable(x, w) or (w is not None and w.dtype != x.dtype):
         return original(self)(x)
@@ -293,6 +298,8 @@ def _torch_rmsnorm_forward(self, x):
 def _layernorm_forward(self, x):
     """torch.nn.LayerNorm / diffusers FP32LayerNorm over one trailing dim: fp32 math, one rounding. Rows the
     kernel does not read in place go to the original (torch's layer norm copies them itself)."""
+    if ic.stock_under_compile(self):
+        return original(self)(x)
     args = _ln_params(self, x)
     if args is None or x.dim() == 0 or not _rows_ok(x) or not _usable(x, args[0], args[1]):
         return original(self)(x)
@@ -377,12 +384,16 @@ def adaln_zero_apply(norm, x, emb, y=None, gate=None):
 
 
 def _adaln_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+    if ic.stock_under_compile(self):
+        return original(self)(x, timestep=timestep, class_labels=class_labels, hidden_dtype=hidden_dtype, emb=emb)
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
     return adaln_zero_apply(self, x, emb)[1]
 
 
 def _adaln_zero_single_forward(self, x, emb=None):
+    if ic.stock_under_compile(self):
+        return original(self)(x, emb=emb)
     shift_msa, scale_msa, gate_msa = self.linear(self.silu(emb)).chunk(3, dim=1)
     return norm_modulate(self.norm, x, scale_msa, shift_msa), gate_msa
 
@@ -408,11 +419,15 @@ def adaln_zero_x_apply(norm, x, emb, y=None, gate=None):
 
 
 def _adaln_zero_x_forward(self, hidden_states, emb=None):
+    if ic.stock_under_compile(self):
+        return original(self)(hidden_states, emb=emb)
     return adaln_zero_x_apply(self, hidden_states, emb)[1]
 
 
 def adaln_continuous_forward(self, x, conditioning_embedding):
     """AdaLayerNormContinuous.forward (chunk order: scale, then shift; a LayerNorm or an RMSNorm inside)."""
+    if ic.stock_under_compile(self):
+        return original(self)(x, conditioning_embedding)
     emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
     return norm_modulate(self.norm, x, scale, shift)
@@ -420,6 +435,8 @@ def adaln_continuous_forward(self, x, conditioning_embedding):
 
 def _cogvideox_norm_zero_forward(self, hidden_states, encoder_hidden_states, temb):
     """CogVideoXLayerNormZero: one projection, the LayerNorm + modulation of both streams (one kernel each)."""
+    if ic.stock_under_compile(self):
+        return original(self)(hidden_states, encoder_hidden_states, temb)
     shift, scale, gate, enc_shift, enc_scale, enc_gate = self.linear(self.silu(temb)).chunk(6, dim=1)
     hidden_states = norm_modulate(self.norm, hidden_states, scale, shift)
     encoder_hidden_states = norm_modulate(self.norm, encoder_hidden_states, enc_scale, enc_shift)
@@ -428,6 +445,8 @@ def _cogvideox_norm_zero_forward(self, hidden_states, encoder_hidden_states, tem
 
 def _lumina_rmsnorm_zero_forward(self, x, emb=None):
     """LuminaRMSNormZero: RMSNorm * (1 + scale_msa), no shift, in one kernel."""
+    if ic.stock_under_compile(self):
+        return original(self)(x, emb=emb)
     scale_msa, gate_msa, scale_mlp, gate_mlp = self.linear(self.silu(emb)).chunk(4, dim=1)
     return norm_modulate(self.norm, x, scale_msa, None), gate_msa, scale_mlp, gate_mlp
 
@@ -456,6 +475,8 @@ def _gelu_tanh_forward(self, hidden_states):
     """diffusers GELU(approximate="tanh"): the projection with the activation in its epilogue where the
     device's BLAS verifiably computes the tanh form (injection_common.linear_gelu_tanh), else the projection,
     then the kernel. A gelu method put on the instance runs as the class's forward would run it."""
+    if ic.stock_under_compile(self):
+        return original(self)(hidden_states)
     own_gelu = "gelu" in self.__dict__
     if not own_gelu:
         fused = ic.linear_gelu_tanh(hidden_states, self.proj)
@@ -525,6 +546,8 @@ def native_attention_active() -> bool:
 def _torch_gelu_tanh_forward(self, x):
     """torch.nn.GELU(approximate="tanh"): a dense input of any dim order read in place, the result in its layout
     (what torch's elementwise op returns); any other (a strided view) goes to the original."""
+    if ic.stock_under_compile(self):
+        return original(self)(x)
     out = rowwise(activations.gelu_tanh, x) if _usable(x) and x.dim() > 0 else None
     return original(self)(x) if out is None else out
 
@@ -532,7 +555,7 @@ def _torch_gelu_tanh_forward(self, x):
 def _glu_forward(self, hidden_states, *args, **kwargs):
     """diffusers GEGLU / SwiGLU: the projection, then value * act(gate) in one kernel (chunk order: value first,
     gate second). The deprecated scale argument of GEGLU and any other input go to the original forward."""
-    if args or kwargs:
+    if args or kwargs or ic.stock_under_compile(self):
         return original(self)(hidden_states, *args, **kwargs)
     h = ic.call(self.proj, hidden_states)
     geglu = isinstance(self, GEGLU)  # (a subclass of GEGLU that _is_glu took included)
@@ -560,6 +583,29 @@ _ROPE_NAME = "apply_rotary_emb"
 _DIFFUSERS_ROPE = _embeddings.apply_rotary_emb
 _ROPE_LOCK = threading.RLock()
 _ROPE_SITES: dict = {}  # model file's module name -> {"globals", "original", "dispatcher", "users": WeakSet}
+# Models marked stock under torch.compile (mark_stock_under_compile), and whether every model holding a dispatcher
+# is one of them: then the dispatcher, which cannot tell which model calls it, runs diffusers' function while
+# torch.compile traces. With an unmarked model holding one too it runs the kernels there (the same result).
+_STOCK_MODELS: "weakref.WeakSet" = weakref.WeakSet()
+_ROPE_STOCK_UNDER_COMPILE = [False]
+
+
+def _rope_stock_update() -> None:
+    users = [u for site in _ROPE_SITES.values() for u in site["users"]]
+    _ROPE_STOCK_UNDER_COMPILE[0] = bool(users) and all(u in _STOCK_MODELS for u in users)
+
+
+def mark_stock_under_compile(models) -> int:
+    """For a family whose models compile faster without the kernels (injection_common.STOCK_UNDER_COMPILE): call it
+    after injecting models. While torch.compile traces, every forward and processor the bundle patched in them
+    runs the code it replaced, and so does the RoPE dispatcher while only marked models hold it; eager calls and
+    graph mode keep the kernels. Removal drops the mark. Returns how many modules are marked."""
+    models = list(models)
+    n = ic.mark_stock_under_compile(models)
+    with _ROPE_LOCK:
+        _STOCK_MODELS.update(models)
+        _rope_stock_update()
+    return n
 
 
 def rope_tables(freqs_cis, x: torch.Tensor, sequence_dim: int, use_real: bool):
@@ -588,6 +634,8 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     """diffusers' apply_rotary_emb through the kernels where they take the call (x [B, H, S, D] or, with
     sequence_dim=1 or complex tables, [B, S, H, D], dense, fp16/bf16/fp32; the tables as rope_tables takes
     them); else diffusers' function. The dispatcher a model file gets while a model of it is injected."""
+    if _ROPE_STOCK_UNDER_COMPILE[0] and torch.compiler.is_compiling():
+        return _DIFFUSERS_ROPE(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
     if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype in ic.KERNEL_DTYPES and x.shape[-1] % 2 == 0:
         seq_dim = 1 if not use_real else sequence_dim
         if seq_dim in (1, 2) and use_real_unbind_dim in (-1, -2) and (use_real or use_real_unbind_dim == -1):
@@ -654,6 +702,7 @@ def _rope_acquire(model, name: str) -> None:
             site = _ROPE_SITES[name] = {"globals": g, "original": g[_ROPE_NAME], "users": weakref.WeakSet()}
             g[_ROPE_NAME] = apply_rotary_emb
         site["users"].add(model)
+        _rope_stock_update()
 
 
 def _rope_release(model, name: str) -> None:
@@ -666,6 +715,7 @@ def _rope_release(model, name: str) -> None:
             if site["globals"].get(_ROPE_NAME) is apply_rotary_emb:  # not if someone replaced it since
                 site["globals"][_ROPE_NAME] = site["original"]
             del _ROPE_SITES[name]
+        _rope_stock_update()
 
 
 # --------------------------------------------------------------------------------------------
@@ -834,6 +884,9 @@ def remove_family(
     )
     for model in models:
         remove_generic_kernels(model, verbose=False)
+        with _ROPE_LOCK:
+            _STOCK_MODELS.discard(model)
+            _rope_stock_update()
     ic.report(logger, ic.counts_message(f"removed {title} kernels", restored), verbose)
     return restored
 

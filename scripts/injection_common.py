@@ -195,6 +195,50 @@ def original(module: torch.nn.Module):
     return state["original"]
 
 
+# Under torch.compile, Inductor fuses some models' norms, modulations and residuals about as well as the kernels,
+# and the kernels' custom ops then cut its fusions with the GEMMs around them: compiled with the kernels, LTX-2 and
+# FLUX.2 ran 0.98x and 0.994x as fast as compiled without (H100 records, references/results-h100.md). A family
+# marks such a model (mark_stock_under_compile, after injecting): while torch.compile traces a forward or processor
+# the bundle patched in it, that forward calls the code it replaced, so Inductor compiles the stock model. Eager
+# calls and graph mode keep the kernels. Eager cost: one torch.compiler.is_compiling() call per patched forward.
+STOCK_UNDER_COMPILE = "stock_under_compile"  # an entry of a module's record (patch_forward's extra)
+
+
+def mark_stock_under_compile(models) -> int:
+    """Mark every module of models that carries a record of the bundle (its own forward patched, or its attention
+    processor swapped): under torch.compile its patched code runs the code it replaced (see above). Removing the
+    kernels drops the mark with the record. Returns how many modules are marked."""
+    n = 0
+    for m in modules_once(models):
+        state = bundle_state(m)
+        if state is not None:
+            state[STOCK_UNDER_COMPILE] = True
+            n += 1
+    return n
+
+
+def stock_under_compile(module: torch.nn.Module) -> bool:
+    """True while torch.compile traces a patched forward (or processor) of a module marked by
+    mark_stock_under_compile: the caller then runs the code it replaced (original(module), or the processor the
+    record kept as "prev"). False in eager calls, at the cost of one is_compiling() call."""
+    if not torch.compiler.is_compiling():
+        return False
+    state = bundle_state(module)
+    return state is not None and state.get(STOCK_UNDER_COMPILE, False)
+
+
+def stock_processor(attn, proc):
+    """Under torch.compile in a marked model (stock_under_compile(attn)): the processor that proc, the processor in
+    place on attn, replaced (the record's "prev"), where its backend and parallel settings are proc's, to run
+    instead of proc; else None (proc runs: eager calls, unmarked models, settings changed since injection)."""
+    if not stock_under_compile(attn):
+        return None
+    prev = bundle_state(attn).get("prev")
+    if prev is None or any(getattr(prev, k, None) is not getattr(proc, k, None) for k in PROCESSOR_SETTINGS):
+        return None
+    return prev
+
+
 def diffusers_hooked(module: torch.nn.Module) -> bool:
     """Whether module carries a diffusers HookRegistry (_diffusers_hook) holding a hook. An empty registry wraps
     nothing: diffusers' pipelines create one on the transformer at their first call (cache_context), with no hook

@@ -30,6 +30,10 @@ tanh GELU one kernel), then the fusions across module boundaries, for the video 
   settings (carried over from the processor replaced, and back at removal); gated attention (LTX-2.3)
   as diffusers computes it.
 
+Under torch.compile the model is the stock model: every patched forward and processor runs diffusers' code
+while traced (ic.STOCK_UNDER_COMPILE: Inductor's own fusions were faster than the kernels here); eager calls and
+graph mode run the kernels.
+
 Everything falls back to diffusers' code where the kernels would not compute what it computes: autograd
 (the kernels have no backward; a trainable weight inside a block counts), a hook on a module the fused
 path would not call (a block norm, a q/k norm: that site runs the module; a hooked block is not carried
@@ -250,7 +254,7 @@ def _block_forward(
     h, a = hidden_states, audio_hidden_states
     carried = ic.take_carry(self, _CARRY, "video", h, temb)  # (cleared either way)
     carried_audio = ic.take_carry(self, _CARRY, "audio", a, temb_audio)
-    if h.dim() != 3 or a.dim() != 3 or ic.needs_autograd(self, *inputs):
+    if h.dim() != 3 or a.dim() != 3 or ic.stock_under_compile(self) or ic.needs_autograd(self, *inputs):
         return gi.original(self)(
             *inputs, use_a2v_cross_attention, use_v2a_cross_attention, perturbation_mask, all_perturbed
         )
@@ -470,6 +474,9 @@ class LTX2FusedAttnProcessor:
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
         key_rotary_emb=None,
     ):  # fmt: skip
+        stock = ic.stock_processor(attn, self)  # (under torch.compile in a marked model: ic.STOCK_UNDER_COMPILE)
+        if stock is not None:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb)
         return _attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
                           key_rotary_emb, None, False)  # fmt: skip
 
@@ -482,6 +489,10 @@ class LTX2FusedPerturbedAttnProcessor(LTX2FusedAttnProcessor):
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
         key_rotary_emb=None, perturbation_mask=None, all_perturbed=None,
     ):  # fmt: skip
+        stock = ic.stock_processor(attn, self)
+        if stock is not None:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb,
+                         perturbation_mask, all_perturbed)  # fmt: skip
         if all_perturbed is None:
             all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
         return _attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
@@ -551,6 +562,7 @@ def inject(pipe_or_model, *, verbose: bool = True) -> dict:
                 if isinstance(attn, LTX2Attention) and not _install_processor(attn) and STATE not in attn.__dict__:
                     skipped.append(f"{name} with processor {type(attn.processor).__name__}")
         _link_blocks(model)
+        gi.mark_stock_under_compile([model])  # Inductor's own fusions are faster here (ic.STOCK_UNDER_COMPILE)
     counts = injected_counts(pipe_or_model)
     none_found = "" if find_models(pipe_or_model) else "no LTX-2 transformer found"
     msg = ic.counts_message("injected LTX-2 kernels", counts, none_found=none_found, skipped=skipped)

@@ -363,6 +363,24 @@ def compiled_with_kernels(model, kw, inject, remove):
     return ref, out, ops, targets
 
 
+def assert_compiles_stock(model, kw, inject, remove):
+    """For a family that marks its models (ic.mark_stock_under_compile): with the kernels injected, torch.compile
+    traces the stock model, the very graph (the same call targets, no op of the bundle) and the same output, bit
+    for bit, as without them; the kernels removed after, also on a failure."""
+    try:
+        ref, ref_ops, ref_seen = run_compiled_fullgraph(model, kw)
+    except Exception as exc:  # noqa: BLE001 (whatever stops the stock model's trace)
+        pytest.skip(f"the stock model does not trace fullgraph here: {type(exc).__name__}")
+    assert not ref_ops
+    inject(model, verbose=False)
+    try:
+        out, ops, seen = run_compiled_fullgraph(model, kw)
+    finally:
+        remove(model, verbose=False)
+    assert not ops and seen == ref_seen, sorted(seen ^ ref_seen)
+    assert torch.equal(out, ref)
+
+
 def compile_aot_eager(fn):
     """torch.compile(fn) with the aot_eager backend (cheap on the CPU) and fullgraph, after a dynamo reset."""
     torch._dynamo.reset()
