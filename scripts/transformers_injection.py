@@ -30,7 +30,8 @@ one set of probes. What is replaced, per kind:
   is the default) call the experts module's ``_apply_gate`` on that output; the injection puts the
   kernel there, per instance. The 'eager' loop computes ``act_fn(gate) * up`` inline and keeps PyTorch's.
 * ``rope``: the attention layers' ``apply_rotary_pos_emb(q, k, cos, sin)`` -> ``rope.rope_rotate_half``
-  for q and for k (with partial rotary, Phi-3 style, the first channels, the rest passed through).
+  for q and for k (with partial rotary, Phi-3 style, the first channels, the rest passed through; with
+  tables of one value per channel pair, GPT-OSS style, read as they are).
 * ``skinny_gemm`` (only with ``skinny_gemm=True``): every ``nn.Linear`` -> ``skinny_gemm.skinny_gemm``
   when the input has at most 32 rows (decoding) in fp16/bf16; larger inputs (the prefill) keep nn.Linear.
 
@@ -50,7 +51,8 @@ the gate first), its activation module apart on float64 inputs (SiLU, tanh GELU)
 float64 with distinct probe maps for its norms, attention and MLP, which tells where each norm sits
 around the two residual adds (pre-norm, sandwich, post-norm) and that every argument reaches self_attn
 unchanged. An experts module's ``_apply_gate`` like an MLP's activation. The model file's
-``apply_rotary_pos_emb`` on float64 tensors against the rotate-half formula (full and partial rotary).
+``apply_rotary_pos_emb`` on float64 tensors against the rotate-half formula (full, partial and half-width
+tables). A decoder layer whose MLP returns (output, router scores) and keeps the output (GPT-OSS) is one too.
 A site whose function differs is left untouched and the log line names it and why; a kind the model
 has sites of (by structure: a norm with a weight and an eps, a gated MLP, a decoder layer with a norm after
 a residual add, an experts module, an attention calling ``apply_rotary_pos_emb``) but none replaced makes
@@ -555,10 +557,24 @@ def _decoder_layer_probe(m):
     with each of pre_a, post_a, pre_m, post_m one of its norms or nothing (Llama: input_layernorm and
     post_attention_layernorm before the two blocks; Gemma: all four; OLMo 2: post_a and post_m), dropouts
     (Phi-3's) as identities (the patched forward runs only while they are), handing every argument it
-    takes on to self_attn unchanged, by name (checked with probe parts and sentinel arguments). Returns
+    takes on to self_attn unchanged, by name (checked with probe parts and sentinel arguments); an MLP that
+    returns a pair (output, router scores) of which the layer keeps the output (GPT-OSS's) too. Returns
     {'params': names of its positional parameters, hidden states first, 'hidden_key': the keyword
     self_attn gets its input by, 'defaults': what self_attn gets for the parameters a caller leaves out,
-    'pre_a', 'post_a', 'pre_m', 'post_m': norm names or None, 'dropouts': names}."""
+    'pre_a', 'post_a', 'pre_m', 'post_m': norm names or None, 'dropouts': names, 'mlp_pair': bool}."""
+    found = _decoder_layer_calls(m, mlp_pair=False)
+    if isinstance(found, str):
+        try:
+            pair = _decoder_layer_calls(m, mlp_pair=True)
+        except Exception:  # a layer that uses its MLP's output as one tensor: the first reason stands
+            return found
+        return found if isinstance(pair, str) else pair
+    return found
+
+
+def _decoder_layer_calls(m, mlp_pair: bool):
+    """_decoder_layer_probe with the probe MLP returning one tensor, or (mlp_pair) a pair whose second item no
+    code may use (an object that is no tensor)."""
     try:
         sig = inspect.signature(type(m).forward)
     except (TypeError, ValueError):
@@ -571,7 +587,8 @@ def _decoder_layer_probe(m):
         return f"{type(m).__name__}.forward takes positional-only, *args or keyword-only parameters"
     norms, dropouts = _layer_structure(m)
     maps = {n: _ProbeMap(_affine(1.5 + 0.25 * i, 0.5 - 0.375 * i)) for i, n in enumerate(norms)}
-    attn, mlp = _ProbeAttention(), _ProbeMap(torch.sin)
+    attn = _ProbeAttention()
+    mlp = _ProbeMap((lambda t: (torch.sin(t), object())) if mlp_pair else torch.sin)
     probe = _stand_in(m, self_attn=attn, mlp=mlp, **maps, **{n: torch.nn.Identity() for n in dropouts})
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
@@ -608,15 +625,18 @@ def _decoder_layer_probe(m):
         "pre_m": pre_m,
         "post_m": post_m,
         "dropouts": dropouts,
+        "mlp_pair": mlp_pair,
     }
 
 
 def _rope_probe(fn):
-    """(ok, partial, mixed) for fn(q, k, cos, sin): ok, it is transformers' rotate-half RoPE of q and k (float64,
-    q and k [B, H, S, D], cos and sin [B, S, D]); partial, it also rotates only the first cos.shape[-1] channels
-    and passes the rest when cos is narrower than the head, as Phi-3's does; mixed, with fp16 / bf16 q and k
-    and fp32 cos and sin it returns q's dtype with fp32 math rounded once, what the kernel computes (OLMo 2's
-    casts back; Llama's returns fp32 there). Cached per function."""
+    """(ok, partial, mixed, half) for fn(q, k, cos, sin): ok, it is transformers' rotate-half RoPE of q and k
+    (float64, q and k [B, H, S, D], cos and sin [B, S, D], or [B, S, D / 2] where half); partial, it also rotates
+    only the first cos.shape[-1] channels and passes the rest when cos is narrower than the head, as Phi-3's does;
+    mixed, with fp16 / bf16 q and k and fp32 cos and sin it returns q's dtype with fp32 math rounded once, what
+    the kernel computes (OLMo 2's casts back; Llama's returns fp32 there); half, its tables hold one value per
+    channel pair (c, c + D / 2), as GPT-OSS's do (x1 * cos - x2 * sin, x2 * cos + x1 * sin). Cached per
+    function."""
     key = ("rope", id(fn))
     hit = _PROBES.get(key)
     if hit is not None and hit[0] is fn:
@@ -628,8 +648,8 @@ def _rope_probe(fn):
         cos = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
         sin = torch.randn(1, 5, 8, generator=g, dtype=torch.float64)
 
-        def matches(q, k, c, s, same=_close):
-            rd = c.shape[-1]
+        def matches(q, k, c, s, same=_close, whole=False):
+            rd = q.shape[-1] if whole else c.shape[-1]  # whole: half-width tables (the reference widens them)
             try:
                 got = fn(q, k, c, s)
             except Exception:  # another signature or layout: not the function the kernel replaces
@@ -643,11 +663,13 @@ def _rope_probe(fn):
             return isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
 
         ok = matches(q, k, cos, sin)
+        half = not ok and matches(q, k, cos[..., :4], sin[..., :4], whole=True)
         partial = ok and matches(q, k, cos[..., :4], sin[..., :4])
-        c32, s32 = cos.float(), sin.float()
-        mixed = ok and all(matches(q.to(dt), k.to(dt), c32, s32, bits) for dt in _HALF)
-        _PROBES[key] = (fn, ok, partial, mixed)
-    return ok, partial, mixed
+        ok = ok or half
+        c32, s32 = (cos[..., :4] if half else cos).float(), (sin[..., :4] if half else sin).float()
+        mixed = ok and all(matches(q.to(dt), k.to(dt), c32, s32, bits, whole=half) for dt in _HALF)
+        _PROBES[key] = (fn, ok, partial, mixed, half)
+    return ok, partial, mixed, half
 
 
 def _recognised(result) -> bool:
@@ -1103,6 +1125,8 @@ def _decoder_layer_forward(self, *args, **kwargs):
         residual = hidden_states
         hidden_states = norm(hidden_states)
     hidden_states = self.mlp(hidden_states)
+    if st["mlp_pair"]:  # (output, router scores): the layer keeps the output (GPT-OSS)
+        hidden_states = hidden_states[0]
     if st["post_m"] is not None:
         hidden_states = getattr(self, st["post_m"])(hidden_states)
     return residual + hidden_states
@@ -1166,15 +1190,17 @@ def _rope_site_for(module, name: str) -> _RopeSite:
     return _RopeSite(module, g)
 
 
-def _rope_usable(q, k, cos, sin, partial: bool, mixed: bool) -> bool:
+def _rope_usable(q, k, cos, sin, partial: bool, mixed: bool, half: bool) -> bool:
     """The call has the form the probe checked and tensors the kernel takes: q, k [B, H, S, D], cos/sin
-    [B or 1, S, D] (or [B or 1, S, R], R even and < D, where the function rotates the first R channels), all
-    of one dtype (or fp32 cos/sin with fp16 / bf16 q, k where the function returns q's dtype: mixed)."""
+    [B or 1, S, D] (or [B or 1, S, R], R even and < D, where the function rotates the first R channels; or
+    [B or 1, S, D / 2] only, where its tables hold one value per channel pair: half), all of one dtype (or fp32
+    cos/sin with fp16 / bf16 q, k where the function returns q's dtype: mixed)."""
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.dim() != 3:
         return False
     b, s, d = q.shape[0], q.shape[2], q.shape[3]
     r = cos.shape[-1]
-    if k.shape[0] != b or k.shape[2:] != (s, d) or r % 2 or r < 2 or (r != d and not (partial and r < d)):
+    width_ok = 2 * r == d if half else r == d or (partial and r < d)
+    if k.shape[0] != b or k.shape[2:] != (s, d) or r % 2 or r < 2 or not width_ok:
         return False
     for t in (cos, sin):
         if t.shape[0] not in (1, b) or t.shape[1:] != (s, r) or t.stride(-1) != 1:
@@ -1189,11 +1215,12 @@ def _rope_usable(q, k, cos, sin, partial: bool, mixed: bool) -> bool:
     return _usable(q, k, cos, sin)
 
 
-def _rope_pair(q, k, cos, sin):
-    """(rope(q), rope(k)) with the rotate-half kernel; with a narrower table, the first cos.shape[-1]
-    channels rotated and the rest passed through (the concatenation the partial-rotary function makes)."""
+def _rope_pair(q, k, cos, sin, half: bool):
+    """(rope(q), rope(k)) with the rotate-half kernel (half: tables of one value per channel pair, which it reads
+    as they are); with a narrower table, the first cos.shape[-1] channels rotated and the rest passed through
+    (the concatenation the partial-rotary function makes)."""
     r = cos.shape[-1]
-    if r == q.shape[-1]:
+    if half or r == q.shape[-1]:
         return rope_kernels.rope_rotate_half(q, cos, sin), rope_kernels.rope_rotate_half(k, cos, sin)
     return tuple(torch.cat([rope_kernels.rope_rotate_half(t[..., :r], cos, sin), t[..., r:]], dim=-1) for t in (q, k))
 
@@ -1202,11 +1229,16 @@ def _make_rope_dispatcher(original):
     """The stand-in for a model file's apply_rotary_pos_emb: the kernel for the call form its probe checked,
     (q, k, cos, sin) inside a patched attention layer, with tensors the kernel takes; else the function
     it stands in for (a hub-kernel wrapper of transformers' function keeps its routing)."""
-    _, partial, mixed = _rope_probe(original)
+    _, partial, mixed, half = _rope_probe(original)
 
     def apply_rotary_pos_emb(*args, **kwargs):
-        if getattr(_ROPE_ACTIVE, "depth", 0) and len(args) == 4 and not kwargs and _rope_usable(*args, partial, mixed):
-            return _rope_pair(*args)
+        if (
+            getattr(_ROPE_ACTIVE, "depth", 0)
+            and len(args) == 4
+            and not kwargs
+            and _rope_usable(*args, partial, mixed, half)
+        ):
+            return _rope_pair(*args, half)
         return original(*args, **kwargs)
 
     apply_rotary_pos_emb._rtk_original = original
@@ -1218,12 +1250,13 @@ def _rope_slot_forward(self, *args, **kwargs):
     """The forward of a layer's private copy of apply_rotary_pos_emb (see _rope_slot): the kernel for the call
     form the probe checked, (q, k, cos, sin) with tensors the kernel takes; else transformers' function.
     Under torch.compile transformers calls it on the model file's instance, not on the layer's copy."""
-    if len(args) == 4 and not kwargs and _rope_usable(*args, *_SLOT_FORMS.get(type(self), (False, False))):
-        return _rope_pair(*args)
+    forms = _SLOT_FORMS.get(type(self), (False, False, False))
+    if len(args) == 4 and not kwargs and _rope_usable(*args, *forms):
+        return _rope_pair(*args, forms[2])
     return _SLOT_FUNCTIONS[type(self)](*args, **kwargs)
 
 
-_SLOT_FORMS: dict = {}  # class of a copy of apply_rotary_pos_emb -> (partial, mixed) of its function (_rope_probe)
+_SLOT_FORMS: dict = {}  # class of a copy of apply_rotary_pos_emb -> (partial, mixed, half) of its function (_rope_probe)
 
 
 def _rope_acquire(module, g: dict) -> None:
@@ -1489,25 +1522,42 @@ def _experts_notes(model) -> str:
     )
 
 
+def _rotary_globals(m) -> set:
+    """The global names m's class forward loads that look like a rotary function (apply_rotary_emb, ...)."""
+    code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
+    names = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"} if code else set()
+    return {n for n in names if "rotary" in n.lower() and "emb" in n.lower()}
+
+
 def _rope_branch_note(model) -> str:
     """A note naming the attention classes with a replaced RoPE site whose forward can also call another rotary
     function (DeepSeek-V3's apply_rotary_pos_emb_interleave, picked by its config): the count says the site was
-    patched, not that the kernel runs (count_kernel_calls() says that)."""
-    found = {}
+    patched, not that the kernel runs (count_kernel_calls() says that); and the classes whose forward applies RoPE
+    through another function only (DeepSeek-V2's complex apply_rotary_emb): no site, their RoPE runs PyTorch."""
+    branches, others = {}, {}
     for m in _modules(model):
         st = m.__dict__.get(_STATE)
-        if st is None or st["kind"] != "rope":
+        if st is not None and st["kind"] not in ("rope",):
             continue
-        code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
-        names = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"} if code else set()
-        other = sorted(n for n in names if n != _ROPE_NAME and "rotary" in n.lower() and "emb" in n.lower())
-        if other:
-            found[type(m).__name__] = other
-    return "; ".join(
+        names = _rotary_globals(m)
+        other = sorted(n for n in names if n != _ROPE_NAME)
+        if not other:
+            continue
+        if st is not None:
+            branches[type(m).__name__] = other
+        elif _ROPE_NAME not in names:
+            others[type(m).__name__] = other
+    notes = [
         f"{cls}.forward can call {', '.join(names)} instead of {_ROPE_NAME} (a branch its config picks): its RoPE "
         "runs the kernel only where the latter is called; ti.count_kernel_calls() shows what ran"
-        for cls, names in found.items()
-    )
+        for cls, names in branches.items()
+    ]
+    notes += [
+        f"{cls}.forward applies RoPE through {', '.join(names)}, not {_ROPE_NAME}: no site for the kernels, its "
+        "RoPE runs PyTorch's code"
+        for cls, names in others.items()
+    ]
+    return "; ".join(notes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -374,9 +374,38 @@ def test_deepseek_v3_rope_branch_is_named_in_the_log(caplog):
         assert torch.equal(model(ids).logits, ref)
 
 
+def test_deepseek_v2_rope_of_another_form_is_named_in_the_log(caplog):
+    """DeepSeek-V2's attention rotates through its own complex apply_rotary_emb, no apply_rotary_pos_emb: no RoPE
+    site, and the log says that RoPE runs PyTorch's code (it said nothing). Its MoE runs the decode path."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    import transformers_injection as ti
+
+    cfg = DeepseekV2Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=160, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64,
+    )  # fmt: skip
+    model, ids, ref = _stock_logits(DeepseekV2ForCausalLM, cfg)
+    with caplog.at_level("INFO", logger="transformers_injection"):
+        counts = ti.inject_optimized_kernels(model, verbose=False)
+    assert counts["rope"] == 0 and counts["moe_swiglu"] == 1
+    assert "DeepseekV2Attention.forward applies RoPE through apply_rotary_emb" in caplog.text
+    with torch.no_grad(), ti.count_kernel_calls() as calls:
+        model(ids[:, :1])
+    assert calls["moe_swiglu_experts"] == 1
+    with torch.no_grad():
+        assert _close_to(model(ids).logits, ref)
+    ti.remove_optimized_kernels(model, verbose=False)
+
+
 def test_experts_with_a_gate_of_their_own_are_named_and_left_alone():
     """GPT-OSS's experts compute a clamped, interleaved gate in _apply_gate, with no activation module: a MoE site
-    the kernels skip, named in the log's reasons (missing_kinds), the model's outputs unchanged."""
+    the kernels skip, named in the log's reasons (missing_kinds), the model's outputs unchanged. Its decoder
+    layers, whose MLP returns (output, router scores), get the residual add + norm kernel (they were refused as
+    "another function than a residual decoder layer"), and its RoPE, whose tables hold one value per channel pair
+    (cos [B, S, D / 2]), the rotate-half kernel (it was "another function than rotate-half RoPE")."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     import transformers_injection as ti
@@ -387,11 +416,18 @@ def test_experts_with_a_gate_of_their_own_are_named_and_left_alone():
         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
     )  # fmt: skip
     model, ids, ref = _stock_logits(GptOssForCausalLM, cfg)
-    assert ti.inject_optimized_kernels(model, verbose=False)["moe_swiglu"] == 0
-    assert "GptOssExperts: experts with no activation module" in ti.missing_kinds(model)["moe_swiglu"]
-    with torch.no_grad():
+    counts = ti.inject_optimized_kernels(model, verbose=False)
+    assert counts["moe_swiglu"] == 0 and counts["fused_add_rmsnorm"] == 2 and counts["rope"] == 2
+    missing = ti.missing_kinds(model)
+    assert "GptOssExperts: experts with no activation module" in missing["moe_swiglu"]
+    assert "fused_add_rmsnorm" not in missing and "rope" not in missing
+    assert ti._rope_probe(ti._rope_function_of(model.model.layers[0].self_attn))[3]  # half-width tables
+    with torch.no_grad(), ti.count_kernel_calls() as calls:
         assert _close_to(model(ids).logits, ref)
+    assert calls["fused_add_rms_norm"] == 2 and calls["rope_rotate_half"] == 4  # q and k of each layer
     ti.remove_optimized_kernels(model, verbose=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
 
 
 @pytest.mark.parametrize("context", ["autocast", "float64_default"])

@@ -263,9 +263,9 @@ def test_decoder_layer_forms(family, form):
 @pytest.mark.parametrize(
     "family, forms",
     [
-        ("llama", (True, False, False)),  # full rotary only; fp32 cos on bf16 q returns fp32
-        ("phi3", (True, True, False)),  # also partial rotary (the rest of the head passed through)
-        ("olmo2", (True, False, True)),  # casts back to q's dtype: fp32 cos/sin on bf16 q runs the kernel
+        ("llama", (True, False, False, False)),  # full rotary only; fp32 cos on bf16 q returns fp32
+        ("phi3", (True, True, False, False)),  # also partial rotary (the rest of the head passed through)
+        ("olmo2", (True, False, True, False)),  # casts back to q's dtype: fp32 cos/sin on bf16 q runs the kernel
     ],
 )
 def test_rope_forms_found_by_probe(family, forms):
