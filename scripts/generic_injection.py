@@ -583,16 +583,32 @@ _ROPE_NAME = "apply_rotary_emb"
 _DIFFUSERS_ROPE = _embeddings.apply_rotary_emb
 _ROPE_LOCK = threading.RLock()
 _ROPE_SITES: dict = {}  # model file's module name -> {"globals", "original", "dispatcher", "users": WeakSet}
-# Models marked stock under torch.compile (mark_stock_under_compile), and whether every model holding a dispatcher
-# is one of them: then the dispatcher, which cannot tell which model calls it, runs diffusers' function while
-# torch.compile traces. With an unmarked model holding one too it runs the kernels there (the same result).
-_STOCK_MODELS: "weakref.WeakSet" = weakref.WeakSet()
+# Whether every model holding a dispatcher is marked stock under torch.compile (mark_stock_under_compile: an
+# attribute of the model, which copies and pickles with it): then the dispatcher, which cannot tell which model
+# calls it, runs diffusers' function while torch.compile traces. With an unmarked model holding one too it runs
+# the kernels there (the same result). Recomputed when a model takes or drops a hold or is marked; a model that
+# goes away unremoved, or a copy whose hold was taken before its mark was copied, leaves it stale (False where it
+# could be True: the kernels traced) until the next eager call of the dispatcher recomputes it (_ROPE_DIRTY).
+_MODEL_MARK = "_rtk_stock_under_compile"
 _ROPE_STOCK_UNDER_COMPILE = [False]
+_ROPE_DIRTY = [False]
 
 
 def _rope_stock_update() -> None:
     users = [u for site in _ROPE_SITES.values() for u in site["users"]]
-    _ROPE_STOCK_UNDER_COMPILE[0] = bool(users) and all(u in _STOCK_MODELS for u in users)
+    _ROPE_STOCK_UNDER_COMPILE[0] = bool(users) and all(u.__dict__.get(_MODEL_MARK, False) for u in users)
+    _ROPE_DIRTY[0] = False
+
+
+def _rope_gone() -> None:
+    """A holder went away unremoved (weakref.finalize): recompute, unless another thread holds the lock (no
+    waiting inside garbage collection): then the next eager call of the dispatcher does."""
+    _ROPE_DIRTY[0] = True
+    if _ROPE_LOCK.acquire(blocking=False):
+        try:
+            _rope_stock_update()
+        finally:
+            _ROPE_LOCK.release()
 
 
 def mark_stock_under_compile(models) -> int:
@@ -603,7 +619,8 @@ def mark_stock_under_compile(models) -> int:
     models = list(models)
     n = ic.mark_stock_under_compile(models)
     with _ROPE_LOCK:
-        _STOCK_MODELS.update(models)
+        for model in models:
+            model.__dict__[_MODEL_MARK] = True
         _rope_stock_update()
     return n
 
@@ -636,6 +653,9 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     them); else diffusers' function. The dispatcher a model file gets while a model of it is injected."""
     if _ROPE_STOCK_UNDER_COMPILE[0] and torch.compiler.is_compiling():
         return _DIFFUSERS_ROPE(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+    if _ROPE_DIRTY[0] and not torch.compiler.is_compiling():
+        with _ROPE_LOCK:
+            _rope_stock_update()
     if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype in ic.KERNEL_DTYPES and x.shape[-1] % 2 == 0:
         seq_dim = 1 if not use_real else sequence_dim
         if seq_dim in (1, 2) and use_real_unbind_dim in (-1, -2) and (use_real or use_real_unbind_dim == -1):
@@ -686,10 +706,12 @@ class _RopeHold:
         self.model, self.name = model, name
 
     def __reduce__(self):
-        return _rope_hold_for, (self.model, self.name)
+        return _rope_hold_for, (self.model, self.name, bool(self.model.__dict__.get(_MODEL_MARK)))
 
 
-def _rope_hold_for(model, name: str) -> _RopeHold:
+def _rope_hold_for(model, name: str, marked: bool = False) -> _RopeHold:
+    if marked:  # (the copy's own mark may be copied after this hold)
+        model.__dict__[_MODEL_MARK] = True
     _rope_acquire(model, name)
     return _RopeHold(model, name)
 
@@ -701,6 +723,8 @@ def _rope_acquire(model, name: str) -> None:
         if site is None or g.get(_ROPE_NAME) is not apply_rotary_emb:
             site = _ROPE_SITES[name] = {"globals": g, "original": g[_ROPE_NAME], "users": weakref.WeakSet()}
             g[_ROPE_NAME] = apply_rotary_emb
+        if model not in site["users"]:
+            weakref.finalize(model, _rope_gone)
         site["users"].add(model)
         _rope_stock_update()
 
@@ -850,6 +874,8 @@ def inject_generic_kernels(pipe_or_model, *, verbose: bool = True, skip=None, sk
                 skipped.append(f"{type(m).__name__} with a forward of its own")
                 continue
             new[kind] += patch(m, fn, kind)
+        if root.__dict__.get(_MODEL_MARK):  # a family marked it: what is patched now compiles as stock too
+            ic.mark_stock_under_compile([root])
         names = _rope_files(root, skip_ids)
         held = {h.name for h in root.__dict__.get("_rtk_generic_rope", ())}
         for name in names:
@@ -885,7 +911,7 @@ def remove_family(
     for model in models:
         remove_generic_kernels(model, verbose=False)
         with _ROPE_LOCK:
-            _STOCK_MODELS.discard(model)
+            model.__dict__.pop(_MODEL_MARK, None)
             _rope_stock_update()
     ic.report(logger, ic.counts_message(f"removed {title} kernels", restored), verbose)
     return restored

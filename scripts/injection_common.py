@@ -229,13 +229,14 @@ def stock_under_compile(module: torch.nn.Module) -> bool:
 
 def stock_processor(attn, proc):
     """Under torch.compile in a marked model (stock_under_compile(attn)): the processor that proc, the processor in
-    place on attn, replaced (the record's "prev"), where its backend and parallel settings are proc's, to run
-    instead of proc; else None (proc runs: eager calls, unmarked models, settings changed since injection)."""
+    place on attn, replaced (the record's "prev"), to run instead of proc, given proc's backend and parallel settings
+    first (set_attention_backend or enable_parallelism after injection set them on proc only; removal gives prev
+    them too); else None (proc runs: eager calls, unmarked models)."""
     if not stock_under_compile(attn):
         return None
     prev = bundle_state(attn).get("prev")
-    if prev is None or any(getattr(prev, k, None) is not getattr(proc, k, None) for k in PROCESSOR_SETTINGS):
-        return None
+    if prev is not None and any(getattr(prev, k, None) is not getattr(proc, k, None) for k in PROCESSOR_SETTINGS):
+        carry_processor_settings(proc, prev)
     return prev
 
 

@@ -272,7 +272,8 @@ def _norm_structure(m) -> bool:
     computes is the probe's business (_rmsnorm_probe)."""
     w = m.__dict__.get("_parameters", {}).get("weight")
     return (
-        isinstance(w, torch.Tensor)
+        not isinstance(m, torch.nn.LayerNorm)  # (a LayerNorm without bias has the same parts)
+        and isinstance(w, torch.Tensor)
         and w.dim() == 1
         and _eps_name(m) is not None
         and not isinstance(getattr(m, "bias", None), torch.Tensor)
@@ -285,6 +286,12 @@ def _rmsnorm_probe(m):
     (offset 0: Llama, OLMo 2) or 1 + weight in fp32 (offset 1: Gemma), rounded to the input dtype before the
     weight multiply (Llama) or after it. 'mixed': with an fp32 weight on bf16 input it returns bf16 with
     the same numerics (Gemma, OLMo 2; Llama's returns fp32 then, as type promotion has it)."""
+    try:
+        extra = list(inspect.signature(type(m).forward).parameters)[2:]
+    except (TypeError, ValueError):
+        extra = []
+    if extra:  # e.g. Falcon-H1's gated norm, norm(x, gate): the kernel computes the call without them only
+        return f"{type(m).__name__}.forward takes more than the input ({', '.join(extra)}): not a plain RMSNorm"
     eps_name = _eps_name(m)
     eps = m.__dict__[eps_name]
     g = torch.Generator().manual_seed(0)
@@ -292,8 +299,11 @@ def _rmsnorm_probe(m):
     # inputs of the size of sqrt(eps), so that a forward using another eps (or none) differs too
     x = (torch.randn(6, 48, generator=g) * (3 * max(eps, 1e-12) ** 0.5)).to(torch.bfloat16)
 
+    # torch.nn.RMSNorm's normalized_shape (a tuple: not a plain setting the stand-in copies) at the probe's width
+    shape = {"normalized_shape": (48,)} if isinstance(getattr(m, "normalized_shape", None), tuple) else {}
+
     def run(w):
-        return type(m).forward(_stand_in(m, weight=torch.nn.Parameter(w, requires_grad=False)), x)
+        return type(m).forward(_stand_in(m, weight=torch.nn.Parameter(w, requires_grad=False), **shape), x)
 
     got = run(weight)
     for offset, cast in itertools.product((0.0, 1.0), (True, False)):
@@ -388,7 +398,11 @@ def _mlp_probe(m):
     'act': the activation's name. Else the reason."""
     lin, act_name = _mlp_structure(m)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    # rows of unit, x30 and x1000 scale: a clamp of the gate or up (swiglu limits of 7-50: DeepSeek-V4's MLP,
+    # BailingHybrid's) computes another function
+    x = torch.randn(3, 8, generator=g, dtype=torch.float64) * torch.tensor(
+        [[1.0], [30.0], [1000.0]], dtype=torch.float64
+    )
     act = _ProbeMap(_probe_nonlinearity)
     found = []
 
@@ -568,13 +582,15 @@ def _decoder_layer_probe(m):
             pair = _decoder_layer_calls(m, mlp_pair=True)
         except Exception:  # a layer that uses its MLP's output as one tensor: the first reason stands
             return found
-        return found if isinstance(pair, str) else pair
+        if isinstance(pair, str):  # the first reason, unless a pair-returning MLP got as far as its second item
+            return pair if "second output" in pair else found
+        return pair
     return found
 
 
 def _decoder_layer_calls(m, mlp_pair: bool):
-    """_decoder_layer_probe with the probe MLP returning one tensor, or (mlp_pair) a pair whose second item no
-    code may use (an object that is no tensor)."""
+    """_decoder_layer_probe with the probe MLP returning one tensor, or (mlp_pair) a pair whose second item the
+    layer must neither use (an object that is no tensor) nor keep (its reference count after the call)."""
     try:
         sig = inspect.signature(type(m).forward)
     except (TypeError, ValueError):
@@ -588,20 +604,26 @@ def _decoder_layer_calls(m, mlp_pair: bool):
     norms, dropouts = _layer_structure(m)
     maps = {n: _ProbeMap(_affine(1.5 + 0.25 * i, 0.5 - 0.375 * i)) for i, n in enumerate(norms)}
     attn = _ProbeAttention()
-    mlp = _ProbeMap((lambda t: (torch.sin(t), object())) if mlp_pair else torch.sin)
+    marker = object()  # the second output of a pair-returning MLP (GPT-OSS's router scores)
+    mlp = _ProbeMap((lambda t: (torch.sin(t), marker)) if mlp_pair else torch.sin)
     probe = _stand_in(m, self_attn=attn, mlp=mlp, **maps, **{n: torch.nn.Identity() for n in dropouts})
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
     sentinels = {name: object() for name in positional[1:]}
+    # parameters without a default (Qwen3-Next's, VaultGemma's position_embeddings): given in both runs
+    required = tuple(p.name for p in params[1:] if p.kind == p.POSITIONAL_OR_KEYWORD and p.default is p.empty)
     extra = {"rtk_probe_extra": object()} if var_kw else {}
     runs = []
-    for given in ({}, {**sentinels, **extra}):
+    kept = sys.getrefcount(marker)
+    for given in ({n: sentinels[n] for n in required}, {**sentinels, **extra}):
         attn.calls.clear()
         for p in (mlp, *maps.values()):
             p.inputs.clear()
         out = type(m).forward(probe, x, **given)
         if len(attn.calls) != 1 or len(mlp.inputs) != 1 or not isinstance(out, torch.Tensor):
             return f"{type(m).__name__}.forward does not call self_attn and mlp once each and return one tensor"
+        if sys.getrefcount(marker) != kept:
+            return f"{type(m).__name__}.forward keeps its MLP's second output (the kernel path would drop it)"
         args, kwargs = attn.calls[0]
         hidden = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         if args or len(hidden) != 1:
@@ -618,8 +640,9 @@ def _decoder_layer_calls(m, mlp_pair: bool):
     pre_a, post_a, pre_m, post_m = slots
     return {
         "params": tuple(positional),
+        "required": required,
         "hidden_key": hidden_key,
-        "defaults": defaults,
+        "defaults": {k: v for k, v in defaults.items() if k not in required},
         "pre_a": pre_a,
         "post_a": post_a,
         "pre_m": pre_m,
@@ -921,18 +944,19 @@ def _norm_args(norm, st: dict, x: torch.Tensor):
     return eff, getattr(norm, st["eps"]), st["cast_before_weight"]
 
 
-def _rmsnorm_forward(self, hidden_states):
+def _rmsnorm_forward(self, hidden_states, *more, **more_kw):
     """An RMSNorm as its probe found it (weight or 1 + weight, rounded before the weight multiply or after
-    it), in one kernel."""
+    it), in one kernel. Any other argument (the gate of Falcon-H1's gated norm: the probe saw the call without
+    it) goes to the original forward."""
     st = self.__dict__[_STATE]
-    if isinstance(hidden_states, torch.Tensor) and _usable(hidden_states, self.weight):
+    if not (more or more_kw) and isinstance(hidden_states, torch.Tensor) and _usable(hidden_states, self.weight):
         args = _norm_args(self, st, hidden_states)
         if args is not None:
             w, eps, cast = args
             out = _rowwise(rmsnorm.rms_norm, hidden_states, w, eps, cast_before_weight=cast)
             if out is not None:
                 return out
-    return _original_forward(self)(hidden_states)
+    return _original_forward(self)(hidden_states, *more, **more_kw)
 
 
 def _act_ok(module, st: dict) -> bool:
@@ -1106,6 +1130,8 @@ def _decoder_layer_forward(self, *args, **kwargs):
     kwargs.update(given)
     for name, value in zip(names[1:], args[1:]):
         kwargs[name] = value
+    if any(n not in kwargs for n in st["required"]):  # the original raises its TypeError
+        return _original_forward(self)(*args, **given)
 
     residual = hidden_states
     if st["pre_a"] is not None:
@@ -1125,8 +1151,8 @@ def _decoder_layer_forward(self, *args, **kwargs):
         residual = hidden_states
         hidden_states = norm(hidden_states)
     hidden_states = self.mlp(hidden_states)
-    if st["mlp_pair"]:  # (output, router scores): the layer keeps the output (GPT-OSS)
-        hidden_states = hidden_states[0]
+    if st["mlp_pair"]:  # (output, router scores): the layer keeps the output (GPT-OSS), unpacked as it does
+        hidden_states, _ = hidden_states
     if st["post_m"] is not None:
         hidden_states = getattr(self, st["post_m"])(hidden_states)
     return residual + hidden_states
@@ -1385,6 +1411,10 @@ def _why_not(m, kind: str) -> Optional[str]:
                 what = f"activation {type(getattr(m, act)).__name__}, not SiLU"
             elif kids:
                 what = f"modules {', '.join(kids)} besides or instead of one parameter-free activation"
+            elif callable(getattr(m, "act_fn", None)):  # LFM2-MoE's F.silu: the kernel path checks a module only
+                return (
+                    f"{type(m).__name__}: experts whose activation act_fn is a function, not a module: left to PyTorch"
+                )
             else:
                 what = "no activation module (a gate of its own)"
             return f"{type(m).__name__}: experts with {what}: not the act(gate) * up the kernels compute"

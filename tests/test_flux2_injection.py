@@ -38,6 +38,7 @@ from kernel_testing import (
     make_generator,
     rel_l2,
     rel_max,
+    run_compiled_fullgraph,
     run_model,
     without_and_with_kernels,
 )
@@ -395,9 +396,55 @@ def test_torch_compile_traces_the_stock_model():
     assert_compiles_stock(model, kw, f2.inject, f2.remove)
 
 
+def test_torch_compile_traces_the_stock_model_with_a_backend_set_after_injection():
+    """set_attention_backend after injection sets the backend on the fused processors only: traced, the stock
+    processors run with it (they ran the kernels: the fused processors were kept when the settings differed)."""
+    model, kw, seed = _case()
+
+    def inject(m, verbose):
+        f2.inject(m, verbose=verbose)
+        m.set_attention_backend("native")
+
+    assert_compiles_stock(model, kw, inject, f2.remove)
+
+
+@pytest.mark.parametrize("case", ["deepcopy", "pickled", "gone", "generic_again"])
+def test_torch_compile_traces_the_stock_model_after(case):
+    """The RoPE dispatcher runs diffusers' function under compile while only marked models hold it, also after a
+    copy of the marked model took a hold (deepcopy, pickle), after an unmarked holder went away without removal,
+    and after the generic layer alone was removed and injected again (its new records marked too)."""
+    import copy
+    import gc
+    import pickle
+
+    model, kw, seed = _case()
+    ref, _, _ = run_compiled_fullgraph(model, kw)
+    f2.inject(model, verbose=False)
+    keep = []
+    try:
+        if case == "deepcopy":
+            keep.append(copy.deepcopy(model))
+        elif case == "pickled":
+            keep.append(pickle.loads(pickle.dumps(model)))
+        elif case == "gone":
+            flux1 = mi.build_flux_transformer("tiny", dtype=torch.float32, device=DEVICE, seed=seed % 1000)
+            gi.inject_generic_kernels(flux1, verbose=False)
+            assert not gi._ROPE_STOCK_UNDER_COMPILE[0]
+            del flux1
+            gc.collect()
+        else:
+            gi.remove_generic_kernels(model, verbose=False)
+            gi.inject_generic_kernels(model, verbose=False)
+        out, ops, seen = run_compiled_fullgraph(model, kw)
+        assert not ops and torch.equal(out, ref), sorted(ops)
+    finally:
+        for m in (model, *keep):
+            f2.remove(m, verbose=False)
+
+
 def test_stock_under_compile_only_where_it_computes_the_same(monkeypatch):
-    """The mark applies while torch.compile traces, not in eager calls; a processor whose attention backend was
-    set after injection keeps the kernels there (the stock one it replaced would attend with another backend);
+    """The mark applies while torch.compile traces, not in eager calls; a backend set on the fused processor after
+    injection is given to the stock one it replaced before that runs (as removal gives it);
     the RoPE dispatcher runs diffusers' function only while every model holding it is marked (an unmarked FLUX.1
     model of another file injected beside it: the kernels), and removal drops the mark."""
     model, kw, seed = _case()
@@ -412,8 +459,8 @@ def test_stock_under_compile_only_where_it_computes_the_same(monkeypatch):
             m.setattr(torch.compiler, "is_compiling", lambda: True)
             assert ic.stock_under_compile(block)
             assert ic.stock_processor(attn, attn.processor) is ic.bundle_state(attn)["prev"]
-            attn.processor._attention_backend = "flash"  # set after injection: the stock one has the default
-            assert ic.stock_processor(attn, attn.processor) is None
+            attn.processor._attention_backend = "flash"  # set after injection: the stock one gets it too
+            assert ic.stock_processor(attn, attn.processor)._attention_backend == "flash"
         gi.inject_generic_kernels(flux1, verbose=False)
         assert not gi._ROPE_STOCK_UNDER_COMPILE[0]
         gi.remove_generic_kernels(flux1, verbose=False)
@@ -421,7 +468,7 @@ def test_stock_under_compile_only_where_it_computes_the_same(monkeypatch):
     finally:
         gi.remove_generic_kernels(flux1, verbose=False)
         f2.remove(model, verbose=False)
-    assert not gi._ROPE_STOCK_UNDER_COMPILE[0] and model not in gi._STOCK_MODELS
+    assert not gi._ROPE_STOCK_UNDER_COMPILE[0] and gi._MODEL_MARK not in model.__dict__
     gi.inject_generic_kernels(model, verbose=False)  # the generic layer alone marks nothing
     try:
         with monkeypatch.context() as m:
