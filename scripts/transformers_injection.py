@@ -46,8 +46,8 @@ How a site is recognised: each candidate class's forward is run once on small CP
 instance (probe parameters and submodules, the real module's plain settings) and compared with the
 kernels' math. An RMSNorm bit for bit in bf16 against each numerics variant (weight or 1 + weight, where
 it rounds, which dtype it returns for an fp32 weight). An MLP in float64 with probe linears and a probe
-nonlinearity in place of its activation, on rows at 1, 30 and 1000 scale (a clamp shows) (which projection is the gate, whether a fused projection puts
-the gate first), its activation module apart on float64 inputs (SiLU, tanh GELU). A decoder layer in
+nonlinearity in place of its activation, on rows at 1, 30 and 1000 scale so that a clamp shows (which
+projection is the gate, whether a fused projection puts the gate first), its activation module apart on float64 inputs (SiLU, tanh GELU). A decoder layer in
 float64 with distinct probe maps for its norms, attention and MLP, which tells where each norm sits
 around the two residual adds (pre-norm, sandwich, post-norm) and that every argument reaches self_attn
 unchanged. An experts module's ``_apply_gate`` like an MLP's activation. The model file's
