@@ -653,7 +653,7 @@ def apply_rotary_emb(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequen
     them); else diffusers' function. The dispatcher a model file gets while a model of it is injected."""
     if _ROPE_STOCK_UNDER_COMPILE[0] and torch.compiler.is_compiling():
         return _DIFFUSERS_ROPE(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-    if _ROPE_DIRTY[0] and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _ROPE_DIRTY[0]:  # (not read while tracing: no guard on it)
         with _ROPE_LOCK:
             _rope_stock_update()
     if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype in ic.KERNEL_DTYPES and x.shape[-1] % 2 == 0:

@@ -637,6 +637,10 @@ def _decoder_layer_calls(m, mlp_pair: bool):
     (hidden_key, defaults, slots), (key2, passed, slots2) = runs
     if key2 != hidden_key or slots2 != slots or passed != {**sentinels, **extra} or set(defaults) != set(sentinels):
         return f"{type(m).__name__}.forward does not hand each of its arguments on to self_attn unchanged"
+    given_values = [sentinels[n] for n in required]
+    if any(v is s for n, v in defaults.items() if n not in required for s in given_values):
+        # an optional argument that falls back to a required one: no default to record for it
+        return f"{type(m).__name__}.forward derives an optional argument from a required one"
     pre_a, post_a, pre_m, post_m = slots
     return {
         "params": tuple(positional),

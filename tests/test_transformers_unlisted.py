@@ -177,3 +177,44 @@ def test_experts_with_a_function_activation_are_named():
     why = ti.missing_kinds(model)["moe_swiglu"]
     assert "activation act_fn is a function, not a module" in why and "not the act(gate) * up" not in why
     ti.remove_optimized_kernels(model, verbose=False)
+
+
+def test_optional_argument_derived_from_a_required_one_is_refused():
+    """A layer whose optional argument falls back to a required one (position_embeddings_local = position_embeddings
+    when left out): no default can be recorded for it, so the layer is refused (the probe's sentinel was recorded
+    as its default and handed to the real self_attn when a caller left it out)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(16, 16)
+
+        def forward(self, hidden_states, position_embeddings, position_embeddings_local=None, **kw):
+            assert isinstance(position_embeddings_local, torch.Tensor), repr(position_embeddings_local)
+            return self.q(hidden_states) + position_embeddings_local, None
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.mlp = Attn(), torch.nn.Linear(16, 16)
+            self.input_layernorm, self.post_attention_layernorm = LlamaRMSNorm(16), LlamaRMSNorm(16)
+
+        def forward(self, hidden_states, position_embeddings, position_embeddings_local=None, **kwargs):
+            if position_embeddings_local is None:
+                position_embeddings_local = position_embeddings
+            h, _ = self.self_attn(
+                hidden_states=self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                position_embeddings_local=position_embeddings_local, **kwargs,
+            )  # fmt: skip
+            h = hidden_states + h
+            return h + self.mlp(self.post_attention_layernorm(h))
+
+    torch.manual_seed(0)
+    layer = Layer().eval().to(DEVICE)
+    x, pe = torch.randn(1, 3, 16, device=DEVICE), torch.randn(1, 3, 16, device=DEVICE)
+    with torch.no_grad():
+        ref = layer(x, pe)
+        assert ti.inject_optimized_kernels(torch.nn.ModuleList([layer]), verbose=False)["fused_add_rmsnorm"] == 0
+        assert _close_to(layer(x, pe), ref)  # (its norms run the RMSNorm kernel)
+    assert "derives an optional argument from a required one" in ti._why_not(layer, "fused_add_rmsnorm")
